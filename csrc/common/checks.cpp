@@ -1,0 +1,77 @@
+#include "common/checks.h"
+
+#include <ATen/ops/all.h>
+#include <ATen/ops/isfinite.h>
+#include <c10/core/ScalarType.h>
+
+#include <sstream>
+
+namespace headscope {
+
+std::string describe(const at::Tensor& t) {
+  if (!t.defined()) return "an undefined tensor";
+  std::ostringstream os;
+  os << c10::toString(t.scalar_type()) << " tensor of shape " << t.sym_sizes() << " on "
+     << t.device();
+  return os.str();
+}
+
+void check_defined(const char* op, const char* arg, const at::Tensor& t) {
+  HEADSCOPE_CHECK_ARG(t.defined(), op, arg, "must be a tensor, got None");
+}
+
+void check_dtype_in(const char* op, const char* arg, const at::Tensor& t,
+                    std::initializer_list<at::ScalarType> allowed) {
+  check_defined(op, arg, t);
+  for (auto s : allowed)
+    if (t.scalar_type() == s) return;
+  std::ostringstream want;
+  const char* sep = "";
+  for (auto s : allowed) {
+    want << sep << c10::toString(s);
+    sep = " or ";
+  }
+  HEADSCOPE_CHECK_ARG(false, op, arg, "must have dtype ", want.str(), ", got ", describe(t));
+}
+
+void check_dim(const char* op, const char* arg, const at::Tensor& t, int64_t dim) {
+  check_defined(op, arg, t);
+  HEADSCOPE_CHECK_ARG(t.dim() == dim, op, arg, "must have ", dim, " dimensions, got ",
+                      describe(t));
+}
+
+void check_min_dim(const char* op, const char* arg, const at::Tensor& t, int64_t min_dim) {
+  check_defined(op, arg, t);
+  HEADSCOPE_CHECK_ARG(t.dim() >= min_dim, op, arg, "must have at least ", min_dim,
+                      " dimensions, got ", describe(t));
+}
+
+void check_same_device(const char* op, const char* arg_a, const at::Tensor& a,
+                       const char* arg_b, const at::Tensor& b) {
+  HEADSCOPE_CHECK_ARG(a.device() == b.device(), op, arg_b, "must be on the same device as '",
+                      arg_a, "' (", a.device(), "), got ", describe(b));
+}
+
+void check_same_size(const char* op, const char* arg_a, const at::Tensor& a, int64_t dim_a,
+                     const char* arg_b, const at::Tensor& b, int64_t dim_b) {
+  const auto da = dim_a < 0 ? dim_a + a.dim() : dim_a;
+  const auto db = dim_b < 0 ? dim_b + b.dim() : dim_b;
+  HEADSCOPE_CHECK_ARG(a.sym_size(da) == b.sym_size(db), op, arg_b, "must have size ",
+                      a.sym_size(da), " in dimension ", db, " (size ", da, " of '", arg_a,
+                      "'), got ", describe(b));
+}
+
+void check_same_batch(const char* op, const char* arg_a, const at::Tensor& a, int64_t trailing_a,
+                      const char* arg_b, const at::Tensor& b, int64_t trailing_b) {
+  const auto batch_a = a.sym_sizes().slice(0, a.dim() - trailing_a);
+  const auto batch_b = b.sym_sizes().slice(0, b.dim() - trailing_b);
+  HEADSCOPE_CHECK_ARG(batch_a.equals(batch_b), op, arg_b, "must have the batch dimensions ",
+                      batch_a, " of '", arg_a, "', got ", describe(b));
+}
+
+void check_finite(const char* op, const char* arg, const at::Tensor& t) {
+  HEADSCOPE_CHECK_ARG(at::isfinite(t).all().item<bool>(), op, arg,
+                      "must hold only finite values (found NaN or Inf) in ", describe(t));
+}
+
+}  // namespace headscope

@@ -1,0 +1,41 @@
+// Argument validation shared by every op: messages name the op, the argument,
+// what was expected and what was given.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <initializer_list>
+#include <string>
+
+namespace headscope {
+
+// "float32 tensor of shape [2, 3] on cpu" (works on fake/meta tensors too).
+std::string describe(const at::Tensor& t);
+
+// TORCH_CHECK with the "<op>: argument '<arg>' " prefix every message starts with.
+#define HEADSCOPE_CHECK_ARG(cond, op, arg, ...) \
+  TORCH_CHECK((cond), op, ": argument '", arg, "' ", __VA_ARGS__)
+
+void check_defined(const char* op, const char* arg, const at::Tensor& t);
+void check_dtype_in(const char* op, const char* arg, const at::Tensor& t,
+                    std::initializer_list<at::ScalarType> allowed);
+void check_dim(const char* op, const char* arg, const at::Tensor& t, int64_t dim);
+void check_min_dim(const char* op, const char* arg, const at::Tensor& t, int64_t min_dim);
+void check_same_device(const char* op, const char* arg_a, const at::Tensor& a,
+                       const char* arg_b, const at::Tensor& b);
+// Compares sizes[dim_a] of a with sizes[dim_b] of b (negative dims count from the end).
+void check_same_size(const char* op, const char* arg_a, const at::Tensor& a, int64_t dim_a,
+                     const char* arg_b, const at::Tensor& b, int64_t dim_b);
+// The batch dims of a (all but its last trailing_a dims) and of b (all but its last
+// trailing_b) must be equal.
+void check_same_batch(const char* op, const char* arg_a, const at::Tensor& a, int64_t trailing_a,
+                      const char* arg_b, const at::Tensor& b, int64_t trailing_b);
+inline void check_same_batch(const char* op, const char* arg_a, const at::Tensor& a,
+                             const char* arg_b, const at::Tensor& b, int64_t trailing) {
+  check_same_batch(op, arg_a, a, trailing, arg_b, b, trailing);
+}
+// Every entry finite (costs a pass over the data; used where NaN would poison a solve).
+void check_finite(const char* op, const char* arg, const at::Tensor& t);
+
+}  // namespace headscope

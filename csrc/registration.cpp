@@ -1,0 +1,32 @@
+// Every headscope op schema, declared once. Kernels register per dispatch key next
+// to their code: csrc/<family>/{cpu,cuda,meta,autograd}/.
+#include <torch/library.h>
+
+TORCH_LIBRARY(headscope, m) {
+  const std::vector<at::Tag> pt2 = {at::Tag::pt2_compliant_tag};
+
+  // ---- mixer: joint KL projection and the thin doubly-stochastic mixer ----------
+  m.def("kl_project(Tensor log_u_ref, Tensor log_v_ref, float tol, int max_iter)"
+        " -> (Tensor U, Tensor V, Tensor z, Tensor iters, Tensor residual)", pt2);
+  m.def("kl_hvp(Tensor U, Tensor V, Tensor s) -> Tensor", pt2);
+  m.def("thin_mix(Tensor U, Tensor V, Tensor X) -> Tensor", pt2);
+
+  // ---- vas: value-attention similarity features ---------------------------------
+  m.def("vas_head_stats(Tensor attn, Tensor head_writes, Tensor lengths, Tensor? offsets=None)"
+        " -> Tensor", pt2);
+  m.def("vas_head_stats_qk(Tensor q, Tensor k, Tensor head_writes, Tensor lengths, float scale,"
+        " bool causal, Tensor? offsets=None) -> Tensor", pt2);
+  m.def("vas_aggregate(Tensor head_stats) -> Tensor", pt2);
+
+  // ---- attribution: vStream region pooling, linear head, correlations, regions ----
+  m.def("region_pool(Tensor attn, Tensor query_weights, Tensor region_ids, int num_regions,"
+        " str reduce=\"sum\") -> Tensor", pt2);
+  m.def("region_pool_qk(Tensor q, Tensor k, Tensor query_weights, Tensor region_ids,"
+        " int num_regions, float scale, bool causal, Tensor? key_padding_mask,"
+        " str reduce=\"sum\") -> Tensor", pt2);
+  m.def("linear_attribution(Tensor features, Tensor weight, Tensor mean, Tensor std,"
+        " float bias) -> Tensor", pt2);
+  m.def("spearman(Tensor pred, Tensor target, int dim=-1) -> Tensor", pt2);
+  m.def("pearson(Tensor pred, Tensor target, int dim=-1) -> Tensor", pt2);
+  m.def("ward_regions(Tensor features, int height, int width, int num_regions) -> Tensor", pt2);
+}

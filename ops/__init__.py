@@ -1,0 +1,17 @@
+"""headscope: attention introspection ops for PyTorch (``torch.ops.headscope.*``).
+
+Importing the package loads the compiled library; the Python functions here add
+argument conveniences on top of the ops, which are usable without them from
+TorchScript, torch.compile/torch.export and C++.
+"""
+from ._library import load as _load
+
+LIBRARY_PATH = _load()
+
+from .mixer import FactorMixer, kl_hvp, kl_project, thin_mix  # noqa: E402
+from .attribution import (AttributionHead, LDS, lds, linear_attribution, pearson,  # noqa: E402
+                          region_pool, region_pool_qk, spearman, stack_layers, ward_regions)
+
+__all__ = ["FactorMixer", "kl_hvp", "kl_project", "thin_mix", "LIBRARY_PATH",
+           "AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "region_pool",
+           "region_pool_qk", "spearman", "stack_layers", "ward_regions"]

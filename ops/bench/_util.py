@@ -1,0 +1,84 @@
+"""Timing and peak-memory helpers shared by every benchmark family."""
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+_libc = ctypes.CDLL("libc.so.6")
+# Fixed mmap threshold: large blocks go back to the OS on free, so the resident-set
+# high-water mark measures what one call needs rather than what malloc kept around.
+_libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+
+
+def _proc_status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} missing from /proc/self/status")
+
+
+def sync(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fn: Callable[[], object], device="cpu", *, warmup: int = 1, min_time: float = 0.3,
+           max_repeat: int = 50) -> float:
+    """Median seconds per call (at least 3 calls, until min_time has passed)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < min_time and len(times) < max_repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_bytes(fn: Callable[[], object], device="cpu") -> int:
+    """Extra memory one call needs at its peak, beyond what exists before it.
+
+    CUDA: the caching allocator's peak. CPU (torch and NumPy alike): the growth of the
+    process's resident-set high-water mark, reset through /proc/self/clear_refs.
+    """
+    fn()  # warm up lazy initialisation so it is not counted
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    _libc.malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _proc_status_bytes("VmRSS")
+    fn()
+    return max(0, _proc_status_bytes("VmHWM") - base)
+
+
+def mib(n: int) -> float:
+    return n / 2**20
+
+
+def print_table(title: str, rows: list[dict], columns: list[str]) -> None:
+    """Prints rows (dicts) as an aligned text table with the given columns."""
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+        return str(v)
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
+              for i, c in enumerate(columns)]
+    print(f"\n== {title}")
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))

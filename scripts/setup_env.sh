@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs whatever is missing for building and testing headscope: build tools from
+# Debian's packages, then the Python requirements (requirements.txt pins torch). An
+# already installed matching torch is reused, never downloaded again.
+# HEADSCOPE_SKIP_PIP=1 keeps the Python environment as it is (e.g. another torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+missing=()
+command -v cmake >/dev/null || missing+=(cmake)
+command -v g++ >/dev/null || missing+=(g++)
+command -v ninja >/dev/null || missing+=(ninja-build)
+command -v ccache >/dev/null || missing+=(ccache)
+[ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+if [ "${HEADSCOPE_SKIP_PIP:-0}" != 1 ]; then
+  # Only ask pip when something is missing: it then installs just that.
+  if ! "$PYTHON" scripts/check_requirements.py requirements.txt; then
+    "$PYTHON" -m pip install -q -r requirements.txt
+  fi
+fi
+"$PYTHON" -c "import torch; print(f'setup: torch {torch.__version__} (CUDA {torch.version.cuda}), '
+              f'GPU available: {torch.cuda.is_available()}')"

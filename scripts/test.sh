@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds, and runs every test: GoogleTest through ctest,
+# the TorchScript round trip through the C++ example, and pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+BUILD=${HEADSCOPE_BUILD_DIR:-build}
+bash scripts/setup_env.sh
+bash scripts/build.sh
+bash scripts/build_example.sh
+
+echo "== ctest"
+ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)"
+
+echo "== pytest"
+export HEADSCOPE_EXAMPLE_BIN=$PWD/$BUILD/example/headscope_run_torchscript
+"$PYTHON" -m pytest tests/python -q -rs "$@"
