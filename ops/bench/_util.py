@@ -82,3 +82,26 @@ def print_table(title: str, rows: list[dict], columns: list[str]) -> None:
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def load_seed(name: str):
+    """Imports a seed module (``../shared/seeds/<name>.py``) or returns None when absent.
+
+    Looked up in $HEADSCOPE_SEEDS, then beside the current directory and beside the
+    source tree (a clone has ``../shared`` only on the team's machines)."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    candidates = [Path(os.environ["HEADSCOPE_SEEDS"])] if "HEADSCOPE_SEEDS" in os.environ else []
+    candidates += [Path.cwd().parent / "shared" / "seeds",
+                   Path(__file__).resolve().parents[2].parent / "shared" / "seeds"]
+    for folder in candidates:
+        path = folder / f"{name}.py"
+        if path.is_file():
+            spec = importlib.util.spec_from_file_location(f"seed_{name}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    print(f"(seed {name}.py not found: its baseline is skipped)")
+    return None

@@ -1,5 +1,6 @@
 // CPU kernel of headscope::kl_project: the seed's Newton solver, one problem per
 // task of at::parallel_for, everything in double whatever the input dtype.
+#include "common/cpu_math.h"
 #include "mixer/kl_newton.h"
 #include "mixer/mixer_checks.h"
 
@@ -30,37 +31,44 @@ double max_abs_diff(const double* a, const double* b, int r) {  // NaN-propagati
   return m;
 }
 
-// One log-reference matrix L (n x r) and the statistics of P = softmax_rows(L + sign * z).
+// One log-reference matrix L (n x r) and the rows of P = softmax_rows(L + sign * z).
 //
 // softmax(L + sign z)_ij = exp(L_ij - rowmax_i - c_j) exp(c_j + sign z_j - M) / row sum, with
 // c_j the column max of the row-centred L. The first factor, E, does not depend on z: computed
 // once, it turns each Newton evaluation into n*r multiplications instead of n*r exponentials.
-// When either factor could underflow (extreme inputs or z), evaluation falls back to the
-// seed's direct form, exp(L_ij + sign z_j - max_j(...)).
+// When a factor could underflow (extreme inputs or z), evaluation falls back to the seed's
+// direct form, exp(L_ij + sign z_j - max_j(...)).
 class SoftmaxRows {
  public:
   SoftmaxRows(const double* L, int64_t n, int r, int sign, double* E)
-      : L_(L), n_(n), r_(r), sign_(sign), E_(E), c_(r, 0.0), row_(r), s_(r) {
-    std::vector<double> rowmax(n);
+      : L_(L), n_(n), r_(r), sign_(sign), E_(E), c_(r), s_(r) {
     std::fill(c_.begin(), c_.end(), -std::numeric_limits<double>::infinity());
+    // E first holds the row-centred L, then its exponential.
     for (int64_t i = 0; i < n; ++i) {
       const double* li = L + i * r;
-      rowmax[i] = *std::max_element(li, li + r);
-      for (int j = 0; j < r; ++j) c_[j] = std::max(c_[j], li[j] - rowmax[i]);
-    }
-    double lowest = 0;
-    for (int64_t i = 0; i < n; ++i)
+      double* ei = E + i * r;
+      const double rowmax = *std::max_element(li, li + r);
       for (int j = 0; j < r; ++j) {
-        const double e = L[i * r + j] - rowmax[i] - c_[j];
-        lowest = std::min(lowest, e);
-        E_[i * r + j] = std::exp(e);
+        ei[j] = li[j] - rowmax;
+        c_[j] = std::max(c_[j], ei[j]);
       }
-    fast_ok_ = n > 0 && lowest >= -kFastRange;  // false for NaN as well
+    }
+    // Exponentials in the same pass as the range check: when the range turns out too
+    // wide the fast form is not used, so out-of-range results are never read.
+    double lowest = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      double* ei = E + i * r;
+      for (int j = 0; j < r; ++j) {
+        const double x = ei[j] - c_[j];
+        lowest = std::min(lowest, x);
+        ei[j] = exp_nonpositive(std::max(x, -kFastRange));
+      }
+    }
+    fast_ok_ = n > 0 && lowest >= -kFastRange;  // NaN inputs reach the residual either way
   }
 
-  // Adds the column sums of P to colsum and, when gram != nullptr, the lower triangle of
-  // P^T P to gram (r x r, row-major).
-  void accumulate(const double* z, double* colsum, double* gram) {
+  // Writes the rows of P to rows (n x r) and adds its column sums to colsum.
+  void evaluate(const double* z, double* rows, double* colsum) {
     double hi = -std::numeric_limits<double>::infinity(), lo = -hi;
     for (int j = 0; j < r_; ++j) {
       s_[j] = c_[j] + sign_ * z[j];
@@ -69,70 +77,64 @@ class SoftmaxRows {
     }
     const bool fast = fast_ok_ && hi - lo <= kFastRange;
     if (fast)
-      for (int j = 0; j < r_; ++j) s_[j] = std::exp(s_[j] - hi);
-    double* u = row_.data();
+      for (int j = 0; j < r_; ++j) s_[j] = exp_nonpositive(s_[j] - hi);
     for (int64_t i = 0; i < n_; ++i) {
+      double* u = rows + i * r_;
       if (fast) {
         const double* ei = E_ + i * r_;
         for (int j = 0; j < r_; ++j) u[j] = ei[j] * s_[j];
       } else {
-        row_exp(i, z, u);
+        const double* li = L_ + i * r_;
+        double m = -std::numeric_limits<double>::infinity();
+        for (int j = 0; j < r_; ++j) m = std::max(m, li[j] + sign_ * z[j]);
+        for (int j = 0; j < r_; ++j) u[j] = std::exp(li[j] + sign_ * z[j] - m);
       }
-      normalise_and_add(u, colsum, gram);
-    }
-  }
-
-  // Writes P (direct form, as the seed computes it) to out and adds its column sums.
-  template <typename scalar_t>
-  void write(const double* z, scalar_t* out, double* colsum) {
-    double* u = row_.data();
-    for (int64_t i = 0; i < n_; ++i) {
-      row_exp(i, z, u);
-      normalise_and_add(u, colsum, nullptr);
-      for (int j = 0; j < r_; ++j) out[i * r_ + j] = static_cast<scalar_t>(u[j]);
+      double total = 0;
+      for (int j = 0; j < r_; ++j) total += u[j];
+      const double inv = 1.0 / total;
+      for (int j = 0; j < r_; ++j) {
+        u[j] *= inv;
+        colsum[j] += u[j];
+      }
     }
   }
 
  private:
-  void row_exp(int64_t i, const double* z, double* u) const {
-    const double* li = L_ + i * r_;
-    double m = -std::numeric_limits<double>::infinity();
-    for (int j = 0; j < r_; ++j) {
-      u[j] = li[j] + sign_ * z[j];
-      m = std::max(m, u[j]);
-    }
-    for (int j = 0; j < r_; ++j) u[j] = std::exp(u[j] - m);
-  }
-
-  void normalise_and_add(double* u, double* colsum, double* gram) const {
-    double total = 0;
-    for (int j = 0; j < r_; ++j) total += u[j];
-    const double inv = 1.0 / total;
-    for (int j = 0; j < r_; ++j) {
-      u[j] *= inv;
-      colsum[j] += u[j];
-    }
-    if (gram)
-      for (int j = 0; j < r_; ++j) {
-        double* gj = gram + j * r_;
-        for (int k = 0; k <= j; ++k) gj[k] += u[j] * u[k];
-      }
-  }
-
   const double* L_;
   int64_t n_;
   int r_;
   int sign_;
   double* E_;
-  std::vector<double> c_, row_, s_;
+  std::vector<double> c_, s_;
   bool fast_ok_ = false;
 };
 
-// Column sums and Gram matrices of U and V at one z.
+// G = P^T P for the rows of P (count x r), four rows at a time so that each
+// load and store of G carries four multiply-adds.
+void gram(const double* __restrict__ P, int64_t count, int r, double* __restrict__ G) {
+  std::fill(G, G + r * r, 0.0);
+  int64_t i = 0;
+  for (; i + 4 <= count; i += 4) {
+    const double *p0 = P + i * r, *p1 = p0 + r, *p2 = p1 + r, *p3 = p2 + r;
+    for (int j = 0; j < r; ++j) {
+      const double a0 = p0[j], a1 = p1[j], a2 = p2[j], a3 = p3[j];
+      double* gj = G + j * r;
+      for (int k = 0; k < r; ++k) gj[k] += a0 * p0[k] + a1 * p1[k] + a2 * p2[k] + a3 * p3[k];
+    }
+  }
+  for (; i < count; ++i) {
+    const double* p0 = P + i * r;
+    for (int j = 0; j < r; ++j)
+      for (int k = 0; k < r; ++k) G[j * r + k] += p0[j] * p0[k];
+  }
+}
+
+// Column sums of U and V at one z, with their rows ([U; V], 2n x r) in `rows`.
 struct State {
-  std::vector<double> cu, cv, gram;  // gram = U^T U + V^T V (lower triangle)
+  std::vector<double> cu, cv;
+  double* rows;
   double grad_sq = 0;
-  explicit State(int r) : cu(r), cv(r), gram(r * r) {}
+  State(int r, double* rows) : cu(r), cv(r), rows(rows) {}
 };
 
 struct Solution {
@@ -140,6 +142,7 @@ struct Solution {
   double residual;
 };
 
+// scratch: 6 n r doubles (E of both factors, then the rows of two states).
 template <typename scalar_t>
 Solution solve_one(const double* a, const double* b, int64_t n, int r, double tol,
                    int64_t max_iter, double* scratch, scalar_t* U, scalar_t* V, scalar_t* z_out) {
@@ -149,26 +152,24 @@ Solution solve_one(const double* a, const double* b, int64_t n, int r, double to
   auto evaluate = [&](const std::vector<double>& z, State& s) {
     std::fill(s.cu.begin(), s.cu.end(), 0.0);
     std::fill(s.cv.begin(), s.cv.end(), 0.0);
-    std::fill(s.gram.begin(), s.gram.end(), 0.0);
-    pu.accumulate(z.data(), s.cu.data(), s.gram.data());
-    pv.accumulate(z.data(), s.cv.data(), s.gram.data());
+    pu.evaluate(z.data(), s.rows, s.cu.data());
+    pv.evaluate(z.data(), s.rows + n * r, s.cv.data());
     s.grad_sq = 0;
     for (int j = 0; j < r; ++j) s.grad_sq += (s.cu[j] - s.cv[j]) * (s.cu[j] - s.cv[j]);
   };
 
   std::vector<double> z(r, 0.0), zn(r), grad(r), H(r * r), step(std::max(r - 1, 1)),
       work(r * r + r);
-  State state(r), trial(r);
+  State state(r, scratch + 2 * n * r), trial(r, scratch + 4 * n * r);
   evaluate(z, state);
   int64_t it = 0;
   for (; it < max_iter; ++it) {
     if (max_abs_diff(state.cu.data(), state.cv.data(), r) < tol) break;
+    // H = diag(cu + cv) - [U; V]^T [U; V]
+    gram(state.rows, 2 * n, r, H.data());
     for (int j = 0; j < r; ++j) {
       grad[j] = state.cu[j] - state.cv[j];
-      for (int k = 0; k <= j; ++k) {
-        const double h = (j == k ? state.cu[j] + state.cv[j] : 0.0) - state.gram[j * r + k];
-        H[j * r + k] = H[k * r + j] = h;
-      }
+      for (int k = 0; k < r; ++k) H[j * r + k] = (j == k ? state.cu[j] + state.cv[j] : 0.0) - H[j * r + k];
     }
     if (!solve_reduced_newton(H.data(), grad.data(), r, work.data(), step.data())) break;
     bool accepted = false;
@@ -188,11 +189,13 @@ Solution solve_one(const double* a, const double* b, int64_t n, int r, double to
   // The seed reports it + 1 (the number of states it examined), capped at max_iter.
   const int64_t iters = std::min(it + 1, max_iter);
 
-  std::vector<double> cu(r, 0.0), cv(r, 0.0);
-  pu.write(z.data(), U, cu.data());
-  pv.write(z.data(), V, cv.data());
+  // state.rows holds U and V at the final z.
+  for (int64_t e = 0; e < n * r; ++e) {
+    U[e] = static_cast<scalar_t>(state.rows[e]);
+    V[e] = static_cast<scalar_t>(state.rows[n * r + e]);
+  }
   for (int j = 0; j < r; ++j) z_out[j] = static_cast<scalar_t>(z[j]);
-  return {iters, max_abs_diff(cu.data(), cv.data(), r)};
+  return {iters, max_abs_diff(state.cu.data(), state.cv.data(), r)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_project_cpu(
@@ -216,7 +219,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_projec
   auto z = at::empty(batch_r, log_u_ref.options());
   auto iters = at::empty(batch, log_u_ref.options().dtype(at::kLong));
   auto residual = at::empty(batch, log_u_ref.options().dtype(at::kDouble));
-  auto scratch = at::empty({problems, 2, n, r}, a.options());
+  auto scratch = at::empty({problems, 6, n, r}, a.options());
 
   AT_DISPATCH_FLOATING_TYPES(log_u_ref.scalar_type(), "kl_project_cpu", [&] {
     const double* pa = a.const_data_ptr<double>();
@@ -231,7 +234,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_projec
       for (int64_t p = begin; p < end; ++p) {
         const int64_t off = p * n * r;
         const auto sol = solve_one(pa + off, pb + off, n, r, tol, max_iter,
-                                   pscratch + 2 * off, pU + off, pV + off, pz + p * r);
+                                   pscratch + 6 * off, pU + off, pV + off, pz + p * r);
         pit[p] = sol.iters;
         pres[p] = sol.residual;
       }
