@@ -18,5 +18,5 @@ grep "headscope:" "$BUILD.configure.log" || true
 cmake --build "$BUILD" --parallel "${MAX_JOBS:-$(nproc)}"
 cmake --install "$BUILD" --prefix "$BUILD/install" >/dev/null
 HEADSCOPE_BUILD_DIR=$BUILD "$PYTHON" -m pip install -q --no-build-isolation --no-deps . 2>&1 \
-  | grep -v "Running pip as the 'root' user" || true
+  | { grep -v "Running pip as the 'root' user" || true; }
 echo "build: done in $(($(date +%s) - start)) s"

@@ -83,6 +83,7 @@ def main(argv=None) -> int:
 
     head = headscope.AttributionHead(L, H, dtype=torch.float64)
     head.fit(torch.from_numpy(data["Ftr"]), torch.from_numpy(data["ytr"]))
+    torch.set_grad_enabled(False)  # inference below; fit_pearson enables grad itself
     pred_te = head(torch.from_numpy(data["Fte"]))
     pred_img = head(torch.from_numpy(data["img_F"]))           # (100, K)
     test = headscope.lds(pred_te, torch.from_numpy(data["yte"]))
@@ -130,7 +131,8 @@ def main(argv=None) -> int:
 
         hp = headscope.AttributionHead(L, H, dtype=torch.float64)
         t0 = time.perf_counter()
-        hp.fit_pearson(Loader(), epochs=args.pearson_epochs, lr=1e-2)
+        with torch.enable_grad():
+            hp.fit_pearson(Loader(), epochs=args.pearson_epochs, lr=1e-2)
         tp = time.perf_counter() - t0
         lp = headscope.lds(hp(torch.from_numpy(data["Fte"])), torch.from_numpy(data["yte"]))
         li = headscope.lds(hp(torch.from_numpy(data["img_F"])), torch.from_numpy(data["img_y"]))

@@ -1,6 +1,6 @@
 // Loads a TorchScript module saved from Python (whose forward calls headscope ops),
 // runs it on inputs saved with torch.save([...]) and writes the output with
-// torch::pickle_save, readable by torch.load.
+// torch::jit::pickle_save, readable by torch.load.
 //
 //   headscope_run_torchscript module.pt inputs.pt output.pt
 //
@@ -21,10 +21,10 @@ int main(int argc, char** argv) {
     torch::jit::Module module = torch::jit::load(argv[1]);
     std::ifstream in(argv[2], std::ios::binary);
     const std::vector<char> bytes{std::istreambuf_iterator<char>(in), {}};
-    const auto inputs = torch::pickle_load(bytes).toList();
+    const auto inputs = torch::jit::pickle_load(bytes).toList();
     std::vector<torch::jit::IValue> args(inputs.begin(), inputs.end());
     const at::Tensor out = module.forward(args).toTensor();
-    const auto pickled = torch::pickle_save(out);
+    const auto pickled = torch::jit::pickle_save(out);
     std::ofstream(argv[3], std::ios::binary).write(pickled.data(), pickled.size());
     std::cout << "output " << out.sizes() << " " << out.dtype() << " sum " << out.sum().item<double>()
               << "\n";

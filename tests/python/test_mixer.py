@@ -423,3 +423,23 @@ def test_factor_mixer_rejects_bad_shapes():
     mixer = headscope.FactorMixer(num_heads=2, head_dim=8, rank=3)
     with pytest.raises(ValueError, match="FactorMixer: q, k must be"):
         mixer(torch.randn(2, 12, 8), torch.randn(2, 12, 8), torch.randn(2, 12, 8))
+
+
+# ---------------------------------------------------------------- the reproduction script
+
+def test_reproduction_script_meets_the_seed_predictions():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "scripts" / "reproduce_kl_projection.py"
+    spec = importlib.util.spec_from_file_location("reproduce_kl_projection", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.reproduce()
+    for row in result["prediction_1_feasibility"]:
+        assert row["residual"] <= 1e-11 and row["col_match"] <= 1e-11 and row["row_res"] <= 1e-14
+        assert row["h_null"] <= 1e-10  # H 1 = 0: the gauge direction is the null space
+    assert all(row["hvp_relative_error"] < 1e-12 for row in result["prediction_2_hvp"])
+    for row in result["prediction_3_application"]:
+        assert row["apply_rel_error"] < 1e-12
+        assert row["storage_ratio"] == row["n"] ** 2 / (2 * row["n"] * row["r"] + row["r"])
+    assert result["mini_experiment"]["idea_ds_residual"] <= 1e-11
