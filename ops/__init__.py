@@ -9,9 +9,13 @@ from ._library import load as _load
 LIBRARY_PATH = _load()
 
 from .mixer import FactorMixer, kl_hvp, kl_project, thin_mix  # noqa: E402
+from .vas import (VAS_COLUMNS, VASAccumulator, vas_aggregate, vas_features,  # noqa: E402
+                  vas_head_stats, vas_head_stats_qk)
 from .attribution import (AttributionHead, LDS, lds, linear_attribution, pearson,  # noqa: E402
                           region_pool, region_pool_qk, spearman, stack_layers, ward_regions)
 
 __all__ = ["FactorMixer", "kl_hvp", "kl_project", "thin_mix", "LIBRARY_PATH",
            "AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "region_pool",
-           "region_pool_qk", "spearman", "stack_layers", "ward_regions"]
+           "region_pool_qk", "spearman", "stack_layers", "ward_regions",
+           "VAS_COLUMNS", "VASAccumulator", "vas_aggregate", "vas_features", "vas_head_stats",
+           "vas_head_stats_qk"]

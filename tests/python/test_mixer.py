@@ -378,14 +378,14 @@ def test_factor_mixer_learns_a_content_mixing_task():
             return torch.nn.functional.mse_loss(model(*eval_batch[:2]), eval_batch[2]).item()
 
     start = eval_loss()
-    for _ in range(300):
+    for _ in range(100):
         c, v, target = toy_batch(g)
         loss = torch.nn.functional.mse_loss(model(c, v), target)
         opt.zero_grad()
         loss.backward()
         opt.step()
     end = eval_loss()
-    assert end < 0.25 * start, (start, end)
+    assert end < 0.05 * start, (start, end)  # measured: 0.65 -> 1e-4
 
 
 def test_factor_mixer_rows_and_columns_mix_to_one(device):
