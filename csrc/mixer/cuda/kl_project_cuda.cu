@@ -19,7 +19,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kTileRows = kThreads / 2;  // one thread per (row, factor) in a tile
-constexpr int kMaxRankCuda = 64;         // shared memory holds r x r systems
+constexpr int kMaxRankCuda = 48;         // shared memory (~175 KB at r = 48) holds tiles and r x r systems
 
 // Column sums and the Gram lower triangle (U^T U + V^T V) at one z, in shared memory.
 struct Stats {
@@ -216,6 +216,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_projec
 
   const size_t smem =
       sizeof(double) * (2 * kTileRows * r + 2 * (r * r + 2 * r) + 4 * r + 2 * r * r);
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  TORCH_CHECK(smem <= props->sharedMemPerBlockOptin, "headscope::kl_project: rank r = ", r,
+              " needs ", smem, " bytes of shared memory per block; this GPU offers ",
+              props->sharedMemPerBlockOptin, " (use the CPU kernel or a smaller r)");
   const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(log_u_ref.scalar_type(), "kl_project_cuda", [&] {
     auto kernel = kl_project_kernel<scalar_t>;
