@@ -59,7 +59,104 @@ def mixer_rows(device):
            f"{2 * n * r + r} factor entries per head instead of {n * n}", ms)
 
 
-SECTIONS = [("mixer", mixer_rows)]
+def dense_vas(A, V):
+    """The seed's d, c, r of one head, with dense float64 torch (T x T matrices)."""
+    A, V = A.double(), V.double()
+    Vn = V / V.norm(dim=-1, keepdim=True).clamp_min(1e-9)
+    S = (Vn @ Vn.T + 1) / 2
+
+    def center(K):
+        return K - K.mean(0, keepdim=True) - K.mean(1, keepdim=True) + K.mean()
+
+    Ac, Sc = center(A), center(S)
+    d = (Ac - Sc).norm() / (A.norm() * S.norm()).clamp_min(1e-9)
+    c = (Ac * Sc).sum() / ((Ac * Ac).sum() * (Sc * Sc).sum()).sqrt().clamp_min(1e-12)
+    p = (A / A.sum(-1).max().clamp_min(1e-12)).clamp_min(1e-12)
+    q = (S / S.sum(-1).max().clamp_min(1e-12)).clamp_min(1e-12)
+    r = (p * (p / q).log()).sum(-1).mean()
+    return torch.stack([d, c, r]).float()
+
+
+def vas_rows(device):
+    g = torch.Generator().manual_seed(1)
+    B, L, H, T, D = 2, 4, 8, 256, 64
+    lengths = torch.tensor([T, 200]).to(device)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    stats = []
+    for layer in range(L):
+        q, k, hw = (torch.randn(B, H, T, D, generator=g).to(device) for _ in range(3))
+        scores = (q @ k.mT) * D**-0.5
+        attn = torch.softmax(scores.masked_fill(~causal.to(device), float("-inf")), -1)
+        out, ms = timed(lambda: ops.vas_head_stats(attn, hw, lengths, None))
+        stats.append(out)
+        if layer == 0:
+            want = dense_vas(attn[1, 3, :200, :200].cpu(), hw[1, 3, :200].cpu())
+            err = (out[1, 3].cpu() - want).abs().max().item()
+            yield ("vas_head_stats", f"attn {list(attn.shape)}, head_writes {list(hw.shape)}",
+                   f"(d, c, r) per head {list(out.shape)}",
+                   f"vs dense torch (one head): max abs err {err:.1e}", ms)
+            out_qk, ms = timed(lambda: ops.vas_head_stats_qk(q, k, hw, lengths, D**-0.5, True,
+                                                             None))
+            err = (out_qk - out).abs().max().item()
+            yield ("vas_head_stats_qk", f"q, k {list(q.shape)} (attention never stored)",
+                   f"{list(out_qk.shape)}", f"vs vas_head_stats on softmax: {err:.1e}", ms)
+    head_stats = torch.stack(stats, 1)
+    feats, ms = timed(lambda: ops.vas_aggregate(head_stats))
+    want = head_stats[:, :, :, 0].mean(2).mean(1)  # column 0: d, head mean, layer mean
+    yield ("vas_aggregate", f"head stats {list(head_stats.shape)}", f"features {list(feats.shape)}",
+           f"vas_d_mean_mean vs torch: {(feats[:, 0] - want).abs().max().item():.1e}", ms)
+
+
+def attribution_rows(device):
+    g = torch.Generator().manual_seed(2)
+    B, H, Hkv, Tk, D, K, F = 1, 28, 4, 4096, 128, 64, 28 * 28
+    region_ids = torch.full((B, Tk), -1, dtype=torch.long)
+    region_ids[:, 100:1124] = torch.randint(0, K, (B, 1024), generator=g)
+    region_ids = region_ids.to(device)
+    q = torch.randn(B, H, 1, D, generator=g).to(device)
+    k = torch.randn(B, Hkv, Tk, D, generator=g).to(device)
+    w = torch.ones(B, 1, device=device)
+    pooled, ms = timed(lambda: ops.region_pool_qk(q, k, w, region_ids, K, D**-0.5, False, None,
+                                                  "sum"))
+    attn = torch.softmax((q @ k.repeat_interleave(H // Hkv, 1).mT) * D**-0.5, -1)
+    onehot = torch.nn.functional.one_hot(region_ids.clamp_min(0), K).float()
+    onehot = onehot * (region_ids >= 0).unsqueeze(-1)
+    want = torch.einsum("bhqt,btk->bkh", attn, onehot)
+    yield ("region_pool_qk", f"decode: q {list(q.shape)}, kv cache {list(k.shape)}",
+           f"region mass {list(pooled.shape)}",
+           f"vs softmax + one-hot pooling: {(pooled - want).abs().max().item():.1e}", ms)
+    pooled2, ms = timed(lambda: ops.region_pool(attn, w, region_ids, K, "sum"))
+    yield ("region_pool", f"attn {list(attn.shape)}", f"{list(pooled2.shape)}",
+           f"vs region_pool_qk: {(pooled2 - pooled).abs().max().item():.1e}", ms)
+
+    feats = torch.randn(K, F, generator=g).to(device)
+    weight, mean = torch.randn(F, generator=g).to(device), torch.randn(F, generator=g).to(device)
+    std = torch.rand(F, generator=g).to(device) + 0.5
+    scores, ms = timed(lambda: ops.linear_attribution(feats, weight, mean, std, 0.5))
+    want = ((feats - mean) / std) @ weight + 0.5
+    yield ("linear_attribution", f"features {list(feats.shape)} (L*H = {F})",
+           f"scores {list(scores.shape)}",
+           f"vs ((f - mean) / std) @ w + b: {(scores - want).abs().max().item():.1e}", ms)
+
+    target = scores + torch.randn(K, generator=g).to(device)
+    rho, ms = timed(lambda: ops.spearman(scores, target, -1))
+    ranks = lambda x: x.argsort().argsort().double()  # noqa: E731 (no ties here)
+    want = torch.corrcoef(torch.stack([ranks(scores), ranks(target)]))[0, 1]
+    yield ("spearman", f"pred, target {list(scores.shape)}", f"{rho.item():.4f}",
+           f"vs Pearson of ranks: {abs(rho.item() - want.item()):.1e}", ms)
+    r, ms = timed(lambda: ops.pearson(scores, target, -1))
+    want = torch.corrcoef(torch.stack([scores, target]))[0, 1]
+    yield ("pearson", f"pred, target {list(scores.shape)}", f"{r.item():.4f}",
+           f"vs torch.corrcoef: {abs(r.item() - want.item()):.1e}", ms)
+
+    patches = torch.randn(32 * 32, 64, generator=g)
+    labels, ms = timed(lambda: ops.ward_regions(patches, 32, 32, 32))
+    sizes = torch.bincount(labels)
+    yield ("ward_regions", "32 x 32 patches, 64 channels, K = 32", f"labels {list(labels.shape)}",
+           f"{len(sizes)} regions of {sizes.min().item()}-{sizes.max().item()} patches", ms)
+
+
+SECTIONS = [("mixer", mixer_rows), ("vas", vas_rows), ("attribution", attribution_rows)]
 
 
 def print_rows(rows):

@@ -2,7 +2,7 @@
 // task of at::parallel_for, everything in double whatever the input dtype.
 #include "common/cpu_math.h"
 #include "mixer/kl_newton.h"
-#include "mixer/mixer_checks.h"
+#include "mixer/kl_project_setup.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -200,47 +200,31 @@ Solution solve_one(const double* a, const double* b, int64_t n, int r, double to
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_project_cpu(
     const at::Tensor& log_u_ref, const at::Tensor& log_v_ref, double tol, int64_t max_iter) {
-  check_kl_project_args(log_u_ref, log_v_ref, tol, max_iter);
-  const auto sizes = log_u_ref.sizes();
-  const int64_t n = sizes[sizes.size() - 2];
-  const int64_t r64 = sizes.back();
-  TORCH_CHECK(r64 <= 4096, "headscope::kl_project: argument 'log_u_ref' has rank r = ", r64,
-              "; the dense r x r Newton system supports r <= 4096");
-  const int r = static_cast<int>(r64);
-  const auto batch = sizes.slice(0, sizes.size() - 2);
-  const int64_t problems = c10::multiply_integers(batch);
-
-  const auto a = log_u_ref.to(at::kDouble).contiguous();
-  const auto b = log_v_ref.to(at::kDouble).contiguous();
-  auto U = at::empty(sizes, log_u_ref.options());
-  auto V = at::empty(sizes, log_u_ref.options());
-  auto batch_r = batch.vec();
-  batch_r.push_back(r);
-  auto z = at::empty(batch_r, log_u_ref.options());
-  auto iters = at::empty(batch, log_u_ref.options().dtype(at::kLong));
-  auto residual = at::empty(batch, log_u_ref.options().dtype(at::kDouble));
-  auto scratch = at::empty({problems, 6, n, r}, a.options());
-
-  AT_DISPATCH_FLOATING_TYPES(log_u_ref.scalar_type(), "kl_project_cpu", [&] {
-    const double* pa = a.const_data_ptr<double>();
-    const double* pb = b.const_data_ptr<double>();
-    scalar_t* pU = U.mutable_data_ptr<scalar_t>();
-    scalar_t* pV = V.mutable_data_ptr<scalar_t>();
-    scalar_t* pz = z.mutable_data_ptr<scalar_t>();
-    int64_t* pit = iters.mutable_data_ptr<int64_t>();
-    double* pres = residual.mutable_data_ptr<double>();
+  auto p = prepare_projection(log_u_ref, log_v_ref, tol, max_iter, 4096,
+                              "the dense r x r Newton system");
+  const int64_t n = p.n;
+  const int r = p.r;
+  auto scratch = at::empty({p.problems, 6, n, r}, p.a.options());
+  AT_DISPATCH_FLOATING_TYPES(p.U.scalar_type(), "kl_project_cpu", [&] {
+    const double* pa = p.a.const_data_ptr<double>();
+    const double* pb = p.b.const_data_ptr<double>();
+    scalar_t* pU = p.U.mutable_data_ptr<scalar_t>();
+    scalar_t* pV = p.V.mutable_data_ptr<scalar_t>();
+    scalar_t* pz = p.z.mutable_data_ptr<scalar_t>();
+    int64_t* pit = p.iters.mutable_data_ptr<int64_t>();
+    double* pres = p.residual.mutable_data_ptr<double>();
     double* pscratch = scratch.mutable_data_ptr<double>();
-    at::parallel_for(0, problems, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t off = p * n * r;
-        const auto sol = solve_one(pa + off, pb + off, n, r, tol, max_iter,
-                                   pscratch + 6 * off, pU + off, pV + off, pz + p * r);
-        pit[p] = sol.iters;
-        pres[p] = sol.residual;
+    at::parallel_for(0, p.problems, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t off = i * n * r;
+        const auto sol = solve_one(pa + off, pb + off, n, r, tol, max_iter, pscratch + 6 * off,
+                                   pU + off, pV + off, pz + i * r);
+        pit[i] = sol.iters;
+        pres[i] = sol.residual;
       }
     });
   });
-  return {U, V, z, iters, residual};
+  return p.outputs();
 }
 
 }  // namespace

@@ -2,12 +2,11 @@
 // whole Newton loop (line search included) runs on the device, so a batch costs
 // one launch and no host-device synchronisation at all. Arithmetic in double.
 #include "mixer/kl_newton.h"
-#include "mixer/mixer_checks.h"
+#include "mixer/kl_project_setup.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -192,27 +191,12 @@ __global__ void __launch_bounds__(kThreads)
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_project_cuda(
     const at::Tensor& log_u_ref, const at::Tensor& log_v_ref, double tol, int64_t max_iter) {
-  check_kl_project_args(log_u_ref, log_v_ref, tol, max_iter);
-  const auto sizes = log_u_ref.sizes();
-  const int64_t n = sizes[sizes.size() - 2];
-  const int64_t r64 = sizes.back();
-  TORCH_CHECK(r64 <= kMaxRankCuda, "headscope::kl_project: argument 'log_u_ref' has rank r = ",
-              r64, "; the CUDA kernel supports r <= ", kMaxRankCuda, " (use the CPU kernel)");
-  const int r = static_cast<int>(r64);
-  const auto batch = sizes.slice(0, sizes.size() - 2);
-  const int64_t problems = c10::multiply_integers(batch);
   c10::cuda::CUDAGuard guard(log_u_ref.device());
-
-  const auto a = log_u_ref.to(at::kDouble).contiguous();
-  const auto b = log_v_ref.to(at::kDouble).contiguous();
-  auto U = at::empty(sizes, log_u_ref.options());
-  auto V = at::empty(sizes, log_u_ref.options());
-  auto batch_r = batch.vec();
-  batch_r.push_back(r);
-  auto z = at::empty(batch_r, log_u_ref.options());
-  auto iters = at::empty(batch, log_u_ref.options().dtype(at::kLong));
-  auto residual = at::empty(batch, log_u_ref.options().dtype(at::kDouble));
-  if (problems == 0) return {U, V, z, iters, residual};
+  auto p = prepare_projection(log_u_ref, log_v_ref, tol, max_iter, kMaxRankCuda,
+                              "use the CPU kernel");
+  const int64_t n = p.n;
+  const int r = p.r;
+  if (p.problems == 0) return p.outputs();
 
   const size_t smem =
       sizeof(double) * (2 * kTileRows * r + 2 * (r * r + 2 * r) + 4 * r + 2 * r * r);
@@ -221,18 +205,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_projec
               " needs ", smem, " bytes of shared memory per block; this GPU offers ",
               props->sharedMemPerBlockOptin, " (use the CPU kernel or a smaller r)");
   const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES(log_u_ref.scalar_type(), "kl_project_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES(p.U.scalar_type(), "kl_project_cuda", [&] {
     auto kernel = kl_project_kernel<scalar_t>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
-    kernel<<<static_cast<unsigned>(problems), kThreads, smem, stream>>>(
-        a.const_data_ptr<double>(), b.const_data_ptr<double>(), n, r, tol, max_iter,
-        U.mutable_data_ptr<scalar_t>(), V.mutable_data_ptr<scalar_t>(),
-        z.mutable_data_ptr<scalar_t>(), iters.mutable_data_ptr<int64_t>(),
-        residual.mutable_data_ptr<double>());
+    kernel<<<static_cast<unsigned>(p.problems), kThreads, smem, stream>>>(
+        p.a.const_data_ptr<double>(), p.b.const_data_ptr<double>(), n, r, tol, max_iter,
+        p.U.mutable_data_ptr<scalar_t>(), p.V.mutable_data_ptr<scalar_t>(),
+        p.z.mutable_data_ptr<scalar_t>(), p.iters.mutable_data_ptr<int64_t>(),
+        p.residual.mutable_data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {U, V, z, iters, residual};
+  return p.outputs();
 }
 
 }  // namespace
