@@ -9,9 +9,6 @@ from typing import Callable
 import torch
 
 _libc = ctypes.CDLL("libc.so.6")
-# Fixed mmap threshold: large blocks go back to the OS on free, so the resident-set
-# high-water mark measures what one call needs rather than what malloc kept around.
-_libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
 
 
 def _proc_status_bytes(key: str) -> int:
@@ -47,7 +44,9 @@ def peak_bytes(fn: Callable[[], object], device="cpu") -> int:
     """Extra memory one call needs at its peak, beyond what exists before it.
 
     CUDA: the caching allocator's peak. CPU (torch and NumPy alike): the growth of the
-    process's resident-set high-water mark, reset through /proc/self/clear_refs.
+    process's resident-set high-water mark, reset through /proc/self/clear_refs after
+    malloc_trim has returned freed memory to the system (so that reused free lists do
+    not hide what the call needs).
     """
     fn()  # warm up lazy initialisation so it is not counted
     if torch.device(device).type == "cuda":

@@ -1,0 +1,45 @@
+// C++ API of the attribution family (vStream): region pooling of attention, the
+// linear attribution head, rank/linear correlations and Ward regions on a patch grid.
+// Each call goes through the dispatcher, so CPU, CUDA and autograd kernels all apply.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+
+#include <optional>
+
+namespace headscope {
+
+// attn (B, H, Tq, Tk) attention probabilities of one layer, query_weights (B, Tq) >= 0
+// (0 outside the span), region_ids int64 (B, Tk) in [-1, num_regions) (-1: no region).
+// Returns (B, K, H): the query-weighted mean attention mass on each region's keys;
+// reduce "mean" divides by the region's size. float32 out for float32/16/bf16 in.
+at::Tensor region_pool(const at::Tensor& attn, const at::Tensor& query_weights,
+                       const at::Tensor& region_ids, int64_t num_regions,
+                       c10::string_view reduce = "sum");
+
+// The same from q (B, H, Tq, D) and k (B, Hkv, Tk, D) (Hkv divides H), streaming:
+// softmax(scale * q k^T) with causal (bottom-right aligned) and key_padding_mask
+// (B, Tk) bool, true = padding (ignored) masking, never storing (B, H, Tq, Tk).
+at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
+                          const at::Tensor& query_weights, const at::Tensor& region_ids,
+                          int64_t num_regions, double scale, bool causal,
+                          const std::optional<at::Tensor>& key_padding_mask,
+                          c10::string_view reduce = "sum");
+
+// features (..., F) -> (...): ((features - mean) / std) . weight + bias.
+at::Tensor linear_attribution(const at::Tensor& features, const at::Tensor& weight,
+                              const at::Tensor& mean, const at::Tensor& std, double bias);
+
+// Spearman (average ranks for ties) and Pearson correlation of pred and target along dim.
+// A constant slice gives NaN (as scipy), a NaN entry gives NaN.
+at::Tensor spearman(const at::Tensor& pred, const at::Tensor& target, int64_t dim = -1);
+at::Tensor pearson(const at::Tensor& pred, const at::Tensor& target, int64_t dim = -1);
+
+// features (M, C), M = height * width patches in row-major order -> int64 labels (M,):
+// Ward agglomerative clustering with 4-neighbour grid connectivity down to num_regions
+// clusters, labels numbered by first appearance.
+at::Tensor ward_regions(const at::Tensor& features, int64_t height, int64_t width,
+                        int64_t num_regions);
+
+}  // namespace headscope

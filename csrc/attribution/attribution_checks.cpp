@@ -1,0 +1,219 @@
+#include "attribution/attribution_checks.h"
+
+#include "common/checks.h"
+
+#include <ATen/ops/any.h>
+#include <ATen/ops/all.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/argmax.h>
+#include <ATen/ops/logical_or.h>
+#include <ATen/ops/lt.h>
+#include <ATen/ops/ge.h>
+#include <ATen/ops/le.h>
+#include <ATen/ops/logical_not.h>
+#include <ATen/ops/stack.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <vector>
+
+namespace headscope::attribution {
+
+namespace {
+const std::initializer_list<at::ScalarType> kFloat = {at::kFloat, at::kDouble, at::kHalf,
+                                                      at::kBFloat16};
+}
+
+at::ScalarType accum_dtype(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+bool parse_reduce(const char* op, c10::string_view reduce) {
+  HEADSCOPE_CHECK_ARG(reduce == "sum" || reduce == "mean", op, "reduce",
+                      "must be \"sum\" or \"mean\", got \"", std::string(reduce), "\"");
+  return reduce == "mean";
+}
+
+static void check_weights_and_regions(const char* op, const at::Tensor& ref, const char* ref_name,
+                                      const at::Tensor& query_weights,
+                                      const at::Tensor& region_ids, int64_t num_regions,
+                                      int64_t tq_dim, const at::Tensor& keys,
+                                      const char* keys_name, int64_t tk_dim) {
+  check_dim(op, "query_weights", query_weights, 2);
+  check_dtype_in(op, "query_weights", query_weights, kFloat);
+  check_same_device(op, ref_name, ref, "query_weights", query_weights);
+  check_same_size(op, ref_name, ref, 0, "query_weights", query_weights, 0);
+  check_same_size(op, ref_name, ref, tq_dim, "query_weights", query_weights, 1);
+  check_dim(op, "region_ids", region_ids, 2);
+  check_dtype_in(op, "region_ids", region_ids, {at::kLong});
+  check_same_device(op, ref_name, ref, "region_ids", region_ids);
+  check_same_size(op, ref_name, ref, 0, "region_ids", region_ids, 0);
+  check_same_size(op, keys_name, keys, tk_dim, "region_ids", region_ids, 1);
+  HEADSCOPE_CHECK_ARG(num_regions >= 1, op, "num_regions", "must be >= 1, got ", num_regions);
+}
+
+void check_region_pool_args(const at::Tensor& attn, const at::Tensor& query_weights,
+                            const at::Tensor& region_ids, int64_t num_regions,
+                            c10::string_view reduce) {
+  const char* op = "headscope::region_pool";
+  check_dim(op, "attn", attn, 4);
+  check_dtype_in(op, "attn", attn, kFloat);
+  check_weights_and_regions(op, attn, "attn", query_weights, region_ids, num_regions, 2, attn,
+                            "attn", 3);
+  parse_reduce(op, reduce);
+}
+
+void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& query_weights, const at::Tensor& region_ids,
+                               int64_t num_regions, double scale,
+                               const std::optional<at::Tensor>& key_padding_mask,
+                               c10::string_view reduce) {
+  const char* op = "headscope::region_pool_qk";
+  check_dim(op, "q", q, 4);
+  check_dtype_in(op, "q", q, kFloat);
+  check_dim(op, "k", k, 4);
+  HEADSCOPE_CHECK_ARG(k.scalar_type() == q.scalar_type(), op, "k",
+                      "must have the dtype of 'q' (", c10::toString(q.scalar_type()), "), got ",
+                      describe(k));
+  check_same_device(op, "q", q, "k", k);
+  check_same_size(op, "q", q, 0, "k", k, 0);
+  check_same_size(op, "q", q, 3, "k", k, 3);
+  const auto H = q.sym_size(1), Hkv = k.sym_size(1);
+  HEADSCOPE_CHECK_ARG(Hkv >= 1 && H % Hkv == 0, op, "k",
+                      "must have a number of heads (dimension 1) >= 1 that divides the ", H,
+                      " heads of 'q', got ", describe(k));
+  HEADSCOPE_CHECK_ARG(std::isfinite(scale), op, "scale", "must be finite, got ", scale);
+  check_weights_and_regions(op, q, "q", query_weights, region_ids, num_regions, 2, k, "k", 2);
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    const auto& m = *key_padding_mask;
+    check_dim(op, "key_padding_mask", m, 2);
+    check_dtype_in(op, "key_padding_mask", m, {at::kBool});
+    check_same_device(op, "q", q, "key_padding_mask", m);
+    check_same_size(op, "q", q, 0, "key_padding_mask", m, 0);
+    check_same_size(op, "k", k, 2, "key_padding_mask", m, 1);
+  }
+  parse_reduce(op, reduce);
+}
+
+void check_linear_attribution_args(const at::Tensor& features, const at::Tensor& weight,
+                                   const at::Tensor& mean, const at::Tensor& std) {
+  const char* op = "headscope::linear_attribution";
+  check_min_dim(op, "features", features, 1);
+  check_dtype_in(op, "features", features, kFloat);
+  const std::pair<const char*, const at::Tensor*> params[] = {
+      {"weight", &weight}, {"mean", &mean}, {"std", &std}};
+  for (const auto& [name, t] : params) {
+    check_dim(op, name, *t, 1);
+    check_dtype_in(op, name, *t, kFloat);
+    check_same_device(op, "features", features, name, *t);
+    check_same_size(op, "features", features, -1, name, *t, 0);
+  }
+}
+
+int64_t check_correlation_args(const char* op, const at::Tensor& pred, const at::Tensor& target,
+                               int64_t dim) {
+  check_min_dim(op, "pred", pred, 1);
+  check_dtype_in(op, "pred", pred, kFloat);
+  check_defined(op, "target", target);
+  HEADSCOPE_CHECK_ARG(target.scalar_type() == pred.scalar_type(), op, "target",
+                      "must have the dtype of 'pred' (", c10::toString(pred.scalar_type()),
+                      "), got ", describe(target));
+  check_same_device(op, "pred", pred, "target", target);
+  HEADSCOPE_CHECK_ARG(target.sym_sizes().equals(pred.sym_sizes()), op, "target",
+                      "must have the shape of 'pred' ", pred.sym_sizes(), ", got ",
+                      describe(target));
+  const int64_t nd = pred.dim();
+  HEADSCOPE_CHECK_ARG(dim >= -nd && dim < nd, op, "dim", "must be in [", -nd, ", ", nd,
+                      ") for 'pred' with ", nd, " dimensions, got ", dim);
+  const int64_t d = dim < 0 ? dim + nd : dim;
+  HEADSCOPE_CHECK_ARG(pred.sym_size(d) >= 2, op, "pred",
+                      "must have at least 2 elements along dim ", d, ", got ", describe(pred));
+  return d;
+}
+
+void check_ward_args(const at::Tensor& features, int64_t height, int64_t width,
+                     int64_t num_regions) {
+  const char* op = "headscope::ward_regions";
+  check_dim(op, "features", features, 2);
+  check_dtype_in(op, "features", features, kFloat);
+  HEADSCOPE_CHECK_ARG(height >= 1, op, "height", "must be >= 1, got ", height);
+  HEADSCOPE_CHECK_ARG(width >= 1, op, "width", "must be >= 1, got ", width);
+  HEADSCOPE_CHECK_ARG(features.sym_size(0) == height * width, op, "features",
+                      "must have height * width = ", height * width,
+                      " rows (one per patch), got ", describe(features));
+  HEADSCOPE_CHECK_ARG(features.sym_size(1) >= 1, op, "features",
+                      "must have at least one feature column, got ", describe(features));
+  HEADSCOPE_CHECK_ARG(num_regions >= 1 && num_regions <= height * width, op, "num_regions",
+                      "must be in [1, height * width = ", height * width, "], got ",
+                      num_regions);
+}
+
+[[noreturn]] void fail_region_id(const char* op, int64_t value, int64_t b, int64_t t,
+                                 int64_t num_regions) {
+  HEADSCOPE_CHECK_ARG(false, op, "region_ids", "must hold values in [-1, num_regions = ",
+                      num_regions, "), got ", value, " at [", b, ", ", t, "]");
+  std::abort();
+}
+
+[[noreturn]] void fail_query_weight(const char* op, double value, int64_t b, int64_t q) {
+  HEADSCOPE_CHECK_ARG(false, op, "query_weights",
+                      "must hold finite values >= 0, got ", value, " at [", b, ", ", q, "]");
+  std::abort();
+}
+
+[[noreturn]] void fail_empty_span(const char* op, int64_t b) {
+  HEADSCOPE_CHECK_ARG(false, op, "query_weights",
+                      "must have a positive sum in every batch row (an empty span has no "
+                      "attribution), got all zeros in row ", b);
+  std::abort();
+}
+
+void check_region_ids_values(const char* op, const at::Tensor& region_ids, int64_t num_regions) {
+  if (region_ids.numel() == 0) return;
+  const auto bad = at::logical_or(at::lt(region_ids, -1), at::ge(region_ids, num_regions));
+  if (at::any(bad).item<bool>()) {
+    const auto flat = at::argmax(bad.flatten().to(at::kInt)).item<int64_t>();
+    const int64_t Tk = region_ids.size(1);
+    const auto b = flat / Tk, t = flat % Tk;
+    fail_region_id(op, region_ids.select(0, b).select(0, t).item<int64_t>(), b, t, num_regions);
+  }
+}
+
+void check_pool_values(const char* op, const at::Tensor& region_ids, int64_t num_regions,
+                       const at::Tensor& query_weights) {
+  // One host synchronisation when everything is valid: the three flags travel together;
+  // the detailed checks (more syncs) run only to word an error.
+  std::vector<at::Tensor> flags;
+  if (region_ids.numel() > 0)
+    flags.push_back(at::any(at::logical_or(at::lt(region_ids, -1), at::ge(region_ids, num_regions))));
+  if (query_weights.size(0) > 0) {
+    if (query_weights.size(1) == 0) fail_empty_span(op, 0);
+    flags.push_back(at::any(at::logical_or(at::logical_not(at::isfinite(query_weights)),
+                                           at::lt(query_weights, 0))));
+    flags.push_back(at::any(at::le(at::sum(query_weights, {1}, false, at::kDouble), 0)));
+  }
+  if (flags.empty()) return;
+  if (!at::any(at::stack(flags)).item<bool>()) return;
+  check_region_ids_values(op, region_ids, num_regions);
+  check_query_weights_values(op, query_weights);
+}
+
+void check_query_weights_values(const char* op, const at::Tensor& query_weights) {
+  const int64_t B = query_weights.size(0);
+  if (B == 0) return;
+  const int64_t Tq = query_weights.size(1);
+  if (Tq == 0) fail_empty_span(op, 0);
+  const auto bad = at::logical_or(at::logical_not(at::isfinite(query_weights)),
+                                  at::lt(query_weights, 0));
+  if (at::any(bad).item<bool>()) {
+    const auto flat = at::argmax(bad.flatten().to(at::kInt)).item<int64_t>();
+    const auto b = flat / Tq, q = flat % Tq;
+    fail_query_weight(op, query_weights.select(0, b).select(0, q).item<double>(), b, q);
+  }
+  const auto empty = at::le(at::sum(query_weights, {1}, false, at::kDouble), 0);
+  if (at::any(empty).item<bool>())
+    fail_empty_span(op, at::argmax(empty.to(at::kInt)).item<int64_t>());
+}
+
+}  // namespace headscope::attribution

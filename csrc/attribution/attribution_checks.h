@@ -1,0 +1,54 @@
+// Argument checks of the attribution ops, shared by the CPU, CUDA and Meta kernels.
+// Shape and dtype checks use symbolic sizes (so they run on fake tensors); the value
+// checks (region ids in range, weights of a span) read the data and are for real kernels.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+
+#include <optional>
+
+namespace headscope::attribution {
+
+// float32 results for float32/float16/bfloat16 inputs, float64 for float64.
+at::ScalarType accum_dtype(at::ScalarType t);
+
+// Returns true for reduce == "mean", false for "sum"; errors otherwise.
+bool parse_reduce(const char* op, c10::string_view reduce);
+
+void check_region_pool_args(const at::Tensor& attn, const at::Tensor& query_weights,
+                            const at::Tensor& region_ids, int64_t num_regions,
+                            c10::string_view reduce);
+
+void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& query_weights, const at::Tensor& region_ids,
+                               int64_t num_regions, double scale,
+                               const std::optional<at::Tensor>& key_padding_mask,
+                               c10::string_view reduce);
+
+void check_linear_attribution_args(const at::Tensor& features, const at::Tensor& weight,
+                                   const at::Tensor& mean, const at::Tensor& std);
+
+// Returns dim wrapped into [0, pred.dim()).
+int64_t check_correlation_args(const char* op, const at::Tensor& pred, const at::Tensor& target,
+                               int64_t dim);
+
+void check_ward_args(const at::Tensor& features, int64_t height, int64_t width,
+                     int64_t num_regions);
+
+// Value checks through ATen ops (any device; one host sync each). The CPU kernels do the
+// same checks inline while they read the data.
+void check_region_ids_values(const char* op, const at::Tensor& region_ids, int64_t num_regions);
+void check_query_weights_values(const char* op, const at::Tensor& query_weights);
+
+// Both checks above with a single host synchronisation when the values are valid.
+void check_pool_values(const char* op, const at::Tensor& region_ids, int64_t num_regions,
+                       const at::Tensor& query_weights);
+
+// Shared messages so every backend words the value errors the same way.
+[[noreturn]] void fail_region_id(const char* op, int64_t value, int64_t b, int64_t t,
+                                 int64_t num_regions);
+[[noreturn]] void fail_query_weight(const char* op, double value, int64_t b, int64_t q);
+[[noreturn]] void fail_empty_span(const char* op, int64_t b);
+
+}  // namespace headscope::attribution

@@ -1,0 +1,343 @@
+// CPU kernels of region_pool (from attention probabilities) and region_pool_qk (from q
+// and k, streaming: flash-attention style tiles of keys with an online softmax).
+#include "attribution/attribution_checks.h"
+#include "attribution/cpu/pool_common.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace headscope::attribution::cpu {
+namespace {
+
+// out[b, k, h] = acc / (count[b, k] if mean) for one (b, h) column.
+template <typename acc_t, typename out_t>
+void write_column(out_t* out, const acc_t* acc, int64_t b, int64_t h, int64_t H, int64_t K,
+                  const RegionLists& regions, bool mean) {
+  for (int64_t k = 0; k < K; ++k) {
+    acc_t v = acc[k];
+    if (mean) {
+      const int64_t c = regions.count[b * K + k];
+      v = c > 0 ? v / static_cast<acc_t>(c) : acc_t(0);
+    }
+    out[(b * K + k) * H + h] = static_cast<out_t>(v);
+  }
+}
+
+at::Tensor region_pool_cpu(const at::Tensor& attn, const at::Tensor& query_weights,
+                           const at::Tensor& region_ids, int64_t num_regions,
+                           c10::string_view reduce) {
+  const char* op = "headscope::region_pool";
+  check_region_pool_args(attn, query_weights, region_ids, num_regions, reduce);
+  const bool mean = parse_reduce(op, reduce);
+  const int64_t B = attn.size(0), H = attn.size(1), K = num_regions;
+  const RegionLists regions = build_region_lists(op, region_ids, K);
+  const SpanWeights span = build_span_weights(op, query_weights);
+  auto out = at::empty({B, K, H}, attn.options().dtype(accum_dtype(attn.scalar_type())));
+  if (out.numel() == 0) return out;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(),
+                                  "headscope_region_pool_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* a = attn.const_data_ptr<scalar_t>();
+    const int64_t s0 = attn.stride(0), s1 = attn.stride(1), s2 = attn.stride(2),
+                  s3 = attn.stride(3);
+    acc_t* o = out.mutable_data_ptr<acc_t>();
+    // Work of one (b, h): the image tokens times the span's queries; threads only pay off
+    // for a few tens of thousands of multiply-adds each.
+    int64_t work = 1;
+    for (int64_t b = 0; b < B; ++b)
+      work = std::max<int64_t>(work, static_cast<int64_t>(regions.pos[b].size()) *
+                                         static_cast<int64_t>(span.active[b].size()));
+    const int64_t grain = std::max<int64_t>(1, 32768 / work);
+    at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> acc(K);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / H, h = bh % H;
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        const auto& pos = regions.pos[b];
+        const auto& reg = regions.reg[b];
+        const int64_t n = static_cast<int64_t>(pos.size());
+        for (size_t qi = 0; qi < span.active[b].size(); ++qi) {
+          const acc_t w = static_cast<acc_t>(span.weight[b][qi]);
+          const scalar_t* row = a + b * s0 + h * s1 + span.active[b][qi] * s2;
+          if (s3 == 1) {
+            for (int64_t i = 0; i < n; ++i) acc[reg[i]] += w * static_cast<acc_t>(row[pos[i]]);
+          } else {
+            for (int64_t i = 0; i < n; ++i)
+              acc[reg[i]] += w * static_cast<acc_t>(row[pos[i] * s3]);
+          }
+        }
+        write_column(o, acc.data(), b, h, H, K, regions, mean);
+      }
+    });
+  });
+  return out;
+}
+
+// S (R x n, row-major, leading dim ldc) = Q (R x D, ld D) . Ktile (n x D, ld ldk)^T.
+// Register-blocked: four keys at a time (kept in L1) against every row, eight partial
+// sums per dot product, written as plain loops that GCC/Clang vectorise (AVX2/AVX-512
+// with -march=native). No BLAS call: a BLAS would start its own threads inside
+// at::parallel_for (oversubscription), and this is memory-bound on K anyway.
+// 32-byte vectors (GCC/Clang vector extensions; AVX2 with -march=native, two SSE halves
+// otherwise). Eight float or four double lanes.
+template <typename T>
+struct Vec;
+template <>
+struct Vec<float> {
+  typedef float type __attribute__((vector_size(32)));
+  static constexpr int kLanes = 8;
+};
+template <>
+struct Vec<double> {
+  typedef double type __attribute__((vector_size(32)));
+  static constexpr int kLanes = 4;
+};
+
+template <typename T>
+inline typename Vec<T>::type vload(const T* p) {
+  typename Vec<T>::type v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <typename T>
+inline T vsum(typename Vec<T>::type v) {
+  T r = 0;
+  for (int i = 0; i < Vec<T>::kLanes; ++i) r += v[i];
+  return r;
+}
+
+template <typename T>
+void scores_tile(const T* Q, const T* Kt, int64_t ldk, T* S, int64_t R, int64_t n, int64_t D,
+                 int64_t ldc) {
+  using V = typename Vec<T>::type;
+  constexpr int W = Vec<T>::kLanes;
+  const int64_t DV = D / W * W;
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const T* b0 = Kt + t * ldk;
+    const T* b1 = b0 + ldk;
+    const T* b2 = b1 + ldk;
+    const T* b3 = b2 + ldk;
+    for (int64_t r = 0; r < R; ++r) {
+      const T* a = Q + r * D;
+      V c0 = {}, c1 = {}, c2 = {}, c3 = {};
+      for (int64_t d = 0; d < DV; d += W) {
+        const V x = vload(a + d);
+        c0 += x * vload(b0 + d);
+        c1 += x * vload(b1 + d);
+        c2 += x * vload(b2 + d);
+        c3 += x * vload(b3 + d);
+      }
+      T s0 = vsum<T>(c0), s1 = vsum<T>(c1), s2 = vsum<T>(c2), s3 = vsum<T>(c3);
+      for (int64_t d = DV; d < D; ++d) {
+        s0 += a[d] * b0[d];
+        s1 += a[d] * b1[d];
+        s2 += a[d] * b2[d];
+        s3 += a[d] * b3[d];
+      }
+      T* srow = S + r * ldc + t;
+      srow[0] = s0;
+      srow[1] = s1;
+      srow[2] = s2;
+      srow[3] = s3;
+    }
+  }
+  for (; t < n; ++t) {
+    const T* b0 = Kt + t * ldk;
+    for (int64_t r = 0; r < R; ++r) {
+      const T* a = Q + r * D;
+      V c0 = {};
+      for (int64_t d = 0; d < DV; d += W) c0 += vload(a + d) * vload(b0 + d);
+      T s0 = vsum<T>(c0);
+      for (int64_t d = DV; d < D; ++d) s0 += a[d] * b0[d];
+      S[r * ldc + t] = s0;
+    }
+  }
+}
+
+at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k_in,
+                              const at::Tensor& query_weights, const at::Tensor& region_ids,
+                              int64_t num_regions, double scale, bool causal,
+                              const std::optional<at::Tensor>& key_padding_mask,
+                              c10::string_view reduce) {
+  const char* op = "headscope::region_pool_qk";
+  check_region_pool_qk_args(q, k_in, query_weights, region_ids, num_regions, scale,
+                            key_padding_mask, reduce);
+  const bool mean = parse_reduce(op, reduce);
+  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k_in.size(1), Tk = k_in.size(2), K = num_regions, G = H / Hkv;
+  const RegionLists regions = build_region_lists(op, region_ids, K);
+  const SpanWeights span = build_span_weights(op, query_weights);
+  auto out = at::zeros({B, K, H}, q.options().dtype(accum_dtype(q.scalar_type())));
+  if (out.numel() == 0 || Tk == 0) return out;  // no key: every region gets 0
+  // Keys must be contiguous along D (any stride between keys is fine: cache views).
+  at::Tensor k = k_in;
+  if (k.stride(3) != 1 || (Tk > 1 && k.stride(2) < D)) k = k.contiguous();
+  const int64_t ldk = Tk > 1 ? k.stride(2) : std::max<int64_t>(D, 1);
+  const bool* pad = nullptr;
+  int64_t pad_s0 = 0, pad_s1 = 0;
+  at::Tensor pad_t;
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    pad_t = *key_padding_mask;
+    pad = pad_t.const_data_ptr<bool>();
+    pad_s0 = pad_t.stride(0);
+    pad_s1 = pad_t.stride(1);
+  }
+
+  // Work items: (b, kv head, block of QB active queries); the G query heads of a kv head
+  // share each K tile, so K is read once per item and never copied or repeated.
+  const int64_t QB = std::max<int64_t>(1, 64 / G);
+  int64_t max_active = 0;
+  for (const auto& a : span.active) max_active = std::max<int64_t>(max_active, a.size());
+  const int64_t NQB = (max_active + QB - 1) / QB;
+  const int64_t items = B * Hkv * NQB;
+  if (items == 0) return out;
+  constexpr int64_t TT = 256;  // keys per tile
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(),
+                                  "headscope_region_pool_qk_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    constexpr bool direct = std::is_same_v<scalar_t, acc_t>;
+    // partial[item][g][qi][k] would be large for long prefill spans; instead each item
+    // reduces its queries into part[item][g][k] (already weighted) and a serial pass adds
+    // the items of one (b, kv head) in a fixed order (deterministic).
+    auto part = at::zeros({items, G, K}, out.options());
+    acc_t* part_p = part.mutable_data_ptr<acc_t>();
+    const scalar_t* qp = q.const_data_ptr<scalar_t>();
+    const scalar_t* kp = k.const_data_ptr<scalar_t>();
+    const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), qs3 = q.stride(3);
+    const int64_t ks0 = k.stride(0), ks1 = k.stride(1);
+    const acc_t sc = static_cast<acc_t>(scale);
+
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> Qb, S, Kbuf, acc, m, z;
+      std::vector<int64_t> lim, tile_pos, tile_reg;
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t b = it / (Hkv * NQB), hk = (it / NQB) % Hkv, qb = it % NQB;
+        const auto& act = span.active[b];
+        const int64_t q0 = qb * QB;
+        if (q0 >= static_cast<int64_t>(act.size())) continue;
+        const int64_t nq = std::min<int64_t>(QB, act.size() - q0);
+        const int64_t R = G * nq;  // row r = g * nq + j
+        Qb.assign(R * D, acc_t(0));
+        lim.assign(R, 0);
+        int64_t max_lim = -1;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t j = 0; j < nq; ++j) {
+            const int64_t qi = act[q0 + j];
+            const scalar_t* src = qp + b * qs0 + (hk * G + g) * qs1 + qi * qs2;
+            acc_t* dst = Qb.data() + (g * nq + j) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<acc_t>(src[d * qs3]) * sc;
+            // last visible key (bottom-right aligned causal mask), -1: none
+            const int64_t l = causal ? std::min<int64_t>(Tk - 1, qi + Tk - Tq) : Tk - 1;
+            lim[g * nq + j] = l;
+            max_lim = std::max(max_lim, l);
+          }
+        S.resize(R * TT);
+        acc.assign(R * K, acc_t(0));
+        m.assign(R, -INFINITY);
+        z.assign(R, acc_t(0));
+        if (!direct) Kbuf.resize(TT * std::max<int64_t>(D, 1));
+        const scalar_t* kbase = kp + b * ks0 + hk * ks1;
+        for (int64_t t0 = 0; t0 <= max_lim; t0 += TT) {
+          const int64_t T = std::min<int64_t>(TT, max_lim + 1 - t0);
+          const acc_t* Kt;
+          int64_t ld;
+          if constexpr (direct) {
+            Kt = reinterpret_cast<const acc_t*>(kbase + t0 * ldk);
+            ld = ldk;
+          } else {
+            for (int64_t t = 0; t < T; ++t)
+              for (int64_t d = 0; d < D; ++d)
+                Kbuf[t * D + d] = static_cast<acc_t>(kbase[(t0 + t) * ldk + d]);
+            Kt = Kbuf.data();
+            ld = std::max<int64_t>(D, 1);
+          }
+          scores_tile(Qb.data(), Kt, ld, S.data(), R, T, D, TT);
+          // Image tokens of this tile (shared by all rows).
+          tile_pos.clear();
+          tile_reg.clear();
+          {
+            const auto& pos = regions.pos[b];
+            auto lo = std::lower_bound(pos.begin(), pos.end(), t0);
+            auto hi = std::lower_bound(lo, pos.end(), t0 + T);
+            for (auto p = lo; p != hi; ++p) {
+              tile_pos.push_back(*p - t0);
+              tile_reg.push_back(regions.reg[b][p - pos.begin()]);
+            }
+          }
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t n = std::min<int64_t>(T, lim[r] + 1 - t0);
+            if (n <= 0) continue;
+            acc_t* s = S.data() + r * TT;
+            if (pad != nullptr)
+              for (int64_t t = 0; t < n; ++t)
+                if (pad[b * pad_s0 + (t0 + t) * pad_s1]) s[t] = -INFINITY;
+            const acc_t tmax = max_of(s, n);
+            if (tmax == -INFINITY) continue;  // every key of the tile masked
+            acc_t* ar = acc.data() + r * K;
+            if (tmax > m[r]) {
+              const acc_t f = m[r] == -INFINITY ? acc_t(0) : std::exp(m[r] - tmax);
+              z[r] *= f;
+              for (int64_t kk = 0; kk < K; ++kk) ar[kk] *= f;
+              m[r] = tmax;
+            }
+            z[r] += exp_shift_sum(s, n, m[r]);
+            for (size_t i = 0; i < tile_pos.size(); ++i) {
+              if (tile_pos[i] >= n) break;
+              ar[tile_reg[i]] += s[tile_pos[i]];
+            }
+          }
+        }
+        // Weighted sum over the item's queries; rows without a visible key add nothing.
+        acc_t* pp = part_p + it * G * K;
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t j = 0; j < nq; ++j) {
+            const int64_t r = g * nq + j;
+            if (!(z[r] > 0)) continue;
+            const acc_t w = static_cast<acc_t>(span.weight[b][q0 + j]) / z[r];
+            for (int64_t kk = 0; kk < K; ++kk) pp[g * K + kk] += w * acc[r * K + kk];
+          }
+      }
+    });
+
+    acc_t* o = out.mutable_data_ptr<acc_t>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t hk = 0; hk < Hkv; ++hk)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t h = hk * G + g;
+          for (int64_t kk = 0; kk < K; ++kk) {
+            acc_t v = 0;
+            for (int64_t qb = 0; qb < NQB; ++qb)
+              v += part_p[((b * Hkv + hk) * NQB + qb) * G * K + g * K + kk];
+            if (mean) {
+              const int64_t c = regions.count[b * K + kk];
+              v = c > 0 ? v / static_cast<acc_t>(c) : acc_t(0);
+            }
+            o[(b * K + kk) * H + h] = v;
+          }
+        }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(headscope, CPU, m) {
+  m.impl("region_pool", &region_pool_cpu);
+  m.impl("region_pool_qk", &region_pool_qk_cpu);
+}
+
+}  // namespace headscope::attribution::cpu

@@ -1,0 +1,859 @@
+// CPU kernels of headscope::vas_head_stats and headscope::vas_head_stats_qk.
+//
+// Per head (b, h) over the window of n positions (see vas_checks.h), with Vn the
+// row-normalised head writes, G = Vn Vn^T, S = (G + 1) / 2, A the attention:
+//   ||S||^2, ||Sc||^2 and S's row sums come from u = sum_i Vn_i and C = W^T W (Dh x Dh),
+//   W = Vn - mean(Vn), so the value Gram is never formed whole;
+//   <A, Gc>, ||A||^2, the centred ||Ac||^2 and the row KL are accumulated over TB x TB
+//   tiles of (A, G): G tiles are products of Vn tiles, shared by the tiles (I, J) and
+//   (J, I) of A (G is symmetric), and tiles where A is all zero (causal masks) are
+//   skipped (their centring terms are added in closed form).
+// Extra memory: O(B H T Dh) for Vn, O(B H T) for row/column sums, O(threads (TB^2 + T Dh)).
+#include "vas/cpu/vas_cpu_math.h"
+#include "vas/vas_checks.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <cstring>
+#include <vector>
+
+namespace headscope::vas {
+namespace {
+
+using cpu::gemm_nn;
+using cpu::log_pos;
+
+constexpr int64_t TB = 128;  // tile edge
+constexpr float kClip = 1e-12f;
+
+// A strided 4-d tensor of any supported dtype, read as float.
+template <typename T>
+struct In4 {
+  const T* p;
+  int64_t s0, s1, s2, s3;
+  const T* at(int64_t a, int64_t b, int64_t c) const { return p + a * s0 + b * s1 + c * s2; }
+};
+template <typename T>
+In4<T> in4(const at::Tensor& t) {
+  return {t.const_data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+template <typename T>
+inline void load(float* dst, const T* src, int64_t n, int64_t stride) {
+  if (stride == 1) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j * stride]);
+  }
+}
+
+// Sum and sum of absolute values of a float row (8 lanes: vectorisable without
+// reassociation). The second is finite iff every entry is, and > 0 iff one is nonzero.
+inline void sum_abssum(const float* x, int64_t n, double& sum, double& abssum) {
+  cpu::f8 s = {}, q = {};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    cpu::f8 v;
+    std::memcpy(&v, x + j, sizeof v);
+    s += v;
+    q += v < 0.0f ? -v : v;
+  }
+  double ds = 0, dq = 0;
+  for (; j < n; ++j) {
+    ds += x[j];
+    dq += std::fabs(x[j]);
+  }
+  for (int k = 0; k < 8; ++k) {
+    ds += s[k];
+    dq += q[k];
+  }
+  sum = ds;
+  abssum = dq;
+}
+
+// NumPy's pairwise summation of float32 values (what np.linalg.norm uses): the seed's row
+// norms, reproduced bit for bit so that Vn (and Gram entries near -1, where S ~ 0 and
+// the KL's logarithm is sensitive) match the seed's.
+inline float numpy_pairwise_sum(const float* a, int64_t n) {
+  if (n < 8) {
+    float res = 0.0f;
+    for (int64_t i = 0; i < n; ++i) res += a[i];
+    return res;
+  }
+  if (n <= 128) {
+    float r[8];
+    for (int k = 0; k < 8; ++k) r[k] = a[k];
+    int64_t i = 8;
+    for (; i < n - (n % 8); i += 8)
+      for (int k = 0; k < 8; ++k) r[k] += a[i + k];
+    float res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; ++i) res += a[i];
+    return res;
+  }
+  int64_t n2 = n / 2;
+  n2 -= n2 % 8;
+  return numpy_pairwise_sum(a, n2) + numpy_pairwise_sum(a + n2, n - n2);
+}
+
+// Dot product in 8 float lanes, summed in double.
+inline double dot8(const float* x, const float* y, int64_t n) {
+  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int k = 0; k < 8; ++k) s[k] += x[j + k] * y[j + k];
+  double d = 0;
+  for (; j < n; ++j) d += static_cast<double>(x[j]) * y[j];
+  for (int k = 0; k < 8; ++k) d += s[k];
+  return d;
+}
+
+struct Acc {
+  double kl = 0, ag = 0, a2 = 0, ax2 = 0;
+};
+
+// One tile: rows x cols of A (lda) against the matching G tile (ldg). x: the rows'
+// centring values, rowsum/colsum: where the tile's row and column sums go.
+void process_tile(const float* A, int64_t lda, const float* G, int64_t ldg, int64_t rows,
+                  int64_t cols, const float* x, float inv_mA, float inv_mS, double* rowsum,
+                  double* colsum, Acc& acc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* a = A + r * lda;
+    const float* g = G + r * ldg;
+    const float xi = x[r];
+    cpu::f8 kl = {}, ag = {}, a2 = {}, ax2 = {}, rs = {};
+    int64_t c = 0;
+    for (; c + 8 <= cols; c += 8) {
+      cpu::f8 av, gv;
+      std::memcpy(&av, a + c, sizeof av);
+      std::memcpy(&gv, g + c, sizeof gv);
+      const cpu::f8 S = (gv + 1.0f) * 0.5f;
+      cpu::f8 p = av * inv_mA;
+      p = p < kClip ? cpu::f8{} + kClip : p;
+      cpu::f8 q = S * inv_mS;
+      q = q < kClip ? cpu::f8{} + kClip : q;
+      kl += p * cpu::log8_pos(p / q);
+      ag += av * gv;
+      a2 += av * av;
+      const cpu::f8 d = av - xi;
+      ax2 += d * d;
+      rs += av;
+    }
+    double dkl = 0, dag = 0, da2 = 0, dax2 = 0, drs = 0;
+    for (; c < cols; ++c) {
+      const float av = a[c], gv = g[c];
+      const float S = (gv + 1.0f) * 0.5f;
+      float p = av * inv_mA;
+      p = p < kClip ? kClip : p;
+      float q = S * inv_mS;
+      q = q < kClip ? kClip : q;
+      dkl += p * log_pos(p / q);
+      dag += av * gv;
+      da2 += av * av;
+      const float d = av - xi;
+      dax2 += d * d;
+      drs += av;
+    }
+    for (int k = 0; k < 8; ++k) {
+      dkl += kl[k];
+      dag += ag[k];
+      da2 += a2[k];
+      dax2 += ax2[k];
+      drs += rs[k];
+    }
+    acc.kl += dkl;
+    acc.ag += dag;
+    acc.a2 += da2;
+    acc.ax2 += dax2;
+    rowsum[r] += drs;
+    for (int64_t j = 0; j < cols; ++j) colsum[j] += a[j];
+  }
+}
+
+// A range of tasks to run on the calling thread instead of through at::parallel_for (the
+// fused path: one parallel region per call, each thread taking whole heads through every
+// phase; thread wake-ups are expensive on small shared machines).
+struct Range {
+  int64_t begin, end;
+};
+template <typename F>
+void run_range(const Range* only, int64_t n, int64_t grain, const F& f) {
+  if (only != nullptr) {
+    f(only->begin, only->end);
+  } else {
+    at::parallel_for(0, n, grain, f);
+  }
+}
+
+// Everything one call needs, laid out once (scratch from ATen).
+struct Problem {
+  int64_t B, H, T, Tp, Dh, BH, nb_max, P, nthreads;  // Tp: T rounded up to 16
+  std::vector<int64_t> n, s;  // per batch row: window length and start
+  // per head
+  std::vector<double> msq, Scc, Snorm2;
+  std::vector<float> inv_mS, inv_mA;
+  std::vector<uint8_t> bad;
+  at::Tensor vn;      // float [BH, T, Dh]: Vn of the window rows
+  at::Tensor vnt;     // float [BH, Dh, Tp]: the same, transposed
+  at::Tensor adot;    // double [BH, T]: m . Vn_i
+  at::Tensor xcen;    // float [BH, T]: centring values (row sums / n)
+  at::Tensor part;    // double [BH, P, 4]
+  at::Tensor rowp;    // double [BH, P, T]
+  at::Tensor colp;    // double [BH, P, T]
+  at::Tensor chunkbad;  // uint8 [BH, P]
+  at::Tensor scratch;   // float [threads, per-thread]
+  int64_t scratch_per_thread = 0;
+
+  int64_t nb(int64_t bh) const { return (n[bh / H] + TB - 1) / TB; }
+  float* thread_scratch() {
+    return scratch.data_ptr<float>() + at::get_thread_num() * scratch_per_thread;
+  }
+};
+
+void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Tensor& lengths,
+           const std::optional<at::Tensor>& offsets, const char* op) {
+  const bool has_off = offsets.has_value() && offsets->defined();
+  const at::Tensor* off_ptr = has_off ? &*offsets : nullptr;
+  check_window_values(op, lengths, off_ptr, T);
+  P.B = B;
+  P.H = H;
+  P.T = T;
+  P.Tp = (T + 15) / 16 * 16;
+  P.Dh = Dh;
+  P.BH = B * H;
+  P.nthreads = at::get_num_threads();
+  P.n.resize(B);
+  P.s.resize(B);
+  const auto len = lengths.contiguous();
+  at::Tensor off = has_off ? offsets->contiguous() : at::Tensor();
+  for (int64_t b = 0; b < B; ++b) {
+    P.n[b] = window_len(len.data_ptr<int64_t>()[b], T);
+    P.s[b] = has_off ? window_start(off.data_ptr<int64_t>()[b], P.n[b], T) : 0;
+  }
+  P.nb_max = (T + TB - 1) / TB;
+  const int64_t pairs_max = P.nb_max * (P.nb_max + 1) / 2;
+  P.P = std::max<int64_t>(1, std::min<int64_t>(pairs_max, (2 * P.nthreads + P.BH - 1) /
+                                                              std::max<int64_t>(P.BH, 1)));
+  P.msq.assign(P.BH, 0);
+  P.Scc.assign(P.BH, 0);
+  P.Snorm2.assign(P.BH, 0);
+  P.inv_mS.assign(P.BH, 0);
+  P.inv_mA.assign(P.BH, 0);
+  P.bad.assign(P.BH, 0);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  P.vn = at::empty({P.BH, T, Dh}, f32);
+  P.vnt = at::empty({P.BH, Dh, P.Tp}, f32);
+  P.adot = at::empty({P.BH, T}, f64);
+  P.xcen = at::empty({P.BH, T}, f32);
+  P.part = at::zeros({P.BH, P.P, 4}, f64);
+  P.rowp = at::zeros({P.BH, P.P, T}, f64);
+  P.colp = at::zeros({P.BH, P.P, T}, f64);
+  P.chunkbad = at::zeros({P.BH, P.P}, at::TensorOptions().dtype(at::kByte));
+}
+
+void alloc_scratch(Problem& P, int64_t extra) {
+  // tiles A, G, G^T | a row | W (+16 floats read past the end by gemm_nn) | W^T | C
+  P.scratch_per_thread =
+      3 * TB * TB + std::max(P.T, P.Dh) + 16 + 2 * P.T * P.Dh + 16 + P.Dh * P.Dh + extra;
+  P.scratch = at::empty({P.nthreads, P.scratch_per_thread}, at::TensorOptions().dtype(at::kFloat));
+}
+
+// Phase V: Vn, m . Vn_i, S's row-sum maximum, ||S||^2 and ||Sc||^2 per head.
+template <typename V_t>
+void prepare_values(Problem& P, const at::Tensor& head_writes, const Range* only = nullptr) {
+  const auto hw = in4<V_t>(head_writes);
+  const int64_t sd = head_writes.stride(3);
+  run_range(only, P.BH, 1, [&](int64_t begin, int64_t end) {
+    float* scr = P.thread_scratch();
+    float* row = scr + 3 * TB * TB;
+    float* W = row + std::max(P.T, P.Dh) + 16;
+    float* WT = W + P.T * P.Dh + 16;
+    float* C = WT + P.T * P.Dh;
+    std::vector<double> u(P.Dh), m(P.Dh), Cd(P.Dh * P.Dh);
+    std::vector<float> mf(P.Dh), sqv(P.Dh);
+    float* sq = sqv.data();
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / P.H, h = bh % P.H, n = P.n[b], s = P.s[b], Dh = P.Dh;
+      float* vn = P.vn.data_ptr<float>() + bh * P.T * Dh;
+      double* adot = P.adot.data_ptr<double>() + bh * P.T;
+      std::fill(u.begin(), u.end(), 0.0);
+      bool bad = false;
+      for (int64_t i = 0; i < n; ++i) {
+        load(row, hw.at(b, h, s + i), Dh, sd);
+        const double nrm2 = dot8(row, row, Dh);
+        if (!std::isfinite(nrm2)) {
+          bad = true;
+          break;
+        }
+        for (int64_t c = 0; c < Dh; ++c) sq[c] = row[c] * row[c];  // rounded, as NumPy's x * x
+        const float nrm = std::sqrt(numpy_pairwise_sum(sq, Dh));
+        const float den = nrm > 1e-9f ? nrm : 1e-9f;
+        float* vi = vn + i * Dh;
+        for (int64_t c = 0; c < Dh; ++c) vi[c] = row[c] / den;  // a division, as the seed
+        for (int64_t c = 0; c < Dh; ++c) u[c] += vi[c];
+      }
+      if (bad) {
+        P.bad[bh] = 1;
+        continue;
+      }
+      double msq = 0, usq = 0, mS = 0;
+      for (int64_t c = 0; c < Dh; ++c) {
+        mf[c] = static_cast<float>(u[c] / static_cast<double>(n));
+        m[c] = mf[c];  // the mean as used for W = Vn - m (float), exactly
+        msq += m[c] * m[c];
+        usq += u[c] * u[c];
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const float* vi = vn + i * Dh;
+        float* wi = W + i * Dh;
+        for (int64_t c = 0; c < Dh; ++c) wi[c] = vi[c] - mf[c];
+        const double a = dot8(mf.data(), vi, Dh);  // m . Vn_i; u . Vn_i = n a
+        adot[i] = a;
+        mS = std::max(mS, 0.5 * (static_cast<double>(n) * a + static_cast<double>(n)));
+      }
+      // Vn^T for the Gram tiles, W^T for C = W^T W (summed in double over row chunks)
+      float* vnt = P.vnt.data_ptr<float>() + bh * Dh * P.Tp;
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t c = 0; c < Dh; ++c) {
+          vnt[c * P.Tp + i] = vn[i * Dh + c];
+          WT[c * n + i] = W[i * Dh + c];
+        }
+      std::fill(Cd.begin(), Cd.end(), 0.0);
+      constexpr int64_t kChunk = 256;
+      for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+        gemm_nn(Dh, Dh, std::min(kChunk, n - i0), 1.0f, WT + i0, n, W + i0 * Dh, Dh, C, Dh);
+        for (int64_t e = 0; e < Dh * Dh; ++e) Cd[e] += C[e];
+      }
+      double c2 = 0, mcm = 0;
+      for (int64_t p = 0; p < Dh; ++p) {
+        double cm = 0;
+        for (int64_t q = 0; q < Dh; ++q) {
+          const double cpq = Cd[p * Dh + q];
+          c2 += cpq * cpq;
+          cm += cpq * m[q];
+        }
+        mcm += m[p] * cm;
+      }
+      const double nn = static_cast<double>(n);
+      P.msq[bh] = msq;
+      P.Scc[bh] = c2 / 4.0;
+      const double vtv2 = c2 + 2.0 * nn * mcm + nn * nn * msq * msq;
+      P.Snorm2[bh] = (vtv2 + 2.0 * usq + nn * nn) / 4.0;
+      P.inv_mS[bh] = static_cast<float>(1.0 / std::max(mS, 1e-12));
+    }
+  });
+}
+
+// After phase 1 (row sums in rowp[:, 0]): 1 / max row sum and the centring values.
+void finish_rows(Problem& P, const Range* only = nullptr) {
+  run_range(only, P.BH, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t n = P.n[bh / P.H];
+      const uint8_t* cb = P.chunkbad.data_ptr<uint8_t>() + bh * P.P;
+      for (int64_t p = 0; p < P.P; ++p) P.bad[bh] |= cb[p];
+      double* r = P.rowp.data_ptr<double>() + bh * P.P * P.T;
+      float* x = P.xcen.data_ptr<float>() + bh * P.T;
+      double mA = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        mA = std::max(mA, r[i]);
+        x[i] = static_cast<float>(r[i] / static_cast<double>(n));
+        r[i] = 0;  // rowp is reused for phase 2's row sums
+      }
+      P.inv_mA[bh] = static_cast<float>(1.0 / std::max(mA, 1e-12));
+    }
+  });
+}
+
+// Phase 2 driver: visits the lower-triangle tile pairs (I >= J) of each head, chunk p of
+// P taking every P-th pair. tile(I, J, buf) gives a pointer to A's tile and its leading
+// dimension (or nullptr when the tile is known to be zero).
+template <typename TileFn>
+void tiles_phase(Problem& P, TileFn&& tile, const Range* only = nullptr) {
+  run_range(only, P.BH * P.P, 1, [&](int64_t begin, int64_t end) {
+    float* scr = P.thread_scratch();
+    float* Abuf = scr;
+    float* G = scr + TB * TB;
+    float* GT = G + TB * TB;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / P.P, p = task % P.P;
+      if (P.bad[bh]) continue;
+      const int64_t n = P.n[bh / P.H], nb = P.nb(bh);
+      const float* vn = P.vn.data_ptr<float>() + bh * P.T * P.Dh;
+      const float* vnt = P.vnt.data_ptr<float>() + bh * P.Dh * P.Tp;
+      const float* x = P.xcen.data_ptr<float>() + bh * P.T;
+      double* rows = P.rowp.data_ptr<double>() + (bh * P.P + p) * P.T;
+      double* cols = P.colp.data_ptr<double>() + (bh * P.P + p) * P.T;
+      Acc acc;
+      auto zero_tile = [&](int64_t i0, int64_t ni, int64_t nj) {
+        double sx2 = 0;
+        for (int64_t i = i0; i < i0 + ni; ++i) sx2 += static_cast<double>(x[i]) * x[i];
+        acc.ax2 += sx2 * static_cast<double>(nj);
+      };
+      int64_t idx = -1;
+      for (int64_t I = 0; I < nb; ++I) {
+        for (int64_t J = 0; J <= I; ++J) {
+          if (++idx % P.P != p) continue;
+          const int64_t i0 = I * TB, ni = std::min(TB, n - i0);
+          const int64_t j0 = J * TB, nj = std::min(TB, n - j0);
+          int64_t lda = 0;
+          const float* aij = tile(bh, i0, ni, j0, nj, Abuf, lda, /*probe=*/true);
+          const float* aji = I != J ? tile(bh, j0, nj, i0, ni, Abuf, lda, true) : nullptr;
+          if (aij == nullptr && aji == nullptr) {
+            zero_tile(i0, ni, nj);
+            if (I != J) zero_tile(j0, nj, ni);
+            continue;
+          }
+          gemm_nn(ni, nj, P.Dh, 1.0f, vn + i0 * P.Dh, P.Dh, vnt + j0, P.Tp, G, TB);
+          if (aij != nullptr) {
+            aij = tile(bh, i0, ni, j0, nj, Abuf, lda, false);
+            process_tile(aij, lda, G, TB, ni, nj, x + i0, P.inv_mA[bh], P.inv_mS[bh],
+                         rows + i0, cols + j0, acc);
+          } else {
+            zero_tile(i0, ni, nj);
+          }
+          if (I != J) {
+            if (aji != nullptr) {
+              for (int64_t r0 = 0; r0 < ni; r0 += 8) {
+                const int64_t nr = std::min<int64_t>(8, ni - r0);
+                for (int64_t c = 0; c < nj; ++c)
+                  for (int64_t r = 0; r < nr; ++r) GT[c * TB + r0 + r] = G[(r0 + r) * TB + c];
+              }
+              aji = tile(bh, j0, nj, i0, ni, Abuf, lda, false);
+              process_tile(aji, lda, GT, TB, nj, ni, x + j0, P.inv_mA[bh], P.inv_mS[bh],
+                           rows + j0, cols + i0, acc);
+            } else {
+              zero_tile(j0, nj, ni);
+            }
+          }
+        }
+      }
+      double* pt = P.part.data_ptr<double>() + (bh * P.P + p) * 4;
+      pt[0] = acc.kl;
+      pt[1] = acc.ag;
+      pt[2] = acc.a2;
+      pt[3] = acc.ax2;
+    }
+  });
+}
+
+// Combines the chunks' partial sums into (d, c, r) per head.
+void finalize_into(Problem& P, float* o, const Range* only = nullptr) {
+  run_range(only, P.BH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      float* ob = o + bh * 3;
+      if (P.bad[bh]) {
+        ob[0] = ob[1] = ob[2] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const int64_t n = P.n[bh / P.H];
+      const double nn = static_cast<double>(n);
+      const double* part = P.part.data_ptr<double>() + bh * P.P * 4;
+      const double* rowp = P.rowp.data_ptr<double>() + bh * P.P * P.T;
+      const double* colp = P.colp.data_ptr<double>() + bh * P.P * P.T;
+      const double* adot = P.adot.data_ptr<double>() + bh * P.T;
+      const float* x = P.xcen.data_ptr<float>() + bh * P.T;
+      double kl = 0, ag = 0, a2 = 0, ax2 = 0;
+      for (int64_t p = 0; p < P.P; ++p) {
+        kl += part[p * 4 + 0];
+        ag += part[p * 4 + 1];
+        a2 += part[p * 4 + 2];
+        ax2 += part[p * 4 + 3];
+      }
+      double sA = 0, sx = 0, ra = 0, ca = 0, rr = 0, cc = 0;
+      for (int64_t i = 0; i < n; ++i) sx += x[i];
+      for (int64_t i = 0; i < n; ++i) {
+        double r = 0, c = 0;
+        for (int64_t p = 0; p < P.P; ++p) {
+          r += rowp[p * P.T + i];
+          c += colp[p * P.T + i];
+        }
+        sA += r;
+        ra += r * adot[i];
+        ca += c * adot[i];
+        const double br = r - nn * x[i];  // row sums of B = A - x 1^T
+        const double bc = c - sx;         // column sums of B
+        rr += br * br;
+        cc += bc * bc;
+      }
+      const double b1 = sA - nn * sx;
+      // ||Ac||^2 = ||H B H||^2 for B = A - x 1^T (any x): exact, no large cancellation.
+      const double Acc = std::max(0.0, ax2 - rr / nn - cc / nn + b1 * b1 / (nn * nn));
+      const double Scc = P.Scc[bh];
+      // <Ac, Sc> = <A, Gc> / 2, bounded by Cauchy-Schwarz (so that it is exactly 0 when
+      // either centred matrix is, e.g. n = 1, as in the seed)
+      const double bound = std::sqrt(Acc * Scc);
+      const double Asc = std::min(bound, std::max(-bound, 0.5 * (ag - ra - ca + sA * P.msq[bh])));
+      const double c = Asc / std::max(std::sqrt(Acc * Scc), 1e-12);
+      const double num = std::sqrt(std::max(0.0, Acc - 2.0 * Asc + Scc));
+      const double den = std::max(std::sqrt(a2) * std::sqrt(P.Snorm2[bh]), 1e-9);
+      ob[0] = static_cast<float>(num / den);
+      ob[1] = static_cast<float>(c);
+      ob[2] = static_cast<float>(kl / nn);
+    }
+  });
+}
+
+at::Tensor finalize(Problem& P, const at::TensorOptions& out_opts) {
+  at::Tensor out = at::empty({P.B, P.H, 3}, out_opts.dtype(at::kFloat));
+  finalize_into(P, out.data_ptr<float>());
+  return out;
+}
+
+// ---- vas_head_stats ------------------------------------------------------------------
+
+template <typename A_t>
+void attn_row_phase(Problem& P, const at::Tensor& attn, at::Tensor& nz,
+                    const Range* only = nullptr) {
+  const auto A = in4<A_t>(attn);
+  const int64_t s3 = attn.stride(3);
+  const bool direct = std::is_same<A_t, float>::value && s3 == 1;
+  run_range(only, P.BH * P.P, 1, [&](int64_t begin, int64_t end) {
+    float* row = P.thread_scratch() + 3 * TB * TB;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / P.P, p = task % P.P;
+      if (P.bad[bh]) continue;
+      const int64_t b = bh / P.H, h = bh % P.H, n = P.n[b], s = P.s[b], nb = P.nb(bh);
+      uint8_t* flags = nz.data_ptr<uint8_t>() + bh * P.nb_max * P.nb_max;
+      // chunk p's row sums go to rowp[bh, 0] (each row has one owner)
+      double* rsum = P.rowp.data_ptr<double>() + bh * P.P * P.T;
+      for (int64_t I = p; I < nb; I += P.P) {
+        for (int64_t i = I * TB; i < std::min(n, (I + 1) * TB); ++i) {
+          const float* a = row;
+          if (direct) {
+            a = reinterpret_cast<const float*>(A.at(b, h, s + i)) + s;
+          } else {
+            load(row, A.at(b, h, s + i) + s * s3, n, s3);
+          }
+          double sum = 0, sumsq = 0;
+          for (int64_t J = 0; J < nb; ++J) {
+            const int64_t j0 = J * TB, nj = std::min(TB, n - j0);
+            double bs, bq;
+            sum_abssum(a + j0, nj, bs, bq);
+            sum += bs;
+            sumsq += bq;
+            flags[I * P.nb_max + J] |= bq > 0.0;  // some entry is nonzero (or not finite)
+          }
+          if (!std::isfinite(sumsq)) {
+            P.chunkbad.data_ptr<uint8_t>()[bh * P.P + p] = 1;
+            break;
+          }
+          rsum[i] = sum;
+        }
+      }
+    }
+  });
+}
+
+template <typename A_t>
+void attn_tiles_phase(Problem& P, const at::Tensor& attn, const at::Tensor& nz,
+                      const Range* only = nullptr) {
+  const auto A = in4<A_t>(attn);
+  const int64_t s3 = attn.stride(3);
+  const bool direct = std::is_same<A_t, float>::value && s3 == 1;
+  tiles_phase(P, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0, int64_t nj, float* buf,
+                     int64_t& lda, bool probe) -> const float* {
+    const uint8_t* flags = nz.data_ptr<uint8_t>() + bh * P.nb_max * P.nb_max;
+    if (!flags[(i0 / TB) * P.nb_max + j0 / TB]) return nullptr;
+    if (probe) return buf;
+    const int64_t b = bh / P.H, h = bh % P.H, s = P.s[b];
+    if (direct) {
+      lda = A.s2;
+      return reinterpret_cast<const float*>(A.at(b, h, s + i0)) + (s + j0);
+    }
+    for (int64_t r = 0; r < ni; ++r) load(buf + r * TB, A.at(b, h, s + i0 + r) + (s + j0) * s3, nj, s3);
+    lda = TB;
+    return buf;
+  }, only);
+}
+
+at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_writes,
+                              const at::Tensor& lengths, const std::optional<at::Tensor>& offsets) {
+  const char* op = "headscope::vas_head_stats";
+  check_head_stats_args(attn, head_writes, lengths, offsets);
+  const int64_t B = attn.size(0), H = attn.size(1), T = attn.size(2), Dh = head_writes.size(3);
+  if (B == 0 || H == 0) return at::empty({B, H, 3}, attn.options().dtype(at::kFloat));
+  Problem P;
+  setup(P, B, H, T, Dh, lengths, offsets, op);
+  alloc_scratch(P, 0);
+  at::Tensor nz = at::zeros({P.BH, P.nb_max, P.nb_max}, at::TensorOptions().dtype(at::kByte));
+  if (P.P == 1) {
+    // every head in one task: one parallel region, each thread taking whole heads
+    at::Tensor out = at::empty({B, H, 3}, attn.options().dtype(at::kFloat));
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
+      const Range r{begin, end};
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(),
+                                      "vas_v", [&] { prepare_values<scalar_t>(P, head_writes, &r); });
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_a", [&] {
+        attn_row_phase<scalar_t>(P, attn, nz, &r);
+        finish_rows(P, &r);
+        attn_tiles_phase<scalar_t>(P, attn, nz, &r);
+      });
+      finalize_into(P, o, &r);
+    });
+    return out;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(), "vas_v",
+                                  [&] { prepare_values<scalar_t>(P, head_writes); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_a", [&] {
+    attn_row_phase<scalar_t>(P, attn, nz);
+    finish_rows(P);
+    attn_tiles_phase<scalar_t>(P, attn, nz);
+  });
+  return finalize(P, attn.options());
+}
+
+// ---- vas_head_stats_qk ---------------------------------------------------------------
+
+struct QK {
+  at::Tensor q;     // float [BH, T, D]: the window rows of q
+  at::Tensor kt;    // float [B * Hkv, D, Tp]: the keys in use (all T, or up to s + n if
+                    // causal), transposed
+  at::Tensor mrow;  // float [BH, T]: softmax row maximum
+  at::Tensor izrow; // float [BH, T]: 1 / softmax denominator
+  std::vector<uint8_t> kbad;
+  int64_t Hkv = 1, D = 1;
+  float scale = 1;
+  bool causal = false;
+  int64_t key_end(const Problem& P, int64_t b) const { return causal ? P.s[b] + P.n[b] : P.T; }
+};
+
+template <typename Q_t, typename K_t>
+void qk_prepare(Problem& P, QK& Q, const at::Tensor& q, const at::Tensor& k) {
+  const auto qa = in4<Q_t>(q);
+  const auto ka = in4<K_t>(k);
+  const int64_t qs = q.stride(3), ks = k.stride(3), D = Q.D;
+  const int64_t nk = P.B * Q.Hkv;
+  at::parallel_for(0, P.BH + nk, 1, [&](int64_t begin, int64_t end) {
+    float* row = P.thread_scratch() + 3 * TB * TB;
+    for (int64_t t = begin; t < end; ++t) {
+      if (t < P.BH) {
+        const int64_t b = t / P.H, h = t % P.H, n = P.n[b], s = P.s[b];
+        float* dst = Q.q.data_ptr<float>() + t * P.T * D;
+        double sq = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          load(dst + i * D, qa.at(b, h, s + i), D, qs);
+          for (int64_t c = 0; c < D; ++c) sq += static_cast<double>(dst[i * D + c]) * dst[i * D + c];
+        }
+        if (!std::isfinite(sq)) P.bad[t] = 1;
+      } else {
+        const int64_t bk = t - P.BH, b = bk / Q.Hkv, hk = bk % Q.Hkv;
+        float* dst = Q.kt.data_ptr<float>() + bk * D * P.Tp;
+        double sq = 0;
+        for (int64_t j = 0; j < Q.key_end(P, b); ++j) {
+          load(row, ka.at(b, hk, j), D, ks);
+          for (int64_t c = 0; c < D; ++c) {
+            sq += static_cast<double>(row[c]) * row[c];
+            dst[c * P.Tp + j] = row[c];
+          }
+        }
+        if (!std::isfinite(sq)) Q.kbad[bk] = 1;
+      }
+    }
+  });
+  for (int64_t bh = 0; bh < P.BH; ++bh) {
+    const int64_t b = bh / P.H, h = bh % P.H;
+    P.bad[bh] |= Q.kbad[b * Q.Hkv + h / (P.H / Q.Hkv)];
+  }
+}
+
+inline const float* key_rows(const Problem& P, const QK& Q, int64_t bh) {
+  const int64_t b = bh / P.H, h = bh % P.H;
+  return Q.kt.data_ptr<float>() + (b * Q.Hkv + h / (P.H / Q.Hkv)) * Q.D * P.Tp;
+}
+
+// Phase 1 of the qk op: online softmax statistics of the window rows over all their keys,
+// and the row sums of A restricted to the window's columns.
+void qk_row_phase(Problem& P, QK& Q) {
+  at::parallel_for(0, P.BH * P.P, 1, [&](int64_t begin, int64_t end) {
+    float* L = P.thread_scratch();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / P.P, p = task % P.P;
+      if (P.bad[bh]) continue;
+      const int64_t b = bh / P.H, n = P.n[b], s = P.s[b], nb = P.nb(bh);
+      const float* qb = Q.q.data_ptr<float>() + bh * P.T * Q.D;
+      const float* kb = key_rows(P, Q, bh);
+      float* M = Q.mrow.data_ptr<float>() + bh * P.T;
+      float* IZ = Q.izrow.data_ptr<float>() + bh * P.T;
+      double* rsum = P.rowp.data_ptr<double>() + bh * P.P * P.T;
+      for (int64_t I = p; I < nb; I += P.P) {
+        const int64_t i0 = I * TB, ni = std::min(TB, n - i0);
+        const int64_t kend = Q.causal ? s + i0 + ni : P.T;
+        std::vector<double> Z(ni, 0.0), R(ni, 0.0);
+        std::vector<float> Mx(ni, -std::numeric_limits<float>::infinity());
+        for (int64_t k0 = 0; k0 < kend; k0 += TB) {
+          const int64_t nk = std::min(TB, kend - k0);
+          gemm_nn(ni, nk, Q.D, Q.scale, qb + i0 * Q.D, Q.D, kb + k0, P.Tp, L, TB);
+          for (int64_t r = 0; r < ni; ++r) {
+            const int64_t ia = s + i0 + r;
+            const int64_t lim = Q.causal ? std::min(nk, ia - k0 + 1) : nk;  // keys <= ia
+            if (lim <= 0) continue;
+            float* l = L + r * TB;
+            float mx8[8] = {Mx[r], Mx[r], Mx[r], Mx[r], Mx[r], Mx[r], Mx[r], Mx[r]};
+            int64_t c8 = 0;
+            for (; c8 + 8 <= lim; c8 += 8)
+              for (int k = 0; k < 8; ++k) mx8[k] = std::max(mx8[k], l[c8 + k]);
+            float mx = Mx[r];
+            for (int k = 0; k < 8; ++k) mx = std::max(mx, mx8[k]);
+            for (; c8 < lim; ++c8) mx = std::max(mx, l[c8]);
+            if (mx > Mx[r]) {
+              const double f = std::exp(static_cast<double>(Mx[r]) - mx);
+              Z[r] *= f;
+              R[r] *= f;
+              Mx[r] = mx;
+            }
+            cpu::exp_shift_scale(l, l, lim, mx, 1.0f);
+            float z[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            int64_t c = 0;
+            for (; c + 8 <= lim; c += 8)
+              for (int k = 0; k < 8; ++k) z[k] += l[c + k];
+            double zt = 0;
+            for (; c < lim; ++c) zt += l[c];
+            for (int k = 0; k < 8; ++k) zt += z[k];
+            Z[r] += zt;
+            // the window's columns [s, s + n) within this key block
+            const int64_t c0 = std::max<int64_t>(0, s - k0), c1 = std::min(lim, s + n - k0);
+            double rt = 0;
+            for (int64_t cc = c0; cc < c1; ++cc) rt += l[cc];
+            R[r] += rt;
+          }
+        }
+        for (int64_t r = 0; r < ni; ++r) {
+          M[i0 + r] = Mx[r];
+          IZ[i0 + r] = static_cast<float>(1.0 / Z[r]);
+          rsum[i0 + r] = R[r] / Z[r];
+        }
+      }
+    }
+  });
+}
+
+void qk_tiles_phase(Problem& P, QK& Q) {
+  tiles_phase(P, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0, int64_t nj, float* buf,
+                     int64_t& lda, bool probe) -> const float* {
+    if (Q.causal && j0 > i0 + ni - 1) return nullptr;  // strictly above the diagonal
+    if (probe) return buf;
+    const int64_t s = P.s[bh / P.H];
+    const float* qb = Q.q.data_ptr<float>() + bh * P.T * Q.D;
+    const float* kb = key_rows(P, Q, bh);
+    const float* M = Q.mrow.data_ptr<float>() + bh * P.T;
+    const float* IZ = Q.izrow.data_ptr<float>() + bh * P.T;
+    gemm_nn(ni, nj, Q.D, Q.scale, qb + i0 * Q.D, Q.D, kb + (s + j0), P.Tp, buf, TB);
+    for (int64_t r = 0; r < ni; ++r) {
+      float* l = buf + r * TB;
+      const float m = M[i0 + r], iz = IZ[i0 + r];
+      const int64_t lim = Q.causal ? std::max<int64_t>(0, std::min(nj, i0 + r - j0 + 1)) : nj;
+      cpu::exp_shift_scale(l, l, lim, m, iz);
+      for (int64_t c = lim; c < nj; ++c) l[c] = 0.0f;
+    }
+    lda = TB;
+    return buf;
+  });
+}
+
+at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
+                                 const at::Tensor& head_writes, const at::Tensor& lengths,
+                                 double scale, bool causal,
+                                 const std::optional<at::Tensor>& offsets) {
+  const char* op = "headscope::vas_head_stats_qk";
+  check_head_stats_qk_args(q, k, head_writes, lengths, scale, offsets);
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = head_writes.size(3);
+  if (B == 0 || H == 0) return at::empty({B, H, 3}, q.options().dtype(at::kFloat));
+  Problem P;
+  setup(P, B, H, T, Dh, lengths, offsets, op);
+  alloc_scratch(P, 0);
+  QK Q;
+  Q.Hkv = k.size(1);
+  Q.D = q.size(3);
+  Q.scale = static_cast<float>(scale);
+  Q.causal = causal;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  Q.q = at::empty({P.BH, T, Q.D}, f32);
+  Q.kt = at::empty({B * Q.Hkv * Q.D * P.Tp + 16}, f32);  // +16: gemm_nn reads past rows
+  Q.mrow = at::empty({P.BH, T}, f32);
+  Q.izrow = at::empty({P.BH, T}, f32);
+  Q.kbad.assign(B * Q.Hkv, 0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(), "vas_v",
+                                  [&] { prepare_values<scalar_t>(P, head_writes); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "vas_q", [&] {
+    using Q_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k.scalar_type(), "vas_k",
+                                    [&] { qk_prepare<Q_t, scalar_t>(P, Q, q, k); });
+  });
+  qk_row_phase(P, Q);
+  finish_rows(P);
+  qk_tiles_phase(P, Q);
+  return finalize(P, q.options());
+}
+
+// ---- vas_aggregate -------------------------------------------------------------------
+
+at::Tensor vas_aggregate_cpu(const at::Tensor& head_stats) {
+  check_aggregate_args(head_stats);
+  const auto st = head_stats.to(at::kDouble).contiguous();
+  const int64_t B = st.size(0), L = st.size(1), H = st.size(2);
+  at::Tensor out = at::empty({B, 36}, head_stats.options().dtype(at::kFloat));
+  const double* x = st.data_ptr<double>();
+  float* o = out.data_ptr<float>();
+  // NaN-propagating max / min (NumPy's max and min return NaN when any entry is NaN)
+  auto mx = [](double a, double v) { return std::isnan(a) ? a : (std::isnan(v) || v > a ? v : a); };
+  auto mn = [](double a, double v) { return std::isnan(a) ? a : (std::isnan(v) || v < a ? v : a); };
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> lay(L * 4);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t qi = 0; qi < 3; ++qi) {
+        for (int64_t l = 0; l < L; ++l) {
+          const double* v = x + ((b * L + l) * H) * 3 + qi;
+          double sum = 0, hi = v[0], lo = v[0];
+          for (int64_t h = 0; h < H; ++h) {
+            sum += v[h * 3];
+            hi = mx(hi, v[h * 3]);
+            lo = mn(lo, v[h * 3]);
+          }
+          const double mean = sum / static_cast<double>(H);
+          double var = 0;
+          for (int64_t h = 0; h < H; ++h) var += (v[h * 3] - mean) * (v[h * 3] - mean);
+          // the seed stores the per-layer stats as float32
+          lay[l * 4 + 0] = static_cast<float>(mean);
+          lay[l * 4 + 1] = static_cast<float>(std::sqrt(var / static_cast<double>(H)));
+          lay[l * 4 + 2] = static_cast<float>(hi);
+          lay[l * 4 + 3] = static_cast<float>(lo);
+        }
+        for (int64_t a = 0; a < 4; ++a) {
+          double sum = 0, hi = lay[a];
+          for (int64_t l = 0; l < L; ++l) {
+            sum += lay[l * 4 + a];
+            hi = mx(hi, lay[l * 4 + a]);
+          }
+          const double mean = sum / static_cast<double>(L);
+          double var = 0;
+          for (int64_t l = 0; l < L; ++l) var += (lay[l * 4 + a] - mean) * (lay[l * 4 + a] - mean);
+          float* ob = o + b * 36 + qi * 12 + a * 3;
+          ob[0] = static_cast<float>(mean);
+          ob[1] = static_cast<float>(std::sqrt(var / static_cast<double>(L)));
+          ob[2] = static_cast<float>(hi);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(headscope, CPU, m) {
+  m.impl("vas_head_stats", &vas_head_stats_cpu);
+  m.impl("vas_head_stats_qk", &vas_head_stats_qk_cpu);
+  m.impl("vas_aggregate", &vas_aggregate_cpu);
+}
+
+}  // namespace headscope::vas

@@ -1,0 +1,31 @@
+// C++ API of the vas family: value-attention similarity (VAS) statistics per head and
+// their aggregation to the 36 VAS features. Each call goes through the dispatcher.
+// Semantics, shapes and policies: README.md, "VAS feature ops".
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace headscope {
+
+// Per head of one layer: (B, H, 3) float32 = (d, c, r), the seed's normalised mismatch,
+// CKA and row KL between the attention `attn` (B, H, T, T) and the value Gram of the
+// row-normalised `head_writes` (B, H, T, Dh), over the window of n = clamp(lengths[b])
+// positions starting at 0, or at offsets[b] (left padding) when `offsets` is given.
+at::Tensor vas_head_stats(const at::Tensor& attn, const at::Tensor& head_writes,
+                          const at::Tensor& lengths,
+                          const std::optional<at::Tensor>& offsets = std::nullopt);
+
+// The same statistics with the attention recomputed tile by tile from q (B, H, T, D) and
+// k (B, Hkv, T, D): softmax(q k^T * scale + causal mask), never stored whole.
+at::Tensor vas_head_stats_qk(const at::Tensor& q, const at::Tensor& k,
+                             const at::Tensor& head_writes, const at::Tensor& lengths,
+                             double scale, bool causal,
+                             const std::optional<at::Tensor>& offsets = std::nullopt);
+
+// (B, L, H, 3) per-layer per-head stats -> (B, 36) float32 features in the seed's column
+// order (per layer mean/std/max/min over heads, then mean/std/max over layers).
+at::Tensor vas_aggregate(const at::Tensor& head_stats);
+
+}  // namespace headscope

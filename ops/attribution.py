@@ -1,0 +1,427 @@
+"""vStream attribution: region pooling of attention, the linear head, LDS and Ward regions.
+
+vStream (arXiv 2604.16587) scores the effect of ablating image region k on a generated
+span S with one dot product: a feature f(S, k) of L*H entries (per layer and head, the
+span's attention mass on region k's keys) against a weight vector fitted for Pearson
+correlation with measured ablation effects, scored by LDS (Spearman correlation).
+
+* ``region_pool`` / ``region_pool_qk``: one layer's features ``(B, K, H)`` from attention
+  probabilities, or streamed from ``q`` and ``k`` without storing the attention matrix;
+  ``stack_layers`` joins the layers into ``(B, K, L*H)`` (layer-major).
+* ``AttributionHead``: the estimator (``forward``, ``predict_subsets``, ``fit``,
+  ``fit_pearson``, ``save``/``load``).
+* ``lds``, ``spearman``, ``pearson``: the paper's metric and the correlations.
+* ``ward_regions``: the paper's regions (Ward clustering of patch features on the grid).
+"""
+# No "from __future__ import annotations": TorchScript reads the class annotations.
+import json
+import math
+import sys
+from typing import Iterable, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+FORMAT = "headscope.AttributionHead"
+FORMAT_VERSION = 1
+FEATURE_LAYOUT = "layer_major"  # feature index = layer * num_heads + head
+STD_EPS = 1e-8                   # added to the feature and target standard deviations (seed)
+
+__all__ = ["AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "region_pool",
+           "region_pool_qk", "spearman", "stack_layers", "ward_regions"]
+
+
+# ---- thin wrappers over torch.ops.headscope.* -------------------------------------------
+
+def region_pool(attn: Tensor, query_weights: Tensor, region_ids: Tensor, num_regions: int,
+                reduce: str = "sum") -> Tensor:
+    """``(B, H, Tq, Tk)`` attention probabilities -> ``(B, K, H)`` region features.
+
+    ``query_weights`` ``(B, Tq)`` >= 0 selects the span (0 outside it; each row must have a
+    positive sum), ``region_ids`` int64 ``(B, Tk)`` in ``[-1, K)`` (-1: not an image token).
+    ``reduce="mean"`` divides by the region's size; an empty region gives 0.
+    """
+    return torch.ops.headscope.region_pool(attn, query_weights, region_ids, num_regions,
+                                           reduce)
+
+
+def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tensor,
+                   num_regions: int, scale: Optional[float] = None, causal: bool = False,
+                   key_padding_mask: Optional[Tensor] = None, reduce: str = "sum") -> Tensor:
+    """``region_pool(softmax(scale * q k^T))`` without storing the attention matrix.
+
+    ``q`` ``(B, H, Tq, D)``, ``k`` ``(B, Hkv, Tk, D)`` with ``Hkv`` dividing ``H`` (grouped
+    query attention: query head h reads kv head ``h // (H // Hkv)``). ``scale`` defaults
+    to ``1 / sqrt(D)``. ``causal`` masks bottom-right aligned: query i sees keys
+    ``t <= i + Tk - Tq`` (a decode step with a key cache sees all keys).
+    ``key_padding_mask`` ``(B, Tk)`` bool, True = padding (ignored), as in
+    ``nn.MultiheadAttention``. A query row with no visible key contributes nothing.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
+    return torch.ops.headscope.region_pool_qk(q, k, query_weights, region_ids, num_regions,
+                                              float(scale), causal, key_padding_mask, reduce)
+
+
+def linear_attribution(features: Tensor, weight: Tensor, mean: Tensor, std: Tensor,
+                       bias: float = 0.0) -> Tensor:
+    """``(..., F)`` features -> ``(...)`` scores ``((f - mean) / std) . weight + bias``."""
+    return torch.ops.headscope.linear_attribution(features, weight, mean, std, float(bias))
+
+
+def spearman(pred: Tensor, target: Tensor, dim: int = -1) -> Tensor:
+    """Spearman correlation along ``dim`` (average ranks for ties), as
+    ``scipy.stats.spearmanr``: NaN for a constant slice or a slice holding NaN."""
+    return torch.ops.headscope.spearman(pred, target, dim)
+
+
+def pearson(pred: Tensor, target: Tensor, dim: int = -1) -> Tensor:
+    """Pearson correlation along ``dim`` (NaN for a constant slice); differentiable."""
+    return torch.ops.headscope.pearson(pred, target, dim)
+
+
+def ward_regions(features: Tensor, height: int, width: int, num_regions: int) -> Tensor:
+    """``(height*width, C)`` patch features (row-major grid) -> int64 labels ``(M,)``.
+
+    Ward agglomerative clustering with 4-neighbour grid connectivity, as scikit-learn's
+    ``AgglomerativeClustering(num_regions, linkage="ward", connectivity=grid_to_graph(h, w))``;
+    labels numbered in order of first appearance.
+    """
+    return torch.ops.headscope.ward_regions(features, height, width, num_regions)
+
+
+def stack_layers(per_layer) -> Tensor:
+    """A list of L per-layer features ``(..., K, H)`` -> ``(..., K, L*H)``, layer-major."""
+    return torch.stack(list(per_layer), dim=-2).flatten(-2)
+
+
+class LDS(NamedTuple):
+    overall: Tensor         # Spearman over every (image, region) pair, flattened
+    per_image: Tensor       # (n_images,) Spearman across each image's K regions
+    per_image_mean: Tensor  # mean of per_image over images with a defined value
+
+
+def lds(pred: Tensor, actual: Tensor) -> LDS:
+    """The paper's linear datamodeling score: Spearman correlation of predicted and
+    actual ablation effects, per image across its regions (``(n_images, K)`` inputs, or
+    ``(K,)`` for one image) and overall. Images whose predictions or effects are constant
+    have an undefined (NaN) score and are left out of the mean."""
+    if pred.shape != actual.shape:
+        raise ValueError(f"headscope.lds: argument 'actual' must have the shape of 'pred' "
+                         f"{tuple(pred.shape)}, got {tuple(actual.shape)}")
+    if pred.dim() == 1:
+        pred, actual = pred.unsqueeze(0), actual.unsqueeze(0)
+    if pred.dim() != 2:
+        raise ValueError(f"headscope.lds: argument 'pred' must be (K,) or (n_images, K), got "
+                         f"shape {tuple(pred.shape)}")
+    per_image = spearman(pred, actual, -1)
+    overall = spearman(pred.flatten(), actual.flatten(), -1)
+    return LDS(overall, per_image, per_image.nanmean())
+
+
+# ---- the estimator ------------------------------------------------------------------------
+
+def _check_fit_data(where: str, features: Tensor, targets: Tensor, num_features: int):
+    if not isinstance(features, Tensor) or not features.is_floating_point():
+        raise TypeError(f"headscope.AttributionHead.{where}: argument 'features' must be a "
+                        f"floating tensor (..., {num_features}), got {features!r:.80}")
+    if features.dim() < 1 or features.shape[-1] != num_features:
+        raise ValueError(f"headscope.AttributionHead.{where}: argument 'features' must have "
+                         f"L*H = {num_features} entries in its last dimension, got shape "
+                         f"{tuple(features.shape)}")
+    if not isinstance(targets, Tensor) or targets.shape != features.shape[:-1]:
+        raise ValueError(f"headscope.AttributionHead.{where}: argument 'targets' must have "
+                         f"shape {tuple(features.shape[:-1])} (features without the last "
+                         f"dimension), got "
+                         f"{tuple(targets.shape) if isinstance(targets, Tensor) else targets!r}")
+    if not bool(torch.isfinite(features).all()):
+        raise ValueError(f"headscope.AttributionHead.{where}: argument 'features' holds NaN "
+                         f"or Inf")
+    if not bool(torch.isfinite(targets).all()):
+        raise ValueError(f"headscope.AttributionHead.{where}: argument 'targets' holds NaN "
+                         f"or Inf")
+    return (features.reshape(-1, num_features).to(torch.float64),
+            targets.reshape(-1).to(torch.float64))
+
+
+def _dist_group(group):
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist, group
+    return None, None
+
+
+class AttributionHead(nn.Module):
+    """The vStream estimator: scores = ((features - mean) / std) . weight + bias.
+
+    ``features`` are ``(..., K, L*H)`` (layer-major, see ``stack_layers``); the result is
+    one score per region, the predicted effect of ablating it (in the targets' units
+    after ``fit``). Scriptable with ``torch.jit.script`` (``forward`` and
+    ``predict_subsets``).
+    """
+
+    num_layers: int
+    num_heads: int
+    reduce: str
+
+    def __init__(self, num_layers: int, num_heads: int, reduce: str = "sum",
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if num_layers < 1 or num_heads < 1:
+            raise ValueError(f"headscope.AttributionHead: num_layers and num_heads must be "
+                             f">= 1, got {num_layers}, {num_heads}")
+        if reduce not in ("sum", "mean"):
+            raise ValueError(f"headscope.AttributionHead: reduce must be 'sum' or 'mean', "
+                             f"got {reduce!r}")
+        self.num_layers = int(num_layers)
+        self.num_heads = int(num_heads)
+        self.reduce = reduce
+        F = self.num_layers * self.num_heads
+        self.weight = nn.Parameter(torch.zeros(F, dtype=dtype))
+        self.register_buffer("mean", torch.zeros(F, dtype=dtype))
+        self.register_buffer("std", torch.ones(F, dtype=dtype))
+        self.register_buffer("bias", torch.zeros((), dtype=dtype))
+
+    @property
+    def num_features(self) -> int:
+        return self.num_layers * self.num_heads
+
+    def forward(self, features: Tensor) -> Tensor:
+        F = self.num_layers * self.num_heads
+        if features.dim() < 1 or features.size(-1) != F:
+            raise ValueError("headscope.AttributionHead: argument 'features' must have L*H = "
+                             + str(self.num_layers) + "*" + str(self.num_heads) + " = "
+                             + str(F) + " entries in its last dimension, got shape "
+                             + str(features.shape))
+        return torch.ops.headscope.linear_attribution(features, self.weight, self.mean,
+                                                      self.std, float(self.bias.item()))
+
+    @torch.jit.export
+    def predict_subsets(self, scores: Tensor, subsets: Tensor) -> Tensor:
+        """Additive predicted effect of ablating each subset of regions together:
+        ``scores`` ``(..., K)``, ``subsets`` ``(N, K)`` bool -> ``(..., N)``."""
+        if subsets.dim() != 2 or subsets.dtype != torch.bool:
+            raise ValueError("headscope.AttributionHead.predict_subsets: argument 'subsets' "
+                             "must be a bool tensor (N, K), got " + str(subsets.dtype) + " "
+                             + str(subsets.shape))
+        if scores.dim() < 1 or scores.size(-1) != subsets.size(1):
+            raise ValueError("headscope.AttributionHead.predict_subsets: argument 'scores' "
+                             "must have K = " + str(subsets.size(1)) + " regions (the columns "
+                             "of 'subsets') in its last dimension, got " + str(scores.shape))
+        return torch.matmul(scores, subsets.to(scores.dtype).t())
+
+    # ---- fitting (not scripted) ----------------------------------------------------------
+
+    @torch.jit.unused
+    def _store(self, weight: Tensor, mean: Tensor, std: Tensor, bias: float) -> None:
+        with torch.no_grad():
+            self.weight.copy_(weight.to(self.weight))
+            self.mean.copy_(mean.to(self.mean))
+            self.std.copy_(std.to(self.std))
+            self.bias.fill_(bias)
+
+    @torch.jit.unused
+    def fit(self, features: Tensor, targets: Tensor, ridge: float = 0.0) -> "AttributionHead":
+        """Closed-form fit, the seed's estimator: least squares of the standardised targets
+        on the standardised features (optimal for Pearson correlation), in float64.
+
+        ``features`` ``(..., F)``, ``targets`` ``(...)``. ``ridge`` > 0 adds
+        ``ridge * ||w||^2`` (standardised units); 0 gives the seed's minimum-norm
+        ``lstsq``. The stored weight and bias give predictions in the targets' units
+        (the seed's, times the targets' std, plus their mean: the same ranking and LDS).
+        """
+        X, y = _check_fit_data("fit", features, targets, self.num_features)
+        if X.shape[0] < 2:
+            raise ValueError(f"headscope.AttributionHead.fit: need at least 2 samples, got "
+                             f"{X.shape[0]}")
+        if ridge < 0 or not math.isfinite(ridge):
+            raise ValueError(f"headscope.AttributionHead.fit: argument 'ridge' must be a "
+                             f"finite value >= 0, got {ridge}")
+        mean = X.mean(0)
+        std = X.std(0, unbiased=False) + STD_EPS
+        Xs = (X - mean) / std
+        mu_y = y.mean()
+        sd_y = y.std(unbiased=False) + STD_EPS
+        ys = (y - mu_y) / sd_y
+        if ridge == 0:
+            w = torch.linalg.lstsq(Xs, ys.unsqueeze(1), driver="gelsd").solution.squeeze(1)
+        else:
+            A = Xs.T @ Xs + ridge * torch.eye(Xs.shape[1], dtype=Xs.dtype)
+            w = torch.linalg.solve(A, Xs.T @ ys)
+        self._store(w * sd_y, mean, std, float(mu_y))
+        return self
+
+    @torch.jit.unused
+    def fit_pearson(self, loader: Iterable[Tuple[Tensor, Tensor]], epochs: int,
+                    lr: float = 1e-2, progress: bool = False,
+                    group=None) -> "AttributionHead":
+        """Fits by minimising the negative Pearson correlation over minibatches.
+
+        ``loader`` is re-iterable (e.g. a DataLoader) of ``(features (..., F), targets
+        (...))`` batches. One pass computes the standardisation and a start (each
+        feature's own correlation with the targets); then ``epochs`` passes of Adam on
+        ``-pearson(scores, targets)`` per minibatch; a last pass calibrates scale and bias
+        so scores are in the targets' units. Under ``torch.distributed`` (``group``, or
+        the default group when initialised), every moment is all-reduced and so is the
+        gradient: N processes, each with its share of every minibatch, compute exactly the
+        weights one process computes on the whole minibatches. Every process must yield the
+        same number of batches per pass (the collectives run once per batch).
+
+        The loss is formed from the (all-reduced) moments with plain torch ops; the
+        scores go through ``headscope.linear_attribution`` and its C++ autograd kernel.
+        ``progress=True`` prints one line per epoch to stderr (quiet by default).
+        """
+        dist, group = _dist_group(group)
+        F = self.num_features
+
+        def all_sum(t: Tensor) -> Tensor:
+            if dist is not None:
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+            return t
+
+        # Pass 1: n, sum f, sum f^2, sum y, sum y^2, sum f y (float64, all-reduced).
+        acc = torch.zeros(3 * F + 3, dtype=torch.float64)
+        for features, targets in loader:
+            X, y = _check_fit_data("fit_pearson", features, targets, F)
+            acc[0] += X.shape[0]
+            acc[1:1 + F] += X.sum(0)
+            acc[1 + F:1 + 2 * F] += (X * X).sum(0)
+            acc[1 + 2 * F] += y.sum()
+            acc[2 + 2 * F] += (y * y).sum()
+            acc[3 + 2 * F:] += (X * y.unsqueeze(1)).sum(0)
+        all_sum(acc)
+        n = float(acc[0])
+        if n < 2:
+            raise ValueError(f"headscope.AttributionHead.fit_pearson: need at least 2 "
+                             f"samples, got {int(n)}")
+        mean = acc[1:1 + F] / n
+        std = (acc[1 + F:1 + 2 * F] / n - mean * mean).clamp_min(0).sqrt() + STD_EPS
+        my = float(acc[1 + 2 * F]) / n
+        sy = math.sqrt(max(float(acc[2 + 2 * F]) / n - my * my, 0.0)) + STD_EPS
+        cov = acc[3 + 2 * F:] / n - mean * my
+        w = nn.Parameter((cov / (std * sy)).clone())
+        opt = torch.optim.Adam([w], lr=lr)
+
+        def moments(X: Tensor, y: Tensor, wt: Tensor, bias: float = 0.0) -> Tensor:
+            p = torch.ops.headscope.linear_attribution(X, wt, mean, std, bias)
+            return torch.stack([torch.full((), float(X.shape[0]), dtype=torch.float64),
+                                p.sum(), y.sum(), (p * p).sum(), (y * y).sum(), (p * y).sum()])
+
+        def corr(m: Tensor) -> Tensor:
+            n_, sp, sy_, spp, syy, spy = m.unbind()
+            return (n_ * spy - sp * sy_) / torch.sqrt((n_ * spp - sp * sp) * (n_ * syy - sy_ * sy_))
+
+        for epoch in range(epochs):
+            total, batches = 0.0, 0
+            for features, targets in loader:
+                X, y = _check_fit_data("fit_pearson", features, targets, F)
+                opt.zero_grad()
+                local = moments(X, y, w)
+                glob = all_sum(local.detach().clone())
+                # value of the global moments, gradient of the local ones
+                m = local + (glob - local).detach()
+                loss = -corr(m)
+                loss.backward()
+                all_sum(w.grad)
+                opt.step()
+                total += float(loss.detach())
+                batches += 1
+            if progress:
+                print(f"headscope.fit_pearson: epoch {epoch + 1}/{epochs} mean loss "
+                      f"{total / max(batches, 1):.6f}", file=sys.stderr)
+
+        # Calibration: least-squares scale and offset of the targets on the scores.
+        with torch.no_grad():
+            m = torch.zeros(6, dtype=torch.float64)
+            for features, targets in loader:
+                X, y = _check_fit_data("fit_pearson", features, targets, F)
+                m += moments(X, y, w.detach())
+            all_sum(m)
+            n_, sp, sy_, spp, _, spy = m.tolist()
+            var_p = spp / n_ - (sp / n_) ** 2
+            a = (spy / n_ - sp / n_ * sy_ / n_) / var_p if var_p > 0 else 1.0
+            b = sy_ / n_ - a * sp / n_
+        self._store(w.detach() * a, mean, std, b)
+        return self
+
+    # ---- persistence ------------------------------------------------------------------------
+
+    @torch.jit.unused
+    def metadata(self) -> dict:
+        return {"format": FORMAT, "format_version": str(FORMAT_VERSION),
+                "num_layers": str(self.num_layers), "num_heads": str(self.num_heads),
+                "num_features": str(self.num_features), "feature_layout": FEATURE_LAYOUT,
+                "reduce": self.reduce, "dtype": str(self.weight.dtype).replace("torch.", "")}
+
+    @torch.jit.unused
+    def save(self, path) -> None:
+        """Writes weight, mean, std and bias to a safetensors file with metadata."""
+        from safetensors.torch import save_file
+        tensors = {name: t.detach().cpu().contiguous() for name, t in
+                   (("weight", self.weight), ("mean", self.mean), ("std", self.std),
+                    ("bias", self.bias))}
+        save_file(tensors, str(path), metadata=self.metadata())
+
+    @classmethod
+    def load(cls, path, num_layers: Optional[int] = None, num_heads: Optional[int] = None,
+             reduce: Optional[str] = None) -> "AttributionHead":
+        """Reads a head written by ``save``; checks the format, version, sizes, layout and
+        values, and (when given) that num_layers / num_heads / reduce match."""
+        from safetensors import safe_open
+        where = f"headscope.AttributionHead.load({str(path)!r})"
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                keys = set(f.keys())
+                tensors = {k: f.get_tensor(k) for k in keys}
+        except Exception as e:  # safetensors raises several types for damaged files
+            raise ValueError(f"{where}: not a readable safetensors file (truncated or "
+                             f"damaged?): {e}") from e
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"{where}: metadata 'format' must be {FORMAT!r}, got "
+                             f"{meta.get('format')!r}")
+        if meta.get("format_version") != str(FORMAT_VERSION):
+            raise ValueError(f"{where}: metadata 'format_version' must be {FORMAT_VERSION}, "
+                             f"got {meta.get('format_version')!r}")
+        try:
+            L, H, F = (int(meta["num_layers"]), int(meta["num_heads"]),
+                       int(meta["num_features"]))
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{where}: metadata num_layers/num_heads/num_features missing or "
+                             f"not integers: {json.dumps(meta)}") from e
+        if L < 1 or H < 1 or F != L * H:
+            raise ValueError(f"{where}: metadata num_features={F} must equal num_layers * "
+                             f"num_heads = {L}*{H}")
+        if meta.get("feature_layout") != FEATURE_LAYOUT:
+            raise ValueError(f"{where}: metadata 'feature_layout' must be {FEATURE_LAYOUT!r}, "
+                             f"got {meta.get('feature_layout')!r}")
+        if meta.get("reduce") not in ("sum", "mean"):
+            raise ValueError(f"{where}: metadata 'reduce' must be 'sum' or 'mean', got "
+                             f"{meta.get('reduce')!r}")
+        for name, want in (("num_layers", num_layers), ("num_heads", num_heads)):
+            got = L if name == "num_layers" else H
+            if want is not None and want != got:
+                raise ValueError(f"{where}: the file holds a head with {name}={got}, "
+                                 f"expected {want}")
+        if reduce is not None and reduce != meta["reduce"]:
+            raise ValueError(f"{where}: the file holds a head with reduce="
+                             f"{meta['reduce']!r}, expected {reduce!r}")
+        if keys != {"weight", "mean", "std", "bias"}:
+            raise ValueError(f"{where}: tensors must be weight, mean, std, bias; got "
+                             f"{sorted(keys)}")
+        for name in ("weight", "mean", "std"):
+            if tuple(tensors[name].shape) != (F,):
+                raise ValueError(f"{where}: tensor {name!r} must have shape ({F},) = L*H, got "
+                                 f"{tuple(tensors[name].shape)}")
+        if tuple(tensors["bias"].shape) != ():
+            raise ValueError(f"{where}: tensor 'bias' must be a scalar, got shape "
+                             f"{tuple(tensors['bias'].shape)}")
+        for name, t in tensors.items():
+            if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{where}: tensor {name!r} must hold finite floats")
+        if not bool((tensors["std"] > 0).all()):
+            raise ValueError(f"{where}: tensor 'std' must be positive")
+        head = cls(L, H, reduce=meta["reduce"], dtype=tensors["weight"].dtype)
+        head._store(tensors["weight"], tensors["mean"], tensors["std"],
+                    float(tensors["bias"]))
+        return head

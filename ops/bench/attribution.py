@@ -1,0 +1,167 @@
+"""Attribution benchmarks (vStream), per generated token at one decode step:
+
+* region_pool_qk (all layers, from q and the key cache) against the best eager PyTorch
+  formulation (grouped heads without copying K, one matmul, softmax, index_add over
+  regions) and against one scaled_dot_product_attention decode call per layer;
+* region_pool (from given attention probabilities) against its eager formulation;
+* features and scores for all layers (region_pool_qk per layer + linear_attribution);
+* ward_regions against scikit-learn's AgglomerativeClustering (grid connectivity).
+
+Sizes follow the issue: L = 28 layers, H = 28 query heads, Hkv = 4, D = 128, Tk = 4096
+keys of which 1024 are image tokens in K = 64 regions; one K/V cache per layer.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ._util import mib, peak_bytes, print_table, timeit
+
+ops = torch.ops.headscope
+
+
+def _decode_setup(device, quick: bool, dtype=torch.float32):
+    L, H, Hkv, D, Tk, n_img, K = (4, 28, 4, 128, 4096, 1024, 64) if quick else \
+        (28, 28, 4, 128, 4096, 1024, 64)
+    g = torch.Generator().manual_seed(0)
+    qs = [torch.randn(1, H, 1, D, generator=g, dtype=dtype).to(device) for _ in range(L)]
+    ks = [torch.randn(1, Hkv, Tk, D, generator=g, dtype=dtype).to(device) for _ in range(L)]
+    vs = [torch.randn(1, Hkv, Tk, D, generator=g, dtype=dtype).to(device) for _ in range(L)]
+    # image tokens: a contiguous block after a short system prompt, regions of 16 tokens
+    rid = torch.full((1, Tk), -1, dtype=torch.long)
+    start = 64
+    rid[0, start:start + n_img] = torch.arange(n_img) * K // n_img
+    rid = rid.to(device)
+    w = torch.ones(1, 1, device=device)
+    return dict(L=L, H=H, Hkv=Hkv, D=D, Tk=Tk, n_img=n_img, K=K, qs=qs, ks=ks, vs=vs, rid=rid,
+                w=w, scale=1.0 / math.sqrt(D))
+
+
+def eager_pool_qk(q, k, rid_img_pos, rid_img_reg, K, scale):
+    """Best eager formulation: (B, Hkv, G, D) @ (B, Hkv, D, Tk) (K not repeated), softmax,
+    index_add of the image tokens' probabilities into their regions."""
+    B, H, Tq, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    s = torch.matmul(q.view(B, Hkv, G * Tq, D), k.transpose(-1, -2)) * scale
+    p = torch.softmax(s, -1)
+    pooled = p.new_zeros(B, Hkv, G * Tq, K).index_add_(-1, rid_img_reg, p[..., rid_img_pos])
+    return pooled.view(B, H, K).transpose(1, 2)  # (B, K, H), Tq = 1
+
+
+def eager_pool(attn, rid_img_pos, rid_img_reg, K):
+    B, H, Tq, Tk = attn.shape
+    pooled = attn.new_zeros(B, H, Tq, K).index_add_(-1, rid_img_reg, attn[..., rid_img_pos])
+    return pooled.mean(2).transpose(1, 2)
+
+
+def bench_decode(device, quick: bool) -> dict:
+    s = _decode_setup(device, quick)
+    L, K, rid, w, scale = s["L"], s["K"], s["rid"], s["w"], s["scale"]
+    img_pos = (rid[0] >= 0).nonzero().squeeze(1)
+    img_reg = rid[0, img_pos]
+    qs, ks, vs = s["qs"], s["ks"], s["vs"]
+    # correctness of what is timed
+    ref = eager_pool_qk(qs[0], ks[0], img_pos, img_reg, K, scale)
+    got = ops.region_pool_qk(qs[0], ks[0], w, rid, K, scale, False, None, "sum")
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+
+    def run_qk():
+        return [ops.region_pool_qk(qs[i], ks[i], w, rid, K, scale, False, None, "sum")
+                for i in range(L)]
+
+    def run_eager_qk():
+        return [eager_pool_qk(qs[i], ks[i], img_pos, img_reg, K, scale) for i in range(L)]
+
+    def run_sdpa():
+        return [F.scaled_dot_product_attention(qs[i], ks[i], vs[i], enable_gqa=True)
+                for i in range(L)]
+
+    head_w = torch.randn(L * s["H"], device=device)
+    head_mu = torch.zeros(L * s["H"], device=device)
+    head_sd = torch.ones(L * s["H"], device=device)
+
+    def run_features_and_scores():
+        feats = torch.stack(run_qk(), dim=-2).flatten(-2)  # (1, K, L*H)
+        return ops.linear_attribution(feats, head_w, head_mu, head_sd, 0.0)
+
+    kw = dict(warmup=2, min_time=1.0 if not quick else 0.3, max_repeat=30)
+    t_qk = timeit(run_qk, device, **kw)
+    t_eager = timeit(run_eager_qk, device, **kw)
+    t_sdpa = timeit(run_sdpa, device, **kw)
+    t_full = timeit(run_features_and_scores, device, **kw)
+    # region_pool from given probabilities (eager attention keeps them)
+    attns = [torch.softmax(torch.matmul(qs[i].view(1, s["Hkv"], -1, s["D"]),
+                                        ks[i].transpose(-1, -2)) * scale, -1)
+             .view(1, s["H"], 1, s["Tk"]) for i in range(L)]
+    torch.testing.assert_close(ops.region_pool(attns[0], w, rid, K, "sum"),
+                               eager_pool(attns[0], img_pos, img_reg, K), rtol=1e-5, atol=1e-7)
+    t_pool = timeit(lambda: [ops.region_pool(a, w, rid, K, "sum") for a in attns], device, **kw)
+    t_pool_eager = timeit(lambda: [eager_pool(a, img_pos, img_reg, K) for a in attns], device,
+                          **kw)
+    one = lambda f: (lambda: f(0))  # noqa: E731
+    m_qk = peak_bytes(one(lambda i: ops.region_pool_qk(qs[i], ks[i], w, rid, K, scale, False,
+                                                       None, "sum")), device)
+    m_eager = peak_bytes(one(lambda i: eager_pool_qk(qs[i], ks[i], img_pos, img_reg, K, scale)),
+                         device)
+    m_sdpa = peak_bytes(one(lambda i: F.scaled_dot_product_attention(qs[i], ks[i], vs[i],
+                                                                     enable_gqa=True)), device)
+    rows = [
+        {"what": "region_pool_qk", "ms_per_token": 1e3 * t_qk, "eager_ms": 1e3 * t_eager,
+         "vs_eager": t_eager / t_qk, "sdpa_ms": 1e3 * t_sdpa, "vs_sdpa": t_sdpa / t_qk,
+         "peak_MiB_1_layer": mib(m_qk), "eager_peak_MiB": mib(m_eager),
+         "sdpa_peak_MiB": mib(m_sdpa)},
+        {"what": "region_pool (given probs)", "ms_per_token": 1e3 * t_pool,
+         "eager_ms": 1e3 * t_pool_eager, "vs_eager": t_pool_eager / t_pool},
+        {"what": "features+scores (qk, all layers)", "ms_per_token": 1e3 * t_full},
+    ]
+    print_table(f"decode step, per generated token: L={L} layers, H={s['H']}, Hkv={s['Hkv']}, "
+                f"D={s['D']}, Tk={s['Tk']}, {s['n_img']} image tokens, K={K} "
+                f"({device.type}, float32)", rows,
+                ["what", "ms_per_token", "eager_ms", "vs_eager", "sdpa_ms", "vs_sdpa",
+                 "peak_MiB_1_layer", "eager_peak_MiB", "sdpa_peak_MiB"])
+    return {"layers": L, "region_pool_qk_ms": 1e3 * t_qk, "eager_qk_ms": 1e3 * t_eager,
+            "qk_vs_eager": t_eager / t_qk, "sdpa_ms": 1e3 * t_sdpa, "qk_vs_sdpa": t_sdpa / t_qk,
+            "region_pool_ms": 1e3 * t_pool, "eager_pool_ms": 1e3 * t_pool_eager,
+            "pool_vs_eager": t_pool_eager / t_pool, "features_and_scores_ms": 1e3 * t_full,
+            "qk_peak_MiB": mib(m_qk), "eager_peak_MiB": mib(m_eager), "sdpa_peak_MiB": mib(m_sdpa)}
+
+
+def bench_ward(quick: bool) -> dict:
+    try:
+        from sklearn.cluster import AgglomerativeClustering
+        from sklearn.feature_extraction.image import grid_to_graph
+        from sklearn.metrics import adjusted_rand_score
+    except ImportError:
+        print("\n== ward_regions: scikit-learn not installed, skipped")
+        return {}
+    h = w = 16 if quick else 32
+    C, K = 256, 32
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(h * w, C, generator=g)
+    conn = grid_to_graph(h, w)
+    Xn = X.numpy()
+
+    def sk():
+        return AgglomerativeClustering(n_clusters=K, linkage="ward", connectivity=conn).fit(Xn)
+
+    t_ours = timeit(lambda: ops.ward_regions(X, h, w, K), min_time=0.5)
+    t_sk = timeit(sk, min_time=0.5, max_repeat=10)
+    ari = adjusted_rand_score(sk().labels_, ops.ward_regions(X, h, w, K).numpy())
+    row = {"grid": f"{h}x{w}", "C": C, "K": K, "headscope_ms": 1e3 * t_ours,
+           "sklearn_ms": 1e3 * t_sk, "vs_sklearn": t_sk / t_ours, "ARI": ari,
+           "headscope_peak_MiB": mib(peak_bytes(lambda: ops.ward_regions(X, h, w, K))),
+           "sklearn_peak_MiB": mib(peak_bytes(sk))}
+    print_table("ward_regions vs scikit-learn AgglomerativeClustering(ward, grid_to_graph)",
+                [row], list(row))
+    return row
+
+
+def run(device: torch.device, quick: bool) -> dict:
+    t0 = time.perf_counter()
+    out = {"decode": bench_decode(device, quick), "ward": bench_ward(quick)}
+    print(f"\nattribution benchmarks: {time.perf_counter() - t0:.1f} s")
+    return out

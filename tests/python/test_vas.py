@@ -1,0 +1,503 @@
+"""VAS feature ops: exactness against the seed and the project's own reference, dtypes,
+strides, left padding, the NaN/Inf policy, bad inputs, and the torch.compile / export /
+TorchScript paths."""
+from __future__ import annotations
+
+import math
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import headscope
+import vas_reference_impl as ref
+from conftest import load_seed
+
+OPS = torch.ops.headscope
+RTOL, ATOL = 1e-4, 1e-6  # the issue's exactness: 1e-4 relative, or 1e-6 absolute near zero
+
+
+def assert_close(actual, expected, rtol=RTOL, atol=ATOL, what=""):
+    a = np.asarray(actual.detach().cpu() if torch.is_tensor(actual) else actual, dtype=np.float64)
+    e = np.asarray(expected.detach().cpu() if torch.is_tensor(expected) else expected, dtype=np.float64)
+    assert a.shape == e.shape, (a.shape, e.shape)
+    nan_a, nan_e = np.isnan(a), np.isnan(e)
+    assert (nan_a == nan_e).all(), f"{what}: NaN pattern differs"
+    a, e = a[~nan_a], e[~nan_e]
+    err = np.abs(a - e)
+    bad = err > atol + rtol * np.abs(e)
+    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} entries off; worst abs err "
+                           f"{err.max():.3g}, worst rel err {(err / np.maximum(np.abs(e), 1e-30)).max():.3g}")
+
+
+def make_attention(B, H, T, causal, gen, sharpness=2.0, lengths=None, device="cpu"):
+    """Softmax of random logits; keys beyond each sequence's length are masked out (like a
+    padded batch), padded query rows keep a full softmax."""
+    logits = torch.randn(B, H, T, T, generator=gen) * sharpness
+    if causal:
+        logits = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    if lengths is not None:
+        for b, n in enumerate(lengths.tolist()):
+            if 0 < n < T:
+                logits[b, :, :n, n:] = float("-inf")
+    return torch.softmax(logits, -1).to(device)
+
+
+def rand_case(B, H, T, Dh, causal, gen, lengths=None, device="cpu", zero_rows=0):
+    if lengths is None:
+        lengths = torch.randint(0, T + 1, (B,), generator=gen)
+    A = make_attention(B, H, T, causal, gen, lengths=lengths, device=device)
+    V = torch.randn(B, H, T, Dh, generator=gen)
+    if zero_rows:
+        idx = torch.randperm(T, generator=gen)[:zero_rows]
+        V[:, :, idx] = 0
+    return A, V.to(device), lengths.to(device)
+
+
+# ---- exactness against the seed ----------------------------------------------------------
+
+SEED_CASES = [
+    # (B, L, H, T, Dh, causal, lengths, zero_rows)
+    (3, 2, 3, 37, 16, False, [2, 37, 20], 0),
+    (2, 2, 4, 64, 64, True, [64, 5], 3),
+    (1, 1, 1, 1, 3, False, [1], 0),        # T = 1 (T_max < 4)
+    (2, 1, 2, 3, 5, True, [0, 3], 0),      # T_max < 4, an empty sequence
+    (2, 3, 1, 9, 1, False, [3, 9], 2),     # H = 1, Dh = 1, T_b < 4
+    (1, 2, 2, 130, 256, True, [130], 0),   # Dh = 256, partial tiles
+    (2, 1, 2, 300, 7, False, [300, 129], 5),
+    (1, 1, 2, 1024, 64, True, [1024], 0),  # T = 1024
+    (1, 1, 2, 1024, 32, False, [700], 0),
+    (1, 2, 2, 200, 2, False, [200], 0),    # Dh = 2: many Gram entries near -1 (S near 0)
+]
+
+
+def seed_features(seed, attn_list, hw_list, mask):
+    cache = types.SimpleNamespace(attn_weights=attn_list, head_writes=hw_list)
+    ids = torch.zeros(mask.shape, dtype=torch.long)
+    feats, cols = seed.extract_vas(None, ids, mask, cache)
+    return feats, cols
+
+
+def test_columns_match_seed():
+    seed = load_seed("vas_reference")
+    assert headscope.VAS_COLUMNS == list(seed.COLUMNS) == ref.COLUMNS
+    assert len(headscope.VAS_COLUMNS) == 36
+
+
+@pytest.mark.parametrize("case", SEED_CASES, ids=lambda c: "B{}L{}H{}T{}D{}{}".format(*c[:5], "c" if c[5] else ""))
+def test_features_match_seed(case, device):
+    seed = load_seed("vas_reference")
+    B, L, H, T, Dh, causal, lengths, zero_rows = case
+    gen = torch.Generator().manual_seed(B * 1000 + T * 10 + Dh)
+    lengths = torch.tensor(lengths)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    attn, hw = [], []
+    for _ in range(L):
+        A, V, _ = rand_case(B, H, T, Dh, causal, gen, lengths=lengths, zero_rows=zero_rows)
+        attn.append(A)
+        hw.append(V)
+    expected, cols = seed_features(seed, attn, hw, mask)
+    feats, cols2 = headscope.vas_features([a.to(device) for a in attn], [v.to(device) for v in hw],
+                                         mask.to(device))
+    assert cols2 == list(cols)
+    assert feats.dtype == torch.float32 and feats.shape == (B, 36)
+    assert_close(feats, expected, what=f"features {case}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_inputs_match_seed_on_upcast_values(dtype, device):
+    # The op reads float16/bfloat16 and converts each value exactly to float32, the seed
+    # upcasts with .float(): both see the same float32 numbers, so the float32 tolerance holds.
+    seed = load_seed("vas_reference")
+    gen = torch.Generator().manual_seed(7)
+    B, L, H, T, Dh = 2, 2, 3, 50, 32
+    lengths = torch.tensor([50, 17])
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).long()
+    attn = [make_attention(B, H, T, True, gen, lengths=lengths).to(dtype) for _ in range(L)]
+    hw = [torch.randn(B, H, T, Dh, generator=gen).to(dtype) for _ in range(L)]
+    expected, _ = seed_features(seed, attn, hw, mask)
+    feats, _ = headscope.vas_features([a.to(device) for a in attn], [v.to(device) for v in hw],
+                                      mask.to(device))
+    assert_close(feats, expected, what=str(dtype))
+
+
+def test_seed_zero_features_without_head_writes():
+    seed = load_seed("vas_reference")
+    mask = torch.ones(2, 5, dtype=torch.long)
+    attn = [torch.softmax(torch.randn(2, 1, 5, 5), -1)]
+    expected, _ = seed_features(seed, attn, [], mask)
+    feats, _ = headscope.vas_features(attn, [], mask)
+    assert_close(feats, expected, what="no head writes")
+
+
+# ---- exactness against the project's own reference (no ../shared needed) ----------------
+
+OWN_CASES = [
+    # (B, H, T, Dh, causal)
+    (2, 3, 20, 8, False),
+    (3, 2, 129, 16, True),
+    (1, 1, 4, 1, False),
+    (2, 2, 257, 64, False),
+    (1, 3, 200, 2, True),
+    (2, 1, 6, 256, True),
+]
+
+
+@pytest.mark.parametrize("case", OWN_CASES, ids=lambda c: "B{}H{}T{}D{}{}".format(*c[:4], "c" if c[4] else ""))
+def test_head_stats_match_own_reference(case, device):
+    B, H, T, Dh, causal = case
+    gen = torch.Generator().manual_seed(sum(case) + 11)
+    A, V, lengths = rand_case(B, H, T, Dh, causal, gen, device=device, zero_rows=2)
+    out = headscope.vas_head_stats(A, V, lengths)
+    assert out.shape == (B, H, 3) and out.dtype == torch.float32 and out.device == A.device
+    assert_close(out, ref.head_stats(A, V, lengths.cpu()), what=str(case))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_inputs_match_reference(dtype, device):
+    gen = torch.Generator().manual_seed(3)
+    A, V, lengths = rand_case(2, 3, 70, 24, True, gen)
+    A, V = A.to(dtype), V.to(dtype)
+    out = headscope.vas_head_stats(A.to(device), V.to(device), lengths.to(device))
+    assert_close(out, ref.head_stats(A.float(), V.float(), lengths), what=str(dtype))
+    mixed = headscope.vas_head_stats(A.float().to(device), V.to(device), lengths.to(device))
+    assert_close(mixed, ref.head_stats(A.float(), V.float(), lengths), what="mixed dtypes")
+
+
+def test_strided_inputs_read_without_copy(device):
+    gen = torch.Generator().manual_seed(5)
+    B, H, T, Dh = 2, 3, 40, 16
+    A, V, lengths = rand_case(B, H, T, Dh, False, gen, device=device)
+    # head writes laid out (B, T, H, Dh), attention transposed in its last two dims twice
+    V_bthd = V.transpose(1, 2).contiguous()
+    V_view = V_bthd.transpose(1, 2)
+    assert not V_view.is_contiguous()
+    A_view = A.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert not A_view.is_contiguous()
+    expected = headscope.vas_head_stats(A, V, lengths)
+    assert_close(headscope.vas_head_stats(A_view, V_view, lengths), expected, rtol=1e-6, atol=1e-7,
+                 what="strided")
+    # every other head and position of a bigger tensor
+    big_A = torch.zeros(B, 2 * H, T, 2 * T, device=device)
+    big_A[:, ::2, :, ::2] = A
+    big_V = torch.zeros(B, 2 * H, T, Dh + 3, device=device)
+    big_V[:, ::2, :, :Dh] = V
+    assert_close(headscope.vas_head_stats(big_A[:, ::2, :, ::2], big_V[:, ::2, :, :Dh], lengths),
+                 expected, rtol=1e-6, atol=1e-7, what="sliced")
+
+
+def test_results_do_not_depend_on_thread_count():
+    gen = torch.Generator().manual_seed(9)
+    A, V, lengths = rand_case(1, 2, 300, 32, True, gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = headscope.vas_head_stats(A, V, lengths)
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(headscope.vas_head_stats(A, V, lengths), one, rtol=1e-5, atol=1e-7)
+
+
+# ---- the qk op ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 50, 16, 8), (1, 3, 3, 300, 32, 64), (2, 2, 1, 3, 4, 1)],
+                         ids=lambda s: "B{}H{}Hkv{}T{}D{}Dh{}".format(*s))
+def test_qk_equals_materialised_softmax(shape, causal, device):
+    B, H, Hkv, T, D, Dh = shape
+    gen = torch.Generator().manual_seed(T + D)
+    q = torch.randn(B, H, T, D, generator=gen).to(device)
+    k = torch.randn(B, Hkv, T, D, generator=gen).to(device)
+    V = torch.randn(B, H, T, Dh, generator=gen).to(device)
+    lengths = torch.randint(0, T + 1, (B,), generator=gen).to(device)
+    scale = 1.5 / math.sqrt(D)
+    out = headscope.vas_head_stats_qk(q, k, V, lengths, scale, causal)
+    A = ref.attention_from_qk(q, k, scale, causal)
+    assert_close(out, headscope.vas_head_stats(A, V, lengths), rtol=1e-4, atol=1e-6, what="qk")
+    assert_close(out, ref.head_stats(A, V, lengths.cpu()), rtol=1e-4, atol=1e-6, what="qk vs ref")
+
+
+def test_qk_low_precision_and_strides(device):
+    gen = torch.Generator().manual_seed(21)
+    B, H, T, D = 2, 4, 60, 16
+    q = torch.randn(B, T, H, D, generator=gen).to(torch.bfloat16).to(device).transpose(1, 2)
+    k = torch.randn(B, T, 2, D, generator=gen).to(torch.float16).to(device).transpose(1, 2)
+    V = torch.randn(B, T, H, 8, generator=gen).to(device).transpose(1, 2)
+    lengths = torch.tensor([60, 33], device=device)
+    out = headscope.vas_head_stats_qk(q, k, V, lengths, 0.25, True)
+    A = ref.attention_from_qk(q.float(), k.float(), 0.25, True)
+    assert_close(out, headscope.vas_head_stats(A, V, lengths), what="qk strided low precision")
+
+
+def test_qk_default_scale_is_inverse_sqrt_d():
+    gen = torch.Generator().manual_seed(2)
+    q, k, V = (torch.randn(1, 2, 30, 16, generator=gen) for _ in range(3))
+    lengths = torch.tensor([30])
+    assert_close(headscope.vas_head_stats_qk(q, k, V, lengths),
+                 OPS.vas_head_stats_qk(q, k, V, lengths, 0.25, True), rtol=0, atol=0)
+
+
+# ---- aggregation -----------------------------------------------------------------------------
+
+def test_aggregate_matches_reference(device):
+    gen = torch.Generator().manual_seed(4)
+    stats = torch.rand(3, 5, 7, 3, generator=gen, dtype=torch.float64)
+    out = headscope.vas_aggregate(stats.to(device))
+    assert out.shape == (3, 36) and out.dtype == torch.float32
+    assert_close(out, ref.aggregate(stats.numpy()), rtol=1e-6, atol=1e-7, what="aggregate")
+    out32 = headscope.vas_aggregate(stats.float().to(device).transpose(1, 2).contiguous().transpose(1, 2))
+    assert_close(out32, ref.aggregate(stats.float().numpy()), rtol=1e-6, atol=1e-7, what="strided")
+
+
+def test_aggregate_column_meaning():
+    stats = torch.zeros(1, 2, 3, 3)
+    stats[0, 0, :, 0] = torch.tensor([1.0, 2.0, 3.0])  # layer 0, d
+    stats[0, 1, :, 0] = torch.tensor([5.0, 5.0, 5.0])  # layer 1, d
+    out = dict(zip(headscope.VAS_COLUMNS, headscope.vas_aggregate(stats)[0].tolist()))
+    assert out["vas_d_mean_mean"] == pytest.approx((2.0 + 5.0) / 2)
+    assert out["vas_d_mean_max"] == pytest.approx(5.0)
+    assert out["vas_d_std_max"] == pytest.approx(math.sqrt(2 / 3), rel=1e-6)  # population std
+    assert out["vas_d_min_std"] == pytest.approx(2.0)  # std over layers of (1, 5)
+    assert out["vas_c_mean_mean"] == 0.0
+
+
+def test_aggregate_propagates_nan():
+    stats = torch.rand(2, 2, 3, 3)
+    stats[0, 1, 2, 1] = float("nan")
+    out = headscope.vas_aggregate(stats)
+    c_cols = slice(12, 24)
+    assert torch.isnan(out[0, c_cols]).all()
+    assert torch.isfinite(out[0, :12]).all() and torch.isfinite(out[0, 24:]).all()
+    assert torch.isfinite(out[1]).all()
+
+
+# ---- left padding --------------------------------------------------------------------------
+
+def test_left_padding_with_offsets_equals_right_padding(device):
+    gen = torch.Generator().manual_seed(13)
+    B, H, T, Dh = 3, 2, 48, 12
+    lengths = torch.tensor([48, 30, 6])
+    A_r, V_r, _ = rand_case(B, H, T, Dh, True, gen, lengths=lengths)
+    A_l, V_l = torch.zeros_like(A_r), torch.randn(B, H, T, Dh, generator=gen)  # padding: junk
+    A_l += torch.rand(A_l.shape, generator=gen)
+    offsets = T - lengths
+    for b, n in enumerate(lengths.tolist()):
+        o = T - n
+        A_l[b, :, o:, o:] = A_r[b, :, :n, :n]
+        V_l[b, :, o:] = V_r[b, :, :n]
+    right = headscope.vas_head_stats(A_r.to(device), V_r.to(device), lengths.to(device))
+    left = headscope.vas_head_stats(A_l.to(device), V_l.to(device), lengths.to(device),
+                                    offsets.to(device))
+    assert_close(left, right, rtol=1e-6, atol=1e-7, what="left vs right padding")
+    # without offsets the op keeps the seed's first-positions rule: it reads the padding
+    seed_rule = headscope.vas_head_stats(A_l.to(device), V_l.to(device), lengths.to(device))
+    assert_close(seed_rule, ref.head_stats(A_l, V_l, lengths), what="first-T rule")
+    assert not torch.allclose(seed_rule[1:].cpu(), right[1:].cpu(), rtol=1e-3)
+    # the mask helper finds the offsets, vas_features uses them
+    mask = (torch.arange(T)[None, :] >= offsets[:, None]).long()
+    lens, offs = headscope.vas.lengths_and_offsets(mask, left_padding=True)
+    assert lens.tolist() == lengths.tolist() and offs.tolist() == offsets.tolist()
+    f_left, _ = headscope.vas_features([A_l], [V_l], mask, left_padding=True)
+    f_right, _ = headscope.vas_features([A_r], [V_r], (torch.arange(T)[None, :] < lengths[:, None]).long())
+    assert_close(f_left, f_right, rtol=1e-5, atol=1e-7, what="features left padding")
+
+
+def test_offsets_short_sequence_window_moves_left():
+    gen = torch.Generator().manual_seed(17)
+    A, V, _ = rand_case(1, 2, 10, 4, False, gen, lengths=torch.tensor([10]))
+    lengths, offsets = torch.tensor([2]), torch.tensor([8])  # T_b < 4 at the end
+    out = headscope.vas_head_stats(A, V, lengths, offsets)
+    s, n = ref.window(2, 10, 8)
+    assert (s, n) == (6, 4)
+    assert_close(out, ref.head_stats(A, V, lengths, offsets), what="short left-padded")
+
+
+def test_qk_with_offsets(device):
+    gen = torch.Generator().manual_seed(19)
+    q, k, V = (torch.randn(2, 2, 40, 8, generator=gen).to(device) for _ in range(3))
+    lengths = torch.tensor([25, 40], device=device)
+    offsets = torch.tensor([15, 0], device=device)
+    out = headscope.vas_head_stats_qk(q, k, V, lengths, 0.3, True, offsets)
+    A = ref.attention_from_qk(q, k, 0.3, True)
+    assert_close(out, headscope.vas_head_stats(A, V, lengths, offsets), what="qk offsets")
+
+
+# ---- NaN / Inf policy -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_in_window_gives_nan_head(bad, device):
+    gen = torch.Generator().manual_seed(23)
+    A, V, lengths = rand_case(2, 3, 30, 8, False, gen, lengths=torch.tensor([30, 20]))
+    clean = headscope.vas_head_stats(A.to(device), V.to(device), lengths.to(device))
+    A2, V2 = A.clone(), V.clone()
+    A2[0, 1, 5, 7] = bad   # in the window of batch 0, head 1
+    V2[1, 2, 3, 0] = bad   # in the window of batch 1, head 2
+    A2[1, 0, 25, 2] = bad  # outside batch 1's window (20 tokens): ignored
+    out = headscope.vas_head_stats(A2.to(device), V2.to(device), lengths.to(device))
+    nan = torch.isnan(out.cpu())
+    assert nan[0, 1].all() and nan[1, 2].all()
+    nan[0, 1] = False
+    nan[1, 2] = False
+    assert not nan.any()
+    keep = torch.ones(2, 3, dtype=torch.bool)
+    keep[0, 1] = keep[1, 2] = False
+    assert_close(out.cpu()[keep], clean.cpu()[keep], rtol=0, atol=0)
+    q = torch.randn(2, 3, 30, 4, generator=gen)
+    q[0, 0, 2, 1] = bad
+    out_qk = headscope.vas_head_stats_qk(q.to(device), q.to(device), V.to(device),
+                                         lengths.to(device), 0.5, True)
+    assert torch.isnan(out_qk[0, 0]).all() and torch.isfinite(out_qk[1]).all()
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+def _good(T=8, B=2, H=2, Dh=4):
+    A = torch.softmax(torch.randn(B, H, T, T), -1)
+    return A, torch.randn(B, H, T, Dh), torch.full((B,), T)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda A, V, L: (A[:1], V, L), "head_writes"),                       # B mismatch
+    (lambda A, V, L: (A, V[:, :1], L), "head_writes"),                    # H mismatch
+    (lambda A, V, L: (A, V[:, :, :5], L), "head_writes"),                 # T mismatch
+    (lambda A, V, L: (A[..., :5], V, L), "attn"),                         # not square
+    (lambda A, V, L: (A[0], V, L), "attn"),                               # rank
+    (lambda A, V, L: (A, V[0], L), "head_writes"),                        # rank
+    (lambda A, V, L: (A, V, L[:1]), "lengths"),                           # B mismatch
+    (lambda A, V, L: (A, V, L.int()), "lengths"),                         # dtype
+    (lambda A, V, L: (A, V, L[:, None]), "lengths"),                      # rank
+    (lambda A, V, L: (A, V, L + 1), "lengths"),                           # > T
+    (lambda A, V, L: (A, V, L - 9), "lengths"),                           # < 0
+    (lambda A, V, L: (A.double(), V, L), "attn"),                         # dtype
+    (lambda A, V, L: (A, V.to(torch.int32), L), "head_writes"),           # dtype
+    (lambda A, V, L: (A, V[..., :0], L), "head_writes"),                  # Dh = 0
+    (lambda A, V, L: (A[:, :, :0, :0], V[:, :, :0], L * 0), "attn"),      # T = 0
+    (lambda A, V, L: (A, V, L.to("meta")), "lengths"),                    # device
+], ids=["B", "H", "T", "square", "rank_attn", "rank_hw", "lengths_B", "lengths_dtype",
+        "lengths_rank", "lengths_big", "lengths_negative", "attn_dtype", "hw_dtype", "Dh0", "T0",
+        "device"])
+def test_bad_inputs_name_the_argument(mutate, match):
+    args = mutate(*_good())
+    with pytest.raises(RuntimeError, match=rf"headscope::vas_head_stats: argument '{match}'"):
+        OPS.vas_head_stats(*args)
+
+
+def test_bad_offsets():
+    A, V, L = _good()
+    for offsets in (torch.tensor([1, 0]), torch.tensor([-1, 0]), torch.tensor([0]),
+                    torch.tensor([0, 0], dtype=torch.int32)):
+        with pytest.raises(RuntimeError, match="argument 'offsets'"):
+            OPS.vas_head_stats(A, V, L, offsets)
+
+
+def test_bad_qk_inputs():
+    q, k, V = torch.randn(1, 4, 6, 8), torch.randn(1, 3, 6, 8), torch.randn(1, 4, 6, 2)
+    L = torch.tensor([6])
+    with pytest.raises(RuntimeError, match="argument 'k'.*divides"):
+        OPS.vas_head_stats_qk(q, k, V, L, 1.0, True)
+    with pytest.raises(RuntimeError, match="argument 'k'"):
+        OPS.vas_head_stats_qk(q, k[..., :4], V, L, 1.0, True)
+    with pytest.raises(RuntimeError, match="argument 'scale'"):
+        OPS.vas_head_stats_qk(q, k[:, :2], V, L, float("inf"), True)
+    with pytest.raises(RuntimeError, match="argument 'head_writes'"):
+        OPS.vas_head_stats_qk(q, k[:, :2], V[:, :3], L, 1.0, True)
+
+
+def test_bad_aggregate_inputs():
+    with pytest.raises(RuntimeError, match="argument 'head_stats'"):
+        OPS.vas_aggregate(torch.rand(2, 3, 4, 2))
+    with pytest.raises(RuntimeError, match="argument 'head_stats'"):
+        OPS.vas_aggregate(torch.rand(2, 0, 4, 3))
+    with pytest.raises(RuntimeError, match="argument 'head_stats'"):
+        OPS.vas_aggregate(torch.rand(3, 4, 3))
+
+
+def test_short_sequences_and_empty_batch(device):
+    # T_max < 4: the window is the whole T_max (the seed's slicing), lengths 0 allowed
+    A, V, _ = _good(T=3)
+    out = headscope.vas_head_stats(A.to(device), V.to(device), torch.tensor([0, 3], device=device))
+    assert_close(out, ref.head_stats(A, V, [0, 3]), what="T_max < 4")
+    empty = headscope.vas_head_stats(A[:0].to(device), V[:0].to(device),
+                                     torch.zeros(0, dtype=torch.long, device=device))
+    assert empty.shape == (0, 2, 3)
+    assert headscope.vas_aggregate(torch.zeros(0, 2, 2, 3, device=device)).shape == (0, 36)
+
+
+# ---- the accumulator and hooks ------------------------------------------------------------
+
+def test_accumulator_matches_vas_features(device):
+    gen = torch.Generator().manual_seed(29)
+    B, L, H, Hkv, T, D = 2, 3, 4, 2, 33, 8
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 20:] = 0
+    qs = [torch.randn(B, H, T, D, generator=gen).to(device) for _ in range(L)]
+    ks = [torch.randn(B, Hkv, T, D, generator=gen).to(device) for _ in range(L)]
+    hw = [torch.randn(B, H, T, 5, generator=gen).to(device) for _ in range(L)]
+    attn = [ref.attention_from_qk(q, k, D ** -0.5, True) for q, k in zip(qs, ks)]
+    expected, _ = headscope.vas_features(attn, hw, mask.to(device))
+    acc = headscope.VASAccumulator(L, mask.to(device))
+    for layer in reversed(range(L)):  # any order; layer 1 from materialised attention
+        if layer == 1:
+            acc.update(layer, attn[layer], hw[layer])
+        else:
+            acc.update(layer, (qs[layer], ks[layer]), hw[layer])
+    assert acc.head_stats.shape == (B, L, H, 3)
+    assert_close(acc.features(), expected, what="accumulator")
+    partial = headscope.VASAccumulator(L, lengths=torch.tensor([T, 20], device=device))
+    partial.update(0, attn[0], hw[0])
+    with pytest.raises(RuntimeError, match=r"layers \[1, 2\]"):
+        partial.features()
+    with pytest.raises(IndexError, match="layer_idx"):
+        partial.update(L, attn[0], hw[0])
+
+
+# ---- opcheck, torch.compile, torch.export, TorchScript ------------------------------------
+
+def _small_args(device="cpu"):
+    gen = torch.Generator().manual_seed(31)
+    A, V, lengths = rand_case(2, 2, 9, 3, True, gen, lengths=torch.tensor([9, 2]), device=device)
+    q = torch.randn(2, 2, 9, 4, generator=gen).to(device)
+    k = torch.randn(2, 1, 9, 4, generator=gen).to(device)
+    return A, V, lengths, q, k
+
+
+def test_opcheck_every_op(device):
+    A, V, lengths, q, k = _small_args(device)
+    offsets = torch.tensor([0, 3], device=device)
+    torch.library.opcheck(OPS.vas_head_stats.default, (A, V, lengths))
+    torch.library.opcheck(OPS.vas_head_stats.default, (A, V, lengths, offsets))
+    torch.library.opcheck(OPS.vas_head_stats_qk.default, (q, k, V, lengths, 0.5, True))
+    torch.library.opcheck(OPS.vas_head_stats_qk.default, (q, k, V, lengths, 0.5, False, offsets))
+    torch.library.opcheck(OPS.vas_aggregate.default, (torch.rand(2, 3, 2, 3, device=device),))
+
+
+class _VASModule(torch.nn.Module):
+    def forward(self, A, V, lengths, q, k):
+        s1 = torch.ops.headscope.vas_head_stats(A, V, lengths)
+        s2 = torch.ops.headscope.vas_head_stats_qk(q, k, V, lengths, 0.5, True)
+        return torch.ops.headscope.vas_aggregate(torch.stack([s1, s2], dim=1))
+
+
+def test_torch_compile_fullgraph(device):
+    args = _small_args(device)
+    module = _VASModule()
+    compiled = torch.compile(module, fullgraph=True, backend="inductor" if device.type == "cuda" else "aot_eager")
+    assert_close(compiled(*args), module(*args), rtol=0, atol=0, what="compile")
+
+
+def test_torch_export(device):
+    args = _small_args(device)
+    module = _VASModule()
+    exported = torch.export.export(module, args)
+    names = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+    assert {"headscope.vas_head_stats.default", "headscope.vas_head_stats_qk.default",
+            "headscope.vas_aggregate.default"} <= names
+    assert_close(exported.module()(*args), module(*args), rtol=0, atol=0, what="export")
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script.*:DeprecationWarning")
+def test_torchscript(device):
+    args = _small_args(device)
+    scripted = torch.jit.script(_VASModule())
+    assert_close(scripted(*args), _VASModule()(*args), rtol=0, atol=0, what="script")

@@ -1,0 +1,97 @@
+"""The project's own dense reference for the vas ops (tests run it without ../shared).
+
+A direct NumPy transcription of the VAS definitions, in float32 like the seed: per head
+it forms both T x T matrices, centres them and takes norms, CKA and the row KL with the
+seed's normalisation (each matrix divided by its largest row sum, clipped at 1e-12).
+It adds the window options of the ops (``offsets`` for left padding).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+COLUMNS = [f"vas_{q}_{hagg}_{lstat}" for q in ("d", "c", "r")
+           for hagg in ("mean", "std", "max", "min") for lstat in ("mean", "std", "max")]
+
+
+def window(length: int, T: int, offset: int | None = None) -> tuple[int, int]:
+    """(start, n): n = max(min(length, T), 4) bounded by T; start 0, or the offset moved
+    left until the window fits."""
+    n = min(max(min(length, T), 4), T)
+    start = 0 if offset is None else max(0, min(offset, T - n))
+    return start, n
+
+
+def _center(K):
+    return K - K.mean(axis=0, keepdims=True) - K.mean(axis=1, keepdims=True) + K.mean()
+
+
+def head_stats_dense(A: np.ndarray, V: np.ndarray) -> tuple[float, float, float]:
+    """(d, c, r) of one head from A (n, n) and V (n, Dh), float32 arithmetic."""
+    A = A.astype(np.float32)
+    V = V.astype(np.float32)
+    nrm = np.linalg.norm(V, axis=-1, keepdims=True)  # float32, NumPy's pairwise sum
+    Vn = V / np.maximum(nrm, np.float32(1e-9))
+    S = (Vn @ Vn.T + np.float32(1.0)) / np.float32(2.0)
+    Ac, Sc = _center(A), _center(S)
+    d = float(np.linalg.norm(Ac - Sc)) / max(float(np.linalg.norm(A)) * float(np.linalg.norm(S)), 1e-9)
+    num = float(np.sum(Ac.astype(np.float64) * Sc))
+    d1 = float(np.sum(Ac.astype(np.float64) ** 2))
+    d2 = float(np.sum(Sc.astype(np.float64) ** 2))
+    c = num / max(np.sqrt(d1 * d2), 1e-12)
+    eps = np.float32(1e-12)
+    p = A / max(A.sum(-1).max(), eps)
+    q = S / max(S.sum(-1).max(), eps)
+    p = np.clip(p, eps, None)
+    q = np.clip(q, eps, None)
+    r = float((p.astype(np.float64) * np.log(p / q)).sum(-1).mean())
+    return d, c, r
+
+
+def head_stats(attn: torch.Tensor, head_writes: torch.Tensor, lengths, offsets=None) -> np.ndarray:
+    """(B, H, 3) float64 like headscope.vas_head_stats (NaN for heads with non-finite input)."""
+    A = attn.detach().float().cpu().numpy()
+    V = head_writes.detach().float().cpu().numpy()
+    B, H, T, _ = A.shape
+    out = np.zeros((B, H, 3))
+    for b in range(B):
+        s, n = window(int(lengths[b]), T, None if offsets is None else int(offsets[b]))
+        for h in range(H):
+            a, v = A[b, h, s:s + n, s:s + n], V[b, h, s:s + n]
+            if not (np.isfinite(a).all() and np.isfinite(v).all()):
+                out[b, h] = np.nan
+                continue
+            with np.errstate(all="ignore"):
+                out[b, h] = head_stats_dense(a, v)
+    return out
+
+
+def attention_from_qk(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """softmax(q k^T * scale + causal mask) with grouped-query heads, float32."""
+    q, k = q.float(), k.float()
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    logits = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        T = q.shape[2]
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        logits = logits.masked_fill(mask, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def aggregate(head_stats: np.ndarray) -> np.ndarray:
+    """(B, L, H, 3) -> (B, 36): per layer mean/std/max/min over heads (stored float32),
+    then per column mean/std/max over layers."""
+    hs = np.asarray(head_stats, dtype=np.float64)
+    B, L, H, _ = hs.shape
+    feats = np.zeros((B, 36), dtype=np.float32)
+    for b in range(B):
+        idx = 0
+        for qi in range(3):
+            x = hs[b, :, :, qi]
+            lay = np.stack([x.mean(1), x.std(1), x.max(1), x.min(1)], 1).astype(np.float32)
+            for a in range(4):
+                col = lay[:, a]
+                feats[b, idx:idx + 3] = [col.mean(), col.std(), col.max()]
+                idx += 3
+    return feats
