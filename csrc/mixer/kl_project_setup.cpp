@@ -18,8 +18,6 @@ Projection prepare_projection(const at::Tensor& log_u_ref, const at::Tensor& log
   p.problems = c10::multiply_integers(batch);
   p.n = sizes[sizes.size() - 2];
   p.r = static_cast<int>(sizes.back());
-  p.a = log_u_ref.to(at::kDouble).contiguous();
-  p.b = log_v_ref.to(at::kDouble).contiguous();
   const auto opts = log_u_ref.options();
   p.U = at::empty(sizes, opts);
   p.V = at::empty(sizes, opts);

@@ -12,7 +12,6 @@ struct Projection {
   int64_t problems = 0;  // product of the batch dims
   int64_t n = 0;
   int r = 0;
-  at::Tensor a, b;                      // log references as contiguous float64 (..., n, r)
   at::Tensor U, V, z, iters, residual;  // outputs, allocated, in the schema's dtypes
 
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> outputs() const {

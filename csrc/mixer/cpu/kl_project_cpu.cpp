@@ -38,18 +38,20 @@ double max_abs_diff(const double* a, const double* b, int r) {  // NaN-propagati
 // once, it turns each Newton evaluation into n*r multiplications instead of n*r exponentials.
 // When a factor could underflow (extreme inputs or z), evaluation falls back to the seed's
 // direct form, exp(L_ij + sign z_j - max_j(...)).
+template <typename scalar_t>
 class SoftmaxRows {
  public:
-  SoftmaxRows(const double* L, int64_t n, int r, int sign, double* E)
+  SoftmaxRows(const scalar_t* L, int64_t n, int r, int sign, double* E)
       : L_(L), n_(n), r_(r), sign_(sign), E_(E), c_(r), s_(r) {
     std::fill(c_.begin(), c_.end(), -std::numeric_limits<double>::infinity());
     // E first holds the row-centred L, then its exponential.
     for (int64_t i = 0; i < n; ++i) {
-      const double* li = L + i * r;
+      const scalar_t* li = L + i * r;
       double* ei = E + i * r;
-      const double rowmax = *std::max_element(li, li + r);
+      double rowmax = -std::numeric_limits<double>::infinity();
+      for (int j = 0; j < r; ++j) rowmax = std::max(rowmax, static_cast<double>(li[j]));
       for (int j = 0; j < r; ++j) {
-        ei[j] = li[j] - rowmax;
+        ei[j] = static_cast<double>(li[j]) - rowmax;
         c_[j] = std::max(c_[j], ei[j]);
       }
     }
@@ -84,7 +86,7 @@ class SoftmaxRows {
         const double* ei = E_ + i * r_;
         for (int j = 0; j < r_; ++j) u[j] = ei[j] * s_[j];
       } else {
-        const double* li = L_ + i * r_;
+        const scalar_t* li = L_ + i * r_;
         double m = -std::numeric_limits<double>::infinity();
         for (int j = 0; j < r_; ++j) m = std::max(m, li[j] + sign_ * z[j]);
         for (int j = 0; j < r_; ++j) u[j] = std::exp(li[j] + sign_ * z[j] - m);
@@ -100,7 +102,7 @@ class SoftmaxRows {
   }
 
  private:
-  const double* L_;
+  const scalar_t* L_;
   int64_t n_;
   int r_;
   int sign_;
@@ -129,12 +131,11 @@ void gram(const double* __restrict__ P, int64_t count, int r, double* __restrict
   }
 }
 
-// Column sums of U and V at one z, with their rows ([U; V], 2n x r) in `rows`.
+// Column sums of U and V at one z.
 struct State {
   std::vector<double> cu, cv;
-  double* rows;
   double grad_sq = 0;
-  State(int r, double* rows) : cu(r), cv(r), rows(rows) {}
+  explicit State(int r) : cu(r), cv(r) {}
 };
 
 struct Solution {
@@ -142,34 +143,39 @@ struct Solution {
   double residual;
 };
 
-// scratch: 6 n r doubles (E of both factors, then the rows of two states).
+// scratch: 4 n r doubles, E of both factors, then the rows [U; V] (2n x r) of the last
+// evaluation. Only the current state's Hessian needs rows, and it is formed right after the
+// evaluation that accepted the state, so one rows buffer serves the state and the trials.
 template <typename scalar_t>
-Solution solve_one(const double* a, const double* b, int64_t n, int r, double tol,
+Solution solve_one(const scalar_t* a, const scalar_t* b, int64_t n, int r, double tol,
                    int64_t max_iter, double* scratch, scalar_t* U, scalar_t* V, scalar_t* z_out) {
-  SoftmaxRows pu(a, n, r, +1, scratch);
-  SoftmaxRows pv(b, n, r, -1, scratch + n * r);
+  SoftmaxRows<scalar_t> pu(a, n, r, +1, scratch);
+  SoftmaxRows<scalar_t> pv(b, n, r, -1, scratch + n * r);
+  double* rows = scratch + 2 * n * r;
 
   auto evaluate = [&](const std::vector<double>& z, State& s) {
     std::fill(s.cu.begin(), s.cu.end(), 0.0);
     std::fill(s.cv.begin(), s.cv.end(), 0.0);
-    pu.evaluate(z.data(), s.rows, s.cu.data());
-    pv.evaluate(z.data(), s.rows + n * r, s.cv.data());
+    pu.evaluate(z.data(), rows, s.cu.data());
+    pv.evaluate(z.data(), rows + n * r, s.cv.data());
     s.grad_sq = 0;
     for (int j = 0; j < r; ++j) s.grad_sq += (s.cu[j] - s.cv[j]) * (s.cu[j] - s.cv[j]);
   };
 
   std::vector<double> z(r, 0.0), zn(r), grad(r), H(r * r), step(std::max(r - 1, 1)),
       work(r * r + r);
-  State state(r, scratch + 2 * n * r), trial(r, scratch + 4 * n * r);
+  State state(r), trial(r);
   evaluate(z, state);
+  bool rows_at_z = true;
   int64_t it = 0;
   for (; it < max_iter; ++it) {
     if (max_abs_diff(state.cu.data(), state.cv.data(), r) < tol) break;
     // H = diag(cu + cv) - [U; V]^T [U; V]
-    gram(state.rows, 2 * n, r, H.data());
+    gram(rows, 2 * n, r, H.data());
     for (int j = 0; j < r; ++j) {
       grad[j] = state.cu[j] - state.cv[j];
-      for (int k = 0; k < r; ++k) H[j * r + k] = (j == k ? state.cu[j] + state.cv[j] : 0.0) - H[j * r + k];
+      for (int k = 0; k < r; ++k)
+        H[j * r + k] = (j == k ? state.cu[j] + state.cv[j] : 0.0) - H[j * r + k];
     }
     if (!solve_reduced_newton(H.data(), grad.data(), r, work.data(), step.data())) break;
     bool accepted = false;
@@ -184,15 +190,16 @@ Solution solve_one(const double* a, const double* b, int64_t n, int r, double to
         break;
       }
     }
+    rows_at_z = accepted;
     if (!accepted) break;
   }
   // The seed reports it + 1 (the number of states it examined), capped at max_iter.
   const int64_t iters = std::min(it + 1, max_iter);
 
-  // state.rows holds U and V at the final z.
+  if (!rows_at_z) evaluate(z, state);  // the line search stalled: rows hold a rejected trial
   for (int64_t e = 0; e < n * r; ++e) {
-    U[e] = static_cast<scalar_t>(state.rows[e]);
-    V[e] = static_cast<scalar_t>(state.rows[n * r + e]);
+    U[e] = static_cast<scalar_t>(rows[e]);
+    V[e] = static_cast<scalar_t>(rows[n * r + e]);
   }
   for (int j = 0; j < r; ++j) z_out[j] = static_cast<scalar_t>(z[j]);
   return {iters, max_abs_diff(state.cu.data(), state.cv.data(), r)};
@@ -204,21 +211,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_projec
                               "the dense r x r Newton system");
   const int64_t n = p.n;
   const int r = p.r;
-  auto scratch = at::empty({p.problems, 6, n, r}, p.a.options());
+  const auto a = log_u_ref.contiguous();
+  const auto b = log_v_ref.contiguous();
   AT_DISPATCH_FLOATING_TYPES(p.U.scalar_type(), "kl_project_cpu", [&] {
-    const double* pa = p.a.const_data_ptr<double>();
-    const double* pb = p.b.const_data_ptr<double>();
+    const scalar_t* pa = a.const_data_ptr<scalar_t>();
+    const scalar_t* pb = b.const_data_ptr<scalar_t>();
     scalar_t* pU = p.U.mutable_data_ptr<scalar_t>();
     scalar_t* pV = p.V.mutable_data_ptr<scalar_t>();
     scalar_t* pz = p.z.mutable_data_ptr<scalar_t>();
     int64_t* pit = p.iters.mutable_data_ptr<int64_t>();
     double* pres = p.residual.mutable_data_ptr<double>();
-    double* pscratch = scratch.mutable_data_ptr<double>();
     at::parallel_for(0, p.problems, 1, [&](int64_t begin, int64_t end) {
+      // One scratch per task, reused by its problems: O(threads * n * r), not O(batch * n * r).
+      auto scratch = at::empty({4, n, r}, at::TensorOptions().dtype(at::kDouble));
       for (int64_t i = begin; i < end; ++i) {
         const int64_t off = i * n * r;
-        const auto sol = solve_one(pa + off, pb + off, n, r, tol, max_iter, pscratch + 6 * off,
-                                   pU + off, pV + off, pz + i * r);
+        const auto sol = solve_one(pa + off, pb + off, n, r, tol, max_iter,
+                                   scratch.mutable_data_ptr<double>(), pU + off, pV + off,
+                                   pz + i * r);
         pit[i] = sol.iters;
         pres[i] = sol.residual;
       }

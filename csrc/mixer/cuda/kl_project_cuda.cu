@@ -197,6 +197,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_projec
   const int64_t n = p.n;
   const int r = p.r;
   if (p.problems == 0) return p.outputs();
+  const auto a = log_u_ref.to(at::kDouble).contiguous();
+  const auto b = log_v_ref.to(at::kDouble).contiguous();
 
   const size_t smem =
       sizeof(double) * (2 * kTileRows * r + 2 * (r * r + 2 * r) + 4 * r + 2 * r * r);
@@ -210,7 +212,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_projec
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
     kernel<<<static_cast<unsigned>(p.problems), kThreads, smem, stream>>>(
-        p.a.const_data_ptr<double>(), p.b.const_data_ptr<double>(), n, r, tol, max_iter,
+        a.const_data_ptr<double>(), b.const_data_ptr<double>(), n, r, tol, max_iter,
         p.U.mutable_data_ptr<scalar_t>(), p.V.mutable_data_ptr<scalar_t>(),
         p.z.mutable_data_ptr<scalar_t>(), p.iters.mutable_data_ptr<int64_t>(),
         p.residual.mutable_data_ptr<double>());
