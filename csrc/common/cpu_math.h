@@ -9,8 +9,8 @@ namespace headscope {
 
 // exp(x) for x in [-700, 0], within about 2 ulp of std::exp: x = k ln2 + f with
 // |f| <= ln2 / 2, e^f by its Taylor series to degree 13 (truncation < 1e-17), and
-// 2^k assembled in the exponent bits. Arguments outside the range are the caller's
-// business (the kernels check their ranges before choosing this path).
+// 2^k assembled in the exponent bits. Arguments outside the range give meaningless
+// values (never undefined behaviour): callers check their ranges before using results.
 inline double exp_nonpositive(double x) {
   constexpr double kLog2e = 1.4426950408889634;
   constexpr double kLn2Hi = 6.93147180369123816490e-01;
@@ -36,7 +36,7 @@ inline double exp_nonpositive(double x) {
   int64_t ti, si;
   std::memcpy(&ti, &t, sizeof ti);
   std::memcpy(&si, &kShifter, sizeof si);
-  const int64_t bits = (ti - si + 1023) << 52;  // 2^k
+  const uint64_t bits = static_cast<uint64_t>(ti - si + 1023) << 52;  // 2^k
   double scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;

@@ -55,16 +55,15 @@ class SoftmaxRows {
         c_[j] = std::max(c_[j], ei[j]);
       }
     }
-    // Exponentials in the same pass as the range check: when the range turns out too
-    // wide the fast form is not used, so out-of-range results are never read.
+    // The range check and the exponentials are separate loops: a min-reduction (or any
+    // branch) in the loop would keep the compiler from vectorising exp_nonpositive. When
+    // the range is too wide the fast form is not used and E is never read.
     double lowest = 0;
+    for (int64_t i = 0; i < n; ++i)
+      for (int j = 0; j < r; ++j) lowest = std::min(lowest, E[i * r + j] - c_[j]);
     for (int64_t i = 0; i < n; ++i) {
       double* ei = E + i * r;
-      for (int j = 0; j < r; ++j) {
-        const double x = ei[j] - c_[j];
-        lowest = std::min(lowest, x);
-        ei[j] = exp_nonpositive(std::max(x, -kFastRange));
-      }
+      for (int j = 0; j < r; ++j) ei[j] = exp_nonpositive(ei[j] - c_[j]);
     }
     fast_ok_ = n > 0 && lowest >= -kFastRange;  // NaN inputs reach the residual either way
   }
