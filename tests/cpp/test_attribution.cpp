@@ -1,6 +1,7 @@
 // GoogleTest of the attribution family through the C++ API (headscope::region_pool, ...),
 // against straightforward loops written here; no Python.
 #include "headscope.h"
+#include "test_util.h"
 
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/arange.h>
@@ -69,14 +70,7 @@ at::Tensor random_regions(int64_t B, int64_t Tk, int64_t K) {
   return rid;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using headscope::testing::error_of;
 
 }  // namespace
 

@@ -1,6 +1,7 @@
 // The vas ops through the C++ API (headscope::vas_head_stats, ...), against dense loops
 // written here from the definitions; no Python.
 #include "headscope.h"
+#include "test_util.h"
 
 #include <ATen/ops/allclose.h>
 #include <ATen/ops/isfinite.h>
@@ -124,14 +125,7 @@ at::Tensor causal_softmax(at::Tensor logits, bool causal) {
   return at::softmax(logits, -1);
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using headscope::testing::error_of;
 
 }  // namespace
 
