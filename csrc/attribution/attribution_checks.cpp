@@ -3,6 +3,7 @@
 #include "common/checks.h"
 
 #include <ATen/ops/any.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/all.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/sum.h>
@@ -27,6 +28,38 @@ const std::initializer_list<at::ScalarType> kFloat = {at::kFloat, at::kDouble, a
 
 at::ScalarType accum_dtype(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+LinearRows prepare_linear_attribution(const at::Tensor& features, const at::Tensor& weight,
+                                      const at::Tensor& mean, const at::Tensor& std) {
+  check_linear_attribution_args(features, weight, mean, std);
+  LinearRows p;
+  auto out_sizes = features.sizes().vec();
+  p.F = out_sizes.back();
+  out_sizes.pop_back();
+  p.out = at::empty(out_sizes, features.options());
+  p.rows = p.out.numel();
+  if (p.rows == 0) return p;
+  p.features = features.contiguous();
+  const auto acc = accum_dtype(features.scalar_type());
+  p.scaled_weight = weight.to(at::kDouble).div(std.to(at::kDouble)).to(acc).contiguous();
+  p.mean = mean.to(acc).contiguous();
+  return p;
+}
+
+CorrelationRows prepare_correlation(const char* op, const at::Tensor& pred,
+                                    const at::Tensor& target, int64_t dim) {
+  const int64_t d = check_correlation_args(op, pred, target, dim);
+  CorrelationRows p;
+  auto out_sizes = pred.sizes().vec();
+  out_sizes.erase(out_sizes.begin() + d);
+  p.out = at::empty(out_sizes, pred.options());
+  p.rows = p.out.numel();
+  if (p.rows == 0) return p;
+  p.n = pred.size(d);
+  p.x = pred.movedim(d, -1).to(at::kDouble).contiguous();
+  p.y = target.movedim(d, -1).to(at::kDouble).contiguous();
+  return p;
 }
 
 bool parse_reduce(const char* op, c10::string_view reduce) {

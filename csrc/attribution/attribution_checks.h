@@ -33,6 +33,28 @@ void check_linear_attribution_args(const at::Tensor& features, const at::Tensor&
 int64_t check_correlation_args(const char* op, const at::Tensor& pred, const at::Tensor& target,
                                int64_t dim);
 
+// Checked arguments and allocated output of linear_attribution, shared by the CPU and
+// CUDA kernels: features as contiguous rows of F, weight / std and mean in the
+// accumulation dtype (weight / std divided in double).
+struct LinearRows {
+  at::Tensor out;       // (...), features' dtype
+  at::Tensor features;  // (rows, F) contiguous view or copy
+  at::Tensor scaled_weight, mean;  // (F,) accum_dtype
+  int64_t rows = 0, F = 0;
+};
+LinearRows prepare_linear_attribution(const at::Tensor& features, const at::Tensor& weight,
+                                      const at::Tensor& mean, const at::Tensor& std);
+
+// Checked arguments and allocated output of spearman/pearson: both inputs as contiguous
+// float64 rows (rows x n) with the correlation dim last.
+struct CorrelationRows {
+  at::Tensor out;  // pred's sizes without dim, pred's dtype
+  at::Tensor x, y;
+  int64_t rows = 0, n = 0;
+};
+CorrelationRows prepare_correlation(const char* op, const at::Tensor& pred,
+                                    const at::Tensor& target, int64_t dim);
+
 void check_ward_args(const at::Tensor& features, int64_t height, int64_t width,
                      int64_t num_regions);
 

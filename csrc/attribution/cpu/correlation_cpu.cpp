@@ -5,7 +5,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -65,16 +64,10 @@ namespace {
 template <bool kRank>
 at::Tensor correlation_cpu(const char* op, const at::Tensor& pred, const at::Tensor& target,
                            int64_t dim) {
-  const int64_t d = check_correlation_args(op, pred, target, dim);
-  auto out_sizes = pred.sizes().vec();
-  out_sizes.erase(out_sizes.begin() + d);
-  auto out = at::empty(out_sizes, pred.options());
-  const int64_t rows = out.numel();
-  if (rows == 0) return out;
-  const int64_t n = pred.size(d);
-  // rows x n, double, contiguous (one copy of each input; converts the dtype too).
-  const auto x = pred.movedim(d, -1).to(at::kDouble).contiguous();
-  const auto y = target.movedim(d, -1).to(at::kDouble).contiguous();
+  const auto p = prepare_correlation(op, pred, target, dim);
+  const int64_t rows = p.rows, n = p.n;
+  if (rows == 0) return p.out;
+  const auto &x = p.x, &y = p.y, &out = p.out;
   const double* xp = x.const_data_ptr<double>();
   const double* yp = y.const_data_ptr<double>();
   std::vector<double> res(rows);

@@ -5,41 +5,23 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
-
-#include <vector>
 
 namespace headscope::attribution::cpu {
 namespace {
 
 at::Tensor linear_attribution_cpu(const at::Tensor& features, const at::Tensor& weight,
                                   const at::Tensor& mean, const at::Tensor& std, double bias) {
-  check_linear_attribution_args(features, weight, mean, std);
-  auto out_sizes = features.sizes().vec();
-  const int64_t F = out_sizes.back();
-  out_sizes.pop_back();
-  auto out = at::empty(out_sizes, features.options());
-  const int64_t rows = out.numel();
-  if (rows == 0) return out;
-  const auto f = features.contiguous();
-  // weight / std and mean once, in double (F values).
-  const auto w64 = weight.to(at::kDouble).contiguous();
-  const auto m64 = mean.to(at::kDouble).contiguous();
-  const auto s64 = std.to(at::kDouble).contiguous();
+  const auto p = prepare_linear_attribution(features, weight, mean, std);
+  const int64_t rows = p.rows, F = p.F;
+  if (rows == 0) return p.out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(),
                                   "headscope_linear_attribution_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    std::vector<acc_t> ws(F), mu(F);
-    const double* wp = w64.const_data_ptr<double>();
-    const double* mp = m64.const_data_ptr<double>();
-    const double* sp = s64.const_data_ptr<double>();
-    for (int64_t j = 0; j < F; ++j) {
-      ws[j] = static_cast<acc_t>(wp[j] / sp[j]);
-      mu[j] = static_cast<acc_t>(mp[j]);
-    }
-    const scalar_t* fp = f.const_data_ptr<scalar_t>();
-    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    const acc_t* ws = p.scaled_weight.const_data_ptr<acc_t>();
+    const acc_t* mu = p.mean.const_data_ptr<acc_t>();
+    const scalar_t* fp = p.features.const_data_ptr<scalar_t>();
+    scalar_t* op = p.out.mutable_data_ptr<scalar_t>();
     const acc_t b0 = static_cast<acc_t>(bias);
     const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(F, 1));
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
@@ -56,7 +38,7 @@ at::Tensor linear_attribution_cpu(const at::Tensor& features, const at::Tensor& 
       }
     });
   });
-  return out;
+  return p.out;
 }
 
 }  // namespace

@@ -39,18 +39,10 @@ __global__ void linear_kernel(const scalar_t* __restrict__ f, const acc_t* __res
 
 at::Tensor linear_attribution_cuda(const at::Tensor& features, const at::Tensor& weight,
                                    const at::Tensor& mean, const at::Tensor& std, double bias) {
-  check_linear_attribution_args(features, weight, mean, std);
   const c10::cuda::CUDAGuard guard(features.device());
-  auto out_sizes = features.sizes().vec();
-  const int64_t F = out_sizes.back();
-  out_sizes.pop_back();
-  auto out = at::empty(out_sizes, features.options());
-  const int64_t rows = out.numel();
-  if (rows == 0) return out;
-  const auto f = features.contiguous();
-  const auto acc_type = accum_dtype(features.scalar_type());
-  const auto ws = weight.to(at::kDouble).div(std.to(at::kDouble)).to(acc_type).contiguous();
-  const auto mu = mean.to(acc_type).contiguous();
+  const auto p = prepare_linear_attribution(features, weight, mean, std);
+  const int64_t rows = p.rows, F = p.F;
+  if (rows == 0) return p.out;
   const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(),
                                   "headscope_linear_attribution_cuda", [&] {
@@ -58,11 +50,12 @@ at::Tensor linear_attribution_cuda(const at::Tensor& features, const at::Tensor&
     const unsigned blocks = static_cast<unsigned>((rows * 32 + kThreads - 1) / kThreads);
     auto kernel = linear_kernel<scalar_t, acc_t>;
     kernel<<<blocks, kThreads, 0, stream>>>(
-        f.const_data_ptr<scalar_t>(), ws.const_data_ptr<acc_t>(), mu.const_data_ptr<acc_t>(),
-        static_cast<acc_t>(bias), rows, F, out.mutable_data_ptr<scalar_t>());
+        p.features.const_data_ptr<scalar_t>(), p.scaled_weight.const_data_ptr<acc_t>(),
+        p.mean.const_data_ptr<acc_t>(), static_cast<acc_t>(bias), rows, F,
+        p.out.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return out;
+  return p.out;
 }
 
 // ---- correlations -------------------------------------------------------------------------------
@@ -144,16 +137,11 @@ __global__ void rank_kernel(const double* __restrict__ x, int64_t rows, int64_t 
 template <bool kRank>
 at::Tensor correlation_cuda(const char* op, const at::Tensor& pred, const at::Tensor& target,
                             int64_t dim) {
-  const int64_t d = check_correlation_args(op, pred, target, dim);
   const c10::cuda::CUDAGuard guard(pred.device());
-  auto out_sizes = pred.sizes().vec();
-  out_sizes.erase(out_sizes.begin() + d);
-  auto out = at::empty(out_sizes, pred.options());
-  const int64_t rows = out.numel();
-  if (rows == 0) return out;
-  const int64_t n = pred.size(d);
-  auto x = pred.movedim(d, -1).to(at::kDouble).contiguous();
-  auto y = target.movedim(d, -1).to(at::kDouble).contiguous();
+  auto p = prepare_correlation(op, pred, target, dim);
+  const int64_t rows = p.rows, n = p.n;
+  if (rows == 0) return p.out;
+  at::Tensor x = p.x, y = p.y, out = p.out;
   const auto stream = at::cuda::getCurrentCUDAStream();
   if constexpr (kRank) {
     auto rx = at::empty(x.sizes(), x.options()), ry = at::empty(y.sizes(), y.options());
