@@ -4,11 +4,14 @@
 // row-normalised head writes, G = Vn Vn^T, S = (G + 1) / 2, A the attention:
 //   ||S||^2, ||Sc||^2 and S's row sums come from u = sum_i Vn_i and C = W^T W (Dh x Dh),
 //   W = Vn - mean(Vn), so the value Gram is never formed whole;
-//   <A, Gc>, ||A||^2, the centred ||Ac||^2 and the row KL are accumulated over TB x TB
-//   tiles of (A, G): G tiles are products of Vn tiles, shared by the tiles (I, J) and
-//   (J, I) of A (G is symmetric), and tiles where A is all zero (causal masks) are
-//   skipped (their centring terms are added in closed form).
-// Extra memory: O(B H T Dh) for Vn, O(B H T) for row/column sums, O(threads (TB^2 + T Dh)).
+//   phase 1 takes A's row sums (and which TB x TB tiles are nonzero); phase 2 visits the
+//   tile pairs (I, J), (J, I) of A with the Gram formed a 24-row panel at a time, each
+//   8 x 8 Gram block serving both tiles (G is symmetric), and accumulates <A, G>, the
+//   centred sum of squares, the column sums and the row KL; ||A||^2 and ||Ac||^2 follow in
+//   float64. Tiles where A is all zero (causal masks) are skipped (their centring terms
+//   are added in closed form).
+// Extra memory: O(B H T) for row/column sums, O(slots T Dh) for Vn (a slot per thread when
+// threads take whole heads, else per head), O(threads (TB^2 + T Dh)) scratch.
 #include "vas/cpu/vas_cpu_math.h"
 #include "vas/vas_checks.h"
 
@@ -29,8 +32,9 @@
 namespace headscope::vas {
 namespace {
 
+using cpu::f8;
 using cpu::gemm_nn;
-using cpu::log_pos;
+using cpu::log8_pos;
 
 constexpr int64_t TB = 128;  // tile edge
 constexpr float kClip = 1e-12f;
@@ -117,64 +121,142 @@ inline double dot8(const float* x, const float* y, int64_t n) {
 }
 
 struct Acc {
-  double kl = 0, ag = 0, a2 = 0, ax2 = 0;
+  double kl = 0, ag = 0, ax2 = 0;  // row KL, <A, G>, sum (a - x_row)^2
 };
 
-// One tile: rows x cols of A (lda) against the matching G tile (ldg). x: the rows'
-// centring values, rowsum/colsum: where the tile's row and column sums go.
-void process_tile(const float* A, int64_t lda, const float* G, int64_t ldg, int64_t rows,
-                  int64_t cols, const float* x, float inv_mA, float inv_mS, double* rowsum,
-                  double* colsum, Acc& acc) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* a = A + r * lda;
-    const float* g = G + r * ldg;
-    const float xi = x[r];
-    cpu::f8 kl = {}, ag = {}, a2 = {}, ax2 = {}, rs = {};
-    int64_t c = 0;
-    for (; c + 8 <= cols; c += 8) {
-      cpu::f8 av, gv;
-      std::memcpy(&av, a + c, sizeof av);
-      std::memcpy(&gv, g + c, sizeof gv);
-      const cpu::f8 S = (gv + 1.0f) * 0.5f;
-      cpu::f8 p = av * inv_mA;
-      p = p < kClip ? cpu::f8{} + kClip : p;
-      cpu::f8 q = S * inv_mS;
-      q = q < kClip ? cpu::f8{} + kClip : q;
-      kl += p * cpu::log8_pos(p / q);
-      ag += av * gv;
-      a2 += av * av;
-      const cpu::f8 d = av - xi;
-      ax2 += d * d;
-      rs += av;
+// 8-lane float sums to double, per row: the tiles' rows are short enough (<= TB) that the
+// float partial sums keep the 1e-4 target with room to spare.
+inline double hsum(f8 v) {
+  double d = 0;
+  for (int k = 0; k < 8; ++k) d += v[k];
+  return d;
+}
+
+// The centring value of a row of A: its mean over the window.
+inline float centre(double rowsum, int64_t n) {
+  return static_cast<float>(rowsum / static_cast<double>(n));
+}
+
+// Lanes [0, n) set, for the last partial vector of a row.
+inline f8 lane_mask(int64_t n) {
+  f8 m;
+  for (int k = 0; k < 8; ++k) m[k] = k < n ? 1.0f : 0.0f;
+  return m;
+}
+
+// Loads lanes [0, n) of a row (the rest 0).
+inline f8 load_part(const float* p, int64_t n) {
+  f8 v = {};
+  if (n >= 8) {
+    std::memcpy(&v, p, sizeof v);
+  } else {
+    for (int64_t k = 0; k < n; ++k) v[k] = p[k];
+  }
+  return v;
+}
+
+// Everything phase 2 needs from A, over one tile pair: the row KL and <A, G>, with the
+// value Gram G = Vn_I Vn_J^T formed a panel of rows at a time in L1 and never stored whole
+// (each 8 x 8 block serves A_IJ's block and, through an in-register transpose, A_JI's: G
+// is symmetric), and ||A||^2, the centred sum of squares sum (a - x_row)^2 and the column
+// sums. p and q are the seed's clipped, max-row-sum-normalised entries,
+// q = max((g + 1) / 2 / mS, clip).
+struct PairArgs {
+  const float* vi;   // Vn rows of I (row stride dh), readable zeros up to a multiple of 8
+  const float* vtj;  // Vn^T columns of J (row stride ldv), the same
+  int64_t dh, ldv;
+  const float* aij;  // A_IJ (row stride lij)
+  int64_t lij;
+  const float* aji;  // A_JI (row stride lji), nullptr when zero; == aij when diag
+  int64_t lji;
+  int64_t ni, nj;
+  bool diag;  // I == J: blocks on or below the diagonal, the diagonal block once
+  float inv_mA, inv_mS;
+  const float *xi, *xj;  // row centres of I and J
+  double *ci, *cj;       // column sums of I's and J's columns
+};
+
+constexpr int64_t kPanel = 24;  // Gram rows per panel: four 6 x 16 blocks of gemm_nn
+
+// Lane-wise max (vmaxps where available: one instruction instead of compare and blend;
+// the operands here are never NaN).
+inline f8 max8(f8 a, f8 b) {
+#if defined(__AVX__)
+  return __builtin_ia32_maxps256(a, b);
+#else
+  return a < b ? b : a;
+#endif
+}
+
+// gp: kPanel x TB floats of scratch for the Gram panel.
+void kl_pair(const PairArgs& a, float* gp, Acc& acc) {
+  const f8 clip = f8{} + kClip, zero = {};
+  const float hs = 0.5f * a.inv_mS, inv_mA = a.inv_mA;
+  f8 kl = {}, ag = {}, ax2 = {};
+  // One row piece of A against its G values. At a tile's edge, keep is 1 in the lanes
+  // inside it (A is 0 there, G finite): they must not add to the KL or the centred sum.
+  auto entry = [&](f8 av, f8 gv, float x, const f8* keep) {
+    const f8 p = max8(av * inv_mA, clip);
+    const f8 q = max8(gv * hs + hs, clip);
+    const f8 t = p * log8_pos(p / q);
+    f8 d = av - x;
+    if (keep != nullptr) d *= *keep;
+    kl += keep != nullptr ? (*keep > zero ? t : zero) : t;
+    ag += av * gv;
+    ax2 += d * d;
+  };
+  auto add_cols = [](double* c, f8 s, int64_t n) {
+    for (int64_t k = 0; k < n; ++k) c[k] += s[k];
+  };
+  alignas(32) float gt[64];  // a transposed 8 x 8 Gram block
+  for (int64_t ib0 = 0; ib0 < a.ni; ib0 += kPanel) {
+    // the Gram rows of this panel (rounded up to 8: Vn's padding rows give zeros) over the
+    // columns it needs (rounded up to 8 the same way)
+    const int64_t prow = std::min(kPanel, (a.ni - ib0 + 7) / 8 * 8);
+    const int64_t ncol = (std::min(a.nj, a.diag ? ib0 + kPanel : a.nj) + 7) / 8 * 8;
+    gemm_nn(prow, ncol, a.dh, 1.0f, a.vi + ib0 * a.dh, a.dh, a.vtj, a.ldv, gp, TB);
+    for (int64_t ib = ib0; ib < std::min(a.ni, ib0 + kPanel); ib += 8) {
+      const int64_t rows = std::min<int64_t>(8, a.ni - ib);
+      const f8 keep_rows = lane_mask(rows);
+      const int64_t jend = a.diag ? ib + 8 : a.nj;
+      const float* g8 = gp + (ib - ib0) * TB;  // this row block's Gram rows
+      // A comes from L3 or memory, in 32-byte pieces of many rows: fetch the next row
+      // block's lines now (its A_IJ rows, and its A_JI column strip: a new line per two)
+      for (int64_t r = ib + 8; r < std::min(ib + 16, a.ni); ++r)
+        for (int64_t c = 0; c < jend; c += 16) __builtin_prefetch(a.aij + r * a.lij + c, 0, 2);
+      if (a.aji != nullptr && ib + 8 < a.ni)
+        for (int64_t c = 0; c < std::min(jend, a.nj); ++c)
+          __builtin_prefetch(a.aji + c * a.lji + ib + 8, 0, 2);
+      f8 col_i = {};  // column sums over the A_JI pieces, columns ib..
+      for (int64_t jb = 0; jb < jend; jb += 8) {
+        const int64_t cols = std::min<int64_t>(8, a.nj - jb);
+        const f8 keep_cols = lane_mask(cols);
+        const bool full = cols == 8 && rows == 8;
+        f8 col_j = {};
+        for (int64_t r = 0; r < rows; ++r) {
+          const f8 av = load_part(a.aij + (ib + r) * a.lij + jb, cols);
+          f8 gv;
+          std::memcpy(&gv, g8 + r * TB + jb, sizeof gv);
+          entry(av, gv, a.xi[ib + r], full ? nullptr : &keep_cols);
+          col_j += av;
+        }
+        add_cols(a.cj + jb, col_j, cols);
+        if (a.aji == nullptr || (a.diag && jb == ib)) continue;
+        cpu::transpose(g8 + jb, TB, 8, 8, gt, 8);  // row c: G_JI row jb + c, columns ib..
+        for (int64_t c = 0; c < cols; ++c) {
+          const f8 av = load_part(a.aji + (jb + c) * a.lji + ib, rows);
+          f8 gv;
+          std::memcpy(&gv, gt + c * 8, sizeof gv);
+          entry(av, gv, a.xj[jb + c], full ? nullptr : &keep_rows);
+          col_i += av;
+        }
+      }
+      add_cols(a.ci + ib, col_i, rows);
+      acc.kl += hsum(kl);
+      acc.ag += hsum(ag);
+      acc.ax2 += hsum(ax2);
+      kl = ag = ax2 = zero;
     }
-    double dkl = 0, dag = 0, da2 = 0, dax2 = 0, drs = 0;
-    for (; c < cols; ++c) {
-      const float av = a[c], gv = g[c];
-      const float S = (gv + 1.0f) * 0.5f;
-      float p = av * inv_mA;
-      p = p < kClip ? kClip : p;
-      float q = S * inv_mS;
-      q = q < kClip ? kClip : q;
-      dkl += p * log_pos(p / q);
-      dag += av * gv;
-      da2 += av * av;
-      const float d = av - xi;
-      dax2 += d * d;
-      drs += av;
-    }
-    for (int k = 0; k < 8; ++k) {
-      dkl += kl[k];
-      dag += ag[k];
-      da2 += a2[k];
-      dax2 += ax2[k];
-      drs += rs[k];
-    }
-    acc.kl += dkl;
-    acc.ag += dag;
-    acc.a2 += da2;
-    acc.ax2 += dax2;
-    rowsum[r] += drs;
-    for (int64_t j = 0; j < cols; ++j) colsum[j] += a[j];
   }
 }
 
@@ -195,38 +277,50 @@ void run_range(const Range* only, int64_t n, int64_t grain, const F& f) {
 
 // Everything one call needs, laid out once (scratch from ATen).
 struct Problem {
-  int64_t B, H, T, Tp, Dh, BH, nb_max, P, nthreads;  // Tp: T rounded up to 16
+  int64_t B, H, T, T8, Tp, Dh, BH, nb_max, P, nthreads;  // T8: T rounded up to 8,
+                                                           // Tp: Vn^T row stride (see setup)
   std::vector<int64_t> n, s;  // per batch row: window length and start
   // per head
   std::vector<double> msq, Scc, Snorm2;
   std::vector<float> inv_mS, inv_mA;
   std::vector<uint8_t> bad;
-  at::Tensor vn;      // float [BH, T, Dh]: Vn of the window rows
-  at::Tensor vnt;     // float [BH, Dh, Tp]: the same, transposed
+  at::Tensor vn;      // float [slots, T8, Dh]: Vn of the window rows (zeros after them)
+  at::Tensor vnt;     // float [slots, Dh, Tp]: the same, transposed
   at::Tensor adot;    // double [BH, T]: m . Vn_i
   at::Tensor xcen;    // float [BH, T]: centring values (row sums / n)
-  at::Tensor part;    // double [BH, P, 4]
+  at::Tensor part;    // double [BH, P, 3]: KL, <A, G>, centred sum of squares
   at::Tensor rowp;    // double [BH, P, T]
   at::Tensor colp;    // double [BH, P, T]
   at::Tensor chunkbad;  // uint8 [BH, P]
   at::Tensor scratch;   // float [threads, per-thread]
   int64_t scratch_per_thread = 0;
 
+  bool fused = false;
   int64_t nb(int64_t bh) const { return (n[bh / H] + TB - 1) / TB; }
+  float* vn_of(int64_t bh) {
+    return vn.data_ptr<float>() + (fused ? at::get_thread_num() : bh) * T8 * Dh;
+  }
+  float* vnt_of(int64_t bh) {
+    return vnt.data_ptr<float>() + (fused ? at::get_thread_num() : bh) * Dh * Tp;
+  }
   float* thread_scratch() {
     return scratch.data_ptr<float>() + at::get_thread_num() * scratch_per_thread;
   }
 };
 
 void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Tensor& lengths,
-           const std::optional<at::Tensor>& offsets, const char* op) {
+           const std::optional<at::Tensor>& offsets, const char* op, bool whole_heads) {
   const bool has_off = offsets.has_value() && offsets->defined();
   const at::Tensor* off_ptr = has_off ? &*offsets : nullptr;
   check_window_values(op, lengths, off_ptr, T);
   P.B = B;
   P.H = H;
   P.T = T;
+  P.T8 = (T + 7) / 8 * 8;  // kl_pair reads Vn in blocks of 8 rows
+  // T rounded up to 16, to an odd number of cache lines: the Gram kernels read 8- or
+  // 16-column panels of Vn^T down Dh rows, which a power-of-two stride maps to few L1 sets
   P.Tp = (T + 15) / 16 * 16;
+  if ((P.Tp / 16) % 2 == 0) P.Tp += 16;
   P.Dh = Dh;
   P.BH = B * H;
   P.nthreads = at::get_num_threads();
@@ -250,11 +344,15 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
   P.bad.assign(P.BH, 0);
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
-  P.vn = at::empty({P.BH, T, Dh}, f32);
-  P.vnt = at::empty({P.BH, Dh, P.Tp}, f32);
+  // fused: each thread takes whole heads one at a time, so Vn and Vn^T live in one slot per
+  // thread (and stay in its cache) instead of one per head
+  P.fused = whole_heads && P.P == 1;
+  const int64_t slots = P.fused ? P.nthreads : P.BH;
+  P.vn = at::empty({slots, P.T8, Dh}, f32);
+  P.vnt = at::empty({slots, Dh, P.Tp}, f32);
   P.adot = at::empty({P.BH, T}, f64);
   P.xcen = at::empty({P.BH, T}, f32);
-  P.part = at::zeros({P.BH, P.P, 4}, f64);
+  P.part = at::zeros({P.BH, P.P, 3}, f64);
   P.rowp = at::zeros({P.BH, P.P, T}, f64);
   P.colp = at::zeros({P.BH, P.P, T}, f64);
   P.chunkbad = at::zeros({P.BH, P.P}, at::TensorOptions().dtype(at::kByte));
@@ -262,8 +360,8 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
 
 void alloc_scratch(Problem& P, int64_t extra) {
   // tiles A, G, G^T | a row | W (+16 floats read past the end by gemm_nn) | W^T | C
-  P.scratch_per_thread =
-      3 * TB * TB + std::max(P.T, P.Dh) + 16 + 2 * P.T * P.Dh + 16 + P.Dh * P.Dh + extra;
+  P.scratch_per_thread = 3 * TB * TB + std::max(P.T, P.Dh) + 16 + P.T * P.Dh + 16 +
+                         P.Dh * P.Tp + P.Dh * P.Dh + extra;
   P.scratch = at::empty({P.nthreads, P.scratch_per_thread}, at::TensorOptions().dtype(at::kFloat));
 }
 
@@ -277,13 +375,13 @@ void prepare_values(Problem& P, const at::Tensor& head_writes, const Range* only
     float* row = scr + 3 * TB * TB;
     float* W = row + std::max(P.T, P.Dh) + 16;
     float* WT = W + P.T * P.Dh + 16;
-    float* C = WT + P.T * P.Dh;
+    float* C = WT + P.Dh * P.Tp;
     std::vector<double> u(P.Dh), m(P.Dh), Cd(P.Dh * P.Dh);
     std::vector<float> mf(P.Dh), sqv(P.Dh);
     float* sq = sqv.data();
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / P.H, h = bh % P.H, n = P.n[b], s = P.s[b], Dh = P.Dh;
-      float* vn = P.vn.data_ptr<float>() + bh * P.T * Dh;
+      float* vn = P.vn_of(bh);
       double* adot = P.adot.data_ptr<double>() + bh * P.T;
       std::fill(u.begin(), u.end(), 0.0);
       bool bad = false;
@@ -321,16 +419,18 @@ void prepare_values(Problem& P, const at::Tensor& head_writes, const Range* only
         mS = std::max(mS, 0.5 * (static_cast<double>(n) * a + static_cast<double>(n)));
       }
       // Vn^T for the Gram tiles, W^T for C = W^T W (summed in double over row chunks)
-      float* vnt = P.vnt.data_ptr<float>() + bh * Dh * P.Tp;
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t c = 0; c < Dh; ++c) {
-          vnt[c * P.Tp + i] = vn[i * Dh + c];
-          WT[c * n + i] = W[i * Dh + c];
-        }
+      float* vnt = P.vnt_of(bh);
+      // kl_pair reads rows / columns up to the next multiple of 8: zeros there
+      const int64_t n8 = (n + 7) / 8 * 8;
+      std::fill(vn + n * Dh, vn + n8 * Dh, 0.0f);
+      cpu::transpose(vn, Dh, n, Dh, vnt, P.Tp);
+      for (int64_t c = 0; c < Dh; ++c) std::fill(vnt + c * P.Tp + n, vnt + c * P.Tp + n8, 0.0f);
+      for (int64_t c = 0; c < Dh; ++c)
+        for (int64_t i = 0; i < n; ++i) WT[c * P.Tp + i] = vnt[c * P.Tp + i] - mf[c];
       std::fill(Cd.begin(), Cd.end(), 0.0);
       constexpr int64_t kChunk = 256;
       for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
-        gemm_nn(Dh, Dh, std::min(kChunk, n - i0), 1.0f, WT + i0, n, W + i0 * Dh, Dh, C, Dh);
+        gemm_nn(Dh, Dh, std::min(kChunk, n - i0), 1.0f, WT + i0, P.Tp, W + i0 * Dh, Dh, C, Dh);
         for (int64_t e = 0; e < Dh * Dh; ++e) Cd[e] += C[e];
       }
       double c2 = 0, mcm = 0;
@@ -360,13 +460,12 @@ void finish_rows(Problem& P, const Range* only = nullptr) {
       const int64_t n = P.n[bh / P.H];
       const uint8_t* cb = P.chunkbad.data_ptr<uint8_t>() + bh * P.P;
       for (int64_t p = 0; p < P.P; ++p) P.bad[bh] |= cb[p];
-      double* r = P.rowp.data_ptr<double>() + bh * P.P * P.T;
+      const double* r = P.rowp.data_ptr<double>() + bh * P.P * P.T;
       float* x = P.xcen.data_ptr<float>() + bh * P.T;
       double mA = 0;
       for (int64_t i = 0; i < n; ++i) {
         mA = std::max(mA, r[i]);
-        x[i] = static_cast<float>(r[i] / static_cast<double>(n));
-        r[i] = 0;  // rowp is reused for phase 2's row sums
+        x[i] = centre(r[i], n);
       }
       P.inv_mA[bh] = static_cast<float>(1.0 / std::max(mA, 1e-12));
     }
@@ -374,25 +473,25 @@ void finish_rows(Problem& P, const Range* only = nullptr) {
 }
 
 // Phase 2 driver: visits the lower-triangle tile pairs (I >= J) of each head, chunk p of
-// P taking every P-th pair. tile(I, J, buf) gives a pointer to A's tile and its leading
-// dimension (or nullptr when the tile is known to be zero).
+// P taking every P-th pair. tile(bh, i0, ni, j0, nj, buf, lda) gives a pointer to A's tile
+// and its row stride, or nullptr when the tile is known to be zero.
 template <typename TileFn>
 void tiles_phase(Problem& P, TileFn&& tile, const Range* only = nullptr) {
   run_range(only, P.BH * P.P, 1, [&](int64_t begin, int64_t end) {
-    float* scr = P.thread_scratch();
-    float* Abuf = scr;
-    float* G = scr + TB * TB;
-    float* GT = G + TB * TB;
+    float* buf_ij = P.thread_scratch();
+    float* buf_ji = buf_ij + TB * TB;
+    float* gp = buf_ji + TB * TB;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / P.P, p = task % P.P;
       if (P.bad[bh]) continue;
       const int64_t n = P.n[bh / P.H], nb = P.nb(bh);
-      const float* vn = P.vn.data_ptr<float>() + bh * P.T * P.Dh;
-      const float* vnt = P.vnt.data_ptr<float>() + bh * P.Dh * P.Tp;
+      const float* vn = P.vn_of(bh);
+      const float* vnt = P.vnt_of(bh);
       const float* x = P.xcen.data_ptr<float>() + bh * P.T;
-      double* rows = P.rowp.data_ptr<double>() + (bh * P.P + p) * P.T;
       double* cols = P.colp.data_ptr<double>() + (bh * P.P + p) * P.T;
       Acc acc;
+      // A tile known to be zero: its KL terms are p log(p / q) with p at the clip, under
+      // 3e-11 each, left out (see vas.h); only the centred sum of squares needs it.
       auto zero_tile = [&](int64_t i0, int64_t ni, int64_t nj) {
         double sx2 = 0;
         for (int64_t i = i0; i < i0 + ni; ++i) sx2 += static_cast<double>(x[i]) * x[i];
@@ -404,43 +503,27 @@ void tiles_phase(Problem& P, TileFn&& tile, const Range* only = nullptr) {
           if (++idx % P.P != p) continue;
           const int64_t i0 = I * TB, ni = std::min(TB, n - i0);
           const int64_t j0 = J * TB, nj = std::min(TB, n - j0);
-          int64_t lda = 0;
-          const float* aij = tile(bh, i0, ni, j0, nj, Abuf, lda, /*probe=*/true);
-          const float* aji = I != J ? tile(bh, j0, nj, i0, ni, Abuf, lda, true) : nullptr;
-          if (aij == nullptr && aji == nullptr) {
-            zero_tile(i0, ni, nj);
-            if (I != J) zero_tile(j0, nj, ni);
-            continue;
-          }
-          gemm_nn(ni, nj, P.Dh, 1.0f, vn + i0 * P.Dh, P.Dh, vnt + j0, P.Tp, G, TB);
+          int64_t lij = 0, lji = 0;
+          const float* aij = tile(bh, i0, ni, j0, nj, buf_ij, lij);
+          const float* aji = aij;
+          lji = lij;
+          if (I != J) aji = tile(bh, j0, nj, i0, ni, buf_ji, lji);
+          if (aij == nullptr) zero_tile(i0, ni, nj);
+          if (I != J && aji == nullptr) zero_tile(j0, nj, ni);
+          const float inv_mA = P.inv_mA[bh], inv_mS = P.inv_mS[bh];
           if (aij != nullptr) {
-            aij = tile(bh, i0, ni, j0, nj, Abuf, lda, false);
-            process_tile(aij, lda, G, TB, ni, nj, x + i0, P.inv_mA[bh], P.inv_mS[bh],
-                         rows + i0, cols + j0, acc);
-          } else {
-            zero_tile(i0, ni, nj);
-          }
-          if (I != J) {
-            if (aji != nullptr) {
-              for (int64_t r0 = 0; r0 < ni; r0 += 8) {
-                const int64_t nr = std::min<int64_t>(8, ni - r0);
-                for (int64_t c = 0; c < nj; ++c)
-                  for (int64_t r = 0; r < nr; ++r) GT[c * TB + r0 + r] = G[(r0 + r) * TB + c];
-              }
-              aji = tile(bh, j0, nj, i0, ni, Abuf, lda, false);
-              process_tile(aji, lda, GT, TB, nj, ni, x + j0, P.inv_mA[bh], P.inv_mS[bh],
-                           rows + j0, cols + i0, acc);
-            } else {
-              zero_tile(j0, nj, ni);
-            }
+            kl_pair({vn + i0 * P.Dh, vnt + j0, P.Dh, P.Tp, aij, lij, aji, lji, ni, nj, I == J,
+                     inv_mA, inv_mS, x + i0, x + j0, cols + i0, cols + j0}, gp, acc);
+          } else if (aji != nullptr) {  // only A_JI: the pair seen from J
+            kl_pair({vn + j0 * P.Dh, vnt + i0, P.Dh, P.Tp, aji, lji, nullptr, 0, nj, ni, false,
+                     inv_mA, inv_mS, x + j0, x + i0, cols + j0, cols + i0}, gp, acc);
           }
         }
       }
-      double* pt = P.part.data_ptr<double>() + (bh * P.P + p) * 4;
+      double* pt = P.part.data_ptr<double>() + (bh * P.P + p) * 3;
       pt[0] = acc.kl;
       pt[1] = acc.ag;
-      pt[2] = acc.a2;
-      pt[3] = acc.ax2;
+      pt[2] = acc.ax2;
     }
   });
 }
@@ -456,19 +539,19 @@ void finalize_into(Problem& P, float* o, const Range* only = nullptr) {
       }
       const int64_t n = P.n[bh / P.H];
       const double nn = static_cast<double>(n);
-      const double* part = P.part.data_ptr<double>() + bh * P.P * 4;
+      const double* part = P.part.data_ptr<double>() + bh * P.P * 3;
       const double* rowp = P.rowp.data_ptr<double>() + bh * P.P * P.T;
       const double* colp = P.colp.data_ptr<double>() + bh * P.P * P.T;
       const double* adot = P.adot.data_ptr<double>() + bh * P.T;
       const float* x = P.xcen.data_ptr<float>() + bh * P.T;
-      double kl = 0, ag = 0, a2 = 0, ax2 = 0;
+      double kl = 0, ag = 0, ax2 = 0;
       for (int64_t p = 0; p < P.P; ++p) {
-        kl += part[p * 4 + 0];
-        ag += part[p * 4 + 1];
-        a2 += part[p * 4 + 2];
-        ax2 += part[p * 4 + 3];
+        kl += part[p * 3 + 0];
+        ag += part[p * 3 + 1];
+        ax2 += part[p * 3 + 2];
       }
-      double sA = 0, sx = 0, ra = 0, ca = 0, rr = 0, cc = 0;
+      // ||A||^2 = sum_i (sum_j (a_ij - x_i)^2 + 2 x_i r_i - n x_i^2): positive terms only
+      double a2 = ax2, sA = 0, sx = 0, ra = 0, ca = 0, rr = 0, cc = 0;
       for (int64_t i = 0; i < n; ++i) sx += x[i];
       for (int64_t i = 0; i < n; ++i) {
         double r = 0, c = 0;
@@ -477,6 +560,7 @@ void finalize_into(Problem& P, float* o, const Range* only = nullptr) {
           c += colp[p * P.T + i];
         }
         sA += r;
+        a2 += (2.0 * r - nn * x[i]) * x[i];
         ra += r * adot[i];
         ca += c * adot[i];
         const double br = r - nn * x[i];  // row sums of B = A - x 1^T
@@ -559,11 +643,11 @@ void attn_tiles_phase(Problem& P, const at::Tensor& attn, const at::Tensor& nz,
   const auto A = in4<A_t>(attn);
   const int64_t s3 = attn.stride(3);
   const bool direct = std::is_same<A_t, float>::value && s3 == 1;
-  tiles_phase(P, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0, int64_t nj, float* buf,
-                     int64_t& lda, bool probe) -> const float* {
+  tiles_phase(P, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0,
+                                                int64_t nj, float* buf,
+                                                int64_t& lda) -> const float* {
     const uint8_t* flags = nz.data_ptr<uint8_t>() + bh * P.nb_max * P.nb_max;
     if (!flags[(i0 / TB) * P.nb_max + j0 / TB]) return nullptr;
-    if (probe) return buf;
     const int64_t b = bh / P.H, h = bh % P.H, s = P.s[b];
     if (direct) {
       lda = A.s2;
@@ -582,23 +666,26 @@ at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_wri
   const int64_t B = attn.size(0), H = attn.size(1), T = attn.size(2), Dh = head_writes.size(3);
   if (B == 0 || H == 0) return at::empty({B, H, 3}, attn.options().dtype(at::kFloat));
   Problem P;
-  setup(P, B, H, T, Dh, lengths, offsets, op);
+  setup(P, B, H, T, Dh, lengths, offsets, op, /*whole_heads=*/true);
   alloc_scratch(P, 0);
   at::Tensor nz = at::zeros({P.BH, P.nb_max, P.nb_max}, at::TensorOptions().dtype(at::kByte));
-  if (P.P == 1) {
-    // every head in one task: one parallel region, each thread taking whole heads
+  if (P.fused) {
+    // every head in one task: one parallel region, each thread taking whole heads through
+    // all phases one head at a time (so that the second pass over A finds it in cache)
     at::Tensor out = at::empty({B, H, 3}, attn.options().dtype(at::kFloat));
     float* o = out.data_ptr<float>();
     at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
-      const Range r{begin, end};
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(),
-                                      "vas_v", [&] { prepare_values<scalar_t>(P, head_writes, &r); });
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_a", [&] {
-        attn_row_phase<scalar_t>(P, attn, nz, &r);
-        finish_rows(P, &r);
-        attn_tiles_phase<scalar_t>(P, attn, nz, &r);
-      });
-      finalize_into(P, o, &r);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const Range r{bh, bh + 1};
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(),
+                                        "vas_v", [&] { prepare_values<scalar_t>(P, head_writes, &r); });
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_a", [&] {
+          attn_row_phase<scalar_t>(P, attn, nz, &r);
+          finish_rows(P, &r);
+          attn_tiles_phase<scalar_t>(P, attn, nz, &r);
+        });
+        finalize_into(P, o, &r);
+      }
     });
     return out;
   }
@@ -738,10 +825,10 @@ void qk_row_phase(Problem& P, QK& Q) {
 }
 
 void qk_tiles_phase(Problem& P, QK& Q) {
-  tiles_phase(P, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0, int64_t nj, float* buf,
-                     int64_t& lda, bool probe) -> const float* {
+  tiles_phase(P, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0,
+                                               int64_t nj, float* buf,
+                                               int64_t& lda) -> const float* {
     if (Q.causal && j0 > i0 + ni - 1) return nullptr;  // strictly above the diagonal
-    if (probe) return buf;
     const int64_t s = P.s[bh / P.H];
     const float* qb = Q.q.data_ptr<float>() + bh * P.T * Q.D;
     const float* kb = key_rows(P, Q, bh);
@@ -769,7 +856,7 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = head_writes.size(3);
   if (B == 0 || H == 0) return at::empty({B, H, 3}, q.options().dtype(at::kFloat));
   Problem P;
-  setup(P, B, H, T, Dh, lengths, offsets, op);
+  setup(P, B, H, T, Dh, lengths, offsets, op, /*whole_heads=*/false);
   alloc_scratch(P, 0);
   QK Q;
   Q.Hkv = k.size(1);

@@ -33,11 +33,16 @@ inline void block(int64_t k, float alpha, const float* A, int64_t lda, const flo
   }
   const v8 al = bc8(alpha);
   for (int r = 0; r < MR; ++r) {
-    float tmp[16];
     const v8 x0 = c0[r] * al, x1 = c1[r] * al;
-    std::memcpy(tmp, &x0, sizeof x0);
-    std::memcpy(tmp + 8, &x1, sizeof x1);
-    std::memcpy(C + r * ldc, tmp, sizeof(float) * nj);
+    if (nj == 16) {  // the common case: two vector stores, no memcpy call
+      std::memcpy(C + r * ldc, &x0, sizeof x0);
+      std::memcpy(C + r * ldc + 8, &x1, sizeof x1);
+    } else {
+      float tmp[16];
+      std::memcpy(tmp, &x0, sizeof x0);
+      std::memcpy(tmp + 8, &x1, sizeof x1);
+      std::memcpy(C + r * ldc, tmp, sizeof(float) * nj);
+    }
   }
 }
 

@@ -11,46 +11,10 @@ namespace headscope::vas::cpu {
 typedef float f8 __attribute__((vector_size(32)));
 typedef int32_t i8 __attribute__((vector_size(32)));
 
-inline float bits_to_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-inline uint32_t float_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-// Natural log of a positive normal float, < 1 ulp (the FreeBSD/musl logf reduction
-// and polynomial). Callers only pass ratios of values clipped to [1e-12, ...].
-inline float log_pos(float x) {
-  constexpr float ln2_hi = 6.9313812256e-01f, ln2_lo = 9.0580006145e-06f;
-  constexpr float Lg1 = 0.66666662693f, Lg2 = 0.40000972152f, Lg3 = 0.28498786688f,
-                  Lg4 = 0.24279078841f;
-  uint32_t ix = float_to_bits(x);
-  ix += 0x3f800000u - 0x3f3504f3u;
-  const int32_t k = static_cast<int32_t>(ix >> 23) - 0x7f;
-  ix = (ix & 0x007fffffu) + 0x3f3504f3u;
-  const float f = bits_to_float(ix) - 1.0f;
-  const float s = f / (2.0f + f);
-  const float z = s * s, w = z * z;
-  const float t1 = w * (Lg2 + w * Lg4), t2 = z * (Lg1 + w * Lg3);
-  const float R = t2 + t1, hfsq = 0.5f * f * f;
-  const float dk = static_cast<float>(k);
-  return s * (hfsq + R) + dk * ln2_lo - hfsq + f + dk * ln2_hi;
-}
-
-// exp(x) for x <= ~88, about 1 ulp (Cephes expf), 0 below -87.3 (where the true value is
-// under 1.2e-38), on 8 floats at once (GCC/Clang vector extensions; written explicitly
-// because the clamps would otherwise become branches under -ftrapping-math).
-
-
-// log_pos on 8 floats.
+// Natural log of 8 positive normal floats, within about 1 ulp, without a division (the
+// tile loop's one division, p / q, keeps the divider busy): x = 2^k m with m in
+// [sqrt(1/2), sqrt(2)), then Cephes logf's polynomial in f = m - 1.
 inline f8 log8_pos(f8 x) {
-  constexpr float ln2_hi = 6.9313812256e-01f, ln2_lo = 9.0580006145e-06f;
-  constexpr float Lg1 = 0.66666662693f, Lg2 = 0.40000972152f, Lg3 = 0.28498786688f,
-                  Lg4 = 0.24279078841f;
   i8 ix;
   std::memcpy(&ix, &x, sizeof ix);
   ix += 0x3f800000 - 0x3f3504f3;
@@ -59,14 +23,62 @@ inline f8 log8_pos(f8 x) {
   f8 f;
   std::memcpy(&f, &ix, sizeof f);
   f -= 1.0f;
-  const f8 s = f / (2.0f + f);
-  const f8 z = s * s, w = z * z;
-  const f8 t1 = w * (Lg2 + w * Lg4), t2 = z * (Lg1 + w * Lg3);
-  const f8 R = t2 + t1, hfsq = 0.5f * f * f;
+  // Estrin's scheme: a short dependency chain, so that the out-of-order core can overlap
+  // many vectors (Horner's nine chained FMAs left it latency-bound)
+  const f8 z = f * f, z4 = z * z;
+  const f8 e01 = 3.3333331174e-1f - 2.4999993993e-1f * f;
+  const f8 e23 = 2.0000714765e-1f - 1.6668057665e-1f * f;
+  const f8 e45 = 1.4249322787e-1f - 1.2420140846e-1f * f;
+  const f8 e67 = 1.1676998740e-1f - 1.1514610310e-1f * f;
+  const f8 e03 = e01 + e23 * z, e47 = e45 + e67 * z;
+  f8 y = e03 + (e47 + 7.0376836292e-2f * z4) * z4;
   const f8 dk = __builtin_convertvector(k, f8);
-  return s * (hfsq + R) + dk * ln2_lo - hfsq + f + dk * ln2_hi;
+  y = y * f * z + dk * -2.12194440e-4f - 0.5f * z;
+  return (f + y) + dk * 0.693359375f;
 }
 
+// Transposes 8 rows of 8 floats in registers: r[k][c] becomes r[c][k].
+inline void transpose8x8(f8 r[8]) {
+  f8 t[8];
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[2 * k + 1] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  f8 u[8];
+  for (int h = 0; h < 2; ++h) {  // rows 0-3 (h = 0) and 4-7 (h = 1)
+    const f8 a = t[4 * h], b = t[4 * h + 1], c = t[4 * h + 2], d = t[4 * h + 3];
+    u[4 * h + 0] = __builtin_shufflevector(a, c, 0, 1, 8, 9, 4, 5, 12, 13);
+    u[4 * h + 1] = __builtin_shufflevector(a, c, 2, 3, 10, 11, 6, 7, 14, 15);
+    u[4 * h + 2] = __builtin_shufflevector(b, d, 0, 1, 8, 9, 4, 5, 12, 13);
+    u[4 * h + 3] = __builtin_shufflevector(b, d, 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int k = 0; k < 4; ++k) {  // column k from u[k] (rows 0-3) and u[4 + k] (rows 4-7)
+    r[k] = __builtin_shufflevector(u[k], u[4 + k], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[k + 4] = __builtin_shufflevector(u[k], u[4 + k], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+}
+
+// dst = src^T for a rows x cols block (row strides lds, ldd): 8 x 8 blocks in registers
+// (a scalar strided transpose stalls on stores that share cache sets), scalar edges.
+inline void transpose(const float* src, int64_t lds, int64_t rows, int64_t cols, float* dst,
+                      int64_t ldd) {
+  const int64_t rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+  for (int64_t r0 = 0; r0 < rows8; r0 += 8)
+    for (int64_t c0 = 0; c0 < cols8; c0 += 8) {
+      f8 r[8];
+      for (int k = 0; k < 8; ++k) std::memcpy(&r[k], src + (r0 + k) * lds + c0, sizeof(f8));
+      transpose8x8(r);
+      for (int k = 0; k < 8; ++k) std::memcpy(dst + (c0 + k) * ldd + r0, &r[k], sizeof(f8));
+    }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t c_begin = r < rows8 ? cols8 : 0;
+    for (int64_t c = c_begin; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
+  }
+}
+
+// exp(x) for x <= ~88, about 1 ulp (Cephes expf), 0 below -87.3 (where the true value is
+// under 1.2e-38), on 8 floats at once (GCC/Clang vector extensions; written explicitly
+// because the clamps would otherwise become branches under -ftrapping-math).
 inline f8 exp8_le0(f8 x) {
   const f8 lo = f8{} - 87.3f, hi = f8{} + 88.3f;
   f8 xc = x < lo ? lo : x;

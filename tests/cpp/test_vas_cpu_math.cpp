@@ -1,0 +1,79 @@
+// The vectorised helpers of the vas CPU kernels: the division-free log, the 8 x 8
+// register transpose and the strided transpose built on it.
+#include "vas/cpu/vas_cpu_math.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace {
+
+using headscope::vas::cpu::f8;
+
+TEST(VasCpuMath, LogWithinAnUlpOverTheClippedRange) {
+  // the kernels take logs of p / q with p, q in [1e-12, ~1]: ratios in [1e-12, 1e12]
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> expo(-40.0f, 40.0f);
+  double worst_ulp = 0;
+  for (int n = 0; n < 200000; ++n) {
+    f8 x;
+    for (int k = 0; k < 8; ++k) x[k] = std::exp2(expo(gen));
+    if (n == 0)
+      for (int k = 0; k < 8; ++k) x[k] = 1.0f + static_cast<float>(k - 4) * 1.2e-7f;  // near 1
+    const f8 y = headscope::vas::cpu::log8_pos(x);
+    for (int k = 0; k < 8; ++k) {
+      const double truth = std::log(static_cast<double>(x[k]));
+      if (truth == 0.0) {
+        EXPECT_EQ(y[k], 0.0f);
+        continue;
+      }
+      const float t = static_cast<float>(std::fabs(truth));
+      const double ulp = std::nextafter(t, 1e30f) - t;
+      worst_ulp = std::max(worst_ulp, std::fabs(y[k] - truth) / ulp);
+    }
+  }
+  EXPECT_LT(worst_ulp, 1.0);
+}
+
+TEST(VasCpuMath, TransposeMatchesScalarForEveryEdgeShape) {
+  for (int rows : {1, 7, 8, 9, 16, 23}) {
+    for (int cols : {1, 5, 8, 15, 24}) {
+      const int lds = cols + 3, ldd = rows + 5;
+      std::vector<float> src(rows * lds), dst(cols * ldd, -1.0f);
+      for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<float>(i);
+      headscope::vas::cpu::transpose(src.data(), lds, rows, cols, dst.data(), ldd);
+      for (int r = 0; r < rows; ++r)
+        for (int c = 0; c < cols; ++c)
+          ASSERT_EQ(dst[c * ldd + r], src[r * lds + c]) << rows << "x" << cols << " at " << r << "," << c;
+      for (int c = 0; c < cols; ++c)  // nothing written past the block
+        for (int r = rows; r < ldd; ++r) ASSERT_EQ(dst[c * ldd + r], -1.0f);
+    }
+  }
+}
+
+TEST(VasCpuMath, GemmMatchesLoopsOnRaggedShapes) {
+  std::mt19937 gen(3);
+  std::normal_distribution<float> nd;
+  for (int m : {1, 5, 6, 13, 24}) {
+    for (int n : {1, 8, 16, 17, 40}) {
+      const int k = 37, lda = k + 1, ldb = n + 16 + 16, ldc = n + 2;  // B rows: 16 spare floats
+      std::vector<float> A(m * lda), B(k * ldb), C(m * ldc, 7.0f);
+      for (auto& v : A) v = nd(gen);
+      for (auto& v : B) v = nd(gen);
+      headscope::vas::cpu::gemm_nn(m, n, k, 0.5f, A.data(), lda, B.data(), ldb, C.data(), ldc);
+      for (int i = 0; i < m; ++i) {
+        for (int j = 0; j < n; ++j) {
+          double ref = 0;
+          for (int q = 0; q < k; ++q) ref += static_cast<double>(A[i * lda + q]) * B[q * ldb + j];
+          ASSERT_NEAR(C[i * ldc + j], 0.5 * ref, 1e-5 * (1 + std::fabs(ref)));
+        }
+        for (int j = n; j < ldc; ++j) ASSERT_EQ(C[i * ldc + j], 7.0f);  // untouched
+      }
+    }
+  }
+}
+
+}  // namespace
