@@ -1,6 +1,8 @@
 // Helpers of the CPU region-pooling kernels: value checks done while reading the
-// inputs once, the per-batch list of image tokens, and a vectorisable exp.
+// inputs once, the per-batch list of image tokens, and the softmax numerators.
 #pragma once
+
+#include "common/cpu_math.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -27,39 +29,28 @@ struct SpanWeights {
 };
 SpanWeights build_span_weights(const char* op, const at::Tensor& query_weights);
 
-// exp(x) for x <= 88.7 with ~1 ulp relative error; x < -87 (and -inf) gives exactly 0.
-// Written as straight-line float math so that loops over it vectorise (AVX2 with
-// -march=native); Cephes' expf polynomial.
-inline float exp_approx(float x) {
-  const float xin = x;
-  x = x > 88.3762626647949f ? 88.3762626647949f : x;
-  x = x < -87.0f ? -87.0f : x;
-  float fx = std::floor(x * 1.44269504088896341f + 0.5f);
-  x = x - fx * 0.693359375f;
-  x = x + fx * 2.12194440e-4f;
-  const float z = x * x;
-  float y = 1.9875691500E-4f;
-  y = y * x + 1.3981999507E-3f;
-  y = y * x + 8.3334519073E-3f;
-  y = y * x + 4.1665795894E-2f;
-  y = y * x + 1.6666665459E-1f;
-  y = y * x + 5.0000001201E-1f;
-  y = y * z + x + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return xin < -87.0f ? 0.0f : y * scale;
-}
-
-// x[i] = exp(x[i] - m) for i < n; returns the sum of the results.
+// x[i] = exp(x[i] - m) for i < n (m >= every x[i]; -inf gives 0); returns the sum of the
+// results (8 lanes, then the lanes in order).
 inline float exp_shift_sum(float* x, int64_t n, float m) {
-  float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float e = exp_approx(x[i] - m);
-    x[i] = e;
-    sum += e;
+  f8 sum = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    f8 v;
+    std::memcpy(&v, x + i, sizeof v);
+    v = exp8_le0(v - m);
+    std::memcpy(x + i, &v, sizeof v);
+    sum += v;
   }
-  return sum;
+  if (i < n) {
+    f8 v = f8{} - INFINITY;
+    std::memcpy(&v, x + i, sizeof(float) * (n - i));
+    v = exp8_le0(v - m);
+    std::memcpy(x + i, &v, sizeof(float) * (n - i));
+    sum += v;  // the padding lanes are exp(-inf) = 0
+  }
+  float total = 0.f;
+  for (int k = 0; k < 8; ++k) total += sum[k];
+  return total;
 }
 inline double exp_shift_sum(double* x, int64_t n, double m) {
   double sum = 0.;

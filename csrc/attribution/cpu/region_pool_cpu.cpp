@@ -118,11 +118,34 @@ inline T vsum(typename Vec<T>::type v) {
   return r;
 }
 
+// The four dot products' partial sums reduced together: [sum c0, sum c1, sum c2, sum c3]
+// (pairwise adds across the vectors instead of four scalar chains).
+template <typename T>
+inline void vsum4(typename Vec<T>::type c0, typename Vec<T>::type c1,
+                  typename Vec<T>::type c2, typename Vec<T>::type c3, T out[4]) {
+  if constexpr (std::is_same_v<T, float>) {
+    using V = typename Vec<T>::type;
+    auto hadd = [](V x, V y) {
+      return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) +
+             __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+    };
+    const V h = hadd(hadd(c0, c1), hadd(c2, c3));  // [c0..c3 low halves, c0..c3 high halves]
+    for (int i = 0; i < 4; ++i) out[i] = h[i] + h[i + 4];
+  } else {
+    out[0] = vsum<T>(c0);
+    out[1] = vsum<T>(c1);
+    out[2] = vsum<T>(c2);
+    out[3] = vsum<T>(c3);
+  }
+}
+
+// readable: keys that may be read from Kt (>= n; past the tile: the next tiles, prefetched).
 template <typename T>
 void scores_tile(const T* Q, const T* Kt, int64_t ldk, T* S, int64_t R, int64_t n, int64_t D,
-                 int64_t ldc) {
+                 int64_t ldc, int64_t readable) {
   using V = typename Vec<T>::type;
   constexpr int W = Vec<T>::kLanes;
+  constexpr int64_t kAhead = 32;  // keys prefetched ahead: K streams from memory
   const int64_t DV = D / W * W;
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
@@ -130,6 +153,10 @@ void scores_tile(const T* Q, const T* Kt, int64_t ldk, T* S, int64_t R, int64_t 
     const T* b1 = b0 + ldk;
     const T* b2 = b1 + ldk;
     const T* b3 = b2 + ldk;
+    if (t + kAhead + 4 <= readable)
+      for (int64_t i = 0; i < 4; ++i)
+        for (int64_t d = 0; d < D; d += 64 / static_cast<int64_t>(sizeof(T)))
+          __builtin_prefetch(b0 + (kAhead + i) * ldk + d, 0, 3);
     for (int64_t r = 0; r < R; ++r) {
       const T* a = Q + r * D;
       V c0 = {}, c1 = {}, c2 = {}, c3 = {};
@@ -140,7 +167,9 @@ void scores_tile(const T* Q, const T* Kt, int64_t ldk, T* S, int64_t R, int64_t 
         c2 += x * vload(b2 + d);
         c3 += x * vload(b3 + d);
       }
-      T s0 = vsum<T>(c0), s1 = vsum<T>(c1), s2 = vsum<T>(c2), s3 = vsum<T>(c3);
+      T sums[4];
+      vsum4<T>(c0, c1, c2, c3, sums);
+      T s0 = sums[0], s1 = sums[1], s2 = sums[2], s3 = sums[3];
       for (int64_t d = DV; d < D; ++d) {
         s0 += a[d] * b0[d];
         s1 += a[d] * b1[d];
@@ -254,10 +283,11 @@ at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k_in,
         for (int64_t t0 = 0; t0 <= max_lim; t0 += TT) {
           const int64_t T = std::min<int64_t>(TT, max_lim + 1 - t0);
           const acc_t* Kt;
-          int64_t ld;
+          int64_t ld, readable = T;
           if constexpr (direct) {
             Kt = reinterpret_cast<const acc_t*>(kbase + t0 * ldk);
             ld = ldk;
+            readable = max_lim + 1 - t0;
           } else {
             for (int64_t t = 0; t < T; ++t)
               for (int64_t d = 0; d < D; ++d)
@@ -265,7 +295,7 @@ at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k_in,
             Kt = Kbuf.data();
             ld = std::max<int64_t>(D, 1);
           }
-          scores_tile(Qb.data(), Kt, ld, S.data(), R, T, D, TT);
+          scores_tile(Qb.data(), Kt, ld, S.data(), R, T, D, TT, readable);
           // Image tokens of this tile (shared by all rows).
           tile_pos.clear();
           tile_reg.clear();

@@ -1,6 +1,8 @@
-// Float log / exp the vas kernels vectorise (no libmvec, no -ffast-math),
+// The float log and transposes the vas kernels vectorise (no libmvec, no -ffast-math),
 // and the small row-major matrix products of the vas CPU kernels.
 #pragma once
+
+#include "common/cpu_math.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -8,8 +10,9 @@
 
 namespace headscope::vas::cpu {
 
-typedef float f8 __attribute__((vector_size(32)));
-typedef int32_t i8 __attribute__((vector_size(32)));
+using headscope::exp8_le0;
+using headscope::f8;
+using headscope::i8;
 
 // Natural log of 8 positive normal floats, within about 1 ulp, without a division (the
 // tile loop's one division, p / q, keeps the divider busy): x = 2^k m with m in
@@ -74,35 +77,6 @@ inline void transpose(const float* src, int64_t lds, int64_t rows, int64_t cols,
     const int64_t c_begin = r < rows8 ? cols8 : 0;
     for (int64_t c = c_begin; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
   }
-}
-
-// exp(x) for x <= ~88, about 1 ulp (Cephes expf), 0 below -87.3 (where the true value is
-// under 1.2e-38), on 8 floats at once (GCC/Clang vector extensions; written explicitly
-// because the clamps would otherwise become branches under -ftrapping-math).
-inline f8 exp8_le0(f8 x) {
-  const f8 lo = f8{} - 87.3f, hi = f8{} + 88.3f;
-  f8 xc = x < lo ? lo : x;
-  xc = xc > hi ? hi : xc;
-  const f8 t = xc * 1.44269504088896341f;
-  const f8 shifted = t + 12582912.0f;  // 1.5 * 2^23: rounds t to an integer
-  const f8 nf = shifted - 12582912.0f;
-  i8 ni;
-  std::memcpy(&ni, &shifted, sizeof ni);
-  ni = ni - 0x4B400000;  // round(t)
-  f8 r = xc - nf * 0.693359375f;
-  r = r - nf * -2.12194440e-4f;
-  f8 p = f8{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const i8 e = (ni + 127) << 23;
-  f8 scale;
-  std::memcpy(&scale, &e, sizeof scale);
-  const f8 y = p * scale;
-  return x < lo ? f8{} : y;
 }
 
 // dst[c] = exp(src[c] - shift) * mul for c < n (8 at a time; src may equal dst).
