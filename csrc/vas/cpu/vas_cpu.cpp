@@ -188,27 +188,76 @@ inline f8 max8(f8 a, f8 b) {
 #endif
 }
 
-// gp: kPanel x TB floats of scratch for the Gram panel.
-void kl_pair(const PairArgs& a, float* gp, Acc& acc) {
-  const f8 clip = f8{} + kClip, zero = {};
-  const float hs = 0.5f * a.inv_mS, inv_mA = a.inv_mA;
+// The running sums of kl_pair over one 8-row strip, in float lanes.
+struct StripSums {
+  f8 clip, inv_mA, hs;  // 1e-12, 1 / mA, 1 / (2 mS)
   f8 kl = {}, ag = {}, ax2 = {};
-  // One row piece of A against its G values. At a tile's edge, keep is 1 in the lanes
-  // inside it (A is 0 there, G finite): they must not add to the KL or the centred sum.
-  auto entry = [&](f8 av, f8 gv, float x, const f8* keep) {
+
+  // One row piece of A against its G values. kMasked (a tile's edge): keep is 1 in the
+  // lanes inside the tile (A is 0 and G finite outside), which alone count in the KL and
+  // the centred sum.
+  template <bool kMasked>
+  void entry(f8 av, f8 gv, float x, f8 keep) {
     const f8 p = max8(av * inv_mA, clip);
     const f8 q = max8(gv * hs + hs, clip);
     const f8 t = p * log8_pos(p / q);
     f8 d = av - x;
-    if (keep != nullptr) d *= *keep;
-    kl += keep != nullptr ? (*keep > zero ? t : zero) : t;
+    if constexpr (kMasked) {
+      d *= keep;
+      kl += keep > f8{} ? t : f8{};
+    } else {
+      kl += t;
+    }
     ag += av * gv;
     ax2 += d * d;
-  };
-  auto add_cols = [](double* c, f8 s, int64_t n) {
-    for (int64_t k = 0; k < n; ++k) c[k] += s[k];
-  };
-  alignas(32) float gt[64];  // a transposed 8 x 8 Gram block
+  }
+};
+
+// One 8 x 8 Gram block (rows ib.., columns jb.. of the pair; g8 + jb: its rows, stride TB)
+// against A_IJ's block and, when `upper`, A_JI's (through the block transposed in registers).
+// kFull: a whole 8 x 8 block (no edge): plain loads, no masks.
+template <bool kFull>
+inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, int64_t rows,
+                   int64_t cols, bool upper, StripSums& st, f8& col_i) {
+  const f8 keep_cols = kFull ? f8{} : lane_mask(cols);
+  f8 col_j = {};
+  for (int64_t r = 0; r < (kFull ? 8 : rows); ++r) {
+    const float* ar = a.aij + (ib + r) * a.lij + jb;
+    f8 av, gv;
+    if constexpr (kFull) {
+      std::memcpy(&av, ar, sizeof av);
+    } else {
+      av = load_part(ar, cols);
+    }
+    std::memcpy(&gv, g + r * TB, sizeof gv);
+    st.entry<!kFull>(av, gv, a.xi[ib + r], keep_cols);
+    col_j += av;
+  }
+  for (int64_t k = 0; k < (kFull ? 8 : cols); ++k) a.cj[jb + k] += col_j[k];
+  if (!upper) return;
+  const f8 keep_rows = kFull ? f8{} : lane_mask(rows);
+  f8 gt[8];
+  for (int r = 0; r < 8; ++r) std::memcpy(&gt[r], g + r * TB, sizeof(f8));
+  cpu::transpose8x8(gt);  // gt[c]: G_JI row jb + c, columns ib..
+  for (int64_t c = 0; c < (kFull ? 8 : cols); ++c) {
+    const float* ar = a.aji + (jb + c) * a.lji + ib;
+    f8 av;
+    if constexpr (kFull) {
+      std::memcpy(&av, ar, sizeof av);
+    } else {
+      av = load_part(ar, rows);
+    }
+    st.entry<!kFull>(av, gt[c], a.xj[jb + c], keep_rows);
+    col_i += av;
+  }
+}
+
+// gp: kPanel x TB floats of scratch for the Gram panel.
+void kl_pair(const PairArgs& a, float* gp, Acc& acc) {
+  StripSums st;
+  st.clip = f8{} + kClip;
+  st.inv_mA = f8{} + a.inv_mA;
+  st.hs = f8{} + 0.5f * a.inv_mS;
   for (int64_t ib0 = 0; ib0 < a.ni; ib0 += kPanel) {
     // the Gram rows of this panel (rounded up to 8: Vn's padding rows give zeros) over the
     // columns it needs (rounded up to 8 the same way)
@@ -217,7 +266,6 @@ void kl_pair(const PairArgs& a, float* gp, Acc& acc) {
     gemm_nn(prow, ncol, a.dh, 1.0f, a.vi + ib0 * a.dh, a.dh, a.vtj, a.ldv, gp, TB);
     for (int64_t ib = ib0; ib < std::min(a.ni, ib0 + kPanel); ib += 8) {
       const int64_t rows = std::min<int64_t>(8, a.ni - ib);
-      const f8 keep_rows = lane_mask(rows);
       const int64_t jend = a.diag ? ib + 8 : a.nj;
       const float* g8 = gp + (ib - ib0) * TB;  // this row block's Gram rows
       // A comes from L3 or memory, in 32-byte pieces of many rows: fetch the next row
@@ -230,32 +278,18 @@ void kl_pair(const PairArgs& a, float* gp, Acc& acc) {
       f8 col_i = {};  // column sums over the A_JI pieces, columns ib..
       for (int64_t jb = 0; jb < jend; jb += 8) {
         const int64_t cols = std::min<int64_t>(8, a.nj - jb);
-        const f8 keep_cols = lane_mask(cols);
-        const bool full = cols == 8 && rows == 8;
-        f8 col_j = {};
-        for (int64_t r = 0; r < rows; ++r) {
-          const f8 av = load_part(a.aij + (ib + r) * a.lij + jb, cols);
-          f8 gv;
-          std::memcpy(&gv, g8 + r * TB + jb, sizeof gv);
-          entry(av, gv, a.xi[ib + r], full ? nullptr : &keep_cols);
-          col_j += av;
-        }
-        add_cols(a.cj + jb, col_j, cols);
-        if (a.aji == nullptr || (a.diag && jb == ib)) continue;
-        cpu::transpose(g8 + jb, TB, 8, 8, gt, 8);  // row c: G_JI row jb + c, columns ib..
-        for (int64_t c = 0; c < cols; ++c) {
-          const f8 av = load_part(a.aji + (jb + c) * a.lji + ib, rows);
-          f8 gv;
-          std::memcpy(&gv, gt + c * 8, sizeof gv);
-          entry(av, gv, a.xj[jb + c], full ? nullptr : &keep_rows);
-          col_i += av;
+        const bool upper = a.aji != nullptr && !(a.diag && jb == ib);
+        if (rows == 8 && cols == 8) {
+          block8<true>(a, g8 + jb, ib, jb, rows, cols, upper, st, col_i);
+        } else {
+          block8<false>(a, g8 + jb, ib, jb, rows, cols, upper, st, col_i);
         }
       }
-      add_cols(a.ci + ib, col_i, rows);
-      acc.kl += hsum(kl);
-      acc.ag += hsum(ag);
-      acc.ax2 += hsum(ax2);
-      kl = ag = ax2 = zero;
+      for (int64_t k = 0; k < rows; ++k) a.ci[ib + k] += col_i[k];
+      acc.kl += hsum(st.kl);
+      acc.ag += hsum(st.ag);
+      acc.ax2 += hsum(st.ax2);
+      st.kl = st.ag = st.ax2 = f8{};
     }
   }
 }
