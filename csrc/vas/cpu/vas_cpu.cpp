@@ -331,14 +331,17 @@ struct Problem {
 
   bool fused = false;
   int64_t nb(int64_t bh) const { return (n[bh / H] + TB - 1) / TB; }
+  // This thread's slot. Modulo: at::parallel_for runs inline (one thread) when called from
+  // inside another parallel region, where the thread id may exceed this call's count.
+  int64_t thread_slot() const { return at::get_thread_num() % nthreads; }
   float* vn_of(int64_t bh) {
-    return vn.data_ptr<float>() + (fused ? at::get_thread_num() : bh) * T8 * Dh;
+    return vn.data_ptr<float>() + (fused ? thread_slot() : bh) * T8 * Dh;
   }
   float* vnt_of(int64_t bh) {
-    return vnt.data_ptr<float>() + (fused ? at::get_thread_num() : bh) * Dh * Tp;
+    return vnt.data_ptr<float>() + (fused ? thread_slot() : bh) * Dh * Tp;
   }
   float* thread_scratch() {
-    return scratch.data_ptr<float>() + at::get_thread_num() * scratch_per_thread;
+    return scratch.data_ptr<float>() + thread_slot() * scratch_per_thread;
   }
 };
 
