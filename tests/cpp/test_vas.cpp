@@ -3,7 +3,9 @@
 #include "headscope.h"
 #include "test_util.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/allclose.h>
+#include <ATen/ops/equal.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/isnan.h>
 #include <ATen/ops/matmul.h>
@@ -139,6 +141,22 @@ TEST(Vas, HeadStatsMatchDenseDefinition) {
     const auto out = headscope::vas_head_stats(A, V, at::tensor(lengths));
     expect_stats(out, A, V, lengths);
   }
+}
+
+TEST(Vas, CalledFromInsideAParallelRegion) {
+  // The op's own at::parallel_for then runs inline on each outer thread: per-thread
+  // scratch must still be private to each call.
+  at::manual_seed(6);
+  const int64_t B = 1, H = 8, T = 200, Dh = 16;
+  const auto A = causal_softmax(at::randn({B, H, T, T}).mul(2), false);
+  const auto V = at::randn({B, H, T, Dh});
+  const auto lengths = at::tensor(std::vector<int64_t>{T});
+  const auto expected = headscope::vas_head_stats(A, V, lengths);
+  std::vector<at::Tensor> got(4);
+  at::parallel_for(0, 4, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) got[i] = headscope::vas_head_stats(A, V, lengths);
+  });
+  for (const auto& g : got) EXPECT_TRUE(at::equal(g, expected));
 }
 
 TEST(Vas, HalfAndStridedInputs) {
