@@ -464,21 +464,26 @@ void prepare_values(Problem& P, const at::Tensor& head_writes, const Range* only
       for (int64_t c = 0; c < Dh; ++c) std::fill(vnt + c * P.Tp + n, vnt + c * P.Tp + n8, 0.0f);
       for (int64_t c = 0; c < Dh; ++c)
         for (int64_t i = 0; i < n; ++i) WT[c * P.Tp + i] = vnt[c * P.Tp + i] - mf[c];
+      // C is symmetric: only its upper triangle is formed, in 16-column panels (rows up to
+      // the panel's last column), and the off-diagonal entries count twice below
       std::fill(Cd.begin(), Cd.end(), 0.0);
       constexpr int64_t kChunk = 256;
       for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
-        gemm_nn(Dh, Dh, std::min(kChunk, n - i0), 1.0f, WT + i0, P.Tp, W + i0 * Dh, Dh, C, Dh);
-        for (int64_t e = 0; e < Dh * Dh; ++e) Cd[e] += C[e];
+        const int64_t rows = std::min(kChunk, n - i0);
+        for (int64_t q0 = 0; q0 < Dh; q0 += 16) {
+          const int64_t nq = std::min<int64_t>(16, Dh - q0), np = q0 + nq;
+          gemm_nn(np, nq, rows, 1.0f, WT + i0, P.Tp, W + i0 * Dh + q0, Dh, C + q0, Dh);
+          for (int64_t p = 0; p < np; ++p)
+            for (int64_t q = q0; q < q0 + nq; ++q) Cd[p * Dh + q] += C[p * Dh + q];
+        }
       }
       double c2 = 0, mcm = 0;
       for (int64_t p = 0; p < Dh; ++p) {
-        double cm = 0;
-        for (int64_t q = 0; q < Dh; ++q) {
-          const double cpq = Cd[p * Dh + q];
-          c2 += cpq * cpq;
-          cm += cpq * m[q];
+        for (int64_t q = p; q < Dh; ++q) {
+          const double cpq = Cd[p * Dh + q], w = q == p ? 1.0 : 2.0;
+          c2 += w * cpq * cpq;
+          mcm += w * m[p] * cpq * m[q];
         }
-        mcm += m[p] * cm;
       }
       const double nn = static_cast<double>(n);
       P.msq[bh] = msq;
