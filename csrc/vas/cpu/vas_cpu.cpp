@@ -158,9 +158,8 @@ inline f8 load_part(const float* p, int64_t n) {
 // Everything phase 2 needs from A, over one tile pair: the row KL and <A, G>, with the
 // value Gram G = Vn_I Vn_J^T formed a panel of rows at a time in L1 and never stored whole
 // (each 8 x 8 block serves A_IJ's block and, through an in-register transpose, A_JI's: G
-// is symmetric), and ||A||^2, the centred sum of squares sum (a - x_row)^2 and the column
-// sums. p and q are the seed's clipped, max-row-sum-normalised entries,
-// q = max((g + 1) / 2 / mS, clip).
+// is symmetric), the centred sum of squares sum (a - x_row)^2 and the column sums. p and q
+// are the seed's clipped, max-row-sum-normalised entries, q = max((g + 1) / 2 / mS, clip).
 struct PairArgs {
   const float* vi;   // Vn rows of I (row stride dh), readable zeros up to a multiple of 8
   const float* vtj;  // Vn^T columns of J (row stride ldv), the same
@@ -213,7 +212,7 @@ struct StripSums {
   }
 };
 
-// One 8 x 8 Gram block (rows ib.., columns jb.. of the pair; g8 + jb: its rows, stride TB)
+// One 8 x 8 Gram block (rows ib.., columns jb.. of the pair; g: its rows, stride TB)
 // against A_IJ's block and, when `upper`, A_JI's (through the block transposed in registers).
 // kFull: a whole 8 x 8 block (no edge): plain loads, no masks.
 template <bool kFull>
