@@ -76,4 +76,42 @@ inline f8 exp8_le0(f8 x) {
   return x < lo ? f8{} : y;
 }
 
+// dst[i] = exp(src[i] - shift) * mul for i < n (src may equal dst; src[i] - shift <= ~88,
+// -inf gives 0); returns the sum of the results (8 lanes, then the lanes in order).
+inline float exp_shift_scale(float* dst, const float* src, int64_t n, float shift, float mul) {
+  f8 sum = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    f8 v;
+    std::memcpy(&v, src + i, sizeof v);
+    v = exp8_le0(v - shift) * mul;
+    std::memcpy(dst + i, &v, sizeof v);
+    sum += v;
+  }
+  if (i < n) {
+    f8 v = f8{} - __builtin_inff();  // padding lanes: exp(-inf) = 0
+    std::memcpy(&v, src + i, sizeof(float) * (n - i));
+    v = exp8_le0(v - shift) * mul;
+    std::memcpy(dst + i, &v, sizeof(float) * (n - i));
+    sum += v;
+  }
+  float total = 0.f;
+  for (int k = 0; k < 8; ++k) total += sum[k];
+  return total;
+}
+
+// Largest of x[0..n) (-inf when n == 0; NaN entries are passed over), in 8 lanes.
+template <typename T>
+inline T max_of(const T* x, int64_t n) {
+  T m[8];
+  for (auto& v : m) v = -__builtin_inf();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) m[j] = x[i + j] > m[j] ? x[i + j] : m[j];
+  for (; i < n; ++i) m[0] = x[i] > m[0] ? x[i] : m[0];
+  T r = m[0];
+  for (int j = 1; j < 8; ++j) r = m[j] > r ? m[j] : r;
+  return r;
+}
+
 }  // namespace headscope

@@ -30,27 +30,9 @@ struct SpanWeights {
 SpanWeights build_span_weights(const char* op, const at::Tensor& query_weights);
 
 // x[i] = exp(x[i] - m) for i < n (m >= every x[i]; -inf gives 0); returns the sum of the
-// results (8 lanes, then the lanes in order).
+// results.
 inline float exp_shift_sum(float* x, int64_t n, float m) {
-  f8 sum = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    f8 v;
-    std::memcpy(&v, x + i, sizeof v);
-    v = exp8_le0(v - m);
-    std::memcpy(x + i, &v, sizeof v);
-    sum += v;
-  }
-  if (i < n) {
-    f8 v = f8{} - INFINITY;
-    std::memcpy(&v, x + i, sizeof(float) * (n - i));
-    v = exp8_le0(v - m);
-    std::memcpy(x + i, &v, sizeof(float) * (n - i));
-    sum += v;  // the padding lanes are exp(-inf) = 0
-  }
-  float total = 0.f;
-  for (int k = 0; k < 8; ++k) total += sum[k];
-  return total;
+  return exp_shift_scale(x, x, n, m, 1.0f);
 }
 inline double exp_shift_sum(double* x, int64_t n, double m) {
   double sum = 0.;
@@ -60,19 +42,6 @@ inline double exp_shift_sum(double* x, int64_t n, double m) {
     sum += e;
   }
   return sum;
-}
-
-template <typename T>
-inline T max_of(const T* x, int64_t n) {
-  T m[8];
-  for (auto& v : m) v = -INFINITY;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) m[j] = x[i + j] > m[j] ? x[i + j] : m[j];
-  for (; i < n; ++i) m[0] = x[i] > m[0] ? x[i] : m[0];
-  T r = m[0];
-  for (int j = 1; j < 8; ++j) r = m[j] > r ? m[j] : r;
-  return r;
 }
 
 }  // namespace headscope::attribution::cpu

@@ -826,28 +826,14 @@ void qk_row_phase(Problem& P, QK& Q) {
             const int64_t lim = Q.causal ? std::min(nk, ia - k0 + 1) : nk;  // keys <= ia
             if (lim <= 0) continue;
             float* l = L + r * TB;
-            float mx8[8] = {Mx[r], Mx[r], Mx[r], Mx[r], Mx[r], Mx[r], Mx[r], Mx[r]};
-            int64_t c8 = 0;
-            for (; c8 + 8 <= lim; c8 += 8)
-              for (int k = 0; k < 8; ++k) mx8[k] = std::max(mx8[k], l[c8 + k]);
-            float mx = Mx[r];
-            for (int k = 0; k < 8; ++k) mx = std::max(mx, mx8[k]);
-            for (; c8 < lim; ++c8) mx = std::max(mx, l[c8]);
+            const float mx = std::max(Mx[r], cpu::max_of(l, lim));
             if (mx > Mx[r]) {
               const double f = std::exp(static_cast<double>(Mx[r]) - mx);
               Z[r] *= f;
               R[r] *= f;
               Mx[r] = mx;
             }
-            cpu::exp_shift_scale(l, l, lim, mx, 1.0f);
-            float z[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            int64_t c = 0;
-            for (; c + 8 <= lim; c += 8)
-              for (int k = 0; k < 8; ++k) z[k] += l[c + k];
-            double zt = 0;
-            for (; c < lim; ++c) zt += l[c];
-            for (int k = 0; k < 8; ++k) zt += z[k];
-            Z[r] += zt;
+            Z[r] += cpu::exp_shift_scale(l, l, lim, mx, 1.0f);
             // the window's columns [s, s + n) within this key block
             const int64_t c0 = std::max<int64_t>(0, s - k0), c1 = std::min(lim, s + n - k0);
             double rt = 0;

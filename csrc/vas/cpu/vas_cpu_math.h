@@ -11,6 +11,8 @@
 namespace headscope::vas::cpu {
 
 using headscope::exp8_le0;
+using headscope::exp_shift_scale;
+using headscope::max_of;
 using headscope::f8;
 using headscope::i8;
 
@@ -76,23 +78,6 @@ inline void transpose(const float* src, int64_t lds, int64_t rows, int64_t cols,
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t c_begin = r < rows8 ? cols8 : 0;
     for (int64_t c = c_begin; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
-  }
-}
-
-// dst[c] = exp(src[c] - shift) * mul for c < n (8 at a time; src may equal dst).
-inline void exp_shift_scale(float* dst, const float* src, int64_t n, float shift, float mul) {
-  int64_t c = 0;
-  for (; c + 8 <= n; c += 8) {
-    f8 v;
-    std::memcpy(&v, src + c, sizeof v);
-    v = exp8_le0(v - shift) * mul;
-    std::memcpy(dst + c, &v, sizeof v);
-  }
-  if (c < n) {
-    f8 v = f8{};
-    std::memcpy(&v, src + c, sizeof(float) * (n - c));
-    v = exp8_le0(v - shift) * mul;
-    std::memcpy(dst + c, &v, sizeof(float) * (n - c));
   }
 }
 
