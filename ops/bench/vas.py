@@ -163,21 +163,30 @@ def _cuda_layer_section(device, quick, results):
     k = torch.randn(B, 4, T, Dh, device=device, generator=gen)
     v = torch.randn(B, 4, T, Dh, device=device, generator=gen)
     lengths = torch.full((B,), T, device=device)
-    t = timeit(lambda: ops.vas_head_stats(A, V, lengths), device)
-    t_qk = timeit(lambda: ops.vas_head_stats_qk(q, k, V, lengths, Dh ** -0.5, True), device)
-    t_sdpa = timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), device)
-    bytes_moved = A.numel() * 4 + V.numel() * 4
     flops = 2 * B * H * T * T * Dh  # the Gram tiles (once per unordered pair: half of it is the bound)
     # float32 inputs: the tensor-core peak that applies is TF32 (H100/H200 SXM: ~495 TFLOP/s
     # dense); 4.3 TB/s is the H200 bandwidth. The Gram tiles need half of `flops`.
     name = torch.cuda.get_device_name()
     peak = 495e12 if ("H100" in name or "H200" in name) else 100e12
-    roofline = max(bytes_moved / 4.3e12, flops / 2 / peak)
-    row = {"T": T, "op ms": t * 1e3, "roofline ms": roofline * 1e3, "x roofline": t / roofline,
-           "qk ms": t_qk * 1e3, "sdpa ms": t_sdpa * 1e3, "qk / sdpa": t_qk / t_sdpa}
-    print_table(f"one layer on {torch.cuda.get_device_name()} (B={B}, H={H}, T={T}, Dh={Dh})", [row],
-                list(row))
-    results["cuda_layer"] = row
+    rows = []
+    for Ad in (A, A.bfloat16()):
+        t = timeit(lambda: ops.vas_head_stats(Ad, V, lengths), device)
+        t_read = timeit(lambda: Ad.sum(), device)  # one read of A: the bandwidth this card reaches
+        roofline = max((Ad.numel() * Ad.element_size() + V.numel() * 4) / 4.3e12, flops / 2 / peak)
+        rows.append({"attn dtype": str(Ad.dtype).replace("torch.", ""), "op ms": t * 1e3,
+                     "roofline ms": roofline * 1e3, "x roofline": t / roofline,
+                     "A.sum() ms": t_read * 1e3})
+    print_table(f"vas_head_stats, one layer on {name} (B={B}, H={H}, T={T}, Dh={Dh})", rows, list(rows[0]))
+    t_qk = timeit(lambda: ops.vas_head_stats_qk(q, k, V, lengths, Dh ** -0.5, True), device)
+    t_sdpa = timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), device)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    t_sdpa_bf16 = timeit(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True),
+                         device)
+    qk_row = {"qk ms": t_qk * 1e3, "sdpa ms": t_sdpa * 1e3, "qk / sdpa": t_qk / t_sdpa,
+              "sdpa bf16 ms": t_sdpa_bf16 * 1e3}
+    print_table(f"vas_head_stats_qk (float32, causal, Hkv=4) against one SDPA call on the same q, k, v",
+                [qk_row], list(qk_row))
+    results["cuda_layer"] = {"attn": rows, "qk": qk_row}
 
 
 def run(device: torch.device, quick: bool) -> dict:

@@ -342,7 +342,10 @@ def test_non_finite_input_in_window_gives_nan_head(bad, device):
     assert not nan.any()
     keep = torch.ones(2, 3, dtype=torch.bool)
     keep[0, 1] = keep[1, 2] = False
-    assert_close(out.cpu()[keep], clean.cpu()[keep], rtol=0, atol=0)
+    # Other heads are untouched: bit for bit on CPU; on CUDA up to the order of the float64
+    # atomics that sum a head's tiles (nondeterministic, see README), a few float32 ulps.
+    exact = device.type == "cpu"
+    assert_close(out.cpu()[keep], clean.cpu()[keep], rtol=0 if exact else 1e-6, atol=0)
     q = torch.randn(2, 3, 30, 4, generator=gen)
     q[0, 0, 2, 1] = bad
     out_qk = headscope.vas_head_stats_qk(q.to(device), q.to(device), V.to(device),

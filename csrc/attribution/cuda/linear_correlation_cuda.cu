@@ -2,7 +2,7 @@
 // double sums) and spearman (average ranks by counting, O(n^2 / threads) per row, then
 // the Pearson kernel on the ranks).
 #include "attribution/attribution_checks.h"
-#include "attribution/cuda/cuda_utils.cuh"
+#include "common/cuda_reduce.cuh"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -18,6 +18,8 @@
 
 namespace headscope::attribution::cuda {
 namespace {
+
+using namespace headscope::cuda_reduce;
 
 constexpr int kThreads = 256;
 

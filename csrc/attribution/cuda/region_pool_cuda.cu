@@ -13,7 +13,7 @@
 //     acc / z at the common max, weighted by the row's normalised weight.
 // Rows with zero weight are never computed (only the active rows are launched).
 #include "attribution/attribution_checks.h"
-#include "attribution/cuda/cuda_utils.cuh"
+#include "common/cuda_reduce.cuh"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -33,6 +33,11 @@
 
 namespace headscope::attribution::cuda {
 namespace {
+
+using namespace headscope::cuda_reduce;
+
+__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
+__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
 
 constexpr int kThreads = 256;
 constexpr int kTile = 256;  // keys per shared-memory tile in pass A

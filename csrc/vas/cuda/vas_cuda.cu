@@ -1,17 +1,23 @@
 // CUDA kernels of headscope::vas_head_stats, vas_head_stats_qk and vas_aggregate.
 //
-// Same algorithm as the CPU kernels (csrc/vas/cpu/vas_cpu.cpp), every head of a layer in
-// each launch (5 launches per layer, none per head):
-//   1. prep     (one block per head): Vn, m . Vn_i, max row sum of S, ||S||^2, ||Sc||^2
-//   2. rows     (one warp per row):   row sums of A, or the online softmax statistics of
-//                                     q k^T for the qk op; which A tiles are nonzero
-//   3. centre   (one block per head): 1 / max row sum, centring values, bad-head flags
-//   4. tiles    (one block per 64 x 64 tile of every head): the Vn Gram tile and the A tile
-//               (loaded, or recomputed from q and k) in shared memory / registers; KL,
-//               <A, G>, ||A||^2, centred sums, row and column sums, reduced in shared
-//               memory, then one atomic per block and statistic
-//   5. finalize (one block per head): (d, c, r)
-// FP32 FMA throughout (no tensor cores yet); double accumulators across tiles.
+// Every head of a layer in each launch; A is read once. Per head over its window of n
+// positions, with Vn the row-normalised head writes, G = Vn Vn^T, S = (G + 1) / 2:
+//   1. prep (grid: 16-row chunks x heads): Vn, stored split into float16 hi/lo parts for the
+//      tensor cores (or as float32 when Dh <= 16, see gram_tile), and the NaN/Inf flag.
+//   [qk op: rows (grid: 64-row tiles x heads): the softmax statistics of q k^T per row.]
+//   2. pass (grid: tile pairs x heads): one block per pair of 64 x 64 tiles (I >= J). It
+//      forms G_IJ once on the tensor cores, reads A_IJ and A_JI (G is symmetric), or
+//      recomputes them from q and k, and accumulates per head: the KL terms, <A, G>,
+//      ||A||^2, the centred sum of squares, sum G^2, and the row / column sums of A and
+//      the row sums of G. The last block of a head to finish evaluates (d, c, r).
+// Everything that needs a whole-head quantity before the pass is rewritten to need it
+// only after: ||S||, ||Sc|| and <Ac, Sc> from sum G^2 and G's row sums (adot_i = (G 1)_i/n,
+// the max row sum of S is (n + max_i (G 1)_i) / 2); the KL from sums whose head constants
+// (log of A's and S's max row sums) multiply out (see `Entry`).
+// Cross-block sums are float64 atomics, so results can differ between runs in the last
+// bits of float32.
+#include "common/cuda_reduce.cuh"
+#include "vas/cuda/tile_mma.cuh"
 #include "vas/vas_checks.h"
 
 #include <ATen/Dispatch.h>
@@ -25,13 +31,30 @@
 
 #include <cfloat>
 #include <cmath>
+#include <vector>
 
 namespace headscope::vas {
 namespace {
 
-constexpr int TILE = 64;   // tile edge of step 4
-constexpr int KC = 16;     // depth chunk of the tile products
-constexpr int THREADS = 256;
+using namespace headscope::cuda_reduce;
+using mma::kThreads;
+using mma::kTile;
+using mma::Lane;
+
+constexpr int kExactDh = 16;        // Dh up to this: Gram entries by FMA in index order
+constexpr int kVChunk = 32;         // Dh columns per split-Vn panel load
+constexpr int kVld = 40;            // row stride (halves) of those panels: conflict-free
+constexpr int kVldExact = 20;       // row stride (floats) of the float32 Vn panels
+constexpr int kXld = 68;            // row stride (floats) of q / k panels
+constexpr int kPrepRows = 16;       // rows per prep block
+constexpr int kAccs = 9;            // per-head float64 sums, see Sums
+constexpr float kEps = 1e-12f;      // the seed's clip of p and q
+constexpr float kLogEps = -27.631021115928547f;  // log(1e-12)
+// Shared memory of a pass block: the Vn panels (dead after the Gram, then reused for the
+// reductions), then the A tiles or the q / k panels.
+constexpr size_t kVBytes = 4 * kTile * kVld * sizeof(__half);
+constexpr size_t kRedBytes = (12 * kTile + 4 * 16) * sizeof(float);
+static_assert(kRedBytes <= kVBytes, "the reductions reuse the Vn panels' shared memory");
 
 struct Strides4 {
   int64_t s0, s1, s2, s3;
@@ -39,28 +62,23 @@ struct Strides4 {
 Strides4 strides4(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)}; }
 
 struct Heads {
-  int64_t B, H, T, Dh, nt;  // nt: tiles per side for T
+  int64_t B, H, T, Dh, T64, Dh16;
   const int64_t* len;
-  const int64_t* off;       // nullptr without offsets
-  // scratch
-  float* vn;       // [BH, T, Dh]
-  double* mvec;    // [BH, Dh]
-  double* adot;    // [BH, T]
-  double* rsum;    // [BH, T] row sums from step 2
-  double* rowp;    // [BH, T] row sums from step 4
-  double* colp;    // [BH, T]
-  float* xcen;     // [BH, T]
-  double* hs;      // [BH, 8]: msq, Scc, Snorm2, inv_mS, inv_mA
-  double* acc;     // [BH, 4]: kl, ag, a2, ax2
-  int* bad;        // [BH]
-  int* flags;      // [BH, nt, nt] nonzero tiles (attn op)
-  float* mrow;     // [BH, T] (qk op)
-  float* izrow;    // [BH, T] (qk op)
+  const int64_t* off;  // nullptr without offsets
+  __half* vs;          // [2 (hi, lo), BH, T64, Dh16] split Vn (Dh > kExactDh)
+  float* vf;           // [BH, T64, 16] Vn (Dh <= kExactDh)
+  float* mrow;         // [BH, T] qk op: row max of the scaled logits
+  float* izrow;        // [BH, T] qk op: 1 / softmax denominator
+  double* rows;        // [BH, T] row sums of A
+  double* cols;        // [BH, T] column sums of A
+  double* grow;        // [BH, T] row sums of G
+  double* acc;         // [BH, kAccs]
+  int* bad;            // [BH] non-finite input in the window
+  int* done;           // [BH] pass blocks finished
 };
 
 __device__ inline void window(const Heads& P, int64_t b, int64_t& n, int64_t& s) {
-  const int64_t l = P.len[b];
-  n = min(max(min(l, P.T), (int64_t)4), P.T);
+  n = min(max(min(P.len[b], P.T), (int64_t)4), P.T);
   s = P.off != nullptr ? max((int64_t)0, min(P.off[b], P.T - n)) : 0;
 }
 
@@ -69,47 +87,12 @@ __device__ inline float ldf(const T* p) {
   return static_cast<float>(*p);
 }
 
-__device__ inline double warp_sum(double v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ inline double warp_max(double v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-// Sum (or max) over the block; every thread gets the result. smem: 32 doubles.
-__device__ double block_sum(double v, double* smem) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-  v = warp_sum(v);
-  __syncthreads();
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  double t = 0;
-  for (int w = 0; w < nw; ++w) t += smem[w];
-  return t;
-}
-__device__ double block_max(double v, double* smem) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  double t = -DBL_MAX;
-  for (int w = 0; w < nw; ++w) t = fmax(t, smem[w]);
-  return t;
-}
-
 // ---- 1. prep ------------------------------------------------------------------------------
 
-// sum of squares of row[0 .. n) (stride st) in NumPy's pairwise order over float32 squares
+// sum of squares of row[0 .. n) in NumPy's pairwise order over float32 squares
 // (np.linalg.norm): the seed's norms bit for bit. Blocks of 128, combined pairwise.
-template <typename V_t>
-__device__ float numpy_pairwise_sumsq(const V_t* row, int64_t st, int64_t n) {
-  auto sqr = [&](int64_t i) {
-    const float x = ldf(row + i * st);
-    return __fmul_rn(x, x);  // rounded product, never fused into an add
-  };
+__device__ float numpy_pairwise_sumsq(const float* row, int64_t n) {
+  auto sqr = [&](int64_t i) { return __fmul_rn(row[i], row[i]); };  // never fused into an add
   if (n < 8) {
     float res = 0.0f;
     for (int64_t i = 0; i < n; ++i) res = __fadd_rn(res, sqr(i));
@@ -128,387 +111,594 @@ __device__ float numpy_pairwise_sumsq(const V_t* row, int64_t st, int64_t n) {
   }
   int64_t n2 = n / 2;
   n2 -= n2 % 8;
-  return __fadd_rn(numpy_pairwise_sumsq(row, st, n2), numpy_pairwise_sumsq(row + n2 * st, st, n - n2));
+  return __fadd_rn(numpy_pairwise_sumsq(row, n2), numpy_pairwise_sumsq(row + n2, n - n2));
 }
 
-template <typename V_t>
-__global__ void prep_kernel(Heads P, const V_t* __restrict__ hw, Strides4 sv) {
-  __shared__ double red[32];
-  __shared__ int sbad;
-  const int64_t bh = blockIdx.x, b = bh / P.H, h = bh % P.H, Dh = P.Dh;
+// One warp per row: Vn_i = V_i / max(||V_i||, 1e-9) (a division, as the seed), rows from n
+// to T64 and columns from Dh to Dh16 zero.
+template <typename V_t, bool kExact>
+__global__ void __launch_bounds__(kThreads) prep_kernel(Heads P, const V_t* __restrict__ hw,
+                                                        Strides4 sv) {
+  extern __shared__ float rowbuf_all[];  // [warps, Dh]
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t bh = blockIdx.y, b = bh / P.H, h = bh % P.H, BH = P.B * P.H;
   int64_t n, s;
   window(P, b, n, s);
-  if (threadIdx.x == 0) sbad = 0;
-  __syncthreads();
-  float* vn = P.vn + bh * P.T * Dh;
-  double* m = P.mvec + bh * Dh;
-  double* adot = P.adot + bh * P.T;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const V_t* row = hw + b * sv.s0 + h * sv.s1 + (s + i) * sv.s2;
-    double nr = 0;
-    for (int64_t c = 0; c < Dh; ++c) {
-      const double v = ldf(row + c * sv.s3);
-      nr += v * v;
+  float* rowbuf = rowbuf_all + warp * P.Dh;
+  bool bad = false;
+  for (int rr = 0; rr < kPrepRows / 4; ++rr) {
+    const int64_t i = static_cast<int64_t>(blockIdx.x) * kPrepRows + warp * (kPrepRows / 4) + rr;
+    float den = 1.0f;
+    if (i < n) {
+      const V_t* row = hw + b * sv.s0 + h * sv.s1 + (s + i) * sv.s2;
+      double sq = 0;
+      for (int64_t c = lane; c < P.Dh; c += 32) {
+        const float x = ldf(row + c * sv.s3);
+        rowbuf[c] = x;
+        sq += static_cast<double>(x) * x;
+      }
+      bad |= !isfinite(warp_sum(sq));
+      __syncwarp();
+      if (lane == 0) {
+        const float nrm = sqrtf(numpy_pairwise_sumsq(rowbuf, P.Dh));
+        den = nrm > 1e-9f ? nrm : 1e-9f;
+      }
+      den = __shfl_sync(0xffffffffu, den, 0);
     }
-    if (!isfinite(nr)) sbad = 1;
-    const float nrm = sqrtf(numpy_pairwise_sumsq(row, sv.s3, Dh));
-    const float den = nrm > 1e-9f ? nrm : 1e-9f;
-    for (int64_t c = 0; c < Dh; ++c) vn[i * Dh + c] = ldf(row + c * sv.s3) / den;
+    for (int64_t c = lane; c < P.Dh16; c += 32) {
+      const float x = (i < n && c < P.Dh) ? rowbuf[c] / den : 0.0f;
+      if (kExact) {
+        P.vf[(bh * P.T64 + i) * 16 + c] = x;
+      } else {
+        const __half hi = __float2half_rn(x);
+        const __half lo = __float2half_rn((x - __half2float(hi)) * mma::kLoScale);
+        P.vs[(bh * P.T64 + i) * P.Dh16 + c] = hi;
+        P.vs[((BH + bh) * P.T64 + i) * P.Dh16 + c] = lo;
+      }
+    }
+    __syncwarp();
   }
-  __syncthreads();
-  if (sbad) {
-    if (threadIdx.x == 0) P.bad[bh] = 1;
-    return;
-  }
-  double msq_part = 0;
-  for (int64_t c = threadIdx.x; c < Dh; c += blockDim.x) {
-    double u = 0;
-    for (int64_t i = 0; i < n; ++i) u += vn[i * Dh + c];
-    m[c] = u / static_cast<double>(n);
-    msq_part += m[c] * m[c];
-  }
-  const double msq = block_sum(msq_part, red);  // also a barrier: m is complete
-  const double nn = static_cast<double>(n);
-  double mS = 0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    double a = 0;
-    for (int64_t c = 0; c < Dh; ++c) a += m[c] * vn[i * Dh + c];
-    adot[i] = a;
-    mS = fmax(mS, 0.5 * (nn * a + nn));  // row sum of S: (Vn_i . u + n) / 2, u = n m
-  }
-  mS = block_max(mS, red);
-  // C = W^T W, W = Vn - m: ||C||^2 and m^T C m
-  double c2 = 0, mcm = 0;
-  for (int64_t e = threadIdx.x; e < Dh * Dh; e += blockDim.x) {
-    const int64_t p = e / Dh, q = e % Dh;
-    if (q < p) continue;  // symmetric: upper triangle, off-diagonal counted twice
-    double cpq = 0;
-    for (int64_t i = 0; i < n; ++i) cpq += (vn[i * Dh + p] - m[p]) * (vn[i * Dh + q] - m[q]);
-    const double w = p == q ? 1.0 : 2.0;
-    c2 += w * cpq * cpq;
-    mcm += w * m[p] * cpq * m[q];
-  }
-  c2 = block_sum(c2, red);
-  mcm = block_sum(mcm, red);
-  if (threadIdx.x == 0) {
-    double* hs = P.hs + bh * 8;
-    hs[0] = msq;
-    hs[1] = c2 / 4.0;
-    const double vtv2 = c2 + 2.0 * nn * mcm + nn * nn * msq * msq;
-    hs[2] = (vtv2 + 2.0 * nn * nn * msq + nn * nn) / 4.0;  // |u|^2 = n^2 |m|^2
-    hs[3] = 1.0 / fmax(mS, 1e-12);
+  if (lane == 0 && bad) atomicOr(P.bad + bh, 1);
+}
+
+// ---- qk op: softmax statistics per row ------------------------------------------------------
+
+// A 64 x 64 panel of rows (window-relative row r at rows + r * s_row) and columns
+// d0 .. d0 + 64 of a q or k tensor into shared memory as float, zero outside.
+template <typename T>
+__device__ void load_panel(float* dst, const T* rows, int64_t s_row, int64_t s_col,
+                           int64_t rows_valid, int64_t d0, int64_t D) {
+  for (int e = threadIdx.x; e < kTile * 64; e += kThreads) {
+    const int r = e >> 6, c = e & 63;
+    dst[r * kXld + c] = (r < rows_valid && d0 + c < D) ? ldf(rows + r * s_row + (d0 + c) * s_col) : 0.0f;
   }
 }
 
-// ---- 2. rows --------------------------------------------------------------------------------
-
-template <typename A_t>
-__global__ void attn_rows_kernel(Heads P, const A_t* __restrict__ A, Strides4 sa) {
-  const int lane = threadIdx.x & 31;
-  const int64_t bh = blockIdx.y, b = bh / P.H, h = bh % P.H;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  int64_t n, s;
-  window(P, b, n, s);
-  if (i >= n) return;  // warp-uniform (no read of flags other warps may be writing)
-  const A_t* row = A + b * sa.s0 + h * sa.s1 + (s + i) * sa.s2 + s * sa.s3;
-  int* flags = P.flags + (bh * P.nt + i / TILE) * P.nt;
-  double sum = 0, abs_sum = 0;
-  for (int64_t j0 = 0; j0 < n; j0 += 32) {
-    const int64_t j = j0 + lane;
-    const float a = j < n ? ldf(row + j * sa.s3) : 0.0f;
-    sum += a;
-    abs_sum += fabsf(a);
-    const unsigned any = __ballot_sync(0xffffffffu, a != 0.0f);
-    if (lane == 0 && any) atomicOr(flags + j0 / TILE, 1);
-  }
-  sum = warp_sum(sum);
-  abs_sum = warp_sum(abs_sum);
-  if (lane == 0) {
-    P.rsum[bh * P.T + i] = sum;
-    if (!isfinite(abs_sum)) atomicOr(P.bad + bh, 1);
+// acc (fragment layout) = X Y^T over the D columns of q / k rows, 3xTF32.
+template <typename T>
+__device__ __forceinline__ void logits_tile(float* acc, float* sx, float* sy, const T* x, int64_t sx_row,
+                            int64_t sx_col, int64_t x_rows, const T* y, int64_t sy_row,
+                            int64_t sy_col, int64_t y_rows, int64_t D, const Lane& L) {
+  #pragma unroll
+  for (int e = 0; e < mma::kFrag; ++e) acc[e] = 0.0f;
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __syncthreads();
+    load_panel(sx, x, sx_row, sx_col, x_rows, d0, D);
+    load_panel(sy, y, sy_row, sy_col, y_rows, d0, D);
+    __syncthreads();
+    const int kw = static_cast<int>((min((int64_t)64, D - d0) + 7) / 8 * 8);
+    mma::gemm_3xtf32(acc, sx, sy, kXld, kw, L);
   }
 }
 
-template <typename Q_t, typename K_t>
-__global__ void qk_rows_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq,
-                               const K_t* __restrict__ k, Strides4 sk, int64_t Hkv, int64_t D,
-                               float scale, bool causal) {
-  extern __shared__ float qrow_all[];  // [warps, D]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// (m, z) of two parts of a softmax row combined.
+__device__ inline void merge_mz(float& m, float& z, float m2, float z2) {
+  const float mm = fmaxf(m, m2);
+  if (mm == -INFINITY) return;
+  z = z * __expf(m - mm) + z2 * __expf(m2 - mm);
+  m = mm;
+}
+
+template <typename Q_t>
+__global__ void __launch_bounds__(kThreads)
+qk_rows_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __restrict__ k,
+               Strides4 sk, int64_t Hkv, int64_t D, float scale, bool causal) {
+  extern __shared__ float4 smem_rows[];
+  float* sx = reinterpret_cast<float*>(smem_rows);
+  float* sy = sx + kTile * kXld;
+  float* mz = sy + kTile * kXld;  // [2 (wn), 64, 2]
+  const Lane L;
   const int64_t bh = blockIdx.y, b = bh / P.H, h = bh % P.H, hk = h / (P.H / Hkv);
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + warp;
   int64_t n, s;
   window(P, b, n, s);
-  if (i >= n) return;  // warp-uniform (no read of flags other warps may be writing)
-  float* qrow = qrow_all + warp * D;
-  const Q_t* qp = q + b * sq.s0 + h * sq.s1 + (s + i) * sq.s2;
-  for (int64_t c = lane; c < D; c += 32) qrow[c] = ldf(qp + c * sq.s3);
-  __syncwarp();
-  const int64_t ia = s + i, kend = causal ? ia + 1 : P.T;
-  float mx = -INFINITY;
-  double z = 0, r = 0;
+  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  if (i0 >= n) return;
+  const int64_t key_end = causal ? s + min(i0 + kTile, n) : P.T;  // exclusive, absolute
+  const Q_t* qrows = q + b * sq.s0 + h * sq.s1 + (s + i0) * sq.s2;
+  const Q_t* krows = k + b * sk.s0 + hk * sk.s1;
+  float m[4], z[4];
+  #pragma unroll
+  for (int r = 0; r < 4; ++r) m[r] = -INFINITY, z[r] = 0.0f;
   bool finite = true;
-  for (int64_t j = lane; j < kend; j += 32) {
-    const K_t* kp = k + b * sk.s0 + hk * sk.s1 + j * sk.s2;
-    float l = 0;
-    for (int64_t c = 0; c < D; ++c) l += qrow[c] * ldf(kp + c * sk.s3);
-    l *= scale;
-    finite &= isfinite(l);
-    if (!isfinite(l)) continue;
-    if (l > mx) {
-      const double f = exp(static_cast<double>(mx) - l);
-      z *= f;
-      r *= f;
-      mx = l;
-    }
-    const double e = exp(static_cast<double>(l) - mx);
-    z += e;
-    if (j >= s && j < s + n) r += e;
-  }
-  // combine the lanes' (max, z, r)
-  float gmx = mx;
-  for (int o = 16; o > 0; o >>= 1) gmx = fmaxf(gmx, __shfl_xor_sync(0xffffffffu, gmx, o));
-  const double f = mx == -INFINITY ? 0.0 : exp(static_cast<double>(mx) - gmx);
-  z = warp_sum(z * f);
-  r = warp_sum(r * f);
-  const unsigned all_finite = __all_sync(0xffffffffu, finite);
-  if (lane == 0) {
-    if (!all_finite) atomicOr(P.bad + bh, 1);
-    P.mrow[bh * P.T + i] = gmx;
-    P.izrow[bh * P.T + i] = static_cast<float>(1.0 / z);
-    P.rsum[bh * P.T + i] = r / z;
-  }
-}
-
-// ---- 3. centre ------------------------------------------------------------------------------
-
-__global__ void centre_kernel(Heads P) {
-  __shared__ double red[32];
-  const int64_t bh = blockIdx.x;
-  int64_t n, s;
-  window(P, bh / P.H, n, s);
-  if (P.bad[bh]) return;
-  double mA = 0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const double r = P.rsum[bh * P.T + i];
-    mA = fmax(mA, r);
-    P.xcen[bh * P.T + i] = static_cast<float>(r / static_cast<double>(n));
-  }
-  mA = block_max(mA, red);
-  if (threadIdx.x == 0) P.hs[bh * 8 + 4] = 1.0 / fmax(mA, 1e-12);
-}
-
-// ---- 4. tiles -------------------------------------------------------------------------------
-
-// One 64 x 64 tile: A (loaded, or softmax(q k^T) recomputed) against G = Vn_I Vn_J^T.
-template <typename A_t, typename K_t, bool QK>
-__global__ void __launch_bounds__(THREADS)
-tiles_kernel(Heads P, const A_t* __restrict__ A, Strides4 sa, const K_t* __restrict__ k,
-             Strides4 sk, int64_t Hkv, int64_t D, float scale, bool causal) {
-  // A is q for the qk op (its dtype A_t)
-  __shared__ float Xi[KC][TILE + 1];
-  __shared__ float Xj[KC][TILE + 1];
-  __shared__ float rowacc[TILE], colacc[TILE];
-  __shared__ double red[32];
-  const int64_t bh = blockIdx.y, b = bh / P.H, h = bh % P.H;
-  const int64_t I = blockIdx.x / P.nt, J = blockIdx.x % P.nt;
-  int64_t n, s;
-  window(P, b, n, s);
-  const int64_t i0 = I * TILE, j0 = J * TILE;
-  if (i0 >= n || j0 >= n || P.bad[bh]) return;
-  const int64_t ni = min((int64_t)TILE, n - i0), nj = min((int64_t)TILE, n - j0);
-  const float* xc = P.xcen + bh * P.T;
-  const bool zero = QK ? (causal && j0 > i0 + ni - 1) : (P.flags[(bh * P.nt + I) * P.nt + J] == 0);
-  if (zero) {  // sum over the tile of (0 - x_i)^2
-    double sx2 = 0;
-    for (int64_t r = threadIdx.x; r < ni; r += blockDim.x) sx2 += static_cast<double>(xc[i0 + r]) * xc[i0 + r];
-    sx2 = block_sum(sx2, red);
-    if (threadIdx.x == 0) atomicAdd(P.acc + bh * 4 + 3, sx2 * static_cast<double>(nj));
-    return;
-  }
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  if (threadIdx.x < TILE) rowacc[threadIdx.x] = colacc[threadIdx.x] = 0.0f;
-
-  // G tile: acc[r][c] = Vn[i0 + 4 ty + r] . Vn[j0 + 4 tx + c]
-  float g[4][4] = {};
-  const float* vn = P.vn + bh * P.T * P.Dh;
-  for (int64_t k0 = 0; k0 < P.Dh; k0 += KC) {
-    for (int e = threadIdx.x; e < KC * TILE; e += blockDim.x) {
-      const int r = e / KC, c = e % KC;
-      const bool kin = k0 + c < P.Dh;
-      Xi[c][r] = (r < ni && kin) ? vn[(i0 + r) * P.Dh + k0 + c] : 0.0f;
-      Xj[c][r] = (r < nj && kin) ? vn[(j0 + r) * P.Dh + k0 + c] : 0.0f;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int c = 0; c < KC; ++c) {
-      float a[4], bb[4];
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        a[t] = Xi[c][ty * 4 + t];
-        bb[t] = Xj[c][tx * 4 + t];
-      }
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) g[r][cc] += a[r] * bb[cc];
-    }
-    __syncthreads();
-  }
-
-  // A tile values for this thread's 4 x 4 entries
-  float av[4][4] = {};
-  if (QK) {
-    const int64_t hk = h / (P.H / Hkv);
-    float l[4][4] = {};
-    for (int64_t k0 = 0; k0 < D; k0 += KC) {
-      for (int e = threadIdx.x; e < KC * TILE; e += blockDim.x) {
-        const int r = e / KC, c = e % KC;
-        const bool kin = k0 + c < D;
-        Xi[c][r] = (r < ni && kin) ? ldf(A + b * sa.s0 + h * sa.s1 + (s + i0 + r) * sa.s2 + (k0 + c) * sa.s3) : 0.0f;
-        Xj[c][r] = (r < nj && kin) ? ldf(k + b * sk.s0 + hk * sk.s1 + (s + j0 + r) * sk.s2 + (k0 + c) * sk.s3) : 0.0f;
-      }
-      __syncthreads();
-#pragma unroll
-      for (int c = 0; c < KC; ++c) {
-        float a[4], bb[4];
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          a[t] = Xi[c][ty * 4 + t];
-          bb[t] = Xj[c][tx * 4 + t];
-        }
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-          for (int cc = 0; cc < 4; ++cc) l[r][cc] += a[r] * bb[cc];
-      }
-      __syncthreads();
-    }
-#pragma unroll
+  for (int64_t k0 = 0; k0 < key_end; k0 += kTile) {
+    float acc[mma::kFrag];
+    logits_tile(acc, sx, sy, qrows, sq.s2, sq.s3, n - i0, krows + k0 * sk.s2, sk.s2, sk.s3,
+                P.T - k0, D, L);
+    // slot r = 2 mi + hrow holds one row; its 8 elements: ni = 0..3, two columns each
+    #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int64_t i = i0 + ty * 4 + r;
-      if (i >= n) continue;
-      const float m = P.mrow[bh * P.T + i], iz = P.izrow[bh * P.T + i];
-#pragma unroll
-      for (int cc = 0; cc < 4; ++cc) {
-        const int64_t j = j0 + tx * 4 + cc;
-        const bool masked = j >= n || (causal && j > i);
-        av[r][cc] = masked ? 0.0f : expf(l[r][cc] * scale - m) * iz;
+      const int mi = r >> 1, hr = r & 1;
+      const int il = L.row(mi * 16 + hr * 2);
+      const int64_t ia = s + i0 + il;
+      float l[8];
+      float tmax = -INFINITY;
+      #pragma unroll
+      for (int t = 0; t < 8; ++t) {
+        const int e = (mi * 4 + (t >> 1)) * 4 + hr * 2 + (t & 1);
+        const int64_t key = k0 + L.col(e);
+        const bool valid = i0 + il < n && key < P.T && (!causal || key <= ia);
+        l[t] = valid ? acc[e] * scale : -INFINITY;
+        if (valid) finite &= isfinite(l[t]);
+        tmax = fmaxf(tmax, l[t]);
       }
+      if (tmax == -INFINITY) continue;
+      float zt = 0.0f;
+      #pragma unroll
+      for (int t = 0; t < 8; ++t) zt += __expf(l[t] - tmax);
+      merge_mz(m[r], z[r], tmax, zt);
+    }
+  }
+  #pragma unroll
+  for (int r = 0; r < 4; ++r)
+    #pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m[r], o), z2 = __shfl_xor_sync(0xffffffffu, z[r], o);
+      merge_mz(m[r], z[r], m2, z2);
+    }
+  if (L.tq == 0)
+    #pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int il = L.row((r >> 1) * 16 + (r & 1) * 2);
+      mz[(L.wn * kTile + il) * 2] = m[r];
+      mz[(L.wn * kTile + il) * 2 + 1] = z[r];
+    }
+  if (__any_sync(0xffffffffu, !finite) && (threadIdx.x & 31) == 0) atomicOr(P.bad + bh, 1);
+  __syncthreads();
+  const int t = threadIdx.x;
+  if (t < kTile && i0 + t < n) {
+    float mm = mz[t * 2], zz = mz[t * 2 + 1];
+    merge_mz(mm, zz, mz[(kTile + t) * 2], mz[(kTile + t) * 2 + 1]);
+    P.mrow[bh * P.T + i0 + t] = mm;
+    P.izrow[bh * P.T + i0 + t] = 1.0f / zz;
+  }
+}
+
+// ---- 2. the pass over tile pairs ------------------------------------------------------------
+
+// Tile pair p (0 .. nt (nt + 1) / 2) of a head: I >= J, row by row of the lower triangle.
+__device__ inline void pair_of(int64_t p, int& I, int& J) {
+  int i = static_cast<int>((sqrt(8.0 * static_cast<double>(p) + 1.0) - 1.0) / 2.0);
+  while (static_cast<int64_t>(i) * (i + 1) / 2 > p) --i;
+  while (static_cast<int64_t>(i + 1) * (i + 2) / 2 <= p) ++i;
+  I = i;
+  J = static_cast<int>(p - static_cast<int64_t>(i) * (i + 1) / 2);
+}
+
+// Issues the cp.async copies of one Dh chunk of the Vn panels of rows i0.. and j0..
+template <bool kExact>
+__device__ void issue_v_chunk(const Heads& P, int64_t bh, int64_t i0, int64_t j0, int64_t k0,
+                              int kw, void* sv) {
+  if (kExact) {
+    float* dst = static_cast<float*>(sv);
+    for (int e = threadIdx.x; e < 2 * kTile * 4; e += kThreads) {
+      const int panel = e / (kTile * 4), r = (e / 4) % kTile, c = (e % 4) * 4;
+      const int64_t row = (panel == 0 ? i0 : j0) + r;
+      mma::cp_async16(dst + (panel * kTile + r) * kVldExact + c, P.vf + (bh * P.T64 + row) * 16 + c);
     }
   } else {
+    __half* dst = static_cast<__half*>(sv);
+    const int per_row = kw / 8, per_panel = kTile * per_row;
+    const int64_t BH = P.B * P.H;
+    for (int e = threadIdx.x; e < 4 * per_panel; e += kThreads) {
+      const int panel = e / per_panel, r = (e % per_panel) / per_row, c = (e % per_row) * 8;
+      const int part = panel & 1;  // 0 hi, 1 lo; panels: I hi, I lo, J hi, J lo
+      const int64_t row = (panel < 2 ? i0 : j0) + r;
+      mma::cp_async16(dst + (panel * kTile + r) * kVld + c,
+                      P.vs + ((part * BH + bh) * P.T64 + row) * P.Dh16 + k0 + c);
+    }
+  }
+}
+
+// G_IJ into g (fragment layout). Before the call the caller has issued Dh chunk 0
+// (issue_v_chunk, committed) and then committed exactly one more group (its A tiles, or an
+// empty group): chunk 0 is awaited without waiting for that group.
+// Dh <= kExactDh: float32 FMA in index order, as the seed's float32 product, which keeps
+// entries of S near 0 (antiparallel writes, common for tiny Dh) equal to the seed's.
+template <bool kExact>
+__device__ __forceinline__ void gram_tile(const Heads& P, int64_t bh, int64_t i0, int64_t j0, void* sv,
+                          float* g, const Lane& L) {
+  if (kExact) {
+    mma::cp_async_wait<1>();
+    __syncthreads();
+    const float* x = static_cast<const float*>(sv);
+    const float* y = x + kTile * kVldExact;
+    #pragma unroll
+    for (int e = 0; e < mma::kFrag; ++e) {
+      const float* xr = x + L.row(e) * kVldExact;
+      const float* yr = y + L.col(e) * kVldExact;
+      float acc = 0.0f;
 #pragma unroll
+      for (int c = 0; c < 16; ++c) acc = fmaf(xr[c], yr[c], acc);
+      g[e] = acc;
+    }
+    return;
+  }
+  float hh[mma::kFrag] = {}, x[mma::kFrag] = {};
+  const __half* v = static_cast<const __half*>(sv);
+  for (int64_t k0 = 0; k0 < P.Dh16; k0 += kVChunk) {
+    const int kw = static_cast<int>(min((int64_t)kVChunk, P.Dh16 - k0));
+    if (k0 == 0) {
+      mma::cp_async_wait<1>();
+    } else {
+      mma::cp_async_wait<0>();
+    }
+    __syncthreads();
+    mma::gemm_f16_split(hh, x, v, v + kTile * kVld, v + 2 * kTile * kVld, v + 3 * kTile * kVld,
+                        kVld, kw, L);
+    __syncthreads();
+    if (k0 + kVChunk < P.Dh16) {
+      issue_v_chunk<false>(P, bh, i0, j0, k0 + kVChunk,
+                           static_cast<int>(min((int64_t)kVChunk, P.Dh16 - k0 - kVChunk)),
+                           const_cast<__half*>(v));
+      mma::cp_async_commit();
+    }
+  }
+  #pragma unroll
+  for (int e = 0; e < mma::kFrag; ++e) g[e] = hh[e] + x[e] * (1.0f / mma::kLoScale);
+}
+
+// Per-thread partial sums of a tile pair. With S = (g + 1) / 2, lS = log S - L0 (L0 =
+// log(n / 2), so that lS is close to log q = log S - log mS), a tile entry a adds
+//   unclipped p (a >= FLT_MIN): kA += a (log a - lq'), sU += a, s1 += a when S > 0,
+//   clipped p (a < FLT_MIN):    c1 += log eps - lS, n1 += 1 when S > 0,
+// where lq' = lS when S > 0 and log eps when q is clipped (S <= 0). Then, with mA and mS
+// the max row sums of A and S and D = log mS - L0 (finalize):
+//   sum p log(p / q) = (kA + D s1 - log(mA) sU) / mA + eps (c1 + D n1).
+// q is clipped exactly when S <= 0: S is a multiple of 2^-25 near 0 and mS <= n, so for
+// n < 29000 any S > 0 has S / mS > eps. p is taken unclipped for a >= FLT_MIN: where
+// a / mA < eps after all, the term differs from the clipped one by < 2 eps (|log eps| +
+// |log q|) ~ 1e-10 (see README).
+struct Sums {
+  float kA = 0, sU = 0, s1 = 0, c1 = 0, n1 = 0, ag = 0, a2 = 0, ax2 = 0, g2 = 0;
+  bool bad = false;
+};
+
+struct Entry {
+  float g, lq, cterm, xc;  // lq = lS (S > 0) or log eps; cterm = log eps - lS
+  bool sp;                 // S > 0
+  __device__ __forceinline__ void add(float a, Sums& m) const {
+    m.bad |= !(fabsf(a) <= FLT_MAX);
+    const bool pos = a >= FLT_MIN;
+    const float t = a * (__logf(pos ? a : 1.0f) - lq);
+    m.kA += pos ? t : 0.0f;
+    m.sU += pos ? a : 0.0f;
+    m.s1 += (pos && sp) ? a : 0.0f;
+    m.c1 += (!pos && sp) ? cterm : 0.0f;
+    m.n1 += (!pos && sp) ? 1.0f : 0.0f;
+    m.ag = fmaf(a, g, m.ag);
+    m.a2 = fmaf(a, a, m.a2);
+    const float d = a - xc;
+    m.ax2 = fmaf(d, d, m.ax2);
+  }
+};
+
+// Shared memory of the reductions at the end of a pass block.
+struct Red {
+  float* rowI;  // [3 (A rows, A^T cols, G rows), 2 (wn), 64]: indexed by tile-I row
+  float* colJ;  // [3 (A cols, A^T rows, G cols), 2 (wm), 64]: indexed by tile-J column
+  float* sc;    // [4 warps, 16]
+  __device__ explicit Red(void* p) {
+    rowI = static_cast<float*>(p);
+    colJ = rowI + 6 * kTile;
+    sc = colJ + 6 * kTile;
+  }
+};
+
+// Epilogue of a tile pair: g = G_IJ, aij = A_IJ and aji = A_JI transposed (element e of
+// both at (row(e), col(e)) of the I x J tile); pair: aji is a separate tile (I != J).
+// Accumulates into the head's sums (atomics), takes the block's ticket and, in the last
+// block of the head, writes (d, c, r).
+__device__ __forceinline__ void pass_epilogue(const Heads& P, int64_t bh, int64_t n, int64_t i0, int64_t j0,
+                              bool pair, const float* g, const float* aij, const float* aji,
+                              const Lane& L, Red red) {
+  const float xc = 1.0f / static_cast<float>(n), L0 = logf(0.5f * static_cast<float>(n));
+  const float w = pair ? 2.0f : 1.0f;
+  Sums m;
+  float rI[3][4] = {}, cJ[3][8] = {};  // [A, A^T, G][slot]
+  #pragma unroll
+  for (int e = 0; e < mma::kFrag; ++e) {
+    const int il = L.row(e), jl = L.col(e);
+    if (i0 + il >= n || j0 + jl >= n) continue;
+    const int ri = (e >> 4) * 2 + ((e & 3) >> 1), cj = ((e >> 2) & 3) * 2 + (e & 1);
+    const float S = (g[e] + 1.0f) * 0.5f;
+    const bool sp = S > 0.0f;
+    const float lS = __logf(sp ? S : 1.0f) - L0;
+    const Entry en{g[e], sp ? lS : kLogEps, kLogEps - lS, xc, sp};
+    m.g2 += w * g[e] * g[e];
+    rI[2][ri] += g[e];
+    en.add(aij[e], m);
+    rI[0][ri] += aij[e];
+    cJ[0][cj] += aij[e];
+    if (pair) {
+      cJ[2][cj] += g[e];
+      en.add(aji[e], m);
+      rI[1][ri] += aji[e];
+      cJ[1][cj] += aji[e];
+    }
+  }
+  // rows of the I tile: sum over the 4 lanes of a quad; columns of J: over the 8 quads
+  #pragma unroll
+  for (int k = 0; k < 3; ++k) {
+    #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int64_t i = i0 + ty * 4 + r;
-      if (i >= n) continue;
-      const A_t* row = A + b * sa.s0 + h * sa.s1 + (s + i) * sa.s2;
-#pragma unroll
-      for (int cc = 0; cc < 4; ++cc) {
-        const int64_t j = j0 + tx * 4 + cc;
-        av[r][cc] = j < n ? ldf(row + (s + j) * sa.s3) : 0.0f;
+      float v = rI[k][r];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      if (L.tq == 0) red.rowI[(k * 2 + L.wn) * kTile + L.row((r >> 1) * 16 + (r & 1) * 2)] = v;
+    }
+    #pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      float v = cJ[k][c];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (L.gq == 0) red.colJ[(k * 2 + L.wm) * kTile + L.col((c >> 1) * 4 + (c & 1))] = v;
+    }
+  }
+  float sc[kAccs] = {m.kA, m.sU, m.s1, m.c1, m.n1, m.ag, m.a2, m.ax2, m.g2};
+  #pragma unroll
+  for (int k = 0; k < kAccs; ++k) sc[k] = warp_sum(sc[k]);
+  const bool bad = __any_sync(0xffffffffu, m.bad);
+  if ((threadIdx.x & 31) == 0)
+    #pragma unroll
+    for (int k = 0; k < kAccs; ++k) red.sc[(threadIdx.x >> 5) * 16 + k] = sc[k];
+  __syncthreads();
+  const int t = threadIdx.x;
+  const int64_t T = P.T;
+  if (t < kTile) {
+    if (i0 + t < n) {
+      const float* ri = red.rowI;
+      atomicAdd(P.rows + bh * T + i0 + t, static_cast<double>(ri[t] + ri[kTile + t]));
+      atomicAdd(P.grow + bh * T + i0 + t, static_cast<double>(ri[4 * kTile + t] + ri[5 * kTile + t]));
+      if (pair) atomicAdd(P.cols + bh * T + i0 + t, static_cast<double>(ri[2 * kTile + t] + ri[3 * kTile + t]));
+    }
+  } else {
+    const int c = t - kTile;
+    if (j0 + c < n) {
+      const float* cj = red.colJ;
+      atomicAdd(P.cols + bh * T + j0 + c, static_cast<double>(cj[c] + cj[kTile + c]));
+      if (pair) {
+        atomicAdd(P.rows + bh * T + j0 + c, static_cast<double>(cj[2 * kTile + c] + cj[3 * kTile + c]));
+        atomicAdd(P.grow + bh * T + j0 + c, static_cast<double>(cj[4 * kTile + c] + cj[5 * kTile + c]));
       }
     }
   }
-
-  const double* hs = P.hs + bh * 8;
-  const float inv_mS = static_cast<float>(hs[3]), inv_mA = static_cast<float>(hs[4]);
-  float kl = 0, ag = 0, a2 = 0, ax2 = 0;
-  float csum[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int64_t i = i0 + ty * 4 + r;
-    if (i >= n) continue;
-    const float xi = xc[i];
-    float rs = 0;
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) {
-      const int64_t j = j0 + tx * 4 + cc;
-      if (j >= n) continue;
-      const float a = av[r][cc], gv = g[r][cc];
-      const float S = (gv + 1.0f) * 0.5f;
-      const float p = fmaxf(a * inv_mA, 1e-12f), q = fmaxf(S * inv_mS, 1e-12f);
-      kl += p * logf(p / q);
-      ag += a * gv;
-      a2 += a * a;
-      ax2 += (a - xi) * (a - xi);
-      rs += a;
-      csum[cc] += a;
-    }
-    atomicAdd(&rowacc[ty * 4 + r], rs);
+  if (t < kAccs) {
+    double v = 0;
+    for (int wp = 0; wp < kThreads / 32; ++wp) v += red.sc[wp * 16 + t];
+    atomicAdd(P.acc + bh * kAccs + t, v);
   }
-#pragma unroll
-  for (int cc = 0; cc < 4; ++cc) atomicAdd(&colacc[tx * 4 + cc], csum[cc]);
-  const double skl = block_sum(kl, red);  // the barrier also completes rowacc / colacc
-  const double sag = block_sum(ag, red);
-  const double sa2 = block_sum(a2, red);
-  const double sax2 = block_sum(ax2, red);
-  if (threadIdx.x == 0) {
-    atomicAdd(P.acc + bh * 4 + 0, skl);
-    atomicAdd(P.acc + bh * 4 + 1, sag);
-    atomicAdd(P.acc + bh * 4 + 2, sa2);
-    atomicAdd(P.acc + bh * 4 + 3, sax2);
-  }
-  if (threadIdx.x < ni) atomicAdd(P.rowp + bh * P.T + i0 + threadIdx.x, static_cast<double>(rowacc[threadIdx.x]));
-  if (threadIdx.x < nj) atomicAdd(P.colp + bh * P.T + j0 + threadIdx.x, static_cast<double>(colacc[threadIdx.x]));
+  if (t == 0 && bad) atomicOr(P.bad + bh, 1);
 }
 
-// ---- 5. finalize ----------------------------------------------------------------------------
-
-__global__ void finalize_kernel(Heads P, float* __restrict__ out) {
-  __shared__ double red[32];
-  const int64_t bh = blockIdx.x;
-  int64_t n, s;
-  window(P, bh / P.H, n, s);
-  float* o = out + bh * 3;
-  if (P.bad[bh]) {
-    if (threadIdx.x == 0) o[0] = o[1] = o[2] = NAN;
-    return;
-  }
+// (d, c, r) of head bh from its sums, by the last pass block of the head.
+__device__ void finalize_head(const Heads& P, int64_t bh, int64_t n, float* out, double* red) {
+  const int64_t T = P.T;
   const double nn = static_cast<double>(n);
-  const double* rowp = P.rowp + bh * P.T;
-  const double* colp = P.colp + bh * P.T;
-  const double* adot = P.adot + bh * P.T;
-  const float* x = P.xcen + bh * P.T;
-  double sx = 0, sA = 0, ra = 0, ca = 0;
+  const double x = static_cast<double>(1.0f / static_cast<float>(n));  // the xc of the pass
+  double sA = 0, mA = 0, sG = 0, mG = -DBL_MAX, ra = 0, ca = 0, rr = 0, cc = 0, g1sq = 0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    sx += x[i];
-    sA += rowp[i];
-    ra += rowp[i] * adot[i];
-    ca += colp[i] * adot[i];
+    const double r = __ldcg(P.rows + bh * T + i), c = __ldcg(P.cols + bh * T + i);
+    const double gr = __ldcg(P.grow + bh * T + i), adot = gr / nn;
+    sA += r;
+    mA = fmax(mA, r);
+    sG += gr;
+    mG = fmax(mG, gr);
+    ra += r * adot;
+    ca += c * adot;
+    rr += (r - nn * x) * (r - nn * x);
+    cc += (c - nn * x) * (c - nn * x);
+    g1sq += gr * gr;
   }
-  sx = block_sum(sx, red);
   sA = block_sum(sA, red);
+  mA = block_max(mA, red);
+  sG = block_sum(sG, red);
+  mG = block_max(mG, red);
   ra = block_sum(ra, red);
   ca = block_sum(ca, red);
-  double rr = 0, cc = 0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    const double br = rowp[i] - nn * x[i], bc = colp[i] - sx;
-    rr += br * br;
-    cc += bc * bc;
-  }
   rr = block_sum(rr, red);
   cc = block_sum(cc, red);
-  if (threadIdx.x == 0) {
-    const double* hs = P.hs + bh * 8;
-    const double* acc = P.acc + bh * 4;
-    const double b1 = sA - nn * sx;
-    const double Acc = fmax(0.0, acc[3] - rr / nn - cc / nn + b1 * b1 / (nn * nn));
-    const double Scc = hs[1];
-    const double bound = sqrt(Acc * Scc);
-    const double Asc = fmin(bound, fmax(-bound, 0.5 * (acc[1] - ra - ca + sA * hs[0])));
-    const double c = Asc / fmax(bound, 1e-12);
-    const double num = sqrt(fmax(0.0, Acc - 2.0 * Asc + Scc));
-    const double den = fmax(sqrt(acc[2]) * sqrt(hs[2]), 1e-9);
-    o[0] = static_cast<float>(num / den);
-    o[1] = static_cast<float>(c);
-    o[2] = static_cast<float>(acc[0] / nn);
+  g1sq = block_sum(g1sq, red);
+  if (threadIdx.x != 0) return;
+  float* o = out + bh * 3;
+  double a[kAccs];
+  #pragma unroll
+  for (int k = 0; k < kAccs; ++k) a[k] = __ldcg(P.acc + bh * kAccs + k);
+  const double kA = a[0], sU = a[1], s1 = a[2], c1 = a[3], n1 = a[4], ag = a[5], a2 = a[6],
+               ax2 = a[7], g2 = a[8];
+  if (__ldcg(P.bad + bh) || !isfinite(a2)) {
+    o[0] = o[1] = o[2] = NAN;
+    return;
   }
+  // ||Ac||^2 = ||H B H||^2 for B = A - x 1 1^T (x constant): exact, no large cancellation
+  const double b1 = sA - nn * nn * x;
+  const double Acc = fmax(0.0, ax2 - rr / nn - cc / nn + b1 * b1 / (nn * nn));
+  // G = Vn Vn^T: ||H G H||^2 = sum G^2 - 2/n sum_i (G 1)_i^2 + (1^T G 1)^2 / n^2
+  const double Scc = fmax(0.0, g2 - 2.0 * g1sq / nn + sG * sG / (nn * nn)) / 4.0;
+  const double Snorm2 = (g2 + 2.0 * sG + nn * nn) / 4.0;
+  const double msq = sG / (nn * nn);
+  // <Ac, Sc> = <A, H G H> / 2, bounded by Cauchy-Schwarz (exactly 0 with a zero centred
+  // matrix, as in the seed)
+  const double bound = sqrt(Acc * Scc);
+  const double Asc = fmin(bound, fmax(-bound, 0.5 * (ag - ra - ca + sA * msq)));
+  const double c = Asc / fmax(bound, 1e-12);
+  const double num = sqrt(fmax(0.0, Acc - 2.0 * Asc + Scc));
+  const double den = fmax(sqrt(a2) * sqrt(Snorm2), 1e-9);
+  const double mAe = fmax(mA, 1e-12), mS = fmax(0.0, 0.5 * (nn + mG));
+  const double D = log(fmax(mS, 1e-12)) - static_cast<double>(logf(0.5f * static_cast<float>(n)));
+  const double kl = (kA + D * s1 - log(mAe) * sU) / mAe + static_cast<double>(kEps) * (c1 + D * n1);
+  o[0] = static_cast<float>(num / den);
+  o[1] = static_cast<float>(c);
+  o[2] = static_cast<float>(kl / nn);
+}
+
+// The pass block's ticket; true in the last block of the head (which then finalizes).
+__device__ bool last_block_of_head(const Heads& P, int64_t bh, int64_t pairs) {
+  __shared__ int last;
+  __threadfence();  // this block's atomics before its ticket
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(P.done + bh, 1) == pairs - 1;
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+struct PairTask {
+  int64_t n, s, pairs, i0, j0;
+  bool pair;
+};
+// Which tile pair this block takes; false when the block has none (grid rounded up).
+__device__ bool pair_task(const Heads& P, int64_t bh, PairTask& t) {
+  window(P, bh / P.H, t.n, t.s);
+  const int64_t nt = max((int64_t)1, (t.n + kTile - 1) / kTile);
+  t.pairs = nt * (nt + 1) / 2;
+  if (blockIdx.x >= t.pairs) return false;
+  int I, J;
+  pair_of(blockIdx.x, I, J);
+  t.i0 = static_cast<int64_t>(I) * kTile;
+  t.j0 = static_cast<int64_t>(J) * kTile;
+  t.pair = I != J;
+  return true;
+}
+
+// A 64 x 64 tile of A (window rows r0.., columns c0..) into shared memory (row stride ld):
+// cp.async where 16 bytes lie inside the window and vec (aligned, unit column stride),
+// else element by element; zero outside the window.
+template <typename A_t>
+__device__ void issue_a_tile(const A_t* A, Strides4 sa, int64_t b, int64_t h, int64_t s,
+                             int64_t n, int64_t r0, int64_t c0, A_t* dst, int ld, bool vec) {
+  constexpr int CH = 16 / sizeof(A_t);
+  const A_t* base = A + b * sa.s0 + h * sa.s1 + (s + r0) * sa.s2 + (s + c0) * sa.s3;
+  for (int e = threadIdx.x; e < kTile * (kTile / CH); e += kThreads) {
+    const int r = e / (kTile / CH), c = (e % (kTile / CH)) * CH;
+    A_t* d = dst + r * ld + c;
+    const A_t* src = base + r * sa.s2 + c * sa.s3;
+    if (vec && r0 + r < n && c0 + c + CH <= n) {
+      mma::cp_async16(d, src);
+    } else {
+      for (int k = 0; k < CH; ++k)
+        d[k] = (r0 + r < n && c0 + c + k < n) ? src[k * sa.s3] : static_cast<A_t>(0.0f);
+    }
+  }
+}
+
+template <typename A_t>
+struct ATiles {
+  static constexpr int ld_ij = sizeof(A_t) == 2 ? 72 : 68;
+  static constexpr int ld_ji = sizeof(A_t) == 2 ? 80 : 68;  // conflict-free transposed reads
+  static constexpr size_t bytes = static_cast<size_t>(kTile) * (ld_ij + ld_ji) * sizeof(A_t);
+};
+
+template <typename A_t, bool kExact>
+__global__ void __launch_bounds__(kThreads, 4)
+attn_pass_kernel(Heads P, const A_t* __restrict__ A, Strides4 sa, bool vec, float* out) {
+  extern __shared__ float4 smem_pass[];
+  unsigned char* sm = reinterpret_cast<unsigned char*>(smem_pass);
+  using Tiles = ATiles<A_t>;
+  const int64_t bh = blockIdx.y;
+  PairTask t;
+  if (!pair_task(P, bh, t)) return;
+  const Lane L;
+  const Red red(sm);  // after the Gram
+  if (!P.bad[bh]) {
+    A_t* aij_s = reinterpret_cast<A_t*>(sm + kVBytes);
+    A_t* aji_s = aij_s + kTile * Tiles::ld_ij;
+    issue_v_chunk<kExact>(P, bh, t.i0, t.j0, 0, static_cast<int>(min((int64_t)kVChunk, P.Dh16)), sm);
+    mma::cp_async_commit();
+    const int64_t b = bh / P.H, h = bh % P.H;
+    issue_a_tile(A, sa, b, h, t.s, t.n, t.i0, t.j0, aij_s, Tiles::ld_ij, vec);
+    if (t.pair) issue_a_tile(A, sa, b, h, t.s, t.n, t.j0, t.i0, aji_s, Tiles::ld_ji, vec);
+    mma::cp_async_commit();
+    float g[mma::kFrag], aij[mma::kFrag], aji[mma::kFrag];
+    gram_tile<kExact>(P, bh, t.i0, t.j0, sm, g, L);
+    mma::cp_async_wait<0>();
+    __syncthreads();
+    #pragma unroll
+    for (int e = 0; e < mma::kFrag; ++e) {
+      const int il = L.row(e), jl = L.col(e);
+      aij[e] = static_cast<float>(aij_s[il * Tiles::ld_ij + jl]);
+      aji[e] = t.pair ? static_cast<float>(aji_s[jl * Tiles::ld_ji + il]) : 0.0f;
+    }
+    pass_epilogue(P, bh, t.n, t.i0, t.j0, t.pair, g, aij, aji, L, red);
+  }
+  if (last_block_of_head(P, bh, t.pairs)) finalize_head(P, bh, t.n, out, reinterpret_cast<double*>(red.sc));
+}
+
+template <typename Q_t, bool kExact>
+__global__ void __launch_bounds__(kThreads, 3)
+qk_pass_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __restrict__ k,
+               Strides4 sk, int64_t Hkv, int64_t D, float scale, bool causal, float* out) {
+  extern __shared__ float4 smem_pass[];
+  unsigned char* sm = reinterpret_cast<unsigned char*>(smem_pass);
+  const int64_t bh = blockIdx.y;
+  PairTask t;
+  if (!pair_task(P, bh, t)) return;
+  const Lane L;
+  float* sx = reinterpret_cast<float*>(sm + kVBytes);
+  float* sy = sx + kTile * kXld;
+  const Red red(sm);  // after the Gram
+  if (!P.bad[bh]) {
+    issue_v_chunk<kExact>(P, bh, t.i0, t.j0, 0, static_cast<int>(min((int64_t)kVChunk, P.Dh16)), sm);
+    mma::cp_async_commit();
+    mma::cp_async_commit();  // the empty group gram_tile expects after chunk 0
+    float g[mma::kFrag], aij[mma::kFrag], aji[mma::kFrag], acc[mma::kFrag];
+    gram_tile<kExact>(P, bh, t.i0, t.j0, sm, g, L);
+    const int64_t b = bh / P.H, h = bh % P.H, hk = h / (P.H / Hkv), T = P.T;
+    const Q_t* qh = q + b * sq.s0 + h * sq.s1 + t.s * sq.s2;
+    const Q_t* kh = k + b * sk.s0 + hk * sk.s1 + t.s * sk.s2;
+    const float* mrow = P.mrow + bh * T;
+    const float* izrow = P.izrow + bh * T;
+    // A_IJ: queries of I against keys of J
+    logits_tile(acc, sx, sy, qh + t.i0 * sq.s2, sq.s2, sq.s3, t.n - t.i0, kh + t.j0 * sk.s2, sk.s2,
+                sk.s3, t.n - t.j0, D, L);
+    #pragma unroll
+    for (int e = 0; e < mma::kFrag; ++e) {
+      const int64_t i = t.i0 + L.row(e), j = t.j0 + L.col(e);
+      const bool keep = i < t.n && j < t.n && (!causal || j <= i);
+      aij[e] = keep ? __expf(acc[e] * scale - mrow[i]) * izrow[i] : 0.0f;
+    }
+    // A_JI transposed: queries of J against keys of I (all masked when causal, J < I)
+    if (t.pair && !causal) {
+      logits_tile(acc, sx, sy, kh + t.i0 * sk.s2, sk.s2, sk.s3, t.n - t.i0, qh + t.j0 * sq.s2,
+                  sq.s2, sq.s3, t.n - t.j0, D, L);
+      #pragma unroll
+      for (int e = 0; e < mma::kFrag; ++e) {
+        const int64_t i = t.i0 + L.row(e), j = t.j0 + L.col(e);
+        aji[e] = (i < t.n && j < t.n) ? __expf(acc[e] * scale - mrow[j]) * izrow[j] : 0.0f;
+      }
+    } else {
+      #pragma unroll
+      for (int e = 0; e < mma::kFrag; ++e) aji[e] = 0.0f;
+    }
+    pass_epilogue(P, bh, t.n, t.i0, t.j0, t.pair, g, aij, aji, L, red);
+  }
+  if (last_block_of_head(P, bh, t.pairs)) finalize_head(P, bh, t.n, out, reinterpret_cast<double*>(red.sc));
 }
 
 // ---- host side ------------------------------------------------------------------------------
 
 struct Scratch {
-  at::Tensor f32, f64, i32;
+  at::Tensor v, f32, f64, i32;
 };
 
 Heads make_heads(int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Tensor& lengths,
@@ -519,61 +709,77 @@ Heads make_heads(int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Tensor& 
   P.H = H;
   P.T = T;
   P.Dh = Dh;
-  P.nt = (T + TILE - 1) / TILE;
+  P.T64 = (T + kTile - 1) / kTile * kTile;
+  P.Dh16 = (Dh + 15) / 16 * 16;
   const int64_t BH = B * H;
   P.len = lengths.data_ptr<int64_t>();
   P.off = (offsets.has_value() && offsets->defined()) ? offsets->data_ptr<int64_t>() : nullptr;
-  const int64_t nf = BH * T * Dh + BH * T + (qk ? 2 * BH * T : 0);
-  const int64_t nd = BH * Dh + 4 * BH * T + 8 * BH + 4 * BH;
-  const int64_t ni = BH + (qk ? 0 : BH * P.nt * P.nt);
-  sc.f32 = at::empty({nf}, opts.dtype(at::kFloat));
-  sc.f64 = at::zeros({nd}, opts.dtype(at::kDouble));
-  sc.i32 = at::zeros({ni}, opts.dtype(at::kInt));
-  float* f = sc.f32.data_ptr<float>();
-  double* d = sc.f64.data_ptr<double>();
-  int* in = sc.i32.data_ptr<int>();
-  P.vn = f;
-  f += BH * T * Dh;
-  P.xcen = f;
-  f += BH * T;
-  if (qk) {
-    P.mrow = f;
-    f += BH * T;
-    P.izrow = f;
+  if (Dh <= kExactDh) {
+    sc.v = at::empty({BH, P.T64, 16}, opts.dtype(at::kFloat));
+    P.vf = sc.v.data_ptr<float>();
+  } else {
+    sc.v = at::empty({2, BH, P.T64, P.Dh16}, opts.dtype(at::kHalf));
+    P.vs = reinterpret_cast<__half*>(sc.v.data_ptr<at::Half>());
   }
-  P.mvec = d;
-  d += BH * Dh;
-  P.adot = d;
-  d += BH * T;
-  P.rsum = d;
-  d += BH * T;
-  P.rowp = d;
-  d += BH * T;
-  P.colp = d;
-  d += BH * T;
-  P.hs = d;
-  d += 8 * BH;
-  P.acc = d;
-  P.bad = in;
-  P.flags = qk ? nullptr : in + BH;
+  if (qk) {
+    sc.f32 = at::empty({2 * BH * T}, opts.dtype(at::kFloat));
+    P.mrow = sc.f32.data_ptr<float>();
+    P.izrow = P.mrow + BH * T;
+  }
+  sc.f64 = at::zeros({BH * (3 * T + kAccs)}, opts.dtype(at::kDouble));
+  P.rows = sc.f64.data_ptr<double>();
+  P.cols = P.rows + BH * T;
+  P.grow = P.cols + BH * T;
+  P.acc = P.grow + BH * T;
+  sc.i32 = at::zeros({2 * BH}, opts.dtype(at::kInt));
+  P.bad = sc.i32.data_ptr<int>();
+  P.done = P.bad + BH;
   return P;
 }
 
-void check_windows_on_host(const char* op, const at::Tensor& lengths,
-                           const std::optional<at::Tensor>& offsets, int64_t T) {
-  const auto len_cpu = lengths.cpu();  // one small device-to-host copy per call
-  if (offsets.has_value() && offsets->defined()) {
-    const auto off_cpu = offsets->cpu();
-    check_window_values(op, len_cpu, &off_cpu, T);
-  } else {
-    check_window_values(op, len_cpu, nullptr, T);
+// Validates lengths / offsets (one small device-to-host copy) and returns the window starts
+// (for the alignment of A's rows).
+std::vector<int64_t> check_windows_on_host(const char* op, const at::Tensor& lengths,
+                                           const std::optional<at::Tensor>& offsets, int64_t T) {
+  const auto len_cpu = lengths.cpu();
+  at::Tensor off_cpu;
+  const bool has_off = offsets.has_value() && offsets->defined();
+  if (has_off) off_cpu = offsets->cpu();
+  check_window_values(op, len_cpu, has_off ? &off_cpu : nullptr, T);
+  std::vector<int64_t> starts(len_cpu.numel(), 0);
+  if (has_off) {
+    const auto l = len_cpu.contiguous(), o = off_cpu.contiguous();
+    for (int64_t b = 0; b < l.numel(); ++b)
+      starts[b] = window_start(o.data_ptr<int64_t>()[b], window_len(l.data_ptr<int64_t>()[b], T), T);
   }
+  return starts;
 }
 
-template <typename V_t>
+template <typename K>
+void set_smem(K kernel, size_t bytes) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(bytes)));
+}
+
 void launch_prep(const Heads& P, const at::Tensor& hw, cudaStream_t stream) {
-  prep_kernel<V_t><<<P.B * P.H, THREADS, 0, stream>>>(P, hw.const_data_ptr<V_t>(), strides4(hw));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  TORCH_CHECK(P.Dh <= 8192, "headscope::vas: CUDA kernels support head_writes with Dh <= 8192, got ", P.Dh);
+  const dim3 grid(static_cast<unsigned>(P.T64 / kPrepRows), static_cast<unsigned>(P.B * P.H));
+  const size_t smem = sizeof(float) * 4 * P.Dh;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hw.scalar_type(), "vas_prep", [&] {
+    auto run = [&](auto kernel) {
+      set_smem(kernel, smem);
+      kernel<<<grid, kThreads, smem, stream>>>(P, hw.const_data_ptr<scalar_t>(), strides4(hw));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (P.Dh <= kExactDh) run(prep_kernel<scalar_t, true>);
+    else run(prep_kernel<scalar_t, false>);
+  });
+}
+
+dim3 pass_grid(const Heads& P) {
+  const int64_t nt = P.T64 / kTile;
+  TORCH_CHECK(P.B * P.H <= 65535, "headscope::vas: CUDA kernels support B * H <= 65535, got ", P.B * P.H);
+  return dim3(static_cast<unsigned>(nt * (nt + 1) / 2), static_cast<unsigned>(P.B * P.H));
 }
 
 at::Tensor vas_head_stats_cuda(const at::Tensor& attn, const at::Tensor& head_writes,
@@ -584,75 +790,78 @@ at::Tensor vas_head_stats_cuda(const at::Tensor& attn, const at::Tensor& head_wr
   const int64_t B = attn.size(0), H = attn.size(1), T = attn.size(2), Dh = head_writes.size(3);
   at::Tensor out = at::empty({B, H, 3}, attn.options().dtype(at::kFloat));
   if (B == 0 || H == 0) return out;
-  check_windows_on_host(op, lengths, offsets, T);
+  const auto starts = check_windows_on_host(op, lengths, offsets, T);
   const auto len = lengths.contiguous();
   const auto off = (offsets.has_value() && offsets->defined())
                        ? std::optional<at::Tensor>(offsets->contiguous()) : std::nullopt;
   Scratch sc;
-  Heads P = make_heads(B, H, T, Dh, len, off, false, sc, attn.options());
+  const Heads P = make_heads(B, H, T, Dh, len, off, false, sc, attn.options());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(), "vas_v",
-                                  [&] { launch_prep<scalar_t>(P, head_writes, stream); });
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_a", [&] {
-    const dim3 rows_grid((T + 7) / 8, B * H);
-    attn_rows_kernel<scalar_t><<<rows_grid, THREADS, 0, stream>>>(P, attn.const_data_ptr<scalar_t>(),
-                                                                  strides4(attn));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    centre_kernel<<<B * H, THREADS, 0, stream>>>(P);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const dim3 tiles_grid(P.nt * P.nt, B * H);
-    tiles_kernel<scalar_t, float, false><<<tiles_grid, THREADS, 0, stream>>>(
-        P, attn.const_data_ptr<scalar_t>(), strides4(attn), nullptr, Strides4{0, 0, 0, 0}, 1, 1,
-        1.0f, false);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_prep(P, head_writes, stream);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_pass", [&] {
+    using Tiles = ATiles<scalar_t>;
+    const int64_t es = sizeof(scalar_t);
+    bool vec = attn.stride(3) == 1 && reinterpret_cast<uintptr_t>(attn.const_data_ptr()) % 16 == 0 &&
+               (attn.stride(0) * es) % 16 == 0 && (attn.stride(1) * es) % 16 == 0 &&
+               (attn.stride(2) * es) % 16 == 0;
+    for (const int64_t s : starts) vec = vec && (s * es) % 16 == 0;
+    const size_t smem = kVBytes + Tiles::bytes;
+    auto run = [&](auto kernel) {
+      set_smem(kernel, smem);
+      kernel<<<pass_grid(P), kThreads, smem, stream>>>(P, attn.const_data_ptr<scalar_t>(),
+                                                       strides4(attn), vec, out.data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (Dh <= kExactDh) run(attn_pass_kernel<scalar_t, true>);
+    else run(attn_pass_kernel<scalar_t, false>);
   });
-  finalize_kernel<<<B * H, THREADS, 0, stream>>>(P, out.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 
-at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q, const at::Tensor& k,
+at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                   const at::Tensor& head_writes, const at::Tensor& lengths,
                                   double scale, bool causal,
                                   const std::optional<at::Tensor>& offsets) {
   const char* op = "headscope::vas_head_stats_qk";
-  check_head_stats_qk_args(q, k, head_writes, lengths, scale, offsets);
-  const c10::cuda::CUDAGuard guard(q.device());
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1);
-  const int64_t Dh = head_writes.size(3);
-  at::Tensor out = at::empty({B, H, 3}, q.options().dtype(at::kFloat));
+  check_head_stats_qk_args(q_in, k_in, head_writes, lengths, scale, offsets);
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), D = q_in.size(3);
+  const int64_t Hkv = k_in.size(1), Dh = head_writes.size(3);
+  at::Tensor out = at::empty({B, H, 3}, q_in.options().dtype(at::kFloat));
   if (B == 0 || H == 0) return out;
   check_windows_on_host(op, lengths, offsets, T);
+  // q and k in one dtype, one that holds both exactly (a copy only for mixed-dtype calls)
+  const auto common = c10::promoteTypes(q_in.scalar_type(), k_in.scalar_type());
+  const at::Tensor q = q_in.scalar_type() == common ? q_in : q_in.to(common);
+  const at::Tensor k = k_in.scalar_type() == common ? k_in : k_in.to(common);
   const auto len = lengths.contiguous();
   const auto off = (offsets.has_value() && offsets->defined())
                        ? std::optional<at::Tensor>(offsets->contiguous()) : std::nullopt;
   Scratch sc;
-  Heads P = make_heads(B, H, T, Dh, len, off, true, sc, q.options());
+  const Heads P = make_heads(B, H, T, Dh, len, off, true, sc, q.options());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const float fscale = static_cast<float>(scale);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(), "vas_v",
-                                  [&] { launch_prep<scalar_t>(P, head_writes, stream); });
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "vas_q", [&] {
-    using Q_t = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k.scalar_type(), "vas_k", [&] {
-      using K_t = scalar_t;
-      const dim3 rows_grid((T + 7) / 8, B * H);
-      const size_t smem = sizeof(float) * 8 * D;
-      qk_rows_kernel<Q_t, K_t><<<rows_grid, THREADS, smem, stream>>>(
-          P, q.const_data_ptr<Q_t>(), strides4(q), k.const_data_ptr<K_t>(), strides4(k), Hkv, D,
-          fscale, causal);
+  launch_prep(P, head_writes, stream);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "vas_qk", [&] {
+    const scalar_t* qp = q.const_data_ptr<scalar_t>();
+    const scalar_t* kp = k.const_data_ptr<scalar_t>();
+    const size_t panels = 2 * kTile * kXld * sizeof(float);
+    const size_t rows_smem = panels + 2 * kTile * 2 * sizeof(float);
+    set_smem(qk_rows_kernel<scalar_t>, rows_smem);
+    qk_rows_kernel<scalar_t><<<dim3(static_cast<unsigned>(P.T64 / kTile), static_cast<unsigned>(B * H)),
+                               kThreads, rows_smem, stream>>>(P, qp, strides4(q), kp, strides4(k),
+                                                              Hkv, D, fscale, causal);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const size_t smem = kVBytes + panels;
+    auto run = [&](auto kernel) {
+      set_smem(kernel, smem);
+      kernel<<<pass_grid(P), kThreads, smem, stream>>>(P, qp, strides4(q), kp, strides4(k), Hkv, D,
+                                                       fscale, causal, out.data_ptr<float>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      centre_kernel<<<B * H, THREADS, 0, stream>>>(P);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      const dim3 tiles_grid(P.nt * P.nt, B * H);
-      tiles_kernel<Q_t, K_t, true><<<tiles_grid, THREADS, 0, stream>>>(
-          P, q.const_data_ptr<Q_t>(), strides4(q), k.const_data_ptr<K_t>(), strides4(k), Hkv, D,
-          fscale, causal);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+    };
+    if (Dh <= kExactDh) run(qk_pass_kernel<scalar_t, true>);
+    else run(qk_pass_kernel<scalar_t, false>);
   });
-  finalize_kernel<<<B * H, THREADS, 0, stream>>>(P, out.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 

@@ -1,11 +1,11 @@
-// Small device helpers of the attribution CUDA kernels (warp/block reductions).
+// Warp and block reductions shared by the CUDA kernels of every family.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cmath>
 
-namespace headscope::attribution::cuda {
+namespace headscope::cuda_reduce {
 
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
@@ -50,7 +50,4 @@ __device__ T block_max(T v, T* scratch) {
   return r;
 }
 
-__device__ __forceinline__ float exp_acc(float x) { return expf(x); }
-__device__ __forceinline__ double exp_acc(double x) { return exp(x); }
-
-}  // namespace headscope::attribution::cuda
+}  // namespace headscope::cuda_reduce
