@@ -48,6 +48,8 @@ constexpr int kVldExact = 20;       // row stride (floats) of the float32 Vn pan
 constexpr int kXld = 68;            // row stride (floats) of q / k panels
 constexpr int kPrepRows = 16;       // rows per prep block
 constexpr int kAccs = 9;            // per-head float64 sums, see Sums
+constexpr int kSlots = 32;          // a head's sums and ticket are spread over 32 slots, so
+                                    // that thousands of blocks do not queue on one address
 constexpr float kEps = 1e-12f;      // the seed's clip of p and q
 constexpr float kLogEps = -27.631021115928547f;  // log(1e-12)
 // Shared memory of a pass block: the Vn panels (dead after the Gram, then reused for the
@@ -72,9 +74,9 @@ struct Heads {
   double* rows;        // [BH, T] row sums of A
   double* cols;        // [BH, T] column sums of A
   double* grow;        // [BH, T] row sums of G
-  double* acc;         // [BH, kAccs]
+  double* acc;         // [BH, kSlots, kAccs]
   int* bad;            // [BH] non-finite input in the window
-  int* done;           // [BH] pass blocks finished
+  int* done;           // [BH, kSlots + 1] pass blocks finished per slot, slots finished
 };
 
 __device__ inline void window(const Heads& P, int64_t b, int64_t& n, int64_t& s) {
@@ -89,29 +91,33 @@ __device__ inline float ldf(const T* p) {
 
 // ---- 1. prep ------------------------------------------------------------------------------
 
-// sum of squares of row[0 .. n) in NumPy's pairwise order over float32 squares
-// (np.linalg.norm): the seed's norms bit for bit. Blocks of 128, combined pairwise.
-__device__ float numpy_pairwise_sumsq(const float* row, int64_t n) {
-  auto sqr = [&](int64_t i) { return __fmul_rn(row[i], row[i]); };  // never fused into an add
-  if (n < 8) {
-    float res = 0.0f;
-    for (int64_t i = 0; i < n; ++i) res = __fadd_rn(res, sqr(i));
-    return res;
+// Sum of squares of row[0 .. n) (shared memory) in NumPy's pairwise order over float32
+// squares (np.linalg.norm): the seed's norms bit for bit. Called by a whole warp; every lane
+// gets the result. NumPy sums blocks of up to 128 with 8 interleaved accumulators (lanes
+// 0..7 here, each in NumPy's order), combines them as a fixed tree, adds the tail, and
+// splits longer rows in two at a multiple of 8.
+__device__ float numpy_pairwise_sumsq(const float* row, int n) {
+  auto sqr = [&](int i) { return __fmul_rn(row[i], row[i]); };  // never fused into an add
+  if (n > 128) {
+    int n2 = n / 2;
+    n2 -= n2 % 8;
+    return __fadd_rn(numpy_pairwise_sumsq(row, n2), numpy_pairwise_sumsq(row + n2, n - n2));
   }
-  if (n <= 128) {
-    float r[8];
-    for (int k = 0; k < 8; ++k) r[k] = sqr(k);
-    int64_t i = 8;
-    for (; i < n - (n % 8); i += 8)
-      for (int k = 0; k < 8; ++k) r[k] = __fadd_rn(r[k], sqr(i + k));
-    float res = __fadd_rn(__fadd_rn(__fadd_rn(r[0], r[1]), __fadd_rn(r[2], r[3])),
-                          __fadd_rn(__fadd_rn(r[4], r[5]), __fadd_rn(r[6], r[7])));
-    for (; i < n; ++i) res = __fadd_rn(res, sqr(i));
-    return res;
+  float res = 0.0f;
+  int i = 0;
+  if (n >= 8) {
+    const int k = threadIdx.x & 7, m = n - n % 8;
+    float r = sqr(k);
+    for (int j = 8; j < m; j += 8) r = __fadd_rn(r, sqr(j + k));
+    float rk[8];
+#pragma unroll
+    for (int q = 0; q < 8; ++q) rk[q] = __shfl_sync(0xffffffffu, r, q);
+    res = __fadd_rn(__fadd_rn(__fadd_rn(rk[0], rk[1]), __fadd_rn(rk[2], rk[3])),
+                    __fadd_rn(__fadd_rn(rk[4], rk[5]), __fadd_rn(rk[6], rk[7])));
+    i = m;
   }
-  int64_t n2 = n / 2;
-  n2 -= n2 % 8;
-  return __fadd_rn(numpy_pairwise_sumsq(row, n2), numpy_pairwise_sumsq(row + n2, n - n2));
+  for (; i < n; ++i) res = __fadd_rn(res, sqr(i));
+  return res;
 }
 
 // One warp per row: Vn_i = V_i / max(||V_i||, 1e-9) (a division, as the seed), rows from n
@@ -139,11 +145,8 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(Heads P, const V_t* __re
       }
       bad |= !isfinite(warp_sum(sq));
       __syncwarp();
-      if (lane == 0) {
-        const float nrm = sqrtf(numpy_pairwise_sumsq(rowbuf, P.Dh));
-        den = nrm > 1e-9f ? nrm : 1e-9f;
-      }
-      den = __shfl_sync(0xffffffffu, den, 0);
+      const float nrm = sqrtf(numpy_pairwise_sumsq(rowbuf, static_cast<int>(P.Dh)));
+      den = nrm > 1e-9f ? nrm : 1e-9f;
     }
     for (int64_t c = lane; c < P.Dh16; c += 32) {
       const float x = (i < n && c < P.Dh) ? rowbuf[c] / den : 0.0f;
@@ -275,13 +278,17 @@ qk_rows_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __res
 
 // ---- 2. the pass over tile pairs ------------------------------------------------------------
 
-// Tile pair p (0 .. nt (nt + 1) / 2) of a head: I >= J, row by row of the lower triangle.
-__device__ inline void pair_of(int64_t p, int& I, int& J) {
-  int i = static_cast<int>((sqrt(8.0 * static_cast<double>(p) + 1.0) - 1.0) / 2.0);
-  while (static_cast<int64_t>(i) * (i + 1) / 2 > p) --i;
-  while (static_cast<int64_t>(i + 1) * (i + 2) / 2 <= p) ++i;
-  I = i;
-  J = static_cast<int>(p - static_cast<int64_t>(i) * (i + 1) / 2);
+// Tile pair p (0 .. nt (nt + 1) / 2) of a head: I >= J, diagonal by diagonal (d = I - J),
+// so that blocks running at the same time add into different rows and columns.
+__device__ inline void pair_of(int64_t p, int64_t nt, int& I, int& J) {
+  auto offset = [nt](int64_t d) { return d * nt - d * (d - 1) / 2; };  // first pair of diagonal d
+  const double b = 2.0 * static_cast<double>(nt) + 1.0;
+  int64_t d = static_cast<int64_t>((b - sqrt(fmax(0.0, b * b - 8.0 * static_cast<double>(p)))) / 2.0);
+  d = max((int64_t)0, min(d, nt - 1));
+  while (d > 0 && offset(d) > p) --d;
+  while (d + 1 < nt && offset(d + 1) <= p) ++d;
+  J = static_cast<int>(p - offset(d));
+  I = J + static_cast<int>(d);
 }
 
 // Issues the cp.async copies of one Dh chunk of the Vn panels of rows i0.. and j0..
@@ -327,7 +334,7 @@ __device__ __forceinline__ void gram_tile(const Heads& P, int64_t bh, int64_t i0
       const float* xr = x + L.row(e) * kVldExact;
       const float* yr = y + L.col(e) * kVldExact;
       float acc = 0.0f;
-#pragma unroll
+      #pragma unroll
       for (int c = 0; c < 16; ++c) acc = fmaf(xr[c], yr[c], acc);
       g[e] = acc;
     }
@@ -486,7 +493,7 @@ __device__ __forceinline__ void pass_epilogue(const Heads& P, int64_t bh, int64_
   if (t < kAccs) {
     double v = 0;
     for (int wp = 0; wp < kThreads / 32; ++wp) v += red.sc[wp * 16 + t];
-    atomicAdd(P.acc + bh * kAccs + t, v);
+    atomicAdd(P.acc + (bh * kSlots + blockIdx.x % kSlots) * kAccs + t, v);
   }
   if (t == 0 && bad) atomicOr(P.bad + bh, 1);
 }
@@ -521,9 +528,10 @@ __device__ void finalize_head(const Heads& P, int64_t bh, int64_t n, float* out,
   g1sq = block_sum(g1sq, red);
   if (threadIdx.x != 0) return;
   float* o = out + bh * 3;
-  double a[kAccs];
-  #pragma unroll
-  for (int k = 0; k < kAccs; ++k) a[k] = __ldcg(P.acc + bh * kAccs + k);
+  double a[kAccs] = {};
+  for (int sl = 0; sl < kSlots; ++sl)
+#pragma unroll
+    for (int k = 0; k < kAccs; ++k) a[k] += __ldcg(P.acc + (bh * kSlots + sl) * kAccs + k);
   const double kA = a[0], sU = a[1], s1 = a[2], c1 = a[3], n1 = a[4], ag = a[5], a2 = a[6],
                ax2 = a[7], g2 = a[8];
   if (__ldcg(P.bad + bh) || !isfinite(a2)) {
@@ -552,12 +560,22 @@ __device__ void finalize_head(const Heads& P, int64_t bh, int64_t n, float* out,
   o[2] = static_cast<float>(kl / nn);
 }
 
-// The pass block's ticket; true in the last block of the head (which then finalizes).
+// The pass block's tickets; true in the last block of the head (which then finalizes).
+// Block p counts in slot p % kSlots; the last block of each slot counts in the head's.
 __device__ bool last_block_of_head(const Heads& P, int64_t bh, int64_t pairs) {
   __shared__ int last;
   __threadfence();  // this block's atomics before its ticket
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(P.done + bh, 1) == pairs - 1;
+  if (threadIdx.x == 0) {
+    const int64_t sl = blockIdx.x % kSlots, used = min(pairs, (int64_t)kSlots);
+    const int64_t in_slot = (pairs - 1 - sl) / kSlots + 1;
+    int* done = P.done + bh * (kSlots + 1);
+    last = atomicAdd(done + sl, 1) == in_slot - 1;
+    if (last) {
+      __threadfence();
+      last = atomicAdd(done + kSlots, 1) == used - 1;
+    }
+  }
   __syncthreads();
   if (last) __threadfence();
   return last;
@@ -574,7 +592,7 @@ __device__ bool pair_task(const Heads& P, int64_t bh, PairTask& t) {
   t.pairs = nt * (nt + 1) / 2;
   if (blockIdx.x >= t.pairs) return false;
   int I, J;
-  pair_of(blockIdx.x, I, J);
+  pair_of(blockIdx.x, nt, I, J);
   t.i0 = static_cast<int64_t>(I) * kTile;
   t.j0 = static_cast<int64_t>(J) * kTile;
   t.pair = I != J;
@@ -726,12 +744,12 @@ Heads make_heads(int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Tensor& 
     P.mrow = sc.f32.data_ptr<float>();
     P.izrow = P.mrow + BH * T;
   }
-  sc.f64 = at::zeros({BH * (3 * T + kAccs)}, opts.dtype(at::kDouble));
+  sc.f64 = at::zeros({BH * (3 * T + kSlots * kAccs)}, opts.dtype(at::kDouble));
   P.rows = sc.f64.data_ptr<double>();
   P.cols = P.rows + BH * T;
   P.grow = P.cols + BH * T;
   P.acc = P.grow + BH * T;
-  sc.i32 = at::zeros({2 * BH}, opts.dtype(at::kInt));
+  sc.i32 = at::zeros({BH * (kSlots + 2)}, opts.dtype(at::kInt));
   P.bad = sc.i32.data_ptr<int>();
   P.done = P.bad + BH;
   return P;
