@@ -47,11 +47,11 @@ constexpr int kVld = 40;            // row stride (halves) of those panels: conf
 constexpr int kVldExact = 20;       // row stride (floats) of the float32 Vn panels
 constexpr int kXld = 68;            // row stride (floats) of q / k panels
 constexpr int kPrepRows = 16;       // rows per prep block
-constexpr int kAccs = 9;            // per-head float64 sums, see Sums
+constexpr int kAccs = 8;            // per-head float64 sums, see Sums
 constexpr int kSlots = 32;          // a head's sums and ticket are spread over 32 slots, so
                                     // that thousands of blocks do not queue on one address
 constexpr float kEps = 1e-12f;      // the seed's clip of p and q
-constexpr float kLogEps = -27.631021115928547f;  // log(1e-12)
+constexpr float kLog2Eps = -39.863137138648348f;  // log2(1e-12)
 // Shared memory of a pass block: the Vn panels (dead after the Gram, then reused for the
 // reductions), then the A tiles or the q / k panels.
 constexpr size_t kVBytes = 4 * kTile * kVld * sizeof(__half);
@@ -120,36 +120,41 @@ __device__ float numpy_pairwise_sumsq(const float* row, int n) {
   return res;
 }
 
-// One warp per row: Vn_i = V_i / max(||V_i||, 1e-9) (a division, as the seed), rows from n
-// to T64 and columns from Dh to Dh16 zero.
+// Each warp takes kPrepRows / 4 rows: loads them all (the loads in flight together), then
+// normalises each: Vn_i = V_i / max(||V_i||, 1e-9) (a division, as the seed). Rows from n
+// to T64 and columns from Dh to Dh16 are zero.
 template <typename V_t, bool kExact>
 __global__ void __launch_bounds__(kThreads) prep_kernel(Heads P, const V_t* __restrict__ hw,
                                                         Strides4 sv) {
-  extern __shared__ float rowbuf_all[];  // [warps, Dh]
+  constexpr int kRows = kPrepRows / 4;
+  extern __shared__ float rowbuf_all[];  // [warps, kRows, Dh]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t bh = blockIdx.y, b = bh / P.H, h = bh % P.H, BH = P.B * P.H;
   int64_t n, s;
   window(P, b, n, s);
-  float* rowbuf = rowbuf_all + warp * P.Dh;
-  bool bad = false;
-  for (int rr = 0; rr < kPrepRows / 4; ++rr) {
-    const int64_t i = static_cast<int64_t>(blockIdx.x) * kPrepRows + warp * (kPrepRows / 4) + rr;
+  const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kPrepRows + warp * kRows;
+  float* rowbuf = rowbuf_all + warp * kRows * P.Dh;
+  double sq = 0;
+  for (int rr = 0; rr < kRows; ++rr) {
+    if (i0 + rr >= n) break;
+    const V_t* row = hw + b * sv.s0 + h * sv.s1 + (s + i0 + rr) * sv.s2;
+    for (int64_t c = lane; c < P.Dh; c += 32) {
+      const float x = ldf(row + c * sv.s3);
+      rowbuf[rr * P.Dh + c] = x;
+      sq += static_cast<double>(x) * x;
+    }
+  }
+  const bool bad = !isfinite(warp_sum(sq));
+  __syncwarp();
+  for (int rr = 0; rr < kRows; ++rr) {
+    const int64_t i = i0 + rr;
     float den = 1.0f;
     if (i < n) {
-      const V_t* row = hw + b * sv.s0 + h * sv.s1 + (s + i) * sv.s2;
-      double sq = 0;
-      for (int64_t c = lane; c < P.Dh; c += 32) {
-        const float x = ldf(row + c * sv.s3);
-        rowbuf[c] = x;
-        sq += static_cast<double>(x) * x;
-      }
-      bad |= !isfinite(warp_sum(sq));
-      __syncwarp();
-      const float nrm = sqrtf(numpy_pairwise_sumsq(rowbuf, static_cast<int>(P.Dh)));
+      const float nrm = sqrtf(numpy_pairwise_sumsq(rowbuf + rr * P.Dh, static_cast<int>(P.Dh)));
       den = nrm > 1e-9f ? nrm : 1e-9f;
     }
     for (int64_t c = lane; c < P.Dh16; c += 32) {
-      const float x = (i < n && c < P.Dh) ? rowbuf[c] / den : 0.0f;
+      const float x = (i < n && c < P.Dh) ? rowbuf[rr * P.Dh + c] / den : 0.0f;
       if (kExact) {
         P.vf[(bh * P.T64 + i) * 16 + c] = x;
       } else {
@@ -159,7 +164,6 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(Heads P, const V_t* __re
         P.vs[((BH + bh) * P.T64 + i) * P.Dh16 + c] = lo;
       }
     }
-    __syncwarp();
   }
   if (lane == 0 && bad) atomicOr(P.bad + bh, 1);
 }
@@ -364,40 +368,66 @@ __device__ __forceinline__ void gram_tile(const Heads& P, int64_t bh, int64_t i0
   for (int e = 0; e < mma::kFrag; ++e) g[e] = hh[e] + x[e] * (1.0f / mma::kLoScale);
 }
 
-// Per-thread partial sums of a tile pair. With S = (g + 1) / 2, lS = log S - L0 (L0 =
-// log(n / 2), so that lS is close to log q = log S - log mS), a tile entry a adds
-//   unclipped p (a >= FLT_MIN): kA += a (log a - lq'), sU += a, s1 += a when S > 0,
-//   clipped p (a < FLT_MIN):    c1 += log eps - lS, n1 += 1 when S > 0,
-// where lq' = lS when S > 0 and log eps when q is clipped (S <= 0). Then, with mA and mS
-// the max row sums of A and S and D = log mS - L0 (finalize):
-//   sum p log(p / q) = (kA + D s1 - log(mA) sU) / mA + eps (c1 + D n1).
+// Per-thread partial sums of a tile pair, logarithms in base 2 (one MUFU.LG2 each). With
+// S = (g + 1) / 2, lS = log2 S - L0 (L0 = log2(n / 2), so that lS is close to log2 q =
+// log2 S - log2 mS) and lq = lS, or log2 eps where q is clipped (S <= 0), an entry a adds
+//   kA += a+ (log2 a - lq), sU += a+ (a+ = max(a, 0); unclipped p),
+//   when a+ < FLT_MIN and S > 0 (clipped p): c1 += log2 eps - lS, n1 += 1,
+//   when S <= 0: sneg += a+ (so that s1 = sU - sneg sums a+ where S > 0).
+// Then, with mA and mS the max row sums of A and S and D = ln mS - L0 ln 2 (finalize):
+//   sum p ln(p / q) = (kA ln 2 + D s1 - ln(mA) sU) / mA + eps (c1 ln 2 + D n1).
 // q is clipped exactly when S <= 0: S is a multiple of 2^-25 near 0 and mS <= n, so for
 // n < 29000 any S > 0 has S / mS > eps. p is taken unclipped for a >= FLT_MIN: where
-// a / mA < eps after all, the term differs from the clipped one by < 2 eps (|log eps| +
-// |log q|) ~ 1e-10 (see README).
+// a / mA < eps after all, the term differs from the clipped one by < 2 eps (|ln eps| +
+// |ln q|) ~ 1e-10 (see README). ||A||^2 follows from ax2 = sum (a - 1/n)^2 (finalize), and
+// a NaN or infinity in A makes ax2 non-finite.
 struct Sums {
-  float kA = 0, sU = 0, s1 = 0, c1 = 0, n1 = 0, ag = 0, a2 = 0, ax2 = 0, g2 = 0;
-  bool bad = false;
+  float kA = 0, sU = 0, sneg = 0, c1 = 0, n1 = 0, ag = 0, ax2 = 0, g2 = 0;
 };
 
 struct Entry {
-  float g, lq, cterm, xc;  // lq = lS (S > 0) or log eps; cterm = log eps - lS
-  bool sp;                 // S > 0
+  float g, lq, cterm, xc, sp1;  // lq, cterm = log2 eps - lS, sp1 = 1 where S > 0 else 0
   __device__ __forceinline__ void add(float a, Sums& m) const {
-    m.bad |= !(fabsf(a) <= FLT_MAX);
-    const bool pos = a >= FLT_MIN;
-    const float t = a * (__logf(pos ? a : 1.0f) - lq);
-    m.kA += pos ? t : 0.0f;
-    m.sU += pos ? a : 0.0f;
-    m.s1 += (pos && sp) ? a : 0.0f;
-    m.c1 += (!pos && sp) ? cterm : 0.0f;
-    m.n1 += (!pos && sp) ? 1.0f : 0.0f;
+    const float ap = fmaxf(a, 0.0f);
+    m.kA = fmaf(ap, __log2f(fmaxf(a, FLT_MIN)) - lq, m.kA);
+    m.sU += ap;
+    const float z = ap < FLT_MIN ? sp1 : 0.0f;
+    m.n1 += z;
+    m.c1 = fmaf(z, cterm, m.c1);
+    m.sneg += sp1 != 0.0f ? 0.0f : ap;
     m.ag = fmaf(a, g, m.ag);
-    m.a2 = fmaf(a, a, m.a2);
     const float d = a - xc;
     m.ax2 = fmaf(d, d, m.ax2);
   }
 };
+
+// The entries of a tile pair into the thread's sums; kFull: every element inside the window.
+template <bool kFull>
+__device__ __forceinline__ void accumulate(const float* g, const float* aij, const float* aji,
+                                           bool pair, int ni, int nj, float xc, float L0,
+                                           const Lane& L, Sums& m, float (&rI)[3][4],
+                                           float (&cJ)[3][8]) {
+#pragma unroll
+  for (int e = 0; e < mma::kFrag; ++e) {
+    if (!kFull && (L.row(e) >= ni || L.col(e) >= nj)) continue;
+    const int ri = (e >> 4) * 2 + ((e & 3) >> 1), cj = ((e >> 2) & 3) * 2 + (e & 1);
+    const float S = (g[e] + 1.0f) * 0.5f;
+    const bool sp = S > 0.0f;
+    const float lS = __log2f(sp ? S : 1.0f) - L0;
+    const Entry en{g[e], sp ? lS : kLog2Eps, kLog2Eps - lS, xc, sp ? 1.0f : 0.0f};
+    m.g2 = fmaf(g[e], g[e], m.g2);
+    rI[2][ri] += g[e];
+    en.add(aij[e], m);
+    rI[0][ri] += aij[e];
+    cJ[0][cj] += aij[e];
+    if (pair) {
+      cJ[2][cj] += g[e];
+      en.add(aji[e], m);
+      rI[1][ri] += aji[e];
+      cJ[1][cj] += aji[e];
+    }
+  }
+}
 
 // Shared memory of the reductions at the end of a pass block.
 struct Red {
@@ -418,31 +448,16 @@ struct Red {
 __device__ __forceinline__ void pass_epilogue(const Heads& P, int64_t bh, int64_t n, int64_t i0, int64_t j0,
                               bool pair, const float* g, const float* aij, const float* aji,
                               const Lane& L, Red red) {
-  const float xc = 1.0f / static_cast<float>(n), L0 = logf(0.5f * static_cast<float>(n));
-  const float w = pair ? 2.0f : 1.0f;
+  const float xc = 1.0f / static_cast<float>(n), L0 = __log2f(0.5f * static_cast<float>(n));
   Sums m;
   float rI[3][4] = {}, cJ[3][8] = {};  // [A, A^T, G][slot]
-  #pragma unroll
-  for (int e = 0; e < mma::kFrag; ++e) {
-    const int il = L.row(e), jl = L.col(e);
-    if (i0 + il >= n || j0 + jl >= n) continue;
-    const int ri = (e >> 4) * 2 + ((e & 3) >> 1), cj = ((e >> 2) & 3) * 2 + (e & 1);
-    const float S = (g[e] + 1.0f) * 0.5f;
-    const bool sp = S > 0.0f;
-    const float lS = __logf(sp ? S : 1.0f) - L0;
-    const Entry en{g[e], sp ? lS : kLogEps, kLogEps - lS, xc, sp};
-    m.g2 += w * g[e] * g[e];
-    rI[2][ri] += g[e];
-    en.add(aij[e], m);
-    rI[0][ri] += aij[e];
-    cJ[0][cj] += aij[e];
-    if (pair) {
-      cJ[2][cj] += g[e];
-      en.add(aji[e], m);
-      rI[1][ri] += aji[e];
-      cJ[1][cj] += aji[e];
-    }
+  const int ni = static_cast<int>(min((int64_t)kTile, n - i0)), nj = static_cast<int>(min((int64_t)kTile, n - j0));
+  if (ni == kTile && nj == kTile) {
+    accumulate<true>(g, aij, aji, pair, ni, nj, xc, L0, L, m, rI, cJ);
+  } else {
+    accumulate<false>(g, aij, aji, pair, ni, nj, xc, L0, L, m, rI, cJ);
   }
+  if (pair) m.g2 *= 2.0f;  // G_IJ stands for G_JI too
   // rows of the I tile: sum over the 4 lanes of a quad; columns of J: over the 8 quads
   #pragma unroll
   for (int k = 0; k < 3; ++k) {
@@ -462,10 +477,9 @@ __device__ __forceinline__ void pass_epilogue(const Heads& P, int64_t bh, int64_
       if (L.gq == 0) red.colJ[(k * 2 + L.wm) * kTile + L.col((c >> 1) * 4 + (c & 1))] = v;
     }
   }
-  float sc[kAccs] = {m.kA, m.sU, m.s1, m.c1, m.n1, m.ag, m.a2, m.ax2, m.g2};
+  float sc[kAccs] = {m.kA, m.sU, m.sneg, m.c1, m.n1, m.ag, m.ax2, m.g2};
   #pragma unroll
   for (int k = 0; k < kAccs; ++k) sc[k] = warp_sum(sc[k]);
-  const bool bad = __any_sync(0xffffffffu, m.bad);
   if ((threadIdx.x & 31) == 0)
     #pragma unroll
     for (int k = 0; k < kAccs; ++k) red.sc[(threadIdx.x >> 5) * 16 + k] = sc[k];
@@ -495,7 +509,6 @@ __device__ __forceinline__ void pass_epilogue(const Heads& P, int64_t bh, int64_
     for (int wp = 0; wp < kThreads / 32; ++wp) v += red.sc[wp * 16 + t];
     atomicAdd(P.acc + (bh * kSlots + blockIdx.x % kSlots) * kAccs + t, v);
   }
-  if (t == 0 && bad) atomicOr(P.bad + bh, 1);
 }
 
 // (d, c, r) of head bh from its sums, by the last pass block of the head.
@@ -532,9 +545,10 @@ __device__ void finalize_head(const Heads& P, int64_t bh, int64_t n, float* out,
   for (int sl = 0; sl < kSlots; ++sl)
 #pragma unroll
     for (int k = 0; k < kAccs; ++k) a[k] += __ldcg(P.acc + (bh * kSlots + sl) * kAccs + k);
-  const double kA = a[0], sU = a[1], s1 = a[2], c1 = a[3], n1 = a[4], ag = a[5], a2 = a[6],
-               ax2 = a[7], g2 = a[8];
-  if (__ldcg(P.bad + bh) || !isfinite(a2)) {
+  const double ln2 = 0.69314718055994531;
+  const double kA = a[0] * ln2, sU = a[1], s1 = a[1] - a[2], c1 = a[3] * ln2, n1 = a[4],
+               ag = a[5], ax2 = a[6], g2 = a[7];
+  if (__ldcg(P.bad + bh) || !isfinite(ax2)) {
     o[0] = o[1] = o[2] = NAN;
     return;
   }
@@ -551,9 +565,10 @@ __device__ void finalize_head(const Heads& P, int64_t bh, int64_t n, float* out,
   const double Asc = fmin(bound, fmax(-bound, 0.5 * (ag - ra - ca + sA * msq)));
   const double c = Asc / fmax(bound, 1e-12);
   const double num = sqrt(fmax(0.0, Acc - 2.0 * Asc + Scc));
+  const double a2 = fmax(0.0, ax2 + 2.0 * x * sA - nn * nn * x * x);  // sum (a - x + x)^2
   const double den = fmax(sqrt(a2) * sqrt(Snorm2), 1e-9);
   const double mAe = fmax(mA, 1e-12), mS = fmax(0.0, 0.5 * (nn + mG));
-  const double D = log(fmax(mS, 1e-12)) - static_cast<double>(logf(0.5f * static_cast<float>(n)));
+  const double D = log(fmax(mS, 1e-12)) - ln2 * static_cast<double>(__log2f(0.5f * static_cast<float>(n)));
   const double kl = (kA + D * s1 - log(mAe) * sU) / mAe + static_cast<double>(kEps) * (c1 + D * n1);
   o[0] = static_cast<float>(num / den);
   o[1] = static_cast<float>(c);
@@ -780,9 +795,9 @@ void set_smem(K kernel, size_t bytes) {
 }
 
 void launch_prep(const Heads& P, const at::Tensor& hw, cudaStream_t stream) {
-  TORCH_CHECK(P.Dh <= 8192, "headscope::vas: CUDA kernels support head_writes with Dh <= 8192, got ", P.Dh);
+  TORCH_CHECK(P.Dh <= 2048, "headscope::vas: CUDA kernels support head_writes with Dh <= 2048, got ", P.Dh);
   const dim3 grid(static_cast<unsigned>(P.T64 / kPrepRows), static_cast<unsigned>(P.B * P.H));
-  const size_t smem = sizeof(float) * 4 * P.Dh;
+  const size_t smem = sizeof(float) * kPrepRows * P.Dh;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hw.scalar_type(), "vas_prep", [&] {
     auto run = [&](auto kernel) {
       set_smem(kernel, smem);
