@@ -81,6 +81,36 @@ for f in "$SHIM"/test_*.log; do echo "### $(basename "$f")"; cat "$f"; done >"$O
 for f in "$SHIM"/test_*.log; do echo "$(basename "$f" .log): $(tail -n1 "$f")"; done | tee -a "$OUT/summary.txt"
 grep -hE "^(FAILED|ERROR)" "$SHIM"/test_*.log | head -40 | tee -a "$OUT/summary.txt"
 
+step "compute-sanitizer memcheck: every CUDA op once on small ragged inputs"
+cat >"$SHIM/memcheck_ops.py" <<'EOF'
+import torch, headscope  # noqa: F401
+ops, d = torch.ops.headscope, "cuda"
+g = torch.Generator().manual_seed(0)
+for T, Dh in [(70, 8), (70, 40), (130, 130)]:
+    A = torch.softmax(torch.randn(2, 3, T, T, generator=g), -1).to(d)
+    V = torch.randn(2, 3, T, Dh, generator=g).to(d)
+    n = torch.tensor([T, T // 2 + 3], device=d)
+    ops.vas_head_stats(A, V, n)
+    ops.vas_head_stats(A, V, n, torch.tensor([0, 5], device=d))
+    q, k = torch.randn(2, 3, T, 24, generator=g).to(d), torch.randn(2, 1, T, 24, generator=g).to(d)
+    ops.vas_head_stats_qk(q, k, V, n, 0.2, True)
+    ops.vas_head_stats_qk(q, k, V, n, 0.2, False)
+rid = torch.randint(-1, 8, (2, 300), generator=g).to(d)
+q, k = torch.randn(2, 4, 3, 32, generator=g).to(d), torch.randn(2, 2, 300, 32, generator=g).to(d)
+for w in (torch.rand(2, 1, generator=g).to(d) + 0.1, torch.rand(2, 3, generator=g).to(d)):
+    Tq = w.shape[1]
+    ops.region_pool_qk(q[:, :, :Tq], k, w, rid, 8, 0.2, True, None, "mean")
+    ops.region_pool(torch.softmax(torch.randn(2, 4, Tq, 300, generator=g), -1).to(d), w, rid, 8, "sum")
+torch.cuda.synchronize()
+print("memcheck script done")
+EOF
+if command -v compute-sanitizer >/dev/null; then
+  timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$PYTHON" "$SHIM/memcheck_ops.py" 2>&1 |
+    grep -E "ERROR SUMMARY|Invalid|memcheck script|Error" | head -30 | tee -a "$OUT/summary.txt"
+else
+  echo "compute-sanitizer not found" | tee -a "$OUT/summary.txt"
+fi
+
 step "kernel times of one vas layer (torch.profiler)"
 timeout 60 "$PYTHON" - <<'EOF' 2>&1 | tee -a "$OUT/summary.txt" || status=1
 import torch, headscope  # noqa: F401

@@ -20,16 +20,14 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/arange.h>
 #include <ATen/ops/nonzero.h>
-#include <ATen/ops/stack.h>
-#include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 
 namespace headscope::attribution::cuda {
 namespace {
@@ -89,10 +87,60 @@ __global__ void region_pool_kernel(const scalar_t* __restrict__ attn, int64_t s0
   }
 }
 
-// Normalised span weights (B, Tq) in acc dtype (values checked before).
-at::Tensor normalised_weights(const at::Tensor& query_weights, at::ScalarType acc) {
-  const auto w = query_weights.to(at::kDouble);
-  return w.div(at::sum(w, {1}, true)).to(acc).contiguous();
+// Checks the values of region_ids and query_weights and normalises the weights, one block
+// per batch row: flag bit 1 marks a region id outside [-1, K), bit 2 a negative or
+// non-finite weight, bit 4 a row whose weights sum to <= 0 (in float64).
+template <typename w_t, typename acc_t>
+__global__ void pool_prepare_kernel(const w_t* __restrict__ w, int64_t w0, int64_t w1, int64_t Tq,
+                                    const int64_t* __restrict__ rid, int64_t r0, int64_t r1,
+                                    int64_t Tk, int64_t K, acc_t* __restrict__ wn,
+                                    int* __restrict__ flag) {
+  __shared__ double red[32];
+  const int64_t b = blockIdx.x;
+  int bad = 0;
+  double sum = 0;
+  for (int64_t q = threadIdx.x; q < Tq; q += blockDim.x) {
+    const double v = static_cast<double>(w[b * w0 + q * w1]);
+    if (!(v >= 0.0) || isinf(v)) bad |= 2;
+    sum += v;
+  }
+  sum = block_sum(sum, red);
+  if (!(sum > 0.0)) bad |= 4;
+  for (int64_t q = threadIdx.x; q < Tq; q += blockDim.x)
+    wn[b * Tq + q] = static_cast<acc_t>(static_cast<double>(w[b * w0 + q * w1]) / sum);
+  for (int64_t t = threadIdx.x; t < Tk; t += blockDim.x) {
+    const int64_t r = rid[b * r0 + t * r1];
+    if (r < -1 || r >= K) bad |= 1;
+  }
+  if (bad) atomicOr(flag, bad);
+}
+
+// The values check of both pooling ops and the normalised span weights (B, Tq) in acc dtype:
+// one launch and one host synchronisation; the detailed checks (which word the error) run
+// only when the flag is set.
+at::Tensor checked_normalised_weights(const char* op, const at::Tensor& query_weights,
+                                      const at::Tensor& region_ids, int64_t K, at::ScalarType acc) {
+  const int64_t B = query_weights.size(0), Tq = query_weights.size(1), Tk = region_ids.size(1);
+  auto wn = at::empty({B, Tq}, query_weights.options().dtype(acc));
+  if (B == 0) return wn;
+  if (Tq == 0) check_pool_values(op, region_ids, K, query_weights);  // throws: empty span
+  auto flag = at::zeros({1}, query_weights.options().dtype(at::kInt));
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query_weights.scalar_type(),
+                                  "headscope_pool_prepare", [&] {
+    auto launch = [&](auto* out) {
+      using acc_t = std::remove_pointer_t<decltype(out)>;
+      pool_prepare_kernel<scalar_t, acc_t><<<static_cast<unsigned>(B), kThreads, 0, stream>>>(
+          query_weights.const_data_ptr<scalar_t>(), query_weights.stride(0),
+          query_weights.stride(1), Tq, region_ids.const_data_ptr<int64_t>(), region_ids.stride(0),
+          region_ids.stride(1), Tk, K, out, flag.mutable_data_ptr<int>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (acc == at::kDouble) launch(wn.mutable_data_ptr<double>());
+    else launch(wn.mutable_data_ptr<float>());
+  });
+  if (flag.item<int>() != 0) check_pool_values(op, region_ids, K, query_weights);  // throws
+  return wn;
 }
 
 size_t pool_smem_bytes(int64_t K, size_t acc_size) { return K * (acc_size + sizeof(int)); }
@@ -117,9 +165,8 @@ at::Tensor region_pool_cuda(const at::Tensor& attn, const at::Tensor& query_weig
   const c10::cuda::CUDAGuard guard(attn.device());
   const int64_t B = attn.size(0), H = attn.size(1), Tq = attn.size(2), Tk = attn.size(3);
   const int64_t K = num_regions;
-  check_pool_values(op, region_ids, K, query_weights);  // one host sync
   const auto acc_type = accum_dtype(attn.scalar_type());
-  const auto wn = normalised_weights(query_weights, acc_type);
+  const auto wn = checked_normalised_weights(op, query_weights, region_ids, K, acc_type);
   auto out = at::empty({B, K, H}, attn.options().dtype(acc_type));
   if (out.numel() == 0) return out;
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -165,7 +212,7 @@ struct QKParams {
 template <typename scalar_t, typename acc_t>
 __global__ void qk_split_kernel(QKParams p, const scalar_t* __restrict__ q,
                                 const scalar_t* __restrict__ k,
-                                const int64_t* __restrict__ active,  // (n_active, 2): b, q
+                                const int64_t* __restrict__ active,  // (n_active, 2): b, q; nullptr: (row, 0)
                                 const int64_t* __restrict__ rid, const bool* __restrict__ pad,
                                 acc_t* __restrict__ part_m, acc_t* __restrict__ part_z,
                                 acc_t* __restrict__ part_acc) {
@@ -179,7 +226,8 @@ __global__ void qk_split_kernel(QKParams p, const scalar_t* __restrict__ q,
   const int64_t split = blockIdx.x % p.nsplit;
   const int64_t rh = blockIdx.x / p.nsplit;  // (active row, head)
   const int64_t row = rh / p.H, h = rh % p.H;
-  const int64_t b = active[2 * row], qi = active[2 * row + 1];
+  const int64_t b = active != nullptr ? active[2 * row] : row;
+  const int64_t qi = active != nullptr ? active[2 * row + 1] : 0;
   const int64_t hk = h / p.G;
   const int64_t lim = p.causal ? std::min<int64_t>(p.Tk - 1, qi + p.Tk - p.Tq) : p.Tk - 1;
   const int64_t t_begin = split * p.chunk;
@@ -268,8 +316,8 @@ __global__ void qk_combine_kernel(QKParams p, const int64_t* __restrict__ active
   for (int64_t kk = threadIdx.x; kk < p.K; kk += blockDim.x) {
     acc_t total = 0;
     for (int64_t row = 0; row < p.n_active; ++row) {
-      if (active[2 * row] != b) continue;
-      const int64_t qi = active[2 * row + 1];
+      if ((active != nullptr ? active[2 * row] : row) != b) continue;
+      const int64_t qi = active != nullptr ? active[2 * row + 1] : 0;
       const int64_t base = (row * p.H + h) * p.nsplit;
       acc_t M = -INFINITY;
       for (int64_t s = 0; s < p.nsplit; ++s) M = part_m[base + s] > M ? part_m[base + s] : M;
@@ -299,9 +347,8 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
                             key_padding_mask, reduce);
   const bool mean = parse_reduce(op, reduce);
   const c10::cuda::CUDAGuard guard(q.device());
-  check_pool_values(op, region_ids, num_regions, query_weights);  // one host sync
   const auto acc_type = accum_dtype(q.scalar_type());
-  const auto wn = normalised_weights(query_weights, acc_type);
+  const auto wn = checked_normalised_weights(op, query_weights, region_ids, num_regions, acc_type);
   QKParams p{};
   p.B = q.size(0);
   p.H = q.size(1);
@@ -318,15 +365,15 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
   at::Tensor k = k_in;
   if (k.stride(3) != 1) k = k.contiguous();
   // (n_active, 2) rows (b, q) with a nonzero weight, sorted. A decode step (Tq = 1) has
-  // every row active (each batch row's weight sum is positive): no second host sync.
+  // every row active (each batch row's weight sum is positive): row b is (b, 0), no tensor
+  // and no second host sync.
   at::Tensor active;
   if (p.Tq == 1) {
-    active = at::stack({at::arange(p.B, q.options().dtype(at::kLong)),
-                        at::zeros({p.B}, q.options().dtype(at::kLong))}, 1).contiguous();
+    p.n_active = p.B;
   } else {
     active = at::nonzero(query_weights).contiguous();
+    p.n_active = active.size(0);
   }
-  p.n_active = active.size(0);
   if (p.n_active == 0) return out;
   p.qs0 = q.stride(0);
   p.qs1 = q.stride(1);
@@ -366,7 +413,8 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
     const unsigned blocks_a = static_cast<unsigned>(rows * p.nsplit);
     split_kernel<<<blocks_a, kThreads, smem, stream>>>(
         p, q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(),
-        active.const_data_ptr<int64_t>(), region_ids.const_data_ptr<int64_t>(), pad,
+        active.defined() ? active.const_data_ptr<int64_t>() : nullptr,
+        region_ids.const_data_ptr<int64_t>(), pad,
         part_m.mutable_data_ptr<acc_t>(), part_z.mutable_data_ptr<acc_t>(),
         part_acc.mutable_data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -374,7 +422,7 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
     const unsigned blocks_b = static_cast<unsigned>(p.B * p.H);
     auto combine_kernel = qk_combine_kernel<acc_t>;
     combine_kernel<<<blocks_b, kThreads, 0, stream>>>(
-        p, active.const_data_ptr<int64_t>(), wn.const_data_ptr<acc_t>(),
+        p, active.defined() ? active.const_data_ptr<int64_t>() : nullptr, wn.const_data_ptr<acc_t>(),
         region_ids.const_data_ptr<int64_t>(), part_m.const_data_ptr<acc_t>(),
         part_z.const_data_ptr<acc_t>(), part_acc.const_data_ptr<acc_t>(), mean,
         cnt.mutable_data_ptr<int>(), out.mutable_data_ptr<acc_t>());
