@@ -7,6 +7,9 @@
 #   (optional)   HEADSCOPE_PREBUILT=build-carry: a library built elsewhere against the same
 #                torch, used when it loads and passes a smoke check; otherwise, or when it is
 #                absent, the library is built here against this machine's own torch.
+#   (optional)   HEADSCOPE_GPU_STEPS="tests memcheck profile bench" (the default) picks the
+#                steps; "ncu" adds Nsight Compute's stall and memory sections for the vas
+#                kernels of one layer (about a minute).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -14,8 +17,10 @@ OUT=${OUT:-$REPO/gpu_results}
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+STEPS=" ${HEADSCOPE_GPU_STEPS:-tests memcheck profile bench} "
 status=0
 step() { echo "== $1 ($(date +%T))" | tee -a "$OUT/summary.txt"; }
+want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 step "environment"
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
@@ -64,6 +69,7 @@ if [ -z "$LIB" ]; then
 fi
 export HEADSCOPE_LIBRARY=$LIB
 
+if want tests; then
 step "pytest, CUDA parametrisations (one process per file, in parallel)"
 # One process per file: a kernel fault poisons its CUDA context, and only that file's later
 # tests should see it. CUDA_LAUNCH_BLOCKING pins a fault on the launch that made it.
@@ -80,7 +86,9 @@ for p in "${pids[@]}"; do wait "$p"; rc=$?; [ $rc -eq 0 ] || [ $rc -eq 5 ] || st
 for f in "$SHIM"/test_*.log; do echo "### $(basename "$f")"; cat "$f"; done >"$OUT/pytest.log"
 for f in "$SHIM"/test_*.log; do echo "$(basename "$f" .log): $(tail -n1 "$f")"; done | tee -a "$OUT/summary.txt"
 grep -hE "^(FAILED|ERROR)" "$SHIM"/test_*.log | head -40 | tee -a "$OUT/summary.txt"
+fi
 
+if want memcheck; then
 step "compute-sanitizer memcheck: every CUDA op once on small ragged inputs"
 cat >"$SHIM/memcheck_ops.py" <<'EOF'
 import torch, headscope  # noqa: F401
@@ -110,27 +118,46 @@ if command -v compute-sanitizer >/dev/null; then
 else
   echo "compute-sanitizer not found" | tee -a "$OUT/summary.txt"
 fi
+fi
 
-step "kernel times of one vas layer (torch.profiler)"
-timeout 60 "$PYTHON" - <<'EOF' 2>&1 | tee -a "$OUT/summary.txt" || status=1
+# One Qwen2.5-VL-7B-sized layer through both vas ops (the profiler and ncu steps).
+cat >"$SHIM/vas_layer.py" <<'EOF'
+import sys
 import torch, headscope  # noqa: F401
-from torch.profiler import profile, ProfilerActivity
 ops = torch.ops.headscope
 B, H, T, Dh = 1, 28, 4096, 128
 A = torch.softmax(torch.randn(B, H, T, T, device="cuda"), -1)
 V = torch.randn(B, H, T, Dh, device="cuda")
 q, k = torch.randn(B, H, T, Dh, device="cuda"), torch.randn(B, 4, T, Dh, device="cuda")
 n = torch.full((B,), T, device="cuda")
+run = lambda: (ops.vas_head_stats(A, V, n), ops.vas_head_stats_qk(q, k, V, n, Dh ** -0.5, True))
 for _ in range(2):
-    ops.vas_head_stats(A, V, n), ops.vas_head_stats_qk(q, k, V, n, Dh ** -0.5, True)
+    run()
 torch.cuda.synchronize()
-with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    for _ in range(3):
-        ops.vas_head_stats(A, V, n), ops.vas_head_stats_qk(q, k, V, n, Dh ** -0.5, True)
-    torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+if "--profile" in sys.argv:
+    from torch.profiler import profile, ProfilerActivity
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
 EOF
+if want profile; then
+  step "kernel times of one vas layer (torch.profiler)"
+  timeout 60 "$PYTHON" "$SHIM/vas_layer.py" --profile 2>&1 | grep -v Warning | tee -a "$OUT/summary.txt" || status=1
+fi
 
+if want ncu; then
+  step "Nsight Compute: the vas kernels of one layer"
+  timeout 240 ncu --clock-control none -k regex:"attn_pass|qk_rows|qk_pass|prep_kernel" -c 4 \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    "$PYTHON" "$SHIM/vas_layer.py" >"$OUT/ncu.txt" 2>&1 || status=1
+  grep -E "==PROF==|attn_pass|qk_rows|qk_pass|prep_kernel|Duration|Throughput|Stall|Warp Cycles|Issued|Eligible|Achieved Occupancy|Registers|Block Limit|L1/TEX Hit|L2 Hit|Mem Busy|Max Bandwidth|Executed Ipc" \
+    "$OUT/ncu.txt" | head -150
+fi
+
+if want bench; then
 step "benchmarks on the GPU (each family under its own time limit)"
 for fam_limit in vas:100 attribution:60 mixer:80; do
   fam=${fam_limit%:*}
@@ -138,6 +165,7 @@ for fam_limit in vas:100 attribution:60 mixer:80; do
     >>"$OUT/bench.log" 2>&1 || { echo "bench $fam: exit $?" | tee -a "$OUT/summary.txt"; status=1; }
 done
 cat "$OUT/bench.log"
+fi
 
 step "done (status $status)"
 exit $status
