@@ -7,47 +7,43 @@
 
 namespace headscope::cuda_reduce {
 
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+struct Plus {
+  template <typename T>
+  __device__ __forceinline__ T operator()(T acc, T other) const { return acc + other; }
+};
+struct Max {  // keeps acc where other is NaN or not larger
+  template <typename T>
+  __device__ __forceinline__ T operator()(T acc, T other) const { return other > acc ? other : acc; }
+};
+
+template <typename T, typename Op>
+__device__ __forceinline__ T warp_reduce(T v, Op op) {
+  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
-template <typename T>
-__device__ __forceinline__ T warp_max(T v) {
-  for (int o = 16; o > 0; o >>= 1) {
-    const T other = __shfl_xor_sync(0xffffffffu, v, o);
-    v = other > v ? other : v;
-  }
-  return v;
-}
-
-// Block-wide sum / max; every thread gets the result. `scratch` holds >= 32 values and is
+// Block-wide reduction; every thread gets the result. `scratch` holds >= 32 values and is
 // reused after the call returns (a trailing __syncthreads protects it).
-template <typename T>
-__device__ T block_sum(T v, T* scratch) {
+template <typename T, typename Op>
+__device__ T block_reduce(T v, T* scratch, Op op, T identity) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int warps = (blockDim.x + 31) >> 5;
-  v = warp_sum(v);
+  v = warp_reduce(v, op);
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  T r = lane < warps ? scratch[lane] : T(0);
-  r = warp_sum(r);
+  T r = lane < warps ? scratch[lane] : identity;
+  r = warp_reduce(r, op);
   __syncthreads();
   return r;
 }
 
 template <typename T>
-__device__ T block_max(T v, T* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int warps = (blockDim.x + 31) >> 5;
-  v = warp_max(v);
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  T r = lane < warps ? scratch[lane] : T(-INFINITY);
-  r = warp_max(r);
-  __syncthreads();
-  return r;
-}
+__device__ __forceinline__ T warp_sum(T v) { return warp_reduce(v, Plus{}); }
+template <typename T>
+__device__ __forceinline__ T warp_max(T v) { return warp_reduce(v, Max{}); }
+template <typename T>
+__device__ T block_sum(T v, T* scratch) { return block_reduce(v, scratch, Plus{}, T(0)); }
+template <typename T>
+__device__ T block_max(T v, T* scratch) { return block_reduce(v, scratch, Max{}, T(-INFINITY)); }
 
 }  // namespace headscope::cuda_reduce
