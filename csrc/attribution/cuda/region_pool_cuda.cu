@@ -13,6 +13,7 @@
 //     acc / z at the common max, weighted by the row's normalised weight.
 // Rows with zero weight are never computed (only the active rows are launched).
 #include "attribution/attribution_checks.h"
+#include "common/cuda_launch.h"
 #include "common/cuda_reduce.cuh"
 
 #include <ATen/Dispatch.h>
@@ -33,6 +34,7 @@ namespace headscope::attribution::cuda {
 namespace {
 
 using namespace headscope::cuda_reduce;
+using cuda_launch::try_enable_smem;
 
 __device__ __forceinline__ float exp_acc(float x) { return expf(x); }
 __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
@@ -144,17 +146,6 @@ at::Tensor checked_normalised_weights(const char* op, const at::Tensor& query_we
 }
 
 size_t pool_smem_bytes(int64_t K, size_t acc_size) { return K * (acc_size + sizeof(int)); }
-
-bool try_enable_smem(const void* kernel, size_t bytes) {
-  if (bytes <= 48 * 1024) return true;
-  int dev = 0, max_optin = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (bytes > static_cast<size_t>(max_optin)) return false;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(bytes)));
-  return true;
-}
 
 at::Tensor region_pool_cuda(const at::Tensor& attn, const at::Tensor& query_weights,
                             const at::Tensor& region_ids, int64_t num_regions,

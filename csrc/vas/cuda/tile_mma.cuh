@@ -38,6 +38,12 @@ struct Lane {
   }
   __device__ int row(int e) const { return 32 * wm + 16 * (e >> 4) + gq + 8 * ((e & 3) >> 1); }
   __device__ int col(int e) const { return 32 * wn + 8 * ((e >> 2) & 3) + 2 * tq + (e & 1); }
+  // A thread's elements cover 4 rows (row slot 2 mi + (q >> 1)) and 8 columns (column slot
+  // 2 ni + (q & 1)): the slot of element e, and the tile row / column of a slot.
+  __device__ static int row_slot(int e) { return (e >> 4) * 2 + ((e & 3) >> 1); }
+  __device__ static int col_slot(int e) { return ((e >> 2) & 3) * 2 + (e & 1); }
+  __device__ int slot_row(int r) const { return row((r >> 1) * 16 + (r & 1) * 2); }
+  __device__ int slot_col(int c) const { return col((c >> 1) * 4 + (c & 1)); }
 };
 
 __device__ inline void cp_async16(void* smem, const void* gmem) {

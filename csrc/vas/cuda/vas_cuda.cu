@@ -7,15 +7,16 @@
 //   [qk op: rows (grid: 64-row tiles x heads): the softmax statistics of q k^T per row.]
 //   2. pass (grid: tile pairs x heads): one block per pair of 64 x 64 tiles (I >= J). It
 //      forms G_IJ once on the tensor cores, reads A_IJ and A_JI (G is symmetric), or
-//      recomputes them from q and k, and accumulates per head: the KL terms, <A, G>,
-//      ||A||^2, the centred sum of squares, sum G^2, and the row / column sums of A and
-//      the row sums of G. The last block of a head to finish evaluates (d, c, r).
+//      recomputes them from q and k, and accumulates per head: the KL terms, <A, G>, the
+//      centred sum of squares (||A||^2 follows from it), sum G^2, and the row / column sums
+//      of A and the row sums of G. The last block of a head to finish evaluates (d, c, r).
 // Everything that needs a whole-head quantity before the pass is rewritten to need it
 // only after: ||S||, ||Sc|| and <Ac, Sc> from sum G^2 and G's row sums (adot_i = (G 1)_i/n,
 // the max row sum of S is (n + max_i (G 1)_i) / 2); the KL from sums whose head constants
 // (log of A's and S's max row sums) multiply out (see `Entry`).
 // Cross-block sums are float64 atomics, so results can differ between runs in the last
 // bits of float32.
+#include "common/cuda_launch.h"
 #include "common/cuda_reduce.cuh"
 #include "vas/cuda/tile_mma.cuh"
 #include "vas/vas_checks.h"
@@ -235,7 +236,7 @@ qk_rows_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __res
     #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int mi = r >> 1, hr = r & 1;
-      const int il = L.row(mi * 16 + hr * 2);
+      const int il = L.slot_row(r);
       const int64_t ia = s + i0 + il;
       float l[8];
       float tmax = -INFINITY;
@@ -265,7 +266,7 @@ qk_rows_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __res
   if (L.tq == 0)
     #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int il = L.row((r >> 1) * 16 + (r & 1) * 2);
+      const int il = L.slot_row(r);
       mz[(L.wn * kTile + il) * 2] = m[r];
       mz[(L.wn * kTile + il) * 2 + 1] = z[r];
     }
@@ -368,6 +369,11 @@ __device__ __forceinline__ void gram_tile(const Heads& P, int64_t bh, int64_t i0
   for (int e = 0; e < mma::kFrag; ++e) g[e] = hh[e] + x[e] * (1.0f / mma::kLoScale);
 }
 
+// The float constants the pass folds into its sums, which finalize must undo exactly: the
+// centring value 1/n and L0 = log2(n / 2) (see Sums).
+__device__ inline float centre_of(int64_t n) { return 1.0f / static_cast<float>(n); }
+__device__ inline float log2_half_n(int64_t n) { return __log2f(0.5f * static_cast<float>(n)); }
+
 // Per-thread partial sums of a tile pair, logarithms in base 2 (one MUFU.LG2 each). With
 // S = (g + 1) / 2, lS = log2 S - L0 (L0 = log2(n / 2), so that lS is close to log2 q =
 // log2 S - log2 mS) and lq = lS, or log2 eps where q is clipped (S <= 0), an entry a adds
@@ -410,7 +416,7 @@ __device__ __forceinline__ void accumulate(const float* g, const float* aij, con
 #pragma unroll
   for (int e = 0; e < mma::kFrag; ++e) {
     if (!kFull && (L.row(e) >= ni || L.col(e) >= nj)) continue;
-    const int ri = (e >> 4) * 2 + ((e & 3) >> 1), cj = ((e >> 2) & 3) * 2 + (e & 1);
+    const int ri = Lane::row_slot(e), cj = Lane::col_slot(e);
     const float S = (g[e] + 1.0f) * 0.5f;
     const bool sp = S > 0.0f;
     const float lS = __log2f(sp ? S : 1.0f) - L0;
@@ -448,7 +454,7 @@ struct Red {
 __device__ __forceinline__ void pass_epilogue(const Heads& P, int64_t bh, int64_t n, int64_t i0, int64_t j0,
                               bool pair, const float* g, const float* aij, const float* aji,
                               const Lane& L, Red red) {
-  const float xc = 1.0f / static_cast<float>(n), L0 = __log2f(0.5f * static_cast<float>(n));
+  const float xc = centre_of(n), L0 = log2_half_n(n);
   Sums m;
   float rI[3][4] = {}, cJ[3][8] = {};  // [A, A^T, G][slot]
   const int ni = static_cast<int>(min((int64_t)kTile, n - i0)), nj = static_cast<int>(min((int64_t)kTile, n - j0));
@@ -466,7 +472,7 @@ __device__ __forceinline__ void pass_epilogue(const Heads& P, int64_t bh, int64_
       float v = rI[k][r];
       v += __shfl_xor_sync(0xffffffffu, v, 1);
       v += __shfl_xor_sync(0xffffffffu, v, 2);
-      if (L.tq == 0) red.rowI[(k * 2 + L.wn) * kTile + L.row((r >> 1) * 16 + (r & 1) * 2)] = v;
+      if (L.tq == 0) red.rowI[(k * 2 + L.wn) * kTile + L.slot_row(r)] = v;
     }
     #pragma unroll
     for (int c = 0; c < 8; ++c) {
@@ -474,7 +480,7 @@ __device__ __forceinline__ void pass_epilogue(const Heads& P, int64_t bh, int64_
       v += __shfl_xor_sync(0xffffffffu, v, 4);
       v += __shfl_xor_sync(0xffffffffu, v, 8);
       v += __shfl_xor_sync(0xffffffffu, v, 16);
-      if (L.gq == 0) red.colJ[(k * 2 + L.wm) * kTile + L.col((c >> 1) * 4 + (c & 1))] = v;
+      if (L.gq == 0) red.colJ[(k * 2 + L.wm) * kTile + L.slot_col(c)] = v;
     }
   }
   float sc[kAccs] = {m.kA, m.sU, m.sneg, m.c1, m.n1, m.ag, m.ax2, m.g2};
@@ -515,7 +521,7 @@ __device__ __forceinline__ void pass_epilogue(const Heads& P, int64_t bh, int64_
 __device__ void finalize_head(const Heads& P, int64_t bh, int64_t n, float* out, double* red) {
   const int64_t T = P.T;
   const double nn = static_cast<double>(n);
-  const double x = static_cast<double>(1.0f / static_cast<float>(n));  // the xc of the pass
+  const double x = centre_of(n);
   double sA = 0, mA = 0, sG = 0, mG = -DBL_MAX, ra = 0, ca = 0, rr = 0, cc = 0, g1sq = 0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     const double r = __ldcg(P.rows + bh * T + i), c = __ldcg(P.cols + bh * T + i);
@@ -568,7 +574,7 @@ __device__ void finalize_head(const Heads& P, int64_t bh, int64_t n, float* out,
   const double a2 = fmax(0.0, ax2 + 2.0 * x * sA - nn * nn * x * x);  // sum (a - x + x)^2
   const double den = fmax(sqrt(a2) * sqrt(Snorm2), 1e-9);
   const double mAe = fmax(mA, 1e-12), mS = fmax(0.0, 0.5 * (nn + mG));
-  const double D = log(fmax(mS, 1e-12)) - ln2 * static_cast<double>(__log2f(0.5f * static_cast<float>(n)));
+  const double D = log(fmax(mS, 1e-12)) - ln2 * static_cast<double>(log2_half_n(n));
   const double kl = (kA + D * s1 - log(mAe) * sU) / mAe + static_cast<double>(kEps) * (c1 + D * n1);
   o[0] = static_cast<float>(num / den);
   o[1] = static_cast<float>(c);
@@ -730,8 +736,9 @@ qk_pass_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __res
 
 // ---- host side ------------------------------------------------------------------------------
 
+// What a Heads points into: contiguous lengths / offsets and the scratch buffers.
 struct Scratch {
-  at::Tensor v, f32, f64, i32;
+  at::Tensor len, off, v, f32, f64, i32;
 };
 
 Heads make_heads(int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Tensor& lengths,
@@ -745,8 +752,12 @@ Heads make_heads(int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Tensor& 
   P.T64 = (T + kTile - 1) / kTile * kTile;
   P.Dh16 = (Dh + 15) / 16 * 16;
   const int64_t BH = B * H;
-  P.len = lengths.data_ptr<int64_t>();
-  P.off = (offsets.has_value() && offsets->defined()) ? offsets->data_ptr<int64_t>() : nullptr;
+  sc.len = lengths.contiguous();
+  P.len = sc.len.data_ptr<int64_t>();
+  if (offsets.has_value() && offsets->defined()) {
+    sc.off = offsets->contiguous();
+    P.off = sc.off.data_ptr<int64_t>();
+  }
   if (Dh <= kExactDh) {
     sc.v = at::empty({BH, P.T64, 16}, opts.dtype(at::kFloat));
     P.vf = sc.v.data_ptr<float>();
@@ -790,8 +801,9 @@ std::vector<int64_t> check_windows_on_host(const char* op, const at::Tensor& len
 
 template <typename K>
 void set_smem(K kernel, size_t bytes) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(bytes)));
+  TORCH_CHECK(cuda_launch::try_enable_smem(reinterpret_cast<const void*>(kernel), bytes),
+              "headscope::vas: a CUDA kernel needs ", bytes,
+              " bytes of shared memory per block, more than this GPU allows");
 }
 
 void launch_prep(const Heads& P, const at::Tensor& hw, cudaStream_t stream) {
@@ -824,11 +836,8 @@ at::Tensor vas_head_stats_cuda(const at::Tensor& attn, const at::Tensor& head_wr
   at::Tensor out = at::empty({B, H, 3}, attn.options().dtype(at::kFloat));
   if (B == 0 || H == 0) return out;
   const auto starts = check_windows_on_host(op, lengths, offsets, T);
-  const auto len = lengths.contiguous();
-  const auto off = (offsets.has_value() && offsets->defined())
-                       ? std::optional<at::Tensor>(offsets->contiguous()) : std::nullopt;
   Scratch sc;
-  const Heads P = make_heads(B, H, T, Dh, len, off, false, sc, attn.options());
+  const Heads P = make_heads(B, H, T, Dh, lengths, offsets, false, sc, attn.options());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   launch_prep(P, head_writes, stream);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_pass", [&] {
@@ -867,11 +876,8 @@ at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   const auto common = c10::promoteTypes(q_in.scalar_type(), k_in.scalar_type());
   const at::Tensor q = q_in.scalar_type() == common ? q_in : q_in.to(common);
   const at::Tensor k = k_in.scalar_type() == common ? k_in : k_in.to(common);
-  const auto len = lengths.contiguous();
-  const auto off = (offsets.has_value() && offsets->defined())
-                       ? std::optional<at::Tensor>(offsets->contiguous()) : std::nullopt;
   Scratch sc;
-  const Heads P = make_heads(B, H, T, Dh, len, off, true, sc, q.options());
+  const Heads P = make_heads(B, H, T, Dh, lengths, offsets, true, sc, q.options());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const float fscale = static_cast<float>(scale);
   launch_prep(P, head_writes, stream);
