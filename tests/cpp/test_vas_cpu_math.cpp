@@ -1,4 +1,4 @@
-// The vectorised helpers of the vas CPU kernels: the division-free log, the 8 x 8
+// The vectorised helpers of the vas CPU kernels: the division-free log2, the 8 x 8
 // register transpose and the strided transpose built on it.
 #include "vas/cpu/vas_cpu_math.h"
 
@@ -13,7 +13,7 @@ namespace {
 
 using headscope::vas::cpu::f8;
 
-TEST(VasCpuMath, LogWithinAnUlpOverTheClippedRange) {
+TEST(VasCpuMath, Log2WithinItsBoundOverTheClippedRange) {
   // the kernels take logs of p / q with p, q in [1e-12, ~1]: ratios in [1e-12, 1e12]
   std::mt19937 gen(7);
   std::uniform_real_distribution<float> expo(-40.0f, 40.0f);
@@ -23,9 +23,12 @@ TEST(VasCpuMath, LogWithinAnUlpOverTheClippedRange) {
     for (int k = 0; k < 8; ++k) x[k] = std::exp2(expo(gen));
     if (n == 0)
       for (int k = 0; k < 8; ++k) x[k] = 1.0f + static_cast<float>(k - 4) * 1.2e-7f;  // near 1
-    const f8 y = headscope::vas::cpu::log8_pos(x);
+    if (n == 1 || n == 2)  // either side of the table's interval edges, where the worst cases lie
+      for (int k = 0; k < 8; ++k)
+        x[k] = std::nextafter(std::sqrt(0.5f) * (1.0f + k / 8.0f), n == 1 ? 0.0f : 2.0f);
+    const f8 y = headscope::vas::cpu::log2_8_pos(x);
     for (int k = 0; k < 8; ++k) {
-      const double truth = std::log(static_cast<double>(x[k]));
+      const double truth = std::log2(static_cast<double>(x[k]));
       if (truth == 0.0) {
         EXPECT_EQ(y[k], 0.0f);
         continue;
@@ -35,7 +38,7 @@ TEST(VasCpuMath, LogWithinAnUlpOverTheClippedRange) {
       worst_ulp = std::max(worst_ulp, std::fabs(y[k] - truth) / ulp);
     }
   }
-  EXPECT_LT(worst_ulp, 1.0);
+  EXPECT_LT(worst_ulp, 2.5);  // the documented bound (an exhaustive sweep finds 2.47)
 }
 
 TEST(VasCpuMath, TransposeMatchesScalarForEveryEdgeShape) {

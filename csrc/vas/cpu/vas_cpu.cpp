@@ -15,6 +15,10 @@
 #include "vas/cpu/vas_cpu_math.h"
 #include "vas/vas_checks.h"
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,10 +38,10 @@ namespace {
 
 using cpu::f8;
 using cpu::gemm_nn;
-using cpu::log8_pos;
+using cpu::log2_8_pos;
 
 constexpr int64_t TB = 128;  // tile edge
-constexpr float kClip = 1e-12f;
+constexpr double kClip = 1e-12;
 
 // A strided 4-d tensor of any supported dtype, read as float.
 template <typename T>
@@ -60,28 +64,50 @@ inline void load(float* dst, const T* src, int64_t n, int64_t stride) {
   }
 }
 
-// Sum and sum of absolute values of a float row (8 lanes: vectorisable without
-// reassociation). The second is finite iff every entry is, and > 0 iff one is nonzero.
-inline void sum_abssum(const float* x, int64_t n, double& sum, double& abssum) {
-  cpu::f8 s = {}, q = {};
+// Loads lanes [0, n) of a row (the rest 0).
+inline f8 load_part(const float* p, int64_t n) {
+  f8 v = {};
+  if (n >= 8) {
+    std::memcpy(&v, p, sizeof v);
+  } else {
+    for (int64_t k = 0; k < n; ++k) v[k] = p[k];
+  }
+  return v;
+}
+
+// Whether one of 8 floats is nonzero (or NaN).
+inline bool any_nonzero(f8 v) {
+  const auto nz = v != 0.0f;
+#if defined(__AVX__)
+  return _mm256_movemask_ps(reinterpret_cast<__m256>(nz)) != 0;
+#else
+  for (int k = 0; k < 8; ++k)
+    if (nz[k]) return true;
+  return false;
+#endif
+}
+
+// The sum of a row piece of n <= 256 floats (two chains of 8 float lanes, then double),
+// and in `groups` bit g set when columns [8 g, 8 g + 8) hold a nonzero (or NaN).
+inline double piece_sum(const float* x, int64_t n, uint32_t& groups) {
+  f8 s[2] = {};
+  uint32_t mask = 0;
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
-    cpu::f8 v;
+    f8 v;
     std::memcpy(&v, x + j, sizeof v);
-    s += v;
-    q += v < 0.0f ? -v : v;
+    s[(j / 8) & 1] += v;
+    mask |= static_cast<uint32_t>(any_nonzero(v)) << (j / 8);
   }
-  double ds = 0, dq = 0;
-  for (; j < n; ++j) {
-    ds += x[j];
-    dq += std::fabs(x[j]);
+  double d = 0;
+  if (j < n) {
+    const f8 v = load_part(x + j, n - j);
+    for (int64_t k = 0; k < n - j; ++k) d += v[k];
+    mask |= static_cast<uint32_t>(any_nonzero(v)) << (j / 8);
   }
-  for (int k = 0; k < 8; ++k) {
-    ds += s[k];
-    dq += q[k];
-  }
-  sum = ds;
-  abssum = dq;
+  for (int k = 0; k < 8; ++k) d += s[0][k] + s[1][k];
+  groups = mask;
+  return d;
 }
 
 // NumPy's pairwise summation of float32 values (what np.linalg.norm uses): the seed's row
@@ -144,22 +170,30 @@ inline f8 lane_mask(int64_t n) {
   return m;
 }
 
-// Loads lanes [0, n) of a row (the rest 0).
-inline f8 load_part(const float* p, int64_t n) {
-  f8 v = {};
-  if (n >= 8) {
-    std::memcpy(&v, p, sizeof v);
-  } else {
-    for (int64_t k = 0; k < n; ++k) v[k] = p[k];
-  }
-  return v;
+// The centred sum of squares of a block of zeros in A (rows x cols, row centres x). Zero
+// blocks are skipped: their KL terms, p log(p / q) with p at the clip, are under 3e-11 each
+// and left out (see vas.h), and no other sum sees them.
+inline double zeros_ax2(const float* x, int64_t rows, int64_t cols) {
+  double sx2 = 0;
+  for (int64_t r = 0; r < rows; ++r) sx2 += static_cast<double>(x[r]) * x[r];
+  return sx2 * static_cast<double>(cols);
 }
+
+// Where A may be nonzero: for one 8-row block of the window, the 8-column groups from lo to
+// hi (none when lo > hi). Blocks outside are skipped (see vas.h on zero tiles).
+struct Extent {
+  int32_t lo, hi;
+  bool hits(int64_t g) const { return lo <= g && g <= hi; }
+  bool hits(int64_t g0, int64_t g1) const { return lo <= g1 && g0 <= hi; }  // groups [g0, g1]
+};
 
 // Everything phase 2 needs from A, over one tile pair: the row KL and <A, G>, with the
 // value Gram G = Vn_I Vn_J^T formed a panel of rows at a time in L1 and never stored whole
 // (each 8 x 8 block serves A_IJ's block and, through an in-register transpose, A_JI's: G
 // is symmetric), the centred sum of squares sum (a - x_row)^2 and the column sums. p and q
-// are the seed's clipped, max-row-sum-normalised entries, q = max((g + 1) / 2 / mS, clip).
+// are the seed's clipped, max-row-sum-normalised entries, q = max((g + 1) / 2 / mS, clip);
+// the KL is summed as mA p log2(p / q) (mA p = max(a, mA clip), mA q = max((g + 1) h, mA clip)
+// with h = mA / (2 mS): no product per entry for the normalisation), scaled by ln 2 / mA later.
 struct PairArgs {
   const float* vi;   // Vn rows of I (row stride dh), readable zeros up to a multiple of 8
   const float* vtj;  // Vn^T columns of J (row stride ldv), the same
@@ -170,7 +204,10 @@ struct PairArgs {
   int64_t lji;
   int64_t ni, nj;
   bool diag;  // I == J: blocks on or below the diagonal, the diagonal block once
-  float inv_mA, inv_mS;
+  const Extent* ei;  // the nonzero column groups of I's and J's 8-row blocks
+  const Extent* ej;
+  int64_t gi0, gj0;  // the first column group of I and of J
+  float clip_mA, h;  // mA * 1e-12, mA / (2 mS)
   const float *xi, *xj;  // row centres of I and J
   double *ci, *cj;       // column sums of I's and J's columns
 };
@@ -189,17 +226,18 @@ inline f8 max8(f8 a, f8 b) {
 
 // The running sums of kl_pair over one 8-row strip, in float lanes.
 struct StripSums {
-  f8 clip, inv_mA, hs;  // 1e-12, 1 / mA, 1 / (2 mS)
+  f8 clip_mA, h;  // mA * 1e-12, mA / (2 mS)
   f8 kl = {}, ag = {}, ax2 = {};
+  double ax2_zero = 0;  // the centred sum of squares over blocks where A is zero
 
   // One row piece of A against its G values. kMasked (a tile's edge): keep is 1 in the
   // lanes inside the tile (A is 0 and G finite outside), which alone count in the KL and
   // the centred sum.
   template <bool kMasked>
   void entry(f8 av, f8 gv, float x, f8 keep) {
-    const f8 p = max8(av * inv_mA, clip);
-    const f8 q = max8(gv * hs + hs, clip);
-    const f8 t = p * log8_pos(p / q);
+    const f8 p = max8(av, clip_mA);          // mA p
+    const f8 q = max8(gv * h + h, clip_mA);  // mA q
+    const f8 t = p * log2_8_pos(p / q);
     f8 d = av - x;
     if constexpr (kMasked) {
       d *= keep;
@@ -210,30 +248,37 @@ struct StripSums {
     ag += av * gv;
     ax2 += d * d;
   }
+
+  void zero_block(const float* x, int64_t rows, int64_t cols) { ax2_zero += zeros_ax2(x, rows, cols); }
 };
 
 // One 8 x 8 Gram block (rows ib.., columns jb.. of the pair; g: its rows, stride TB)
-// against A_IJ's block and, when `upper`, A_JI's (through the block transposed in registers).
+// against A_IJ's block when `live_ij` and A_JI's when `live_ji` (through the block
+// transposed in registers); a block that is not live is zero.
 // kFull: a whole 8 x 8 block (no edge): plain loads, no masks.
 template <bool kFull>
 inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, int64_t rows,
-                   int64_t cols, bool upper, StripSums& st, f8& col_i) {
-  const f8 keep_cols = kFull ? f8{} : lane_mask(cols);
-  f8 col_j = {};
-  for (int64_t r = 0; r < (kFull ? 8 : rows); ++r) {
-    const float* ar = a.aij + (ib + r) * a.lij + jb;
-    f8 av, gv;
-    if constexpr (kFull) {
-      std::memcpy(&av, ar, sizeof av);
-    } else {
-      av = load_part(ar, cols);
+                   int64_t cols, bool live_ij, bool live_ji, StripSums& st, f8& col_i) {
+  if (live_ij) {
+    const f8 keep_cols = kFull ? f8{} : lane_mask(cols);
+    f8 col_j = {};
+    for (int64_t r = 0; r < (kFull ? 8 : rows); ++r) {
+      const float* ar = a.aij + (ib + r) * a.lij + jb;
+      f8 av, gv;
+      if constexpr (kFull) {
+        std::memcpy(&av, ar, sizeof av);
+      } else {
+        av = load_part(ar, cols);
+      }
+      std::memcpy(&gv, g + r * TB, sizeof gv);
+      st.entry<!kFull>(av, gv, a.xi[ib + r], keep_cols);
+      col_j += av;
     }
-    std::memcpy(&gv, g + r * TB, sizeof gv);
-    st.entry<!kFull>(av, gv, a.xi[ib + r], keep_cols);
-    col_j += av;
+    for (int64_t k = 0; k < (kFull ? 8 : cols); ++k) a.cj[jb + k] += col_j[k];
+  } else {
+    st.zero_block(a.xi + ib, rows, cols);
   }
-  for (int64_t k = 0; k < (kFull ? 8 : cols); ++k) a.cj[jb + k] += col_j[k];
-  if (!upper) return;
+  if (!live_ji) return;
   const f8 keep_rows = kFull ? f8{} : lane_mask(rows);
   f8 gt[8];
   for (int r = 0; r < 8; ++r) std::memcpy(&gt[r], g + r * TB, sizeof(f8));
@@ -254,9 +299,8 @@ inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, in
 // gp: kPanel x TB floats of scratch for the Gram panel.
 void kl_pair(const PairArgs& a, float* gp, Acc& acc) {
   StripSums st;
-  st.clip = f8{} + kClip;
-  st.inv_mA = f8{} + a.inv_mA;
-  st.hs = f8{} + 0.5f * a.inv_mS;
+  st.clip_mA = f8{} + a.clip_mA;
+  st.h = f8{} + a.h;
   for (int64_t ib0 = 0; ib0 < a.ni; ib0 += kPanel) {
     // the Gram rows of this panel (rounded up to 8: Vn's padding rows give zeros) over the
     // columns it needs (rounded up to 8 the same way)
@@ -275,20 +319,26 @@ void kl_pair(const PairArgs& a, float* gp, Acc& acc) {
         for (int64_t c = 0; c < std::min(jend, a.nj); ++c)
           __builtin_prefetch(a.aji + c * a.lji + ib + 8, 0, 2);
       f8 col_i = {};  // column sums over the A_JI pieces, columns ib..
+      const Extent& ext_i = a.ei[ib / 8];
       for (int64_t jb = 0; jb < jend; jb += 8) {
         const int64_t cols = std::min<int64_t>(8, a.nj - jb);
+        const bool live_ij = ext_i.hits(a.gj0 + jb / 8);
+        // A_JI's block: when there is one, and not the diagonal block (A_IJ's, just seen)
         const bool upper = a.aji != nullptr && !(a.diag && jb == ib);
+        const bool live_ji = upper && a.ej[jb / 8].hits(a.gi0 + ib / 8);
         if (rows == 8 && cols == 8) {
-          block8<true>(a, g8 + jb, ib, jb, rows, cols, upper, st, col_i);
+          block8<true>(a, g8 + jb, ib, jb, rows, cols, live_ij, live_ji, st, col_i);
         } else {
-          block8<false>(a, g8 + jb, ib, jb, rows, cols, upper, st, col_i);
+          block8<false>(a, g8 + jb, ib, jb, rows, cols, live_ij, live_ji, st, col_i);
         }
+        if (upper && !live_ji) st.zero_block(a.xj + jb, cols, rows);
       }
       for (int64_t k = 0; k < rows; ++k) a.ci[ib + k] += col_i[k];
       acc.kl += hsum(st.kl);
       acc.ag += hsum(st.ag);
-      acc.ax2 += hsum(st.ax2);
+      acc.ax2 += hsum(st.ax2) + st.ax2_zero;
       st.kl = st.ag = st.ax2 = f8{};
+      st.ax2_zero = 0;
     }
   }
 }
@@ -315,7 +365,7 @@ struct Problem {
   std::vector<int64_t> n, s;  // per batch row: window length and start
   // per head
   std::vector<double> msq, Scc, Snorm2;
-  std::vector<float> inv_mS, inv_mA;
+  std::vector<double> mS, mA;  // the largest row sums of S and A (at least 1e-12)
   std::vector<uint8_t> bad;
   at::Tensor vn;      // float [slots, T8, Dh]: Vn of the window rows (zeros after them)
   at::Tensor vnt;     // float [slots, Dh, Tp]: the same, transposed
@@ -325,6 +375,7 @@ struct Problem {
   at::Tensor rowp;    // double [BH, P, T]
   at::Tensor colp;    // double [BH, P, T]
   at::Tensor chunkbad;  // uint8 [BH, P]
+  at::Tensor ext;       // int32 [BH, T8 / 8, 2]: Extent of each 8-row block of the window
   at::Tensor scratch;   // float [threads, per-thread]
   int64_t scratch_per_thread = 0;
 
@@ -338,6 +389,9 @@ struct Problem {
   }
   float* vnt_of(int64_t bh) {
     return vnt.data_ptr<float>() + (fused ? thread_slot() : bh) * Dh * Tp;
+  }
+  Extent* ext_of(int64_t bh) {
+    return reinterpret_cast<Extent*>(ext.data_ptr<int32_t>()) + bh * (T8 / 8);
   }
   float* thread_scratch() {
     return scratch.data_ptr<float>() + thread_slot() * scratch_per_thread;
@@ -375,8 +429,8 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
   P.msq.assign(P.BH, 0);
   P.Scc.assign(P.BH, 0);
   P.Snorm2.assign(P.BH, 0);
-  P.inv_mS.assign(P.BH, 0);
-  P.inv_mA.assign(P.BH, 0);
+  P.mS.assign(P.BH, 0);
+  P.mA.assign(P.BH, 0);
   P.bad.assign(P.BH, 0);
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
@@ -392,6 +446,15 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
   P.rowp = at::zeros({P.BH, P.P, T}, f64);
   P.colp = at::zeros({P.BH, P.P, T}, f64);
   P.chunkbad = at::zeros({P.BH, P.P}, at::TensorOptions().dtype(at::kByte));
+  P.ext = at::empty({P.BH, P.T8 / 8, 2}, at::TensorOptions().dtype(at::kInt));
+}
+
+// Whether tile (I, J) of a head's window may hold a nonzero of A.
+bool tile_live(const Extent* ext, int64_t I, int64_t J, int64_t n) {
+  const int64_t per = TB / 8, g0 = J * per;
+  for (int64_t k = I * per; k < std::min((I + 1) * per, (n + 7) / 8); ++k)
+    if (ext[k].hits(g0, g0 + per - 1)) return true;
+  return false;
 }
 
 void alloc_scratch(Problem& P, int64_t extra) {
@@ -489,7 +552,7 @@ void prepare_values(Problem& P, const at::Tensor& head_writes, const Range* only
       P.Scc[bh] = c2 / 4.0;
       const double vtv2 = c2 + 2.0 * nn * mcm + nn * nn * msq * msq;
       P.Snorm2[bh] = (vtv2 + 2.0 * usq + nn * nn) / 4.0;
-      P.inv_mS[bh] = static_cast<float>(1.0 / std::max(mS, 1e-12));
+      P.mS[bh] = std::max(mS, kClip);
     }
   });
 }
@@ -508,14 +571,14 @@ void finish_rows(Problem& P, const Range* only = nullptr) {
         mA = std::max(mA, r[i]);
         x[i] = centre(r[i], n);
       }
-      P.inv_mA[bh] = static_cast<float>(1.0 / std::max(mA, 1e-12));
+      P.mA[bh] = std::max(mA, kClip);
     }
   });
 }
 
 // Phase 2 driver: visits the lower-triangle tile pairs (I >= J) of each head, chunk p of
 // P taking every P-th pair. tile(bh, i0, ni, j0, nj, buf, lda) gives a pointer to A's tile
-// and its row stride, or nullptr when the tile is known to be zero.
+// and its row stride; it is called only for tiles the extents say may hold a nonzero.
 template <typename TileFn>
 void tiles_phase(Problem& P, TileFn&& tile, const Range* only = nullptr) {
   run_range(only, P.BH * P.P, 1, [&](int64_t begin, int64_t end) {
@@ -530,14 +593,10 @@ void tiles_phase(Problem& P, TileFn&& tile, const Range* only = nullptr) {
       const float* vnt = P.vnt_of(bh);
       const float* x = P.xcen.data_ptr<float>() + bh * P.T;
       double* cols = P.colp.data_ptr<double>() + (bh * P.P + p) * P.T;
+      const Extent* ext = P.ext_of(bh);
+      const float clip_mA = static_cast<float>(kClip * P.mA[bh]);
+      const float h = static_cast<float>(P.mA[bh] / (2.0 * P.mS[bh]));
       Acc acc;
-      // A tile known to be zero: its KL terms are p log(p / q) with p at the clip, under
-      // 3e-11 each, left out (see vas.h); only the centred sum of squares needs it.
-      auto zero_tile = [&](int64_t i0, int64_t ni, int64_t nj) {
-        double sx2 = 0;
-        for (int64_t i = i0; i < i0 + ni; ++i) sx2 += static_cast<double>(x[i]) * x[i];
-        acc.ax2 += sx2 * static_cast<double>(nj);
-      };
       int64_t idx = -1;
       for (int64_t I = 0; I < nb; ++I) {
         for (int64_t J = 0; J <= I; ++J) {
@@ -545,19 +604,30 @@ void tiles_phase(Problem& P, TileFn&& tile, const Range* only = nullptr) {
           const int64_t i0 = I * TB, ni = std::min(TB, n - i0);
           const int64_t j0 = J * TB, nj = std::min(TB, n - j0);
           int64_t lij = 0, lji = 0;
-          const float* aij = tile(bh, i0, ni, j0, nj, buf_ij, lij);
+          const float* aij = nullptr;
+          if (tile_live(ext, I, J, n)) {
+            aij = tile(bh, i0, ni, j0, nj, buf_ij, lij);
+          } else {
+            acc.ax2 += zeros_ax2(x + i0, ni, nj);
+          }
           const float* aji = aij;
           lji = lij;
-          if (I != J) aji = tile(bh, j0, nj, i0, ni, buf_ji, lji);
-          if (aij == nullptr) zero_tile(i0, ni, nj);
-          if (I != J && aji == nullptr) zero_tile(j0, nj, ni);
-          const float inv_mA = P.inv_mA[bh], inv_mS = P.inv_mS[bh];
+          if (I != J) {
+            aji = nullptr;
+            if (tile_live(ext, J, I, n)) {
+              aji = tile(bh, j0, nj, i0, ni, buf_ji, lji);
+            } else {
+              acc.ax2 += zeros_ax2(x + j0, nj, ni);
+            }
+          }
           if (aij != nullptr) {
             kl_pair({vn + i0 * P.Dh, vnt + j0, P.Dh, P.Tp, aij, lij, aji, lji, ni, nj, I == J,
-                     inv_mA, inv_mS, x + i0, x + j0, cols + i0, cols + j0}, gp, acc);
+                     ext + i0 / 8, ext + j0 / 8, i0 / 8, j0 / 8, clip_mA, h, x + i0, x + j0,
+                     cols + i0, cols + j0}, gp, acc);
           } else if (aji != nullptr) {  // only A_JI: the pair seen from J
             kl_pair({vn + j0 * P.Dh, vnt + i0, P.Dh, P.Tp, aji, lji, nullptr, 0, nj, ni, false,
-                     inv_mA, inv_mS, x + j0, x + i0, cols + j0, cols + i0}, gp, acc);
+                     ext + j0 / 8, ext + i0 / 8, j0 / 8, i0 / 8, clip_mA, h, x + j0, x + i0,
+                     cols + j0, cols + i0}, gp, acc);
           }
         }
       }
@@ -622,7 +692,7 @@ void finalize_into(Problem& P, float* o, const Range* only = nullptr) {
       const double den = std::max(std::sqrt(a2) * std::sqrt(P.Snorm2[bh]), 1e-9);
       ob[0] = static_cast<float>(num / den);
       ob[1] = static_cast<float>(c);
-      ob[2] = static_cast<float>(kl / nn);
+      ob[2] = static_cast<float>(kl * std::log(2.0) / P.mA[bh] / nn);  // sums of mA p log2(p / q)
     }
   });
 }
@@ -636,8 +706,7 @@ at::Tensor finalize(Problem& P, const at::TensorOptions& out_opts) {
 // ---- vas_head_stats ------------------------------------------------------------------
 
 template <typename A_t>
-void attn_row_phase(Problem& P, const at::Tensor& attn, at::Tensor& nz,
-                    const Range* only = nullptr) {
+void attn_row_phase(Problem& P, const at::Tensor& attn, const Range* only = nullptr) {
   const auto A = in4<A_t>(attn);
   const int64_t s3 = attn.stride(3);
   const bool direct = std::is_same<A_t, float>::value && s3 == 1;
@@ -647,7 +716,7 @@ void attn_row_phase(Problem& P, const at::Tensor& attn, at::Tensor& nz,
       const int64_t bh = task / P.P, p = task % P.P;
       if (P.bad[bh]) continue;
       const int64_t b = bh / P.H, h = bh % P.H, n = P.n[b], s = P.s[b], nb = P.nb(bh);
-      uint8_t* flags = nz.data_ptr<uint8_t>() + bh * P.nb_max * P.nb_max;
+      Extent* ext = P.ext_of(bh);
       // chunk p's row sums go to rowp[bh, 0] (each row has one owner)
       double* rsum = P.rowp.data_ptr<double>() + bh * P.P * P.T;
       for (int64_t I = p; I < nb; I += P.P) {
@@ -658,20 +727,28 @@ void attn_row_phase(Problem& P, const at::Tensor& attn, at::Tensor& nz,
           } else {
             load(row, A.at(b, h, s + i) + s * s3, n, s3);
           }
-          double sum = 0, sumsq = 0;
+          double sum = 0;
+          int64_t first = -1, last = -1;  // the first and last 8-column group holding a nonzero
           for (int64_t J = 0; J < nb; ++J) {
-            const int64_t j0 = J * TB, nj = std::min(TB, n - j0);
-            double bs, bq;
-            sum_abssum(a + j0, nj, bs, bq);
-            sum += bs;
-            sumsq += bq;
-            flags[I * P.nb_max + J] |= bq > 0.0;  // some entry is nonzero (or not finite)
+            const int64_t j0 = J * TB;
+            uint32_t groups;
+            sum += piece_sum(a + j0, std::min(TB, n - j0), groups);
+            if (groups != 0) {
+              if (first < 0) first = j0 / 8 + __builtin_ctz(groups);
+              last = j0 / 8 + 31 - __builtin_clz(groups);
+            }
           }
-          if (!std::isfinite(sumsq)) {
+          if (!std::isfinite(sum)) {  // a NaN or an infinity (|a| < 1e19 never overflows)
             P.chunkbad.data_ptr<uint8_t>()[bh * P.P + p] = 1;
             break;
           }
           rsum[i] = sum;
+          Extent& e = ext[i / 8];
+          if (i % 8 == 0) e = {std::numeric_limits<int32_t>::max(), -1};
+          if (first >= 0) {
+            e.lo = std::min(e.lo, static_cast<int32_t>(first));
+            e.hi = std::max(e.hi, static_cast<int32_t>(last));
+          }
         }
       }
     }
@@ -679,16 +756,13 @@ void attn_row_phase(Problem& P, const at::Tensor& attn, at::Tensor& nz,
 }
 
 template <typename A_t>
-void attn_tiles_phase(Problem& P, const at::Tensor& attn, const at::Tensor& nz,
-                      const Range* only = nullptr) {
+void attn_tiles_phase(Problem& P, const at::Tensor& attn, const Range* only = nullptr) {
   const auto A = in4<A_t>(attn);
   const int64_t s3 = attn.stride(3);
   const bool direct = std::is_same<A_t, float>::value && s3 == 1;
   tiles_phase(P, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0,
                                                 int64_t nj, float* buf,
                                                 int64_t& lda) -> const float* {
-    const uint8_t* flags = nz.data_ptr<uint8_t>() + bh * P.nb_max * P.nb_max;
-    if (!flags[(i0 / TB) * P.nb_max + j0 / TB]) return nullptr;
     const int64_t b = bh / P.H, h = bh % P.H, s = P.s[b];
     if (direct) {
       lda = A.s2;
@@ -709,7 +783,6 @@ at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_wri
   Problem P;
   setup(P, B, H, T, Dh, lengths, offsets, op, /*whole_heads=*/true);
   alloc_scratch(P, 0);
-  at::Tensor nz = at::zeros({P.BH, P.nb_max, P.nb_max}, at::TensorOptions().dtype(at::kByte));
   if (P.fused) {
     // every head in one task: one parallel region, each thread taking whole heads through
     // all phases one head at a time (so that the second pass over A finds it in cache)
@@ -721,9 +794,9 @@ at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_wri
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(),
                                         "vas_v", [&] { prepare_values<scalar_t>(P, head_writes, &r); });
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_a", [&] {
-          attn_row_phase<scalar_t>(P, attn, nz, &r);
+          attn_row_phase<scalar_t>(P, attn, &r);
           finish_rows(P, &r);
-          attn_tiles_phase<scalar_t>(P, attn, nz, &r);
+          attn_tiles_phase<scalar_t>(P, attn, &r);
         });
         finalize_into(P, o, &r);
       }
@@ -733,9 +806,9 @@ at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_wri
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(), "vas_v",
                                   [&] { prepare_values<scalar_t>(P, head_writes); });
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_a", [&] {
-    attn_row_phase<scalar_t>(P, attn, nz);
+    attn_row_phase<scalar_t>(P, attn);
     finish_rows(P);
-    attn_tiles_phase<scalar_t>(P, attn, nz);
+    attn_tiles_phase<scalar_t>(P, attn);
   });
   return finalize(P, attn.options());
 }
@@ -851,11 +924,20 @@ void qk_row_phase(Problem& P, QK& Q) {
   });
 }
 
+// Where the recomputed A may be nonzero: everywhere, or on and below the diagonal if causal.
+void qk_extents(Problem& P, const QK& Q) {
+  for (int64_t bh = 0; bh < P.BH; ++bh) {
+    const int64_t groups = (P.n[bh / P.H] + 7) / 8;
+    Extent* ext = P.ext_of(bh);
+    for (int64_t k = 0; k < groups; ++k)
+      ext[k] = {0, static_cast<int32_t>(Q.causal ? k : groups - 1)};
+  }
+}
+
 void qk_tiles_phase(Problem& P, QK& Q) {
   tiles_phase(P, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0,
                                                int64_t nj, float* buf,
                                                int64_t& lda) -> const float* {
-    if (Q.causal && j0 > i0 + ni - 1) return nullptr;  // strictly above the diagonal
     const int64_t s = P.s[bh / P.H];
     const float* qb = Q.q.data_ptr<float>() + bh * P.T * Q.D;
     const float* kb = key_rows(P, Q, bh);
@@ -905,6 +987,7 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
   });
   qk_row_phase(P, Q);
   finish_rows(P);
+  qk_extents(P, Q);
   qk_tiles_phase(P, Q);
   return finalize(P, q.options());
 }
