@@ -788,8 +788,11 @@ at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_wri
     // all phases one head at a time (so that the second pass over A finds it in cache)
     at::Tensor out = at::empty({B, H, 3}, attn.options().dtype(at::kFloat));
     float* o = out.data_ptr<float>();
-    at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) {
+    // heads are handed out one at a time as threads become free (windows differ in length,
+    // and a shared machine slows one core now and then)
+    std::atomic<int64_t> next_head{0};
+    at::parallel_for(0, P.nthreads, 1, [&](int64_t, int64_t) {
+      for (int64_t bh; (bh = next_head.fetch_add(1)) < P.BH;) {
         const Range r{bh, bh + 1};
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(),
                                         "vas_v", [&] { prepare_values<scalar_t>(P, head_writes, &r); });
