@@ -42,6 +42,7 @@ using cpu::log2_8_pos;
 
 constexpr int64_t TB = 128;  // tile edge
 constexpr double kClip = 1e-12;
+constexpr float kTiny = 1e-30f;  // a floor for A's entries in the KL: ratios stay normal
 
 // A strided 4-d tensor of any supported dtype, read as float.
 template <typename T>
@@ -147,7 +148,9 @@ inline double dot8(const float* x, const float* y, int64_t n) {
 }
 
 struct Acc {
-  double kl = 0, ag = 0, ax2 = 0;  // row KL, <A, G>, sum (a - x_row)^2
+  // sum a' log2(a' / q) and sum a' (the row KL's parts, see PairArgs), <A, G>,
+  // sum (a - x_row)^2
+  double kl = 0, ap = 0, ag = 0, ax2 = 0;
 };
 
 // 8-lane float sums to double, per row: the tiles' rows are short enough (<= TB) that the
@@ -192,8 +195,11 @@ struct Extent {
 // (each 8 x 8 block serves A_IJ's block and, through an in-register transpose, A_JI's: G
 // is symmetric), the centred sum of squares sum (a - x_row)^2 and the column sums. p and q
 // are the seed's clipped, max-row-sum-normalised entries, q = max((g + 1) / 2 / mS, clip);
-// the KL is summed as mA p log2(p / q) (mA p = max(a, mA clip), mA q = max((g + 1) h, mA clip)
-// with h = mA / (2 mS): no product per entry for the normalisation), scaled by ln 2 / mA later.
+// the KL is summed without A's normalisation mA (not known before every row is read):
+// with a' = max(a, 1e-30), sum_j a' log2(a' / q) and sum_j a', from which
+// sum_j p log(p / q) = (ln 2 sum a' log2(a' / q) - ln(mA) sum a') / mA for p = a' / mA. This
+// is the seed's p wherever a / mA >= 1e-12; below, where the seed clips p to 1e-12, both
+// terms are under 3e-11 (see vas.h).
 struct PairArgs {
   const float* vi;   // Vn rows of I (row stride dh), readable zeros up to a multiple of 8
   const float* vtj;  // Vn^T columns of J (row stride ldv), the same
@@ -207,7 +213,7 @@ struct PairArgs {
   const Extent* ei;  // the nonzero column groups of I's and J's 8-row blocks
   const Extent* ej;
   int64_t gi0, gj0;  // the first column group of I and of J
-  float clip_mA, h;  // mA * 1e-12, mA / (2 mS)
+  float hs;  // 1 / (2 mS)
   const float *xi, *xj;  // row centres of I and J
   double *ci, *cj;       // column sums of I's and J's columns
 };
@@ -226,8 +232,8 @@ inline f8 max8(f8 a, f8 b) {
 
 // The running sums of kl_pair over one 8-row strip, in float lanes.
 struct StripSums {
-  f8 clip_mA, h;  // mA * 1e-12, mA / (2 mS)
-  f8 kl = {}, ag = {}, ax2 = {};
+  f8 hs;  // 1 / (2 mS)
+  f8 kl = {}, ap = {}, ag = {}, ax2 = {};
   double ax2_zero = 0;  // the centred sum of squares over blocks where A is zero
 
   // One row piece of A against its G values. kMasked (a tile's edge): keep is 1 in the
@@ -235,15 +241,17 @@ struct StripSums {
   // the centred sum.
   template <bool kMasked>
   void entry(f8 av, f8 gv, float x, f8 keep) {
-    const f8 p = max8(av, clip_mA);          // mA p
-    const f8 q = max8(gv * h + h, clip_mA);  // mA q
-    const f8 t = p * log2_8_pos(p / q);
+    const f8 a1 = max8(av, f8{} + kTiny);                   // a'
+    const f8 q = max8(gv * hs + hs, f8{} + static_cast<float>(kClip));  // the seed's q
+    const f8 t = a1 * log2_8_pos(a1 / q);
     f8 d = av - x;
     if constexpr (kMasked) {
       d *= keep;
       kl += keep > f8{} ? t : f8{};
+      ap += a1 * keep;
     } else {
       kl += t;
+      ap += a1;
     }
     ag += av * gv;
     ax2 += d * d;
@@ -299,8 +307,7 @@ inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, in
 // gp: kPanel x TB floats of scratch for the Gram panel.
 void kl_pair(const PairArgs& a, float* gp, Acc& acc) {
   StripSums st;
-  st.clip_mA = f8{} + a.clip_mA;
-  st.h = f8{} + a.h;
+  st.hs = f8{} + a.hs;
   for (int64_t ib0 = 0; ib0 < a.ni; ib0 += kPanel) {
     // the Gram rows of this panel (rounded up to 8: Vn's padding rows give zeros) over the
     // columns it needs (rounded up to 8 the same way)
@@ -335,9 +342,10 @@ void kl_pair(const PairArgs& a, float* gp, Acc& acc) {
       }
       for (int64_t k = 0; k < rows; ++k) a.ci[ib + k] += col_i[k];
       acc.kl += hsum(st.kl);
+      acc.ap += hsum(st.ap);
       acc.ag += hsum(st.ag);
       acc.ax2 += hsum(st.ax2) + st.ax2_zero;
-      st.kl = st.ag = st.ax2 = f8{};
+      st.kl = st.ap = st.ag = st.ax2 = f8{};
       st.ax2_zero = 0;
     }
   }
@@ -365,13 +373,13 @@ struct Problem {
   std::vector<int64_t> n, s;  // per batch row: window length and start
   // per head
   std::vector<double> msq, Scc, Snorm2;
-  std::vector<double> mS, mA;  // the largest row sums of S and A (at least 1e-12)
+  std::vector<double> mS;  // the largest row sum of S (at least 1e-12)
   std::vector<uint8_t> bad;
   at::Tensor vn;      // float [slots, T8, Dh]: Vn of the window rows (zeros after them)
   at::Tensor vnt;     // float [slots, Dh, Tp]: the same, transposed
   at::Tensor adot;    // double [BH, T]: m . Vn_i
   at::Tensor xcen;    // float [BH, T]: centring values (row sums / n)
-  at::Tensor part;    // double [BH, P, 3]: KL, <A, G>, centred sum of squares
+  at::Tensor part;    // double [BH, P, 4]: the KL's two sums, <A, G>, centred sum of squares
   at::Tensor rowp;    // double [BH, P, T]
   at::Tensor colp;    // double [BH, P, T]
   at::Tensor chunkbad;  // uint8 [BH, P]
@@ -430,7 +438,6 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
   P.Scc.assign(P.BH, 0);
   P.Snorm2.assign(P.BH, 0);
   P.mS.assign(P.BH, 0);
-  P.mA.assign(P.BH, 0);
   P.bad.assign(P.BH, 0);
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
@@ -442,7 +449,7 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
   P.vnt = at::empty({slots, Dh, P.Tp}, f32);
   P.adot = at::empty({P.BH, T}, f64);
   P.xcen = at::empty({P.BH, T}, f32);
-  P.part = at::zeros({P.BH, P.P, 3}, f64);
+  P.part = at::zeros({P.BH, P.P, 4}, f64);
   P.rowp = at::zeros({P.BH, P.P, T}, f64);
   P.colp = at::zeros({P.BH, P.P, T}, f64);
   P.chunkbad = at::zeros({P.BH, P.P}, at::TensorOptions().dtype(at::kByte));
@@ -557,7 +564,7 @@ void prepare_values(Problem& P, const at::Tensor& head_writes, const Range* only
   });
 }
 
-// After phase 1 (row sums in rowp[:, 0]): 1 / max row sum and the centring values.
+// After phase 1 (row sums in rowp[:, 0]): the centring values, and which heads are bad.
 void finish_rows(Problem& P, const Range* only = nullptr) {
   run_range(only, P.BH, 16, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -566,12 +573,7 @@ void finish_rows(Problem& P, const Range* only = nullptr) {
       for (int64_t p = 0; p < P.P; ++p) P.bad[bh] |= cb[p];
       const double* r = P.rowp.data_ptr<double>() + bh * P.P * P.T;
       float* x = P.xcen.data_ptr<float>() + bh * P.T;
-      double mA = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        mA = std::max(mA, r[i]);
-        x[i] = centre(r[i], n);
-      }
-      P.mA[bh] = std::max(mA, kClip);
+      for (int64_t i = 0; i < n; ++i) x[i] = centre(r[i], n);
     }
   });
 }
@@ -594,8 +596,7 @@ void tiles_phase(Problem& P, TileFn&& tile, const Range* only = nullptr) {
       const float* x = P.xcen.data_ptr<float>() + bh * P.T;
       double* cols = P.colp.data_ptr<double>() + (bh * P.P + p) * P.T;
       const Extent* ext = P.ext_of(bh);
-      const float clip_mA = static_cast<float>(kClip * P.mA[bh]);
-      const float h = static_cast<float>(P.mA[bh] / (2.0 * P.mS[bh]));
+      const float hs = static_cast<float>(0.5 / P.mS[bh]);
       Acc acc;
       int64_t idx = -1;
       for (int64_t I = 0; I < nb; ++I) {
@@ -622,19 +623,20 @@ void tiles_phase(Problem& P, TileFn&& tile, const Range* only = nullptr) {
           }
           if (aij != nullptr) {
             kl_pair({vn + i0 * P.Dh, vnt + j0, P.Dh, P.Tp, aij, lij, aji, lji, ni, nj, I == J,
-                     ext + i0 / 8, ext + j0 / 8, i0 / 8, j0 / 8, clip_mA, h, x + i0, x + j0,
+                     ext + i0 / 8, ext + j0 / 8, i0 / 8, j0 / 8, hs, x + i0, x + j0,
                      cols + i0, cols + j0}, gp, acc);
           } else if (aji != nullptr) {  // only A_JI: the pair seen from J
             kl_pair({vn + j0 * P.Dh, vnt + i0, P.Dh, P.Tp, aji, lji, nullptr, 0, nj, ni, false,
-                     ext + j0 / 8, ext + i0 / 8, j0 / 8, i0 / 8, clip_mA, h, x + j0, x + i0,
+                     ext + j0 / 8, ext + i0 / 8, j0 / 8, i0 / 8, hs, x + j0, x + i0,
                      cols + j0, cols + i0}, gp, acc);
           }
         }
       }
-      double* pt = P.part.data_ptr<double>() + (bh * P.P + p) * 3;
+      double* pt = P.part.data_ptr<double>() + (bh * P.P + p) * 4;
       pt[0] = acc.kl;
-      pt[1] = acc.ag;
-      pt[2] = acc.ax2;
+      pt[1] = acc.ap;
+      pt[2] = acc.ag;
+      pt[3] = acc.ax2;
     }
   });
 }
@@ -650,19 +652,20 @@ void finalize_into(Problem& P, float* o, const Range* only = nullptr) {
       }
       const int64_t n = P.n[bh / P.H];
       const double nn = static_cast<double>(n);
-      const double* part = P.part.data_ptr<double>() + bh * P.P * 3;
+      const double* part = P.part.data_ptr<double>() + bh * P.P * 4;
       const double* rowp = P.rowp.data_ptr<double>() + bh * P.P * P.T;
       const double* colp = P.colp.data_ptr<double>() + bh * P.P * P.T;
       const double* adot = P.adot.data_ptr<double>() + bh * P.T;
       const float* x = P.xcen.data_ptr<float>() + bh * P.T;
-      double kl = 0, ag = 0, ax2 = 0;
+      double kl = 0, ap = 0, ag = 0, ax2 = 0;
       for (int64_t p = 0; p < P.P; ++p) {
-        kl += part[p * 3 + 0];
-        ag += part[p * 3 + 1];
-        ax2 += part[p * 3 + 2];
+        kl += part[p * 4 + 0];
+        ap += part[p * 4 + 1];
+        ag += part[p * 4 + 2];
+        ax2 += part[p * 4 + 3];
       }
       // ||A||^2 = sum_i (sum_j (a_ij - x_i)^2 + 2 x_i r_i - n x_i^2): positive terms only
-      double a2 = ax2, sA = 0, sx = 0, ra = 0, ca = 0, rr = 0, cc = 0;
+      double a2 = ax2, sA = 0, sx = 0, ra = 0, ca = 0, rr = 0, cc = 0, mA = 0;
       for (int64_t i = 0; i < n; ++i) sx += x[i];
       for (int64_t i = 0; i < n; ++i) {
         double r = 0, c = 0;
@@ -671,6 +674,7 @@ void finalize_into(Problem& P, float* o, const Range* only = nullptr) {
           c += colp[p * P.T + i];
         }
         sA += r;
+        mA = std::max(mA, r);
         a2 += (2.0 * r - nn * x[i]) * x[i];
         ra += r * adot[i];
         ca += c * adot[i];
@@ -692,7 +696,8 @@ void finalize_into(Problem& P, float* o, const Range* only = nullptr) {
       const double den = std::max(std::sqrt(a2) * std::sqrt(P.Snorm2[bh]), 1e-9);
       ob[0] = static_cast<float>(num / den);
       ob[1] = static_cast<float>(c);
-      ob[2] = static_cast<float>(kl * std::log(2.0) / P.mA[bh] / nn);  // sums of mA p log2(p / q)
+      mA = std::max(mA, kClip);  // the seed's max(max row sum, 1e-12)
+      ob[2] = static_cast<float>((std::log(2.0) * kl - std::log(mA) * ap) / mA / nn);
     }
   });
 }
