@@ -579,10 +579,12 @@ void finish_rows(Problem& P, const Range* only = nullptr) {
 }
 
 // Phase 2 driver: visits the lower-triangle tile pairs (I >= J) of each head, chunk p of
-// P taking every P-th pair. tile(bh, i0, ni, j0, nj, buf, lda) gives a pointer to A's tile
-// and its row stride; it is called only for tiles the extents say may hold a nonzero.
-template <typename TileFn>
-void tiles_phase(Problem& P, TileFn&& tile, const Range* only = nullptr) {
+// P taking every P-th pair. row_tile(bh, I) runs before tile row I's pairs (false: the head
+// holds a NaN or an infinity, and stops there). tile(bh, i0, ni, j0, nj, buf, lda) gives a
+// pointer to A's tile and its row stride; it is called only for tiles the extents say may
+// hold a nonzero.
+template <typename RowFn, typename TileFn>
+void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only = nullptr) {
   run_range(only, P.BH * P.P, 1, [&](int64_t begin, int64_t end) {
     float* buf_ij = P.thread_scratch();
     float* buf_ji = buf_ij + TB * TB;
@@ -600,6 +602,10 @@ void tiles_phase(Problem& P, TileFn&& tile, const Range* only = nullptr) {
       Acc acc;
       int64_t idx = -1;
       for (int64_t I = 0; I < nb; ++I) {
+        if (!row_tile(bh, I)) {
+          P.bad[bh] = 1;
+          break;
+        }
         for (int64_t J = 0; J <= I; ++J) {
           if (++idx % P.P != p) continue;
           const int64_t i0 = I * TB, ni = std::min(TB, n - i0);
@@ -710,62 +716,79 @@ at::Tensor finalize(Problem& P, const at::TensorOptions& out_opts) {
 
 // ---- vas_head_stats ------------------------------------------------------------------
 
+// Phase 1 of the attention op over tile row I of a head (rows [I TB, I TB + TB) of its
+// window): the rows' sums and centring values and the Extent of each 8-row block. False
+// when a row holds a NaN or an infinity. row: scratch for one converted row.
 template <typename A_t>
-void attn_row_phase(Problem& P, const at::Tensor& attn, const Range* only = nullptr) {
-  const auto A = in4<A_t>(attn);
-  const int64_t s3 = attn.stride(3);
+bool attn_row_tile(Problem& P, const In4<A_t>& A, int64_t s3, int64_t bh, int64_t I, float* row) {
   const bool direct = std::is_same<A_t, float>::value && s3 == 1;
-  run_range(only, P.BH * P.P, 1, [&](int64_t begin, int64_t end) {
+  const int64_t b = bh / P.H, h = bh % P.H, n = P.n[b], s = P.s[b], nb = P.nb(bh);
+  Extent* ext = P.ext_of(bh);
+  // each row has one owner: its sum goes to rowp[bh, 0]
+  double* rsum = P.rowp.data_ptr<double>() + bh * P.P * P.T;
+  float* x = P.xcen.data_ptr<float>() + bh * P.T;
+  for (int64_t i = I * TB; i < std::min(n, (I + 1) * TB); ++i) {
+    const float* a = row;
+    if (direct) {
+      a = reinterpret_cast<const float*>(A.at(b, h, s + i)) + s;
+    } else {
+      load(row, A.at(b, h, s + i) + s * s3, n, s3);
+    }
+    double sum = 0;
+    int64_t first = -1, last = -1;  // the first and last 8-column group holding a nonzero
+    for (int64_t J = 0; J < nb; ++J) {
+      const int64_t j0 = J * TB;
+      uint32_t groups;
+      sum += piece_sum(a + j0, std::min(TB, n - j0), groups);
+      if (groups != 0) {
+        if (first < 0) first = j0 / 8 + __builtin_ctz(groups);
+        last = j0 / 8 + 31 - __builtin_clz(groups);
+      }
+    }
+    if (!std::isfinite(sum)) return false;  // a NaN or an infinity (|a| < 1e19 never overflows)
+    rsum[i] = sum;
+    x[i] = centre(sum, n);
+    Extent& e = ext[i / 8];
+    if (i % 8 == 0) e = {std::numeric_limits<int32_t>::max(), -1};
+    if (first >= 0) {
+      e.lo = std::min(e.lo, static_cast<int32_t>(first));
+      e.hi = std::max(e.hi, static_cast<int32_t>(last));
+    }
+  }
+  return true;
+}
+
+// Phase 1 of the attention op for every head, chunk p taking every P-th tile row.
+template <typename A_t>
+void attn_row_phase(Problem& P, const at::Tensor& attn) {
+  const auto A = in4<A_t>(attn);
+  at::parallel_for(0, P.BH * P.P, 1, [&](int64_t begin, int64_t end) {
     float* row = P.thread_scratch() + 3 * TB * TB;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / P.P, p = task % P.P;
       if (P.bad[bh]) continue;
-      const int64_t b = bh / P.H, h = bh % P.H, n = P.n[b], s = P.s[b], nb = P.nb(bh);
-      Extent* ext = P.ext_of(bh);
-      // chunk p's row sums go to rowp[bh, 0] (each row has one owner)
-      double* rsum = P.rowp.data_ptr<double>() + bh * P.P * P.T;
-      for (int64_t I = p; I < nb; I += P.P) {
-        for (int64_t i = I * TB; i < std::min(n, (I + 1) * TB); ++i) {
-          const float* a = row;
-          if (direct) {
-            a = reinterpret_cast<const float*>(A.at(b, h, s + i)) + s;
-          } else {
-            load(row, A.at(b, h, s + i) + s * s3, n, s3);
-          }
-          double sum = 0;
-          int64_t first = -1, last = -1;  // the first and last 8-column group holding a nonzero
-          for (int64_t J = 0; J < nb; ++J) {
-            const int64_t j0 = J * TB;
-            uint32_t groups;
-            sum += piece_sum(a + j0, std::min(TB, n - j0), groups);
-            if (groups != 0) {
-              if (first < 0) first = j0 / 8 + __builtin_ctz(groups);
-              last = j0 / 8 + 31 - __builtin_clz(groups);
-            }
-          }
-          if (!std::isfinite(sum)) {  // a NaN or an infinity (|a| < 1e19 never overflows)
-            P.chunkbad.data_ptr<uint8_t>()[bh * P.P + p] = 1;
-            break;
-          }
-          rsum[i] = sum;
-          Extent& e = ext[i / 8];
-          if (i % 8 == 0) e = {std::numeric_limits<int32_t>::max(), -1};
-          if (first >= 0) {
-            e.lo = std::min(e.lo, static_cast<int32_t>(first));
-            e.hi = std::max(e.hi, static_cast<int32_t>(last));
-          }
+      for (int64_t I = p; I < P.nb(bh); I += P.P) {
+        if (!attn_row_tile(P, A, attn.stride(3), bh, I, row)) {
+          P.chunkbad.data_ptr<uint8_t>()[bh * P.P + p] = 1;
+          break;
         }
       }
     }
   });
 }
 
+// rows_too (one head, `only`): phase 1 of each tile row just before its pairs, while its
+// rows are in cache (the row KL's sums do not need the other rows first).
 template <typename A_t>
-void attn_tiles_phase(Problem& P, const at::Tensor& attn, const Range* only = nullptr) {
+void attn_tiles_phase(Problem& P, const at::Tensor& attn, const Range* only = nullptr,
+                      bool rows_too = false) {
   const auto A = in4<A_t>(attn);
   const int64_t s3 = attn.stride(3);
   const bool direct = std::is_same<A_t, float>::value && s3 == 1;
-  tiles_phase(P, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0,
+  auto row_tile = [&](int64_t bh, int64_t I) {
+    return !rows_too || attn_row_tile(P, A, s3, bh, I, P.thread_scratch() + 3 * TB * TB);
+  };
+  tiles_phase(P, row_tile, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0,
                                                 int64_t nj, float* buf,
                                                 int64_t& lda) -> const float* {
     const int64_t b = bh / P.H, h = bh % P.H, s = P.s[b];
@@ -790,7 +813,8 @@ at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_wri
   alloc_scratch(P, 0);
   if (P.fused) {
     // every head in one task: one parallel region, each thread taking whole heads through
-    // all phases one head at a time (so that the second pass over A finds it in cache)
+    // all phases one head at a time, each tile row of A read once from memory and again
+    // from cache for its tile pairs
     at::Tensor out = at::empty({B, H, 3}, attn.options().dtype(at::kFloat));
     float* o = out.data_ptr<float>();
     // heads are handed out one at a time as threads become free (windows differ in length,
@@ -802,9 +826,7 @@ at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_wri
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(),
                                         "vas_v", [&] { prepare_values<scalar_t>(P, head_writes, &r); });
         AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_a", [&] {
-          attn_row_phase<scalar_t>(P, attn, &r);
-          finish_rows(P, &r);
-          attn_tiles_phase<scalar_t>(P, attn, &r);
+          attn_tiles_phase<scalar_t>(P, attn, &r, /*rows_too=*/true);
         });
         finalize_into(P, o, &r);
       }
@@ -943,7 +965,8 @@ void qk_extents(Problem& P, const QK& Q) {
 }
 
 void qk_tiles_phase(Problem& P, QK& Q) {
-  tiles_phase(P, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0,
+  auto rows_known = [](int64_t, int64_t) { return true; };  // from qk_row_phase
+  tiles_phase(P, rows_known, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0,
                                                int64_t nj, float* buf,
                                                int64_t& lda) -> const float* {
     const int64_t s = P.s[bh / P.H];
