@@ -4,12 +4,13 @@
 // row-normalised head writes, G = Vn Vn^T, S = (G + 1) / 2, A the attention:
 //   ||S||^2, ||Sc||^2 and S's row sums come from u = sum_i Vn_i and C = W^T W (Dh x Dh),
 //   W = Vn - mean(Vn), so the value Gram is never formed whole;
-//   phase 1 takes A's row sums (and which TB x TB tiles are nonzero); phase 2 visits the
-//   tile pairs (I, J), (J, I) of A with the Gram formed a 24-row panel at a time, each
+//   phase 1 takes A's row sums and where its rows are nonzero (an Extent per 8 rows), one
+//   tile row at a time (in the fused path just before that row's pairs); phase 2 visits
+//   the tile pairs (I, J), (J, I) of A with the Gram formed a 24-row panel at a time, each
 //   8 x 8 Gram block serving both tiles (G is symmetric), and accumulates <A, G>, the
-//   centred sum of squares, the column sums and the row KL; ||A||^2 and ||Ac||^2 follow in
-//   float64. Tiles where A is all zero (causal masks) are skipped (their centring terms
-//   are added in closed form).
+//   centred sum of squares, the column sums and the row KL's sums; ||A||^2, ||Ac||^2 and
+//   the KL's normalisation follow in float64. Tiles and 8 x 8 blocks where A is all zero
+//   (causal masks) are skipped (their centring terms are added in closed form).
 // Extra memory: O(B H T) for row/column sums, O(slots T Dh) for Vn (a slot per thread when
 // threads take whole heads, else per head), O(threads (TB^2 + T Dh)) scratch.
 #include "vas/cpu/vas_cpu_math.h"
@@ -175,7 +176,7 @@ inline f8 lane_mask(int64_t n) {
 
 // The centred sum of squares of a block of zeros in A (rows x cols, row centres x). Zero
 // blocks are skipped: their KL terms, p log(p / q) with p at the clip, are under 3e-11 each
-// and left out (see vas.h), and no other sum sees them.
+// and left out (README.md, "Deliberate differences"), and no other sum sees them.
 inline double zeros_ax2(const float* x, int64_t rows, int64_t cols) {
   double sx2 = 0;
   for (int64_t r = 0; r < rows; ++r) sx2 += static_cast<double>(x[r]) * x[r];
@@ -183,7 +184,7 @@ inline double zeros_ax2(const float* x, int64_t rows, int64_t cols) {
 }
 
 // Where A may be nonzero: for one 8-row block of the window, the 8-column groups from lo to
-// hi (none when lo > hi). Blocks outside are skipped (see vas.h on zero tiles).
+// hi (none when lo > hi). Blocks outside are skipped (README.md, "Deliberate differences").
 struct Extent {
   int32_t lo, hi;
   bool hits(int64_t g) const { return lo <= g && g <= hi; }
@@ -199,7 +200,7 @@ struct Extent {
 // with a' = max(a, 1e-30), sum_j a' log2(a' / q) and sum_j a', from which
 // sum_j p log(p / q) = (ln 2 sum a' log2(a' / q) - ln(mA) sum a') / mA for p = a' / mA. This
 // is the seed's p wherever a / mA >= 1e-12; below, where the seed clips p to 1e-12, both
-// terms are under 3e-11 (see vas.h).
+// terms are under 3e-11 (README.md, "Deliberate differences").
 struct PairArgs {
   const float* vi;   // Vn rows of I (row stride dh), readable zeros up to a multiple of 8
   const float* vtj;  // Vn^T columns of J (row stride ldv), the same
