@@ -105,6 +105,39 @@ def test_features_match_seed(case, device):
     assert_close(feats, expected, what=f"features {case}")
 
 
+def sharp_case(causal):
+    """Entries the seed clips (a / max row sum < 1e-12), subnormal ones and exact zeros from
+    underflow, rows summing to 5 (so the max-row-sum normalisation matters); Dh = 2 puts
+    many q near their clip as well."""
+    gen = torch.Generator().manual_seed(11)
+    B, H, T, Dh = 2, 3, 300, 2
+    lengths = torch.tensor([300, 177])
+    A = make_attention(B, H, T, causal, gen, sharpness=30.0, lengths=lengths) * 5.0
+    V = torch.randn(B, H, T, Dh, generator=gen)
+    assert ((A > 0) & (A < 1e-12)).sum() > 1000
+    assert ((A > 0) & (A < torch.finfo(torch.float32).tiny)).any()
+    return A, V, lengths
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sharp_attention_with_clipped_and_subnormal_entries(causal, device):
+    # The kernels sum the KL before the max row sum mA is known and keep p = a / mA where
+    # the seed clips it (README, "Deliberate differences"): still within the tolerance of
+    # the reference, which clips like the seed.
+    A, V, lengths = sharp_case(causal)
+    out = headscope.vas_head_stats(A.to(device), V.to(device), lengths.to(device))
+    assert_close(out, ref.head_stats(A, V, lengths), what="sharp attention")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sharp_attention_features_match_seed(causal, device):
+    seed = load_seed("vas_reference")
+    A, V, lengths = sharp_case(causal)
+    mask = (torch.arange(A.shape[-1])[None, :] < lengths[:, None]).long()
+    feats, _ = headscope.vas_features([A.to(device)], [V.to(device)], mask.to(device))
+    assert_close(feats, seed_features(seed, [A], [V], mask)[0], what="sharp attention, seed")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_inputs_match_seed_on_upcast_values(dtype, device):
     # The op reads float16/bfloat16 and converts each value exactly to float32, the seed
