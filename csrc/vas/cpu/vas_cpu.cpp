@@ -369,8 +369,8 @@ void run_range(const Range* only, int64_t n, int64_t grain, const F& f) {
 
 // Everything one call needs, laid out once (scratch from ATen).
 struct Problem {
-  int64_t B, H, T, T8, Tp, Dh, BH, nb_max, P, nthreads;  // T8: T rounded up to 8,
-                                                           // Tp: Vn^T row stride (see setup)
+  int64_t B, H, T, T8, Tp, Dh, BH, P, nthreads;  // T8: T rounded up to 8,
+                                                  // Tp: Vn^T row stride (see setup)
   std::vector<int64_t> n, s;  // per batch row: window length and start
   // per head
   std::vector<double> msq, Scc, Snorm2;
@@ -431,8 +431,8 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
     P.n[b] = window_len(len.data_ptr<int64_t>()[b], T);
     P.s[b] = has_off ? window_start(off.data_ptr<int64_t>()[b], P.n[b], T) : 0;
   }
-  P.nb_max = (T + TB - 1) / TB;
-  const int64_t pairs_max = P.nb_max * (P.nb_max + 1) / 2;
+  const int64_t nb_max = (T + TB - 1) / TB;
+  const int64_t pairs_max = nb_max * (nb_max + 1) / 2;
   P.P = std::max<int64_t>(1, std::min<int64_t>(pairs_max, (2 * P.nthreads + P.BH - 1) /
                                                               std::max<int64_t>(P.BH, 1)));
   P.msq.assign(P.BH, 0);
@@ -565,18 +565,11 @@ void prepare_values(Problem& P, const at::Tensor& head_writes, const Range* only
   });
 }
 
-// After phase 1 (row sums in rowp[:, 0]): the centring values, and which heads are bad.
-void finish_rows(Problem& P, const Range* only = nullptr) {
-  run_range(only, P.BH, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t n = P.n[bh / P.H];
-      const uint8_t* cb = P.chunkbad.data_ptr<uint8_t>() + bh * P.P;
-      for (int64_t p = 0; p < P.P; ++p) P.bad[bh] |= cb[p];
-      const double* r = P.rowp.data_ptr<double>() + bh * P.P * P.T;
-      float* x = P.xcen.data_ptr<float>() + bh * P.T;
-      for (int64_t i = 0; i < n; ++i) x[i] = centre(r[i], n);
-    }
-  });
+// After phase 1 in chunks: a head is bad when one of its chunks met a NaN or an infinity.
+void merge_bad_chunks(Problem& P) {
+  const uint8_t* cb = P.chunkbad.data_ptr<uint8_t>();
+  for (int64_t bh = 0; bh < P.BH; ++bh)
+    for (int64_t p = 0; p < P.P; ++p) P.bad[bh] |= cb[bh * P.P + p];
 }
 
 // Phase 2 driver: visits the lower-triangle tile pairs (I >= J) of each head, chunk p of
@@ -838,7 +831,7 @@ at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_wri
                                   [&] { prepare_values<scalar_t>(P, head_writes); });
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_a", [&] {
     attn_row_phase<scalar_t>(P, attn);
-    finish_rows(P);
+    merge_bad_chunks(P);
     attn_tiles_phase<scalar_t>(P, attn);
   });
   return finalize(P, attn.options());
@@ -904,7 +897,7 @@ inline const float* key_rows(const Problem& P, const QK& Q, int64_t bh) {
 }
 
 // Phase 1 of the qk op: online softmax statistics of the window rows over all their keys,
-// and the row sums of A restricted to the window's columns.
+// and the row sums of A restricted to the window's columns, with the centring values.
 void qk_row_phase(Problem& P, QK& Q) {
   at::parallel_for(0, P.BH * P.P, 1, [&](int64_t begin, int64_t end) {
     float* L = P.thread_scratch();
@@ -917,6 +910,7 @@ void qk_row_phase(Problem& P, QK& Q) {
       float* M = Q.mrow.data_ptr<float>() + bh * P.T;
       float* IZ = Q.izrow.data_ptr<float>() + bh * P.T;
       double* rsum = P.rowp.data_ptr<double>() + bh * P.P * P.T;
+      float* x = P.xcen.data_ptr<float>() + bh * P.T;
       for (int64_t I = p; I < nb; I += P.P) {
         const int64_t i0 = I * TB, ni = std::min(TB, n - i0);
         const int64_t kend = Q.causal ? s + i0 + ni : P.T;
@@ -949,6 +943,7 @@ void qk_row_phase(Problem& P, QK& Q) {
           M[i0 + r] = Mx[r];
           IZ[i0 + r] = static_cast<float>(1.0 / Z[r]);
           rsum[i0 + r] = R[r] / Z[r];
+          x[i0 + r] = centre(rsum[i0 + r], n);
         }
       }
     }
@@ -1018,7 +1013,6 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
                                     [&] { qk_prepare<Q_t, scalar_t>(P, Q, q, k); });
   });
   qk_row_phase(P, Q);
-  finish_rows(P);
   qk_extents(P, Q);
   qk_tiles_phase(P, Q);
   return finalize(P, q.options());
