@@ -15,7 +15,7 @@ TORCH_LIBRARY(headscope, m) {
   m.def("vas_head_stats(Tensor attn, Tensor head_writes, Tensor lengths, Tensor? offsets=None)"
         " -> Tensor", pt2);
   m.def("vas_head_stats_qk(Tensor q, Tensor k, Tensor head_writes, Tensor lengths, float scale,"
-        " bool causal, Tensor? offsets=None) -> Tensor", pt2);
+        " bool causal, Tensor? offsets=None, Tensor? key_padding_mask=None) -> Tensor", pt2);
   m.def("vas_aggregate(Tensor head_stats) -> Tensor", pt2);
 
   // ---- attribution: vStream region pooling, linear head, correlations, regions ----

@@ -43,14 +43,16 @@ def vas_head_stats(attn: torch.Tensor, head_writes: torch.Tensor, lengths: torch
 
 def vas_head_stats_qk(q: torch.Tensor, k: torch.Tensor, head_writes: torch.Tensor,
                       lengths: torch.Tensor, scale: Optional[float] = None, causal: bool = True,
-                      offsets: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      offsets: Optional[torch.Tensor] = None,
+                      key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`vas_head_stats` of ``softmax(q k^T * scale + causal mask)``, recomputed tile by
     tile from q (B, H, T, D) and k (B, Hkv, T, D) (Hkv divides H). scale defaults to
-    ``D ** -0.5``."""
+    ``D ** -0.5``. ``key_padding_mask`` (B, T) bool, True = padding: those keys are left out
+    of the softmax, as the model's attention mask leaves them out."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return torch.ops.headscope.vas_head_stats_qk(q, k, head_writes, lengths, float(scale),
-                                                 bool(causal), offsets)
+                                                 bool(causal), offsets, key_padding_mask)
 
 
 def vas_aggregate(head_stats: torch.Tensor) -> torch.Tensor:
@@ -104,6 +106,9 @@ class VASAccumulator:
         # or with SDPA/flash layers (q (B, H, T, D), k (B, Hkv, T, D)):
         acc.update(l, (q, k), head_writes)           # causal, scale D ** -0.5 by default
         features = acc.features()                    # (B, 36)
+
+    With an ``attention_mask``, the ``(q, k)`` updates leave its padding keys (mask 0) out of
+    the softmax, as the model's attention did.
     """
 
     def __init__(self, num_layers: int, attention_mask: Optional[torch.Tensor] = None, *,
@@ -116,6 +121,8 @@ class VASAccumulator:
                 raise ValueError("headscope.VASAccumulator: give 'attention_mask' or 'lengths'")
             lengths, mask_offsets = lengths_and_offsets(attention_mask, left_padding)
             offsets = mask_offsets if offsets is None else offsets
+        padding = None if attention_mask is None else attention_mask == 0
+        self.key_padding_mask = padding if padding is not None and bool(padding.any()) else None
         self.num_layers = num_layers
         self.lengths = lengths.to(torch.int64)
         self.offsets = offsets
@@ -137,9 +144,10 @@ class VASAccumulator:
         offsets = None if self.offsets is None else self.offsets.to(device)
         if isinstance(attn, (tuple, list)):
             q, k = attn
+            kpm = None if self.key_padding_mask is None else self.key_padding_mask.to(device)
             stats = vas_head_stats_qk(q, k, head_writes, lengths,
                                       self.scale if scale is None else scale,
-                                      self.causal if causal is None else causal, offsets)
+                                      self.causal if causal is None else causal, offsets, kpm)
         else:
             stats = vas_head_stats(attn, head_writes, lengths, offsets)
         if self._stats is None:

@@ -18,11 +18,13 @@ at::Tensor vas_head_stats(const at::Tensor& attn, const at::Tensor& head_writes,
                           const std::optional<at::Tensor>& offsets = std::nullopt);
 
 // The same statistics with the attention recomputed tile by tile from q (B, H, T, D) and
-// k (B, Hkv, T, D): softmax(q k^T * scale + causal mask), never stored whole.
+// k (B, Hkv, T, D): softmax(q k^T * scale + causal mask), never stored whole. Keys where
+// the bool (B, T) `key_padding_mask` is true are left out of the softmax (padding).
 at::Tensor vas_head_stats_qk(const at::Tensor& q, const at::Tensor& k,
                              const at::Tensor& head_writes, const at::Tensor& lengths,
                              double scale, bool causal,
-                             const std::optional<at::Tensor>& offsets = std::nullopt);
+                             const std::optional<at::Tensor>& offsets = std::nullopt,
+                             const std::optional<at::Tensor>& key_padding_mask = std::nullopt);
 
 // (B, L, H, 3) per-layer per-head stats -> (B, 36) float32 features in the seed's column
 // order (per layer mean/std/max/min over heads, then mean/std/max over layers).

@@ -57,7 +57,8 @@ void check_head_stats_args(const at::Tensor& attn, const at::Tensor& head_writes
 
 void check_head_stats_qk_args(const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& head_writes, const at::Tensor& lengths,
-                              double scale, const std::optional<at::Tensor>& offsets) {
+                              double scale, const std::optional<at::Tensor>& offsets,
+                              const std::optional<at::Tensor>& key_padding_mask) {
   const char* op = "headscope::vas_head_stats_qk";
   check_dtype_in(op, "q", q, {kF32, kF16, kBF16});
   check_dim(op, "q", q, 4);
@@ -79,6 +80,14 @@ void check_head_stats_qk_args(const at::Tensor& q, const at::Tensor& k,
   HEADSCOPE_CHECK_ARG(std::isfinite(scale), op, "scale", "must be finite, got ", scale);
   check_head_writes(op, q, "q", head_writes);
   check_lengths_offsets(op, q, "q", lengths, offsets);
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    const auto& m = *key_padding_mask;
+    check_dtype_in(op, "key_padding_mask", m, {at::kBool});
+    check_dim(op, "key_padding_mask", m, 2);
+    check_same_device(op, "q", q, "key_padding_mask", m);
+    check_same_size(op, "q", q, 0, "key_padding_mask", m, 0);
+    check_same_size(op, "k", k, 2, "key_padding_mask", m, 1);
+  }
 }
 
 void check_aggregate_args(const at::Tensor& head_stats) {

@@ -14,7 +14,8 @@ void check_head_stats_args(const at::Tensor& attn, const at::Tensor& head_writes
                            const at::Tensor& lengths, const std::optional<at::Tensor>& offsets);
 void check_head_stats_qk_args(const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& head_writes, const at::Tensor& lengths,
-                              double scale, const std::optional<at::Tensor>& offsets);
+                              double scale, const std::optional<at::Tensor>& offsets,
+                              const std::optional<at::Tensor>& key_padding_mask);
 void check_aggregate_args(const at::Tensor& head_stats);
 
 // Values of lengths (and offsets): 0 <= lengths[b] <= T, 0 <= offsets[b],

@@ -356,6 +356,60 @@ def test_qk_with_offsets(device):
     assert_close(out, headscope.vas_head_stats(A, V, lengths, offsets), what="qk offsets")
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_qk_key_padding_mask_equals_masked_softmax(causal, device):
+    gen = torch.Generator().manual_seed(37)
+    B, H, Hkv, T, D, Dh = 4, 4, 2, 70, 8, 6
+    q = torch.randn(B, H, T, D, generator=gen)
+    k = torch.randn(B, Hkv, T, D, generator=gen)
+    V = torch.randn(B, H, T, Dh, generator=gen)
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[0, :12] = True    # left padding, window moved by offsets
+    pad[1, 50:] = True    # right padding
+    pad[2, ::7] = True    # holes inside the window
+    pad[3, :12] = True    # left padding read from position 0: rows 0-11 see no key (causal)
+    lengths = torch.tensor([T - 12, 50, T, T - 12])
+    offsets = torch.tensor([12, 0, 0, 0])
+    k[pad[:, None, :, None].expand_as(k)] = float("nan")  # padding keys are never read
+    A = ref.attention_from_qk(q, torch.nan_to_num(k), 0.4, causal, pad)
+    if causal:
+        assert (A[3, :, :12] == 0).all()
+    args = [t.to(device) for t in (q, k, V, lengths)]
+    out = headscope.vas_head_stats_qk(*args, 0.4, causal, offsets.to(device), pad.to(device))
+    assert torch.isfinite(out).all()
+    assert_close(out, headscope.vas_head_stats(A.to(device), V.to(device), lengths.to(device),
+                                               offsets.to(device)), what="qk key padding")
+    assert_close(out, ref.head_stats(A, V, lengths, offsets), what="qk key padding vs ref")
+
+
+def test_accumulator_left_padded_qk_equals_right_padded(device):
+    """A left-padded batch through the accumulator's (q, k) path gives the features of the
+    same sequences right-padded: the padding keys stay out of the softmax."""
+    gen = torch.Generator().manual_seed(41)
+    B, L, H, Hkv, T, D, Dh = 3, 2, 4, 2, 40, 8, 5
+    lens = [40, 27, 9]
+    right = [[torch.randn(B, h, T, d, generator=gen) for h, d in ((H, D), (Hkv, D), (H, Dh))]
+             for _ in range(L)]
+    left = []
+    for q, k, v in right:
+        moved = [torch.randn_like(t) * 100 for t in (q, k, v)]  # padding: large junk
+        for b, n in enumerate(lens):
+            for src, dst in zip((q, k, v), moved):
+                dst[b, :, T - n:] = src[b, :, :n]
+        left.append(moved)
+    mask_r = (torch.arange(T)[None, :] < torch.tensor(lens)[:, None]).long()
+    mask_l = mask_r.flip(-1)
+    acc_r = headscope.VASAccumulator(L, mask_r.to(device))
+    acc_l = headscope.VASAccumulator(L, mask_l.to(device), left_padding=True)
+    for layer in range(L):
+        q, k, v = (t.to(device) for t in right[layer])
+        acc_r.update(layer, (q, k), v)
+        q, k, v = (t.to(device) for t in left[layer])
+        acc_l.update(layer, (q, k), v)
+    assert_close(acc_l.head_stats, acc_r.head_stats, what="left vs right padded (qk)")
+    assert_close(acc_l.features(), acc_r.features(), what="left vs right padded features")
+
+
 # ---- NaN / Inf policy -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -438,6 +492,10 @@ def test_bad_qk_inputs():
         OPS.vas_head_stats_qk(q, k[:, :2], V, L, float("inf"), True)
     with pytest.raises(RuntimeError, match="argument 'head_writes'"):
         OPS.vas_head_stats_qk(q, k[:, :2], V[:, :3], L, 1.0, True)
+    for kpm in (torch.zeros(1, 6, dtype=torch.long), torch.zeros(1, 7, dtype=torch.bool),
+                torch.zeros(2, 6, dtype=torch.bool), torch.zeros(6, dtype=torch.bool)):
+        with pytest.raises(RuntimeError, match="argument 'key_padding_mask'"):
+            OPS.vas_head_stats_qk(q, k[:, :2], V, L, 1.0, True, None, kpm)
 
 
 def test_bad_aggregate_inputs():
@@ -505,6 +563,9 @@ def test_opcheck_every_op(device):
     torch.library.opcheck(OPS.vas_head_stats.default, (A, V, lengths, offsets))
     torch.library.opcheck(OPS.vas_head_stats_qk.default, (q, k, V, lengths, 0.5, True))
     torch.library.opcheck(OPS.vas_head_stats_qk.default, (q, k, V, lengths, 0.5, False, offsets))
+    kpm = torch.zeros(2, 9, dtype=torch.bool, device=device)
+    kpm[1, :3] = True
+    torch.library.opcheck(OPS.vas_head_stats_qk.default, (q, k, V, lengths, 0.5, True, offsets, kpm))
     torch.library.opcheck(OPS.vas_aggregate.default, (torch.rand(2, 3, 2, 3, device=device),))
 
 

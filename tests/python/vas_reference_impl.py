@@ -7,6 +7,8 @@ It adds the window options of the ops (``offsets`` for left padding).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 
@@ -66,8 +68,10 @@ def head_stats(attn: torch.Tensor, head_writes: torch.Tensor, lengths, offsets=N
     return out
 
 
-def attention_from_qk(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """softmax(q k^T * scale + causal mask) with grouped-query heads, float32."""
+def attention_from_qk(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
+                      key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """softmax(q k^T * scale + causal mask) with grouped-query heads, float32; keys where
+    the (B, T) key_padding_mask is True are left out (a row with no key left is zero)."""
     q, k = q.float(), k.float()
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, dim=1)
@@ -76,7 +80,10 @@ def attention_from_qk(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bo
         T = q.shape[2]
         mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
         logits = logits.masked_fill(mask, float("-inf"))
-    return torch.softmax(logits, dim=-1)
+    if key_padding_mask is not None:
+        logits = logits.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+    no_key = torch.isneginf(logits).all(-1, keepdim=True)
+    return torch.softmax(logits, dim=-1).masked_fill(no_key, 0.0)
 
 
 def aggregate(head_stats: np.ndarray) -> np.ndarray:

@@ -846,10 +846,22 @@ struct QK {
   at::Tensor mrow;  // float [BH, T]: softmax row maximum
   at::Tensor izrow; // float [BH, T]: 1 / softmax denominator
   std::vector<uint8_t> kbad;
+  // [B, T] with a key padding mask: 0 for a key in use, -inf for padding, added to the
+  // logits (padding keys are stored as zeros, so the sum stays -inf); empty without one
+  std::vector<float> kbias;
   int64_t Hkv = 1, D = 1;
   float scale = 1;
   bool causal = false;
   int64_t key_end(const Problem& P, int64_t b) const { return causal ? P.s[b] + P.n[b] : P.T; }
+  bool padded(int64_t b, int64_t j, int64_t T) const {
+    return !kbias.empty() && kbias[b * T + j] != 0.0f;
+  }
+  // Adds the padding bias of keys [j0, j0 + n) to a row of logits.
+  void mask_keys(float* l, int64_t b, int64_t j0, int64_t n, int64_t T) const {
+    if (kbias.empty()) return;
+    const float* kb = kbias.data() + b * T + j0;
+    for (int64_t c = 0; c < n; ++c) l[c] += kb[c];
+  }
 };
 
 template <typename Q_t, typename K_t>
@@ -875,6 +887,10 @@ void qk_prepare(Problem& P, QK& Q, const at::Tensor& q, const at::Tensor& k) {
         float* dst = Q.kt.data_ptr<float>() + bk * D * P.Tp;
         double sq = 0;
         for (int64_t j = 0; j < Q.key_end(P, b); ++j) {
+          if (Q.padded(b, j, P.T)) {  // never used: its values (maybe not finite) are not read
+            for (int64_t c = 0; c < D; ++c) dst[c * P.Tp + j] = 0.0f;
+            continue;
+          }
           load(row, ka.at(b, hk, j), D, ks);
           for (int64_t c = 0; c < D; ++c) {
             sq += static_cast<double>(row[c]) * row[c];
@@ -924,7 +940,9 @@ void qk_row_phase(Problem& P, QK& Q) {
             const int64_t lim = Q.causal ? std::min(nk, ia - k0 + 1) : nk;  // keys <= ia
             if (lim <= 0) continue;
             float* l = L + r * TB;
+            Q.mask_keys(l, b, k0, lim, P.T);
             const float mx = std::max(Mx[r], cpu::max_of(l, lim));
+            if (mx == -std::numeric_limits<float>::infinity()) continue;  // all keys padding
             if (mx > Mx[r]) {
               const double f = std::exp(static_cast<double>(Mx[r]) - mx);
               Z[r] *= f;
@@ -940,6 +958,13 @@ void qk_row_phase(Problem& P, QK& Q) {
           }
         }
         for (int64_t r = 0; r < ni; ++r) {
+          if (Z[r] == 0.0) {  // no key in use (all padding): a row of zeros
+            M[i0 + r] = 0.0f;
+            IZ[i0 + r] = 0.0f;
+            rsum[i0 + r] = 0.0;
+            x[i0 + r] = 0.0f;
+            continue;
+          }
           M[i0 + r] = Mx[r];
           IZ[i0 + r] = static_cast<float>(1.0 / Z[r]);
           rsum[i0 + r] = R[r] / Z[r];
@@ -965,7 +990,7 @@ void qk_tiles_phase(Problem& P, QK& Q) {
   tiles_phase(P, rows_known, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0,
                                                int64_t nj, float* buf,
                                                int64_t& lda) -> const float* {
-    const int64_t s = P.s[bh / P.H];
+    const int64_t b = bh / P.H, s = P.s[b];
     const float* qb = Q.q.data_ptr<float>() + bh * P.T * Q.D;
     const float* kb = key_rows(P, Q, bh);
     const float* M = Q.mrow.data_ptr<float>() + bh * P.T;
@@ -975,6 +1000,7 @@ void qk_tiles_phase(Problem& P, QK& Q) {
       float* l = buf + r * TB;
       const float m = M[i0 + r], iz = IZ[i0 + r];
       const int64_t lim = Q.causal ? std::max<int64_t>(0, std::min(nj, i0 + r - j0 + 1)) : nj;
+      Q.mask_keys(l, b, s + j0, lim, P.T);  // padding: exp(-inf) = 0 (all-padding rows: iz = 0)
       cpu::exp_shift_scale(l, l, lim, m, iz);
       for (int64_t c = lim; c < nj; ++c) l[c] = 0.0f;
     }
@@ -986,9 +1012,10 @@ void qk_tiles_phase(Problem& P, QK& Q) {
 at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& head_writes, const at::Tensor& lengths,
                                  double scale, bool causal,
-                                 const std::optional<at::Tensor>& offsets) {
+                                 const std::optional<at::Tensor>& offsets,
+                                 const std::optional<at::Tensor>& key_padding_mask) {
   const char* op = "headscope::vas_head_stats_qk";
-  check_head_stats_qk_args(q, k, head_writes, lengths, scale, offsets);
+  check_head_stats_qk_args(q, k, head_writes, lengths, scale, offsets, key_padding_mask);
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = head_writes.size(3);
   if (B == 0 || H == 0) return at::empty({B, H, 3}, q.options().dtype(at::kFloat));
   Problem P;
@@ -1005,6 +1032,13 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
   Q.mrow = at::empty({P.BH, T}, f32);
   Q.izrow = at::empty({P.BH, T}, f32);
   Q.kbad.assign(B * Q.Hkv, 0);
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    const auto m = key_padding_mask->contiguous();
+    const bool* mp = m.data_ptr<bool>();
+    Q.kbias.resize(B * T);
+    for (int64_t i = 0; i < B * T; ++i)
+      Q.kbias[i] = mp[i] ? -std::numeric_limits<float>::infinity() : 0.0f;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(), "vas_v",
                                   [&] { prepare_values<scalar_t>(P, head_writes); });
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "vas_q", [&] {

@@ -207,10 +207,17 @@ __device__ inline void merge_mz(float& m, float& z, float m2, float z2) {
   m = mm;
 }
 
+// Whether key `key` of batch row b is padding (kpm: the contiguous (B, T) key padding
+// mask, nullptr for none). Padding keys are left out of the softmax.
+__device__ inline bool key_padded(const bool* kpm, int64_t b, int64_t T, int64_t key) {
+  return kpm != nullptr && kpm[b * T + key];
+}
+
 template <typename Q_t>
 __global__ void __launch_bounds__(kThreads)
 qk_rows_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __restrict__ k,
-               Strides4 sk, int64_t Hkv, int64_t D, float scale, bool causal) {
+               Strides4 sk, int64_t Hkv, int64_t D, float scale, bool causal,
+               const bool* __restrict__ kpm) {
   extern __shared__ float4 smem_rows[];
   float* sx = reinterpret_cast<float*>(smem_rows);
   float* sy = sx + kTile * kXld;
@@ -244,7 +251,8 @@ qk_rows_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __res
       for (int t = 0; t < 8; ++t) {
         const int e = (mi * 4 + (t >> 1)) * 4 + hr * 2 + (t & 1);
         const int64_t key = k0 + L.col(e);
-        const bool valid = i0 + il < n && key < P.T && (!causal || key <= ia);
+        const bool valid = i0 + il < n && key < P.T && (!causal || key <= ia) &&
+                           !key_padded(kpm, b, P.T, key);
         l[t] = valid ? acc[e] * scale : -INFINITY;
         if (valid) finite &= isfinite(l[t]);
         tmax = fmaxf(tmax, l[t]);
@@ -686,7 +694,8 @@ attn_pass_kernel(Heads P, const A_t* __restrict__ A, Strides4 sa, bool vec, floa
 template <typename Q_t, bool kExact>
 __global__ void __launch_bounds__(kThreads, 3)
 qk_pass_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __restrict__ k,
-               Strides4 sk, int64_t Hkv, int64_t D, float scale, bool causal, float* out) {
+               Strides4 sk, int64_t Hkv, int64_t D, float scale, bool causal,
+               const bool* __restrict__ kpm, float* out) {
   extern __shared__ float4 smem_pass[];
   unsigned char* sm = reinterpret_cast<unsigned char*>(smem_pass);
   const int64_t bh = blockIdx.y;
@@ -713,7 +722,9 @@ qk_pass_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __res
     #pragma unroll
     for (int e = 0; e < mma::kFrag; ++e) {
       const int64_t i = t.i0 + L.row(e), j = t.j0 + L.col(e);
-      const bool keep = i < t.n && j < t.n && (!causal || j <= i);
+      // a row whose keys are all padding is zero here (its softmax statistics are not finite)
+      const bool keep = i < t.n && j < t.n && (!causal || j <= i) &&
+                        !key_padded(kpm, b, T, t.s + j);
       aij[e] = keep ? __expf(acc[e] * scale - mrow[i]) * izrow[i] : 0.0f;
     }
     // A_JI transposed: queries of J against keys of I (all masked when causal, J < I)
@@ -723,7 +734,8 @@ qk_pass_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __res
       #pragma unroll
       for (int e = 0; e < mma::kFrag; ++e) {
         const int64_t i = t.i0 + L.row(e), j = t.j0 + L.col(e);
-        aji[e] = (i < t.n && j < t.n) ? __expf(acc[e] * scale - mrow[j]) * izrow[j] : 0.0f;
+        const bool keep = i < t.n && j < t.n && !key_padded(kpm, b, T, t.s + i);
+        aji[e] = keep ? __expf(acc[e] * scale - mrow[j]) * izrow[j] : 0.0f;
       }
     } else {
       #pragma unroll
@@ -863,9 +875,10 @@ at::Tensor vas_head_stats_cuda(const at::Tensor& attn, const at::Tensor& head_wr
 at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                   const at::Tensor& head_writes, const at::Tensor& lengths,
                                   double scale, bool causal,
-                                  const std::optional<at::Tensor>& offsets) {
+                                  const std::optional<at::Tensor>& offsets,
+                                  const std::optional<at::Tensor>& key_padding_mask) {
   const char* op = "headscope::vas_head_stats_qk";
-  check_head_stats_qk_args(q_in, k_in, head_writes, lengths, scale, offsets);
+  check_head_stats_qk_args(q_in, k_in, head_writes, lengths, scale, offsets, key_padding_mask);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), D = q_in.size(3);
   const int64_t Hkv = k_in.size(1), Dh = head_writes.size(3);
@@ -876,6 +889,10 @@ at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   const auto common = c10::promoteTypes(q_in.scalar_type(), k_in.scalar_type());
   const at::Tensor q = q_in.scalar_type() == common ? q_in : q_in.to(common);
   const at::Tensor k = k_in.scalar_type() == common ? k_in : k_in.to(common);
+  const at::Tensor kpm = key_padding_mask.has_value() && key_padding_mask->defined()
+                             ? key_padding_mask->contiguous()
+                             : at::Tensor();
+  const bool* kpm_ptr = kpm.defined() ? kpm.const_data_ptr<bool>() : nullptr;
   Scratch sc;
   const Heads P = make_heads(B, H, T, Dh, lengths, offsets, true, sc, q.options());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -889,13 +906,14 @@ at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     set_smem(qk_rows_kernel<scalar_t>, rows_smem);
     qk_rows_kernel<scalar_t><<<dim3(static_cast<unsigned>(P.T64 / kTile), static_cast<unsigned>(B * H)),
                                kThreads, rows_smem, stream>>>(P, qp, strides4(q), kp, strides4(k),
-                                                              Hkv, D, fscale, causal);
+                                                              Hkv, D, fscale, causal, kpm_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const size_t smem = kVBytes + panels;
     auto run = [&](auto kernel) {
       set_smem(kernel, smem);
       kernel<<<pass_grid(P), kThreads, smem, stream>>>(P, qp, strides4(q), kp, strides4(k), Hkv, D,
-                                                       fscale, causal, out.data_ptr<float>());
+                                                       fscale, causal, kpm_ptr,
+                                                       out.data_ptr<float>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (Dh <= kExactDh) run(qk_pass_kernel<scalar_t, true>);
