@@ -251,6 +251,31 @@ def test_qk_equals_materialised_softmax(shape, causal, device):
     assert_close(out, ref.head_stats(A, V, lengths.cpu()), rtol=1e-4, atol=1e-6, what="qk vs ref")
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_qk_whole_heads_and_chunked_paths(causal):
+    """One thread takes whole heads (each tile row of A formed once, beside its pairs); four
+    threads split each of the 6 heads into chunks (statistics first, tiles recomputed):
+    both against the reference, over 3 tile rows with a padding mask, and with a window
+    that starts at 37 (key blocks not aligned to 128)."""
+    gen = torch.Generator().manual_seed(43)
+    B, H, Hkv, T, D, Dh = 2, 3, 1, 300, 16, 24
+    q, k, V = (torch.randn(B, h, T, d, generator=gen) for h, d in ((H, D), (Hkv, D), (H, Dh)))
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[0, 130:140] = True
+    pad[1, :37] = True
+    lengths, offsets = torch.tensor([290, 250]), torch.tensor([0, 37])
+    A = ref.attention_from_qk(q, k, 0.3, causal, pad)
+    expected = ref.head_stats(A, V, lengths, offsets)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            out = headscope.vas_head_stats_qk(q, k, V, lengths, 0.3, causal, offsets, pad)
+            assert_close(out, expected, what=f"qk with {n} threads")
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_qk_low_precision_and_strides(device):
     gen = torch.Generator().manual_seed(21)
     B, H, T, D = 2, 4, 60, 16

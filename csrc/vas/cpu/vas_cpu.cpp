@@ -11,8 +11,13 @@
 //   centred sum of squares, the column sums and the row KL's sums; ||A||^2, ||Ac||^2 and
 //   the KL's normalisation follow in float64. Tiles and 8 x 8 blocks where A is all zero
 //   (causal masks) are skipped (their centring terms are added in closed form).
+// The qk op recomputes A: qk_row_tile forms a tile row of it (all the row's keys, for the
+//   softmax) in a per-thread buffer; with whole heads per thread its pairs read their A_IJ
+//   tiles there, and only A_JI tiles (no causal mask) are recomputed from the rows' max and
+//   normaliser; with heads split into chunks every tile is recomputed.
 // Extra memory: O(B H T) for row/column sums, O(slots T Dh) for Vn (a slot per thread when
-// threads take whole heads, else per head), O(threads (TB^2 + T Dh)) scratch.
+// threads take whole heads, else per head), O(threads (TB^2 + T Dh)) scratch (qk op: also
+// a tile row of A, O(threads TB T)).
 #include "vas/cpu/vas_cpu_math.h"
 #include "vas/vas_checks.h"
 
@@ -159,6 +164,23 @@ struct Acc {
 inline double hsum(f8 v) {
   double d = 0;
   for (int k = 0; k < 8; ++k) d += v[k];
+  return d;
+}
+
+// The sum of n floats: 8 float lanes over pieces of TB, then double (as hsum).
+inline double row_sum(const float* x, int64_t n) {
+  double d = 0;
+  for (int64_t j0 = 0; j0 < n; j0 += TB) {
+    const int64_t m = std::min(TB, n - j0);
+    f8 acc = {};
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+      f8 v;
+      std::memcpy(&v, x + j0 + j, sizeof v);
+      acc += v;
+    }
+    d += hsum(acc + load_part(x + j0 + j, m - j));
+  }
   return d;
 }
 
@@ -386,7 +408,7 @@ struct Problem {
   at::Tensor chunkbad;  // uint8 [BH, P]
   at::Tensor ext;       // int32 [BH, T8 / 8, 2]: Extent of each 8-row block of the window
   at::Tensor scratch;   // float [threads, per-thread]
-  int64_t scratch_per_thread = 0;
+  int64_t scratch_per_thread = 0, scratch_extra = 0;
 
   bool fused = false;
   int64_t nb(int64_t bh) const { return (n[bh / H] + TB - 1) / TB; }
@@ -404,6 +426,9 @@ struct Problem {
   }
   float* thread_scratch() {
     return scratch.data_ptr<float>() + thread_slot() * scratch_per_thread;
+  }
+  float* thread_extra() {  // the op's own part of the scratch (alloc_scratch's `extra`)
+    return thread_scratch() + scratch_per_thread - scratch_extra;
   }
 };
 
@@ -469,6 +494,7 @@ void alloc_scratch(Problem& P, int64_t extra) {
   // tiles A, G, G^T | a row | W (+16 floats read past the end by gemm_nn) | W^T | C
   P.scratch_per_thread = 3 * TB * TB + std::max(P.T, P.Dh) + 16 + P.T * P.Dh + 16 +
                          P.Dh * P.Tp + P.Dh * P.Dh + extra;
+  P.scratch_extra = extra;
   P.scratch = at::empty({P.nthreads, P.scratch_per_thread}, at::TensorOptions().dtype(at::kFloat));
 }
 
@@ -796,6 +822,20 @@ void attn_tiles_phase(Problem& P, const at::Tensor& attn, const Range* only = nu
   }, only);
 }
 
+// The fused path's driver: one parallel region, each thread taking whole heads through
+// every phase (head(bh, range)), handed out one at a time as threads become free (windows
+// differ in length, and a shared machine slows one core now and then).
+template <typename F>
+void for_each_head(const Problem& P, const F& head) {
+  std::atomic<int64_t> next_head{0};
+  at::parallel_for(0, P.nthreads, 1, [&](int64_t, int64_t) {
+    for (int64_t bh; (bh = next_head.fetch_add(1)) < P.BH;) {
+      const Range r{bh, bh + 1};
+      head(r);
+    }
+  });
+}
+
 at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_writes,
                               const at::Tensor& lengths, const std::optional<at::Tensor>& offsets) {
   const char* op = "headscope::vas_head_stats";
@@ -810,20 +850,13 @@ at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_wri
     // all phases one head at a time, each tile row of A read once from memory and again
     // from cache for its tile pairs
     at::Tensor out = at::empty({B, H, 3}, attn.options().dtype(at::kFloat));
-    float* o = out.data_ptr<float>();
-    // heads are handed out one at a time as threads become free (windows differ in length,
-    // and a shared machine slows one core now and then)
-    std::atomic<int64_t> next_head{0};
-    at::parallel_for(0, P.nthreads, 1, [&](int64_t, int64_t) {
-      for (int64_t bh; (bh = next_head.fetch_add(1)) < P.BH;) {
-        const Range r{bh, bh + 1};
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(),
-                                        "vas_v", [&] { prepare_values<scalar_t>(P, head_writes, &r); });
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_a", [&] {
-          attn_tiles_phase<scalar_t>(P, attn, &r, /*rows_too=*/true);
-        });
-        finalize_into(P, o, &r);
-      }
+    for_each_head(P, [&](const Range& r) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(),
+                                      "vas_v", [&] { prepare_values<scalar_t>(P, head_writes, &r); });
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_a", [&] {
+        attn_tiles_phase<scalar_t>(P, attn, &r, /*rows_too=*/true);
+      });
+      finalize_into(P, out.data_ptr<float>(), &r);
     });
     return out;
   }
@@ -912,65 +945,98 @@ inline const float* key_rows(const Problem& P, const QK& Q, int64_t bh) {
   return Q.kt.data_ptr<float>() + (b * Q.Hkv + h / (P.H / Q.Hkv)) * Q.D * P.Tp;
 }
 
-// Phase 1 of the qk op: online softmax statistics of the window rows over all their keys,
-// and the row sums of A restricted to the window's columns, with the centring values.
-void qk_row_phase(Problem& P, QK& Q) {
+// The key blocks of a window's softmax rows: [0, s) in pieces of TB, then TB at a time from
+// the window's start s, so that window tile J is block npre + J.
+struct KeyBlocks {
+  int64_t s, kend, npre;
+  KeyBlocks(int64_t s_, int64_t kend_) : s(s_), kend(kend_), npre((s_ + TB - 1) / TB) {}
+  int64_t count() const { return npre + (kend - s + TB - 1) / TB; }
+  int64_t begin(int64_t blk) const { return blk < npre ? blk * TB : s + (blk - npre) * TB; }
+  int64_t end(int64_t blk) const {
+    return blk < npre ? std::min(begin(blk) + TB, s) : std::min(begin(blk) + TB, kend);
+  }
+};
+
+// The most key blocks a window's rows can have (alloc_scratch's share for qk_row_tile).
+inline int64_t max_key_blocks(int64_t T) { return (T + TB - 1) / TB + 1; }
+
+// Tile row I of a head's recomputed attention, one key block at a time with an online
+// softmax: the statistics that recompute any tile of the row (row max, 1 / denominator),
+// its sum over the window's columns and its centring value. With `held`, the row's blocks
+// stay in held->e (row stride held->ld, keys in order) as exp(l - m) with m the running
+// max of the row when the block was done (in held->m, per row and block), and 0 on padding
+// keys and past the row's causal keys; without, each block reuses `scratch` (TB x TB).
+struct HeldRow {
+  float* e;
+  int64_t ld;
+  float* m;  // [TB, max_key_blocks(T)]
+};
+void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* held,
+                 float* scratch) {
+  const int64_t b = bh / P.H, n = P.n[b], s = P.s[b];
+  const int64_t i0 = I * TB, ni = std::min(TB, n - i0);
+  const KeyBlocks kb(s, Q.causal ? s + i0 + ni : P.T);
+  const int64_t ld = held ? held->ld : TB, nblk = max_key_blocks(P.T);
+  const float* qb = Q.q.data_ptr<float>() + bh * P.T * Q.D;
+  double Z[TB], R[TB];
+  float Mx[TB];
+  for (int64_t r = 0; r < ni; ++r) Z[r] = R[r] = 0, Mx[r] = -std::numeric_limits<float>::infinity();
+  for (int64_t blk = 0; blk < kb.count(); ++blk) {
+    const int64_t k0 = kb.begin(blk), nk = kb.end(blk) - k0;
+    float* L = held ? held->e + k0 : scratch;
+    gemm_nn(ni, nk, Q.D, Q.scale, qb + i0 * Q.D, Q.D, key_rows(P, Q, bh) + k0, P.Tp, L, ld);
+    for (int64_t r = 0; r < ni; ++r) {
+      float* l = L + r * ld;
+      const int64_t lim = Q.causal ? std::min(nk, s + i0 + r - k0 + 1) : nk;  // keys <= row
+      float mx = Mx[r];
+      if (lim > 0) {
+        Q.mask_keys(l, b, k0, lim, P.T);
+        mx = std::max(mx, cpu::max_of(l, lim));
+      }
+      if (held) held->m[r * nblk + blk] = mx;
+      if (mx == -std::numeric_limits<float>::infinity()) {  // no key in use so far
+        if (held) std::fill(l, l + nk, 0.0f);
+        continue;
+      }
+      if (mx > Mx[r]) {
+        const double f = std::exp(static_cast<double>(Mx[r]) - mx);
+        Z[r] *= f;
+        R[r] *= f;
+        Mx[r] = mx;
+      }
+      if (lim > 0) Z[r] += cpu::exp_shift_scale(l, l, lim, mx, 1.0f);
+      if (held) std::fill(l + std::max<int64_t>(lim, 0), l + nk, 0.0f);
+      // the window's columns [s, s + n) within this block
+      const int64_t c0 = std::max<int64_t>(0, s - k0), c1 = std::min(lim, s + n - k0);
+      if (c1 > c0) R[r] += row_sum(l + c0, c1 - c0);
+    }
+  }
+  float* M = Q.mrow.data_ptr<float>() + bh * P.T;
+  float* IZ = Q.izrow.data_ptr<float>() + bh * P.T;
+  double* rsum = P.rowp.data_ptr<double>() + bh * P.P * P.T;  // each row has one owner
+  float* x = P.xcen.data_ptr<float>() + bh * P.T;
+  for (int64_t r = 0; r < ni; ++r) {
+    const int64_t i = i0 + r;
+    if (Z[r] == 0.0) {  // no key in use (all padding): a row of zeros
+      M[i] = IZ[i] = x[i] = 0.0f;
+      rsum[i] = 0.0;
+      continue;
+    }
+    M[i] = Mx[r];
+    IZ[i] = static_cast<float>(1.0 / Z[r]);
+    rsum[i] = R[r] / Z[r];
+    x[i] = centre(rsum[i], n);
+  }
+}
+
+// Phase 1 of the qk op (heads split into chunks): the statistics of qk_row_tile, chunk p
+// taking every P-th tile row.
+void qk_row_phase(Problem& P, const QK& Q) {
   at::parallel_for(0, P.BH * P.P, 1, [&](int64_t begin, int64_t end) {
-    float* L = P.thread_scratch();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / P.P, p = task % P.P;
       if (P.bad[bh]) continue;
-      const int64_t b = bh / P.H, n = P.n[b], s = P.s[b], nb = P.nb(bh);
-      const float* qb = Q.q.data_ptr<float>() + bh * P.T * Q.D;
-      const float* kb = key_rows(P, Q, bh);
-      float* M = Q.mrow.data_ptr<float>() + bh * P.T;
-      float* IZ = Q.izrow.data_ptr<float>() + bh * P.T;
-      double* rsum = P.rowp.data_ptr<double>() + bh * P.P * P.T;
-      float* x = P.xcen.data_ptr<float>() + bh * P.T;
-      for (int64_t I = p; I < nb; I += P.P) {
-        const int64_t i0 = I * TB, ni = std::min(TB, n - i0);
-        const int64_t kend = Q.causal ? s + i0 + ni : P.T;
-        std::vector<double> Z(ni, 0.0), R(ni, 0.0);
-        std::vector<float> Mx(ni, -std::numeric_limits<float>::infinity());
-        for (int64_t k0 = 0; k0 < kend; k0 += TB) {
-          const int64_t nk = std::min(TB, kend - k0);
-          gemm_nn(ni, nk, Q.D, Q.scale, qb + i0 * Q.D, Q.D, kb + k0, P.Tp, L, TB);
-          for (int64_t r = 0; r < ni; ++r) {
-            const int64_t ia = s + i0 + r;
-            const int64_t lim = Q.causal ? std::min(nk, ia - k0 + 1) : nk;  // keys <= ia
-            if (lim <= 0) continue;
-            float* l = L + r * TB;
-            Q.mask_keys(l, b, k0, lim, P.T);
-            const float mx = std::max(Mx[r], cpu::max_of(l, lim));
-            if (mx == -std::numeric_limits<float>::infinity()) continue;  // all keys padding
-            if (mx > Mx[r]) {
-              const double f = std::exp(static_cast<double>(Mx[r]) - mx);
-              Z[r] *= f;
-              R[r] *= f;
-              Mx[r] = mx;
-            }
-            Z[r] += cpu::exp_shift_scale(l, l, lim, mx, 1.0f);
-            // the window's columns [s, s + n) within this key block
-            const int64_t c0 = std::max<int64_t>(0, s - k0), c1 = std::min(lim, s + n - k0);
-            double rt = 0;
-            for (int64_t cc = c0; cc < c1; ++cc) rt += l[cc];
-            R[r] += rt;
-          }
-        }
-        for (int64_t r = 0; r < ni; ++r) {
-          if (Z[r] == 0.0) {  // no key in use (all padding): a row of zeros
-            M[i0 + r] = 0.0f;
-            IZ[i0 + r] = 0.0f;
-            rsum[i0 + r] = 0.0;
-            x[i0 + r] = 0.0f;
-            continue;
-          }
-          M[i0 + r] = Mx[r];
-          IZ[i0 + r] = static_cast<float>(1.0 / Z[r]);
-          rsum[i0 + r] = R[r] / Z[r];
-          x[i0 + r] = centre(rsum[i0 + r], n);
-        }
-      }
+      for (int64_t I = p; I < P.nb(bh); I += P.P) qk_row_tile(P, Q, bh, I, nullptr, P.thread_extra());
     }
   });
 }
@@ -985,16 +1051,37 @@ void qk_extents(Problem& P, const QK& Q) {
   }
 }
 
-void qk_tiles_phase(Problem& P, QK& Q) {
-  auto rows_known = [](int64_t, int64_t) { return true; };  // from qk_row_phase
-  tiles_phase(P, rows_known, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0,
-                                               int64_t nj, float* buf,
-                                               int64_t& lda) -> const float* {
+// rows_too (one head, `only`): qk_row_tile holds each tile row of A in this thread's
+// buffer (exp(l - m) per key block) just before its pairs, whose A_IJ tiles then cost one
+// multiply per entry (by exp(m - M) / Z); other tiles (A_JI, and every tile without
+// rows_too) are recomputed from the rows' statistics.
+void qk_tiles_phase(Problem& P, const QK& Q, const Range* only = nullptr, bool rows_too = false) {
+  const HeldRow row{P.thread_extra(), P.Tp, P.thread_extra() + TB * P.Tp};
+  int64_t held = -1;  // the tile row in `row` (rows_too: this thread's only head)
+  auto row_tile = [&](int64_t bh, int64_t I) {
+    if (rows_too) {
+      qk_row_tile(P, Q, bh, I, &row, nullptr);
+      held = I;
+    }
+    return true;
+  };
+  tiles_phase(P, row_tile, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0, int64_t nj,
+                               float* buf, int64_t& lda) -> const float* {
     const int64_t b = bh / P.H, s = P.s[b];
-    const float* qb = Q.q.data_ptr<float>() + bh * P.T * Q.D;
-    const float* kb = key_rows(P, Q, bh);
     const float* M = Q.mrow.data_ptr<float>() + bh * P.T;
     const float* IZ = Q.izrow.data_ptr<float>() + bh * P.T;
+    lda = TB;
+    if (i0 == held * TB) {
+      const int64_t blk = KeyBlocks(s, P.T).npre + j0 / TB, nblk = max_key_blocks(P.T);
+      for (int64_t r = 0; r < ni; ++r) {
+        const float f = std::exp(row.m[r * nblk + blk] - M[i0 + r]) * IZ[i0 + r];
+        const float* e = row.e + r * row.ld + s + j0;
+        for (int64_t c = 0; c < nj; ++c) buf[r * TB + c] = e[c] * f;
+      }
+      return buf;
+    }
+    const float* qb = Q.q.data_ptr<float>() + bh * P.T * Q.D;
+    const float* kb = key_rows(P, Q, bh);
     gemm_nn(ni, nj, Q.D, Q.scale, qb + i0 * Q.D, Q.D, kb + (s + j0), P.Tp, buf, TB);
     for (int64_t r = 0; r < ni; ++r) {
       float* l = buf + r * TB;
@@ -1004,9 +1091,8 @@ void qk_tiles_phase(Problem& P, QK& Q) {
       cpu::exp_shift_scale(l, l, lim, m, iz);
       for (int64_t c = lim; c < nj; ++c) l[c] = 0.0f;
     }
-    lda = TB;
     return buf;
-  });
+  }, only);
 }
 
 at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
@@ -1019,8 +1105,8 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = head_writes.size(3);
   if (B == 0 || H == 0) return at::empty({B, H, 3}, q.options().dtype(at::kFloat));
   Problem P;
-  setup(P, B, H, T, Dh, lengths, offsets, op, /*whole_heads=*/false);
-  alloc_scratch(P, 0);
+  setup(P, B, H, T, Dh, lengths, offsets, op, /*whole_heads=*/true);
+  alloc_scratch(P, TB * (P.Tp + max_key_blocks(T)));  // a tile row of A (HeldRow)
   QK Q;
   Q.Hkv = k.size(1);
   Q.D = q.size(3);
@@ -1039,15 +1125,27 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
     for (int64_t i = 0; i < B * T; ++i)
       Q.kbias[i] = mp[i] ? -std::numeric_limits<float>::infinity() : 0.0f;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(), "vas_v",
-                                  [&] { prepare_values<scalar_t>(P, head_writes); });
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "vas_q", [&] {
     using Q_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k.scalar_type(), "vas_k",
                                     [&] { qk_prepare<Q_t, scalar_t>(P, Q, q, k); });
   });
-  qk_row_phase(P, Q);
   qk_extents(P, Q);
+  if (P.fused) {
+    // as the attention op's fused path; each tile row of A is computed once, just before
+    // its pairs (only A_JI tiles, without a causal mask, are recomputed)
+    at::Tensor out = at::empty({B, H, 3}, q.options().dtype(at::kFloat));
+    for_each_head(P, [&](const Range& r) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(),
+                                      "vas_v", [&] { prepare_values<scalar_t>(P, head_writes, &r); });
+      qk_tiles_phase(P, Q, &r, /*rows_too=*/true);
+      finalize_into(P, out.data_ptr<float>(), &r);
+    });
+    return out;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(), "vas_v",
+                                  [&] { prepare_values<scalar_t>(P, head_writes); });
+  qk_row_phase(P, Q);
   qk_tiles_phase(P, Q);
   return finalize(P, q.options());
 }
