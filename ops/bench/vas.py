@@ -7,6 +7,8 @@ formulation, in one run (ratios are for reading, never assertions).
 * eager: batched matmuls and reductions that materialise T x T per head, at T = 2048;
 * growth: time and extra peak memory of vas_head_stats and vas_head_stats_qk (causal)
   from T = 512 to 8192;
+* on the CPU: one grouped-query layer (H = 8, Hkv = 4) at T = 512 and 2048: the qk op beside
+  vas_head_stats on the layer's attention and beside one SDPA call;
 * on CUDA: one Qwen2.5-VL-7B-sized layer (B = 1, H = 28, T = 4096, Dh = 128) against the
   roofline of the materialised-attention op, and vas_head_stats_qk against one SDPA call.
 """
@@ -154,6 +156,31 @@ def _growth_section(device, quick, results):
     results["growth"] = rows
 
 
+def _layer_section(device, quick, results):
+    """One grouped-query layer (the qk op's whole-heads path: H >= 2 x threads): the qk op
+    beside vas_head_stats on the same layer's attention and one SDPA call on q, k, v."""
+    B, H, Hkv, D = 1, 8, 4, 64
+    rows = []
+    for T in ((512,) if quick else (512, 2048)):
+        gen = torch.Generator().manual_seed(T)
+        q = torch.randn(B, H, T, D, generator=gen).to(device)
+        k, v = (torch.randn(B, Hkv, T, D, generator=gen).to(device) for _ in range(2))
+        V = torch.randn(B, H, T, D, generator=gen).to(device)
+        lengths = torch.full((B,), T, device=device)
+        A = torch.softmax((q @ k.repeat_interleave(H // Hkv, 1).transpose(-1, -2)) * D ** -0.5
+                          + torch.full((T, T), float("-inf"), device=device).triu(1), -1)
+        t_qk = timeit(lambda: ops.vas_head_stats_qk(q, k, V, lengths, D ** -0.5, True), device)
+        t_attn = timeit(lambda: ops.vas_head_stats(A, V, lengths), device)
+        t_sdpa = timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                        device)
+        rows.append({"T": T, "qk ms/head": t_qk * 1e3 / H, "attn op ms/head": t_attn * 1e3 / H,
+                     "qk / attn op": t_qk / t_attn, "sdpa ms": t_sdpa * 1e3, "qk / sdpa": t_qk / t_sdpa})
+        del A
+    print_table(f"one layer, causal, float32 (B={B}, H={H}, Hkv={Hkv}, D=Dh={D}, {device})", rows,
+                list(rows[0]))
+    results["layer"] = rows
+
+
 def _cuda_layer_section(device, quick, results):
     B, H, T, Dh = 1, 28, (1024 if quick else 4096), 128
     gen = torch.Generator(device=device).manual_seed(0)
@@ -196,6 +223,8 @@ def run(device: torch.device, quick: bool) -> dict:
     _seed_section(device, quick, results)
     _eager_section(device, quick, results)
     _growth_section(device, quick, results)
+    if device.type == "cpu":
+        _layer_section(device, quick, results)
     if device.type == "cuda":
         _cuda_layer_section(device, quick, results)
     return results
