@@ -27,11 +27,13 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <cfloat>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 namespace headscope::vas {
@@ -794,9 +796,15 @@ Heads make_heads(int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Tensor& 
 }
 
 // Validates lengths / offsets (one small device-to-host copy) and returns the window starts
-// (for the alignment of A's rows).
-std::vector<int64_t> check_windows_on_host(const char* op, const at::Tensor& lengths,
-                                           const std::optional<at::Tensor>& offsets, int64_t T) {
+// (for the alignment of A's rows). While the stream is captured into a CUDA graph that copy
+// is not allowed: nothing is checked (the kernels clamp each window into [0, T), so bad
+// values give wrong numbers, never reads out of bounds) and the starts are unknown.
+std::optional<std::vector<int64_t>> check_windows_on_host(const char* op,
+                                                          const at::Tensor& lengths,
+                                                          const std::optional<at::Tensor>& offsets,
+                                                          int64_t T) {
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None)
+    return std::nullopt;
   const auto len_cpu = lengths.cpu();
   at::Tensor off_cpu;
   const bool has_off = offsets.has_value() && offsets->defined();
@@ -858,7 +866,12 @@ at::Tensor vas_head_stats_cuda(const at::Tensor& attn, const at::Tensor& head_wr
     bool vec = attn.stride(3) == 1 && reinterpret_cast<uintptr_t>(attn.const_data_ptr()) % 16 == 0 &&
                (attn.stride(0) * es) % 16 == 0 && (attn.stride(1) * es) % 16 == 0 &&
                (attn.stride(2) * es) % 16 == 0;
-    for (const int64_t s : starts) vec = vec && (s * es) % 16 == 0;
+    // unknown starts (graph capture): aligned only without offsets (every start is 0)
+    if (starts) {
+      for (const int64_t s : *starts) vec = vec && (s * es) % 16 == 0;
+    } else {
+      vec = vec && !(offsets.has_value() && offsets->defined());
+    }
     const size_t smem = kVBytes + Tiles::bytes;
     auto run = [&](auto kernel) {
       set_smem(kernel, smem);
