@@ -1106,7 +1106,8 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
   if (B == 0 || H == 0) return at::empty({B, H, 3}, q.options().dtype(at::kFloat));
   Problem P;
   setup(P, B, H, T, Dh, lengths, offsets, op, /*whole_heads=*/true);
-  alloc_scratch(P, TB * (P.Tp + max_key_blocks(T)));  // a tile row of A (HeldRow)
+  // a tile row of A (HeldRow) with whole heads per thread, else one key block
+  alloc_scratch(P, P.fused ? TB * (P.Tp + max_key_blocks(T)) : TB * TB);
   QK Q;
   Q.Hkv = k.size(1);
   Q.D = q.size(3);
