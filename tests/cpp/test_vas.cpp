@@ -198,6 +198,28 @@ TEST(Vas, QkEqualsMaterialisedAttention) {
   }
 }
 
+TEST(Vas, QkKeyPaddingMaskLeavesKeysOut) {
+  at::manual_seed(6);
+  const int64_t B = 2, H = 2, T = 40, D = 8, Dh = 4;
+  const auto q = at::randn({B, H, T, D});
+  const auto k = at::randn({B, H, T, D});
+  const auto V = at::randn({B, H, T, Dh});
+  const auto lengths = at::tensor(std::vector<int64_t>{40, 30});
+  const auto offsets = at::tensor(std::vector<int64_t>{0, 10});
+  auto pad = at::zeros({B, T}, at::kBool);
+  pad.select(0, 1).narrow(0, 0, 10).fill_(true);  // batch row 1: left padding of 10
+  for (bool causal : {true, false}) {
+    // padding keys' logits to -inf: each row's softmax over the keys in use
+    const auto logits = at::matmul(q, k.transpose(-1, -2)).mul(0.5);
+    const auto A = causal_softmax(logits.masked_fill(pad.view({B, 1, 1, T}), -INFINITY), causal);
+    const auto want = headscope::vas_head_stats(A, V, lengths, offsets);
+    const auto got = headscope::vas_head_stats_qk(q, k, V, lengths, 0.5, causal, offsets, pad);
+    EXPECT_TRUE(at::allclose(got, want, 1e-4, 1e-6)) << "causal=" << causal;
+    const auto unmasked = headscope::vas_head_stats_qk(q, k, V, lengths, 0.5, causal, offsets);
+    EXPECT_FALSE(at::allclose(unmasked.select(0, 1), want.select(0, 1), 1e-4, 1e-6));
+  }
+}
+
 TEST(Vas, AggregateMatchesLoops) {
   at::manual_seed(5);
   const int64_t B = 2, L = 4, H = 3;

@@ -618,27 +618,28 @@ def _small_args(device="cpu"):
     A, V, lengths = rand_case(2, 2, 9, 3, True, gen, lengths=torch.tensor([9, 2]), device=device)
     q = torch.randn(2, 2, 9, 4, generator=gen).to(device)
     k = torch.randn(2, 1, 9, 4, generator=gen).to(device)
-    return A, V, lengths, q, k
+    kpm = torch.zeros(2, 9, dtype=torch.bool, device=device)
+    kpm[1, :3] = True
+    return A, V, lengths, q, k, kpm
 
 
 def test_opcheck_every_op(device):
-    A, V, lengths, q, k = _small_args(device)
+    A, V, lengths, q, k, kpm = _small_args(device)
     offsets = torch.tensor([0, 3], device=device)
     torch.library.opcheck(OPS.vas_head_stats.default, (A, V, lengths))
     torch.library.opcheck(OPS.vas_head_stats.default, (A, V, lengths, offsets))
     torch.library.opcheck(OPS.vas_head_stats_qk.default, (q, k, V, lengths, 0.5, True))
     torch.library.opcheck(OPS.vas_head_stats_qk.default, (q, k, V, lengths, 0.5, False, offsets))
-    kpm = torch.zeros(2, 9, dtype=torch.bool, device=device)
-    kpm[1, :3] = True
     torch.library.opcheck(OPS.vas_head_stats_qk.default, (q, k, V, lengths, 0.5, True, offsets, kpm))
     torch.library.opcheck(OPS.vas_aggregate.default, (torch.rand(2, 3, 2, 3, device=device),))
 
 
 class _VASModule(torch.nn.Module):
-    def forward(self, A, V, lengths, q, k):
+    def forward(self, A, V, lengths, q, k, kpm):
         s1 = torch.ops.headscope.vas_head_stats(A, V, lengths)
         s2 = torch.ops.headscope.vas_head_stats_qk(q, k, V, lengths, 0.5, True)
-        return torch.ops.headscope.vas_aggregate(torch.stack([s1, s2], dim=1))
+        s3 = torch.ops.headscope.vas_head_stats_qk(q, k, V, lengths, 0.5, False, None, kpm)
+        return torch.ops.headscope.vas_aggregate(torch.stack([s1, s2, s3], dim=1))
 
 
 def test_torch_compile_fullgraph(device):
