@@ -960,17 +960,20 @@ struct KeyBlocks {
 // The most key blocks a window's rows can have (alloc_scratch's share for qk_row_tile).
 inline int64_t max_key_blocks(int64_t T) { return (T + TB - 1) / TB + 1; }
 
-// Tile row I of a head's recomputed attention, one key block at a time with an online
-// softmax: the statistics that recompute any tile of the row (row max, 1 / denominator),
-// its sum over the window's columns and its centring value. With `held`, the row's blocks
-// stay in held->e (row stride held->ld, keys in order) as exp(l - m) with m the running
-// max of the row when the block was done (in held->m, per row and block), and 0 on padding
-// keys and past the row's causal keys; without, each block reuses `scratch` (TB x TB).
+// A tile row of recomputed attention kept for its pairs: e (row stride ld, keys in order)
+// holds exp(l - m) per key block, m the row's running max when the block was done (in m,
+// per row and block), and 0 on padding keys and past the row's causal keys; an entry of A
+// is e * exp(m - M) / Z.
 struct HeldRow {
   float* e;
   int64_t ld;
   float* m;  // [TB, max_key_blocks(T)]
 };
+
+// Tile row I of a head's recomputed attention, one key block at a time with an online
+// softmax: the statistics that recompute any tile of the row (row max M, 1 / denominator
+// Z), its sum over the window's columns and its centring value; with `held`, the row itself
+// too, else each block reuses `scratch` (TB x TB).
 void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* held,
                  float* scratch) {
   const int64_t b = bh / P.H, n = P.n[b], s = P.s[b];
