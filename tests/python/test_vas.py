@@ -220,16 +220,23 @@ def test_strided_inputs_read_without_copy(device):
                  expected, rtol=1e-6, atol=1e-7, what="sliced")
 
 
-def test_results_do_not_depend_on_thread_count():
+@pytest.mark.parametrize("causal", [True, False])
+def test_results_do_not_depend_on_thread_count(causal):
+    """One thread takes whole heads (each tile row read just before its pairs); four threads
+    split each of the 3 heads into chunks (a first pass over every row, then the pairs):
+    the same numbers, and the reference's."""
     gen = torch.Generator().manual_seed(9)
-    A, V, lengths = rand_case(1, 2, 300, 32, True, gen)
+    A, V, lengths = rand_case(1, 3, 300, 32, causal, gen)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = headscope.vas_head_stats(A, V, lengths)
+        torch.set_num_threads(4)
+        four = headscope.vas_head_stats(A, V, lengths)
     finally:
         torch.set_num_threads(threads)
-    assert_close(headscope.vas_head_stats(A, V, lengths), one, rtol=1e-5, atol=1e-7)
+    assert_close(four, one, rtol=1e-5, atol=1e-7, what="1 vs 4 threads")
+    assert_close(one, ref.head_stats(A, V, lengths), what="1 thread vs reference")
 
 
 # ---- the qk op ------------------------------------------------------------------------------
