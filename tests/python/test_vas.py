@@ -470,6 +470,17 @@ def test_non_finite_input_in_window_gives_nan_head(bad, device):
     out_qk = headscope.vas_head_stats_qk(q.to(device), q.to(device), V.to(device),
                                          lengths.to(device), 0.5, True)
     assert torch.isnan(out_qk[0, 0]).all() and torch.isfinite(out_qk[1]).all()
+    # a key the window's causal rows use makes its head NaN; one past them is never read
+    k = torch.randn(2, 3, 30, 4, generator=gen)
+    k[1, 2, 10, 0] = bad
+    k[0, 1, 25, 3] = bad  # batch 0 (30 tokens) uses it: head 1 NaN too
+    k[1, 0, 25, 3] = bad  # batch 1 (20 tokens, causal): never read
+    q = torch.randn(2, 3, 30, 4, generator=gen)
+    out_k = headscope.vas_head_stats_qk(q.to(device), k.to(device), V.to(device),
+                                        lengths.to(device), 0.5, True).cpu()
+    nan = torch.isnan(out_k).all(-1)
+    assert nan.tolist() == [[False, True, False], [False, False, True]], nan
+    assert torch.isfinite(out_k[~nan]).all()
 
 
 # ---- bad input ---------------------------------------------------------------------------------

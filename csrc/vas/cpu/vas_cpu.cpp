@@ -117,6 +117,21 @@ inline double piece_sum(const float* x, int64_t n, uint32_t& groups) {
   return d;
 }
 
+// Whether n floats are all finite: x - x is 0 for a finite x, NaN for an infinity or a NaN.
+inline bool all_finite(const float* x, int64_t n) {
+  f8 acc = {};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    f8 v;
+    std::memcpy(&v, x + j, sizeof v);
+    acc += v - v;
+  }
+  float t = 0;
+  for (int k = 0; k < 8; ++k) t += acc[k];
+  for (; j < n; ++j) t += x[j] - x[j];
+  return t == 0.0f;
+}
+
 // NumPy's pairwise summation of float32 values (what np.linalg.norm uses): the seed's row
 // norms, reproduced bit for bit so that Vn (and Gram entries near -1, where S ~ 0 and
 // the KL's logarithm is sensitive) match the seed's.
@@ -912,28 +927,22 @@ void qk_prepare(Problem& P, QK& Q, const at::Tensor& q, const at::Tensor& k) {
       if (t < P.BH) {
         const int64_t b = t / P.H, h = t % P.H, n = P.n[b], s = P.s[b];
         float* dst = Q.q.data_ptr<float>() + t * P.T * D;
-        double sq = 0;
-        for (int64_t i = 0; i < n; ++i) {
-          load(dst + i * D, qa.at(b, h, s + i), D, qs);
-          for (int64_t c = 0; c < D; ++c) sq += static_cast<double>(dst[i * D + c]) * dst[i * D + c];
-        }
-        if (!std::isfinite(sq)) P.bad[t] = 1;
+        for (int64_t i = 0; i < n; ++i) load(dst + i * D, qa.at(b, h, s + i), D, qs);
+        if (!all_finite(dst, n * D)) P.bad[t] = 1;
       } else {
         const int64_t bk = t - P.BH, b = bk / Q.Hkv, hk = bk % Q.Hkv;
         float* dst = Q.kt.data_ptr<float>() + bk * D * P.Tp;
-        double sq = 0;
+        bool finite = true;
         for (int64_t j = 0; j < Q.key_end(P, b); ++j) {
           if (Q.padded(b, j, P.T)) {  // never used: its values (maybe not finite) are not read
             for (int64_t c = 0; c < D; ++c) dst[c * P.Tp + j] = 0.0f;
             continue;
           }
           load(row, ka.at(b, hk, j), D, ks);
-          for (int64_t c = 0; c < D; ++c) {
-            sq += static_cast<double>(row[c]) * row[c];
-            dst[c * P.Tp + j] = row[c];
-          }
+          finite = finite && all_finite(row, D);
+          for (int64_t c = 0; c < D; ++c) dst[c * P.Tp + j] = row[c];
         }
-        if (!std::isfinite(sq)) Q.kbad[bk] = 1;
+        if (!finite) Q.kbad[bk] = 1;
       }
     }
   });
