@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: devices, the seeds folder, and a sub-process helper."""
+"""Shared pytest fixtures: the devices every device test runs on, and the seeds folder."""
 from __future__ import annotations
 
 import importlib.util
