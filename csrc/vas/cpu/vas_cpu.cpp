@@ -841,7 +841,7 @@ void attn_tiles_phase(Problem& P, const at::Tensor& attn, const Range* only = nu
 }
 
 // The fused path's driver: one parallel region, each thread taking whole heads through
-// every phase (head(bh, range)), handed out one at a time as threads become free (windows
+// every phase (head(range), a range of one head), handed out one at a time as threads become free (windows
 // differ in length, and a shared machine slows one core now and then).
 template <typename F>
 void for_each_head(const Problem& P, const F& head) {
@@ -974,12 +974,13 @@ inline int64_t max_key_blocks(int64_t T) { return (T + TB - 1) / TB + 1; }
 
 // A tile row of recomputed attention kept for its pairs: e (row stride ld, keys in order)
 // holds exp(l - m) per key block, m the row's running max when the block was done (in m,
-// per row and block), and 0 on padding keys and past the row's causal keys; an entry of A
-// is e * exp(m - M) / Z.
+// row stride mld, one per key block), and 0 on padding keys and past the row's causal keys;
+// an entry of A is e * exp(m - M) / Z.
 struct HeldRow {
   float* e;
   int64_t ld;
-  float* m;  // [TB, max_key_blocks(T)]
+  float* m;
+  int64_t mld;
 };
 
 // Tile row I of a head's recomputed attention, one key block at a time with an online
@@ -991,7 +992,7 @@ void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* 
   const int64_t b = bh / P.H, n = P.n[b], s = P.s[b];
   const int64_t i0 = I * TB, ni = std::min(TB, n - i0);
   const KeyBlocks kb(s, Q.causal ? s + i0 + ni : P.T);
-  const int64_t ld = held ? held->ld : TB, nblk = max_key_blocks(P.T);
+  const int64_t ld = held ? held->ld : TB;
   const float* qb = Q.q.data_ptr<float>() + bh * P.T * Q.D;
   double Z[TB], R[TB];
   float Mx[TB];
@@ -1008,7 +1009,7 @@ void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* 
         Q.mask_keys(l, b, k0, lim, P.T);
         mx = std::max(mx, cpu::max_of(l, lim));
       }
-      if (held) held->m[r * nblk + blk] = mx;
+      if (held) held->m[r * held->mld + blk] = mx;
       if (mx == -std::numeric_limits<float>::infinity()) {  // no key in use so far
         if (held) std::fill(l, l + nk, 0.0f);
         continue;
@@ -1071,7 +1072,10 @@ void qk_extents(Problem& P, const QK& Q) {
 // multiply per entry (by exp(m - M) / Z); other tiles (A_JI, and every tile without
 // rows_too) are recomputed from the rows' statistics.
 void qk_tiles_phase(Problem& P, const QK& Q, const Range* only = nullptr, bool rows_too = false) {
-  const HeldRow row{P.thread_extra(), P.Tp, P.thread_extra() + TB * P.Tp};
+  // (the scratch holds a HeldRow only with rows_too, see vas_head_stats_qk_cpu)
+  const HeldRow row = rows_too ? HeldRow{P.thread_extra(), P.Tp, P.thread_extra() + TB * P.Tp,
+                                         max_key_blocks(P.T)}
+                               : HeldRow{};
   int64_t held = -1;  // the tile row in `row` (rows_too: this thread's only head)
   auto row_tile = [&](int64_t bh, int64_t I) {
     if (rows_too) {
@@ -1087,9 +1091,9 @@ void qk_tiles_phase(Problem& P, const QK& Q, const Range* only = nullptr, bool r
     const float* IZ = Q.izrow.data_ptr<float>() + bh * P.T;
     lda = TB;
     if (i0 == held * TB) {
-      const int64_t blk = KeyBlocks(s, P.T).npre + j0 / TB, nblk = max_key_blocks(P.T);
+      const int64_t blk = KeyBlocks(s, P.T).npre + j0 / TB;
       for (int64_t r = 0; r < ni; ++r) {
-        const float f = std::exp(row.m[r * nblk + blk] - M[i0 + r]) * IZ[i0 + r];
+        const float f = std::exp(row.m[r * row.mld + blk] - M[i0 + r]) * IZ[i0 + r];
         const float* e = row.e + r * row.ld + s + j0;
         for (int64_t c = 0; c < nj; ++c) buf[r * TB + c] = e[c] * f;
       }
