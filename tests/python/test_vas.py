@@ -3,6 +3,7 @@ strides, left padding, the NaN/Inf policy, bad inputs, and the torch.compile / e
 TorchScript paths."""
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 
@@ -220,6 +221,18 @@ def test_strided_inputs_read_without_copy(device):
                  expected, rtol=1e-6, atol=1e-7, what="sliced")
 
 
+@contextlib.contextmanager
+def num_threads(n):
+    """ATen's thread count set to n inside the block (the CPU kernels choose between whole
+    heads per thread and heads split into chunks from it)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_results_do_not_depend_on_thread_count(causal):
     """One thread takes whole heads (each tile row read just before its pairs); four threads
@@ -227,14 +240,10 @@ def test_results_do_not_depend_on_thread_count(causal):
     the same numbers, and the reference's."""
     gen = torch.Generator().manual_seed(9)
     A, V, lengths = rand_case(1, 3, 300, 32, causal, gen)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with num_threads(1):
         one = headscope.vas_head_stats(A, V, lengths)
-        torch.set_num_threads(4)
+    with num_threads(4):
         four = headscope.vas_head_stats(A, V, lengths)
-    finally:
-        torch.set_num_threads(threads)
     assert_close(four, one, rtol=1e-5, atol=1e-7, what="1 vs 4 threads")
     assert_close(one, ref.head_stats(A, V, lengths), what="1 thread vs reference")
 
@@ -273,14 +282,10 @@ def test_qk_whole_heads_and_chunked_paths(causal):
     lengths, offsets = torch.tensor([290, 250]), torch.tensor([0, 37])
     A = ref.attention_from_qk(q, k, 0.3, causal, pad)
     expected = ref.head_stats(A, V, lengths, offsets)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 4):
-            torch.set_num_threads(n)
+    for n in (1, 4):
+        with num_threads(n):
             out = headscope.vas_head_stats_qk(q, k, V, lengths, 0.3, causal, offsets, pad)
-            assert_close(out, expected, what=f"qk with {n} threads")
-    finally:
-        torch.set_num_threads(threads)
+        assert_close(out, expected, what=f"qk with {n} threads")
 
 
 def test_qk_low_precision_and_strides(device):
