@@ -248,6 +248,96 @@ def test_results_do_not_depend_on_thread_count(causal):
     assert_close(one, ref.head_stats(A, V, lengths), what="1 thread vs reference")
 
 
+def sink_attention(B, H, T, causal, gen, bonus=12.0):
+    """Rows that put almost all their weight on the first key (an attention sink, common in
+    LLMs): A is close to 1 e_0^T, and its centred part Ac a small fraction of A."""
+    logits = torch.randn(B, H, T, T, generator=gen)
+    logits[..., 0] += bonus
+    if causal:
+        logits = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(logits, -1)
+
+
+def centred_fraction(A):
+    """max over heads of ||Ac|| / ||A|| (float64)."""
+    a = A.double().flatten(0, -3)
+    ac = a - a.mean(-1, keepdim=True) - a.mean(-2, keepdim=True) + a.mean((-1, -2), keepdim=True)
+    return (torch.linalg.matrix_norm(ac) / torch.linalg.matrix_norm(a)).max().item()
+
+
+def xfail_on_cuda(request, device):
+    if device == "cuda":  # README, "CUDA": the pass centres A by 1/n, without column shifts
+        request.applymarker(pytest.mark.xfail(reason="CUDA pass: no column shifts yet"))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("T", [16, 64, 300])
+def test_attention_sink_keeps_centred_statistics_exact(T, causal, device, request):
+    """With an attention sink ||Ac|| is 1e-4..1e-2 of ||A||. The centred sums must not be
+    differences of sums of A's size (they were: c off by up to 100% of itself at T = 16,
+    100x the tolerance at T = 300), whether threads take whole heads (1 thread) or chunks
+    (4 threads). Against the reference in float64: the seed's float32 centring is itself
+    off by up to 1.2e-4 here (relative, in c at T = 16)."""
+    xfail_on_cuda(request, device)
+    gen = torch.Generator().manual_seed(T)
+    A = sink_attention(2, 3, T, causal, gen)
+    V = torch.randn(2, 3, T, 16, generator=gen)
+    lengths = torch.tensor([T, T - 3])
+    assert centred_fraction(A) < 2e-2
+    expected = ref.head_stats(A, V, lengths, dtype=np.float64)
+    for n in (1, 4):
+        with num_threads(n):
+            out = headscope.vas_head_stats(A.to(device), V.to(device), lengths.to(device))
+        assert_close(out, expected, what=f"sink, {n} threads")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_qk_attention_sink_keeps_centred_statistics_exact(causal, device, request):
+    """The same through the qk op: every query has a large component along the first key.
+    (Not sharper: the op forms A itself, a few ulp from the reference's softmax, and c moves
+    by about ||A|| / ||Ac|| times that.)"""
+    xfail_on_cuda(request, device)
+    gen = torch.Generator().manual_seed(5)
+    B, H, T, D = 1, 4, 200, 16
+    u = torch.nn.functional.normalize(torch.randn(D, generator=gen), dim=0)
+    q = torch.randn(B, H, T, D, generator=gen) + 8.0 * u
+    k = torch.randn(B, 2, T, D, generator=gen)
+    k[:, :, 0] = 6.0 * u
+    V = torch.randn(B, H, T, 16, generator=gen)
+    lengths = torch.tensor([T])
+    A = ref.attention_from_qk(q, k, D ** -0.5, causal)
+    assert centred_fraction(A) < 4e-2
+    expected = ref.head_stats(A, V, lengths, dtype=np.float64)
+    for n in (1, 4):
+        with num_threads(n):
+            out = headscope.vas_head_stats_qk(q.to(device), k.to(device), V.to(device),
+                                              lengths.to(device), D ** -0.5, causal)
+        assert_close(out, expected, what=f"qk sink, {n} threads")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_banded_attention_with_tiles_and_blocks_of_zeros(causal, device):
+    """Sliding-window attention over 3 tile rows: tile pairs with no nonzero at all (whose
+    sums come in closed form from Vn), tiles of zeros beside live ones and 8 x 8 blocks of
+    zeros inside live tiles; a masked row of zeros too."""
+    gen = torch.Generator().manual_seed(17)
+    T = 300
+    i = torch.arange(T)
+    band = (i[:, None] - i[None, :]).abs() <= 40
+    if causal:
+        band &= i[None, :] <= i[:, None]
+    logits = torch.randn(2, 3, T, T, generator=gen).masked_fill(~band, float("-inf"))
+    A = torch.softmax(logits, -1)
+    A[:, :, 77] = 0
+    V = torch.randn(2, 3, T, 24, generator=gen)
+    lengths = torch.tensor([T, 280])
+    expected = ref.head_stats(A, V, lengths)
+    for n in (1, 4):
+        with num_threads(n):
+            out = headscope.vas_head_stats(A.to(device), V.to(device), lengths.to(device))
+        assert_close(out, expected, what=f"band, {n} threads")
+
+
 # ---- the qk op ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -28,20 +28,21 @@ def _center(K):
     return K - K.mean(axis=0, keepdims=True) - K.mean(axis=1, keepdims=True) + K.mean()
 
 
-def head_stats_dense(A: np.ndarray, V: np.ndarray) -> tuple[float, float, float]:
-    """(d, c, r) of one head from A (n, n) and V (n, Dh), float32 arithmetic."""
-    A = A.astype(np.float32)
-    V = V.astype(np.float32)
-    nrm = np.linalg.norm(V, axis=-1, keepdims=True)  # float32, NumPy's pairwise sum
-    Vn = V / np.maximum(nrm, np.float32(1e-9))
-    S = (Vn @ Vn.T + np.float32(1.0)) / np.float32(2.0)
+def head_stats_dense(A: np.ndarray, V: np.ndarray, dtype=np.float32) -> tuple[float, float, float]:
+    """(d, c, r) of one head from A (n, n) and V (n, Dh), in float32 arithmetic like the seed
+    (or float64: for inputs where float32 centring itself loses digits)."""
+    A = A.astype(dtype)
+    V = V.astype(dtype)
+    nrm = np.linalg.norm(V, axis=-1, keepdims=True)  # float32: NumPy's pairwise sum
+    Vn = V / np.maximum(nrm, dtype(1e-9))
+    S = (Vn @ Vn.T + dtype(1.0)) / dtype(2.0)
     Ac, Sc = _center(A), _center(S)
     d = float(np.linalg.norm(Ac - Sc)) / max(float(np.linalg.norm(A)) * float(np.linalg.norm(S)), 1e-9)
     num = float(np.sum(Ac.astype(np.float64) * Sc))
     d1 = float(np.sum(Ac.astype(np.float64) ** 2))
     d2 = float(np.sum(Sc.astype(np.float64) ** 2))
     c = num / max(np.sqrt(d1 * d2), 1e-12)
-    eps = np.float32(1e-12)
+    eps = dtype(1e-12)
     p = A / max(A.sum(-1).max(), eps)
     q = S / max(S.sum(-1).max(), eps)
     p = np.clip(p, eps, None)
@@ -50,8 +51,10 @@ def head_stats_dense(A: np.ndarray, V: np.ndarray) -> tuple[float, float, float]
     return d, c, r
 
 
-def head_stats(attn: torch.Tensor, head_writes: torch.Tensor, lengths, offsets=None) -> np.ndarray:
-    """(B, H, 3) float64 like headscope.vas_head_stats (NaN for heads with non-finite input)."""
+def head_stats(attn: torch.Tensor, head_writes: torch.Tensor, lengths, offsets=None,
+               dtype=np.float32) -> np.ndarray:
+    """(B, H, 3) float64 like headscope.vas_head_stats (NaN for heads with non-finite input);
+    dtype: the arithmetic of head_stats_dense."""
     A = attn.detach().float().cpu().numpy()
     V = head_writes.detach().float().cpu().numpy()
     B, H, T, _ = A.shape
@@ -64,7 +67,7 @@ def head_stats(attn: torch.Tensor, head_writes: torch.Tensor, lengths, offsets=N
                 out[b, h] = np.nan
                 continue
             with np.errstate(all="ignore"):
-                out[b, h] = head_stats_dense(a, v)
+                out[b, h] = head_stats_dense(a, v, dtype)
     return out
 
 

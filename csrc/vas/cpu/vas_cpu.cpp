@@ -4,13 +4,16 @@
 // row-normalised head writes, G = Vn Vn^T, S = (G + 1) / 2, A the attention:
 //   ||S||^2, ||Sc||^2 and S's row sums come from u = sum_i Vn_i and C = W^T W (Dh x Dh),
 //   W = Vn - mean(Vn), so the value Gram is never formed whole;
-//   phase 1 takes A's row sums and where its rows are nonzero (an Extent per 8 rows), one
-//   tile row at a time (in the fused path just before that row's pairs); phase 2 visits
+//   phase 1 takes A's row sums, its diagonal tiles' column sums and where its rows are
+//   nonzero (an Extent per 8 rows), one tile row at a time (in the fused path just before
+//   that row's pairs), and from them row and column shifts (set_shifts); phase 2 visits
 //   the tile pairs (I, J), (J, I) of A with the Gram formed a 24-row panel at a time, each
-//   8 x 8 Gram block serving both tiles (G is symmetric), and accumulates <A, G>, the
-//   centred sum of squares, the column sums and the row KL's sums; ||A||^2, ||Ac||^2 and
-//   the KL's normalisation follow in float64. Tiles and 8 x 8 blocks where A is all zero
-//   (causal masks) are skipped (their centring terms are added in closed form).
+//   8 x 8 Gram block serving both tiles (G is symmetric), and accumulates ||B||^2, <B, G>
+//   and the column sums of B = A less the shifts (close to the centred Ac, so that small
+//   centred statistics are not differences of large sums), ||A||^2 and the row KL's sums;
+//   ||Ac||^2, <Ac, Sc> and the KL's normalisation follow in float64. Tiles and 8 x 8
+//   blocks where A is all zero (causal masks) are skipped (their sums of B are added in
+//   closed form).
 // The qk op recomputes A: qk_row_tile forms a tile row of it (all the row's keys, for the
 //   softmax) in a per-thread buffer; with whole heads per thread its pairs read their A_IJ
 //   tiles there, and only A_JI tiles (no causal mask) are recomputed from the rows' max and
@@ -169,10 +172,11 @@ inline double dot8(const float* x, const float* y, int64_t n) {
 }
 
 struct Acc {
-  // sum a' log2(a' / q) and sum a' (the row KL's parts, see PairArgs), <A, G>,
-  // sum (a - x_row)^2
-  double kl = 0, ap = 0, ag = 0, ax2 = 0;
+  // sum a' log2(a' / q) and sum a' (the row KL's parts), <B, G>, ||B||^2 (see PairArgs),
+  // ||A||^2
+  double kl = 0, ap = 0, ag = 0, ax2 = 0, a2 = 0;
 };
+constexpr int64_t kParts = 5;  // Acc's sums, as stored per chunk
 
 // 8-lane float sums to double, per row: the tiles' rows are short enough (<= TB) that the
 // float partial sums keep the 1e-4 target with room to spare.
@@ -199,10 +203,15 @@ inline double row_sum(const float* x, int64_t n) {
   return d;
 }
 
-// The centring value of a row of A: its mean over the window.
-inline float centre(double rowsum, int64_t n) {
-  return static_cast<float>(rowsum / static_cast<double>(n));
-}
+// The sums over a tile row's rows of its diagonal tile's columns (Problem::dcol), from
+// which set_shifts takes the column shifts.
+struct DiagColumns {
+  float sum[TB] = {};
+  void add_row(const float* a, int64_t cols) {  // a: the row's diagonal-tile piece
+    for (int64_t c = 0; c < cols; ++c) sum[c] += a[c];
+  }
+  void store(double* dcol, int64_t cols) const { std::copy(sum, sum + cols, dcol); }
+};
 
 // Lanes [0, n) set, for the last partial vector of a row.
 inline f8 lane_mask(int64_t n) {
@@ -211,13 +220,24 @@ inline f8 lane_mask(int64_t n) {
   return m;
 }
 
-// The centred sum of squares of a block of zeros in A (rows x cols, row centres x). Zero
-// blocks are skipped: their KL terms, p log(p / q) with p at the clip, are under 3e-11 each
-// and left out (README.md, "Deliberate differences"), and no other sum sees them.
-inline double zeros_ax2(const float* x, int64_t rows, int64_t cols) {
-  double sx2 = 0;
-  for (int64_t r = 0; r < rows; ++r) sx2 += static_cast<double>(x[r]) * x[r];
-  return sx2 * static_cast<double>(cols);
+// A tile of zeros in A (rows x cols, row shifts x, column shifts y): its entries of B,
+// -(x_r + y_c), into ||B||^2 (ax2) and B's column sums (colsum), in closed form. Zero tiles
+// and blocks are skipped: their KL terms, p log(p / q) with p at the clip, are under 3e-11
+// each and left out (README.md, "Deliberate differences"); <B, G> needs G (kl_pair,
+// zero_tile).
+inline void zero_sums(const float* x, int64_t rows, const float* y, int64_t cols, double& ax2,
+                      double* colsum) {
+  double sx = 0, sx2 = 0, sy = 0, sy2 = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    sx += x[r];
+    sx2 += static_cast<double>(x[r]) * x[r];
+  }
+  for (int64_t c = 0; c < cols; ++c) {
+    sy += y[c];
+    sy2 += static_cast<double>(y[c]) * y[c];
+    colsum[c] -= sx + static_cast<double>(rows) * y[c];
+  }
+  ax2 += static_cast<double>(cols) * sx2 + static_cast<double>(rows) * sy2 + 2.0 * sx * sy;
 }
 
 // Where A may be nonzero: for one 8-row block of the window, the 8-column groups from lo to
@@ -228,10 +248,12 @@ struct Extent {
   bool hits(int64_t g0, int64_t g1) const { return lo <= g1 && g0 <= hi; }  // groups [g0, g1]
 };
 
-// Everything phase 2 needs from A, over one tile pair: the row KL and <A, G>, with the
+// Everything phase 2 needs from A, over one tile pair: the row KL, with the
 // value Gram G = Vn_I Vn_J^T formed a panel of rows at a time in L1 and never stored whole
 // (each 8 x 8 block serves A_IJ's block and, through an in-register transpose, A_JI's: G
-// is symmetric), the centred sum of squares sum (a - x_row)^2 and the column sums. p and q
+// is symmetric), and the sums of B = A - x 1^T - 1 y^T (x, y: the row and column shifts,
+// see set_shifts): sum b^2, <B, G> and B's column sums, b formed as (a - y_col) - x_row;
+// and ||A||^2. p and q
 // are the seed's clipped, max-row-sum-normalised entries, q = max((g + 1) / 2 / mS, clip);
 // the KL is summed without A's normalisation mA (not known before every row is read):
 // with a' = max(a, 1e-30), sum_j a' log2(a' / q) and sum_j a', from which
@@ -244,7 +266,7 @@ struct PairArgs {
   int64_t dh, ldv;
   const float* aij;  // A_IJ (row stride lij)
   int64_t lij;
-  const float* aji;  // A_JI (row stride lji), nullptr when zero; == aij when diag
+  const float* aji;  // A_JI (row stride lji), nullptr when all zero; == aij when diag
   int64_t lji;
   int64_t ni, nj;
   bool diag;  // I == J: blocks on or below the diagonal, the diagonal block once
@@ -252,8 +274,9 @@ struct PairArgs {
   const Extent* ej;
   int64_t gi0, gj0;  // the first column group of I and of J
   float hs;  // 1 / (2 mS)
-  const float *xi, *xj;  // row centres of I and J
-  double *ci, *cj;       // column sums of I's and J's columns
+  const float *xi, *xj;  // row shifts of I's and J's rows
+  const float *yi, *yj;  // column shifts of I's and J's columns
+  double *ci, *cj;       // B's column sums over I's and J's columns
 };
 
 constexpr int64_t kPanel = 24;  // Gram rows per panel: four 6 x 16 blocks of gemm_nn
@@ -271,18 +294,17 @@ inline f8 max8(f8 a, f8 b) {
 // The running sums of kl_pair over one 8-row strip, in float lanes.
 struct StripSums {
   f8 hs;  // 1 / (2 mS)
-  f8 kl = {}, ap = {}, ag = {}, ax2 = {};
-  double ax2_zero = 0;  // the centred sum of squares over blocks where A is zero
+  f8 kl = {}, ap = {}, ag = {}, ax2 = {}, a2 = {};
 
-  // One row piece of A against its G values. kMasked (a tile's edge): keep is 1 in the
-  // lanes inside the tile (A is 0 and G finite outside), which alone count in the KL and
-  // the centred sum.
+  // One row piece of A against its G values (row shift x, column shifts y); returns its b.
+  // kMasked (a tile's edge): keep is 1 in the lanes inside the tile (A is 0 and G finite
+  // outside), which alone count.
   template <bool kMasked>
-  void entry(f8 av, f8 gv, float x, f8 keep) {
+  f8 entry(f8 av, f8 gv, float x, f8 y, f8 keep) {
     const f8 a1 = max8(av, f8{} + kTiny);                   // a'
     const f8 q = max8(gv * hs + hs, f8{} + static_cast<float>(kClip));  // the seed's q
     const f8 t = a1 * log2_8_pos(a1 / q);
-    f8 d = av - x;
+    f8 d = (av - y) - x;
     if constexpr (kMasked) {
       d *= keep;
       kl += keep > f8{} ? t : f8{};
@@ -291,22 +313,62 @@ struct StripSums {
       kl += t;
       ap += a1;
     }
-    ag += av * gv;
+    ag += d * gv;
     ax2 += d * d;
+    a2 += av * av;  // ||A||^2 (A is 0 outside a tile's edge)
+    return d;
   }
 
-  void zero_block(const float* x, int64_t rows, int64_t cols) { ax2_zero += zeros_ax2(x, rows, cols); }
+  // A block of zeros in A, nx rows (shifts x in lanes, 0 past nx) by ny columns (shifts y,
+  // 0 past ny): its b = -(x_r + y_c) into ||B||^2; returns its column sums (0 past ny).
+  f8 zero_sums(f8 x, int64_t nx, f8 y, int64_t ny) {
+    const float sx = hsum(x), nr = static_cast<float>(nx);
+    ax2 += x * x * static_cast<float>(ny) + y * y * nr + 2.0f * sx * y;
+    const f8 col = -(sx + nr * y);
+    return ny == 8 ? col : col * lane_mask(ny);
+  }
+
+  // <B, G> over a block of zeros of A_IJ (g: its Gram rows, stride TB; row shifts x in
+  // lanes, column shifts y): -sum (x_r + y_c) G_rc.
+  void zero_gram(f8 x, f8 y, int64_t rows, const float* g) {
+    f8 gs = {}, gx = {};  // sum_r G_r, sum_r x_r G_r
+    for (int64_t r = 0; r < rows; ++r) {
+      f8 gv;
+      std::memcpy(&gv, g + r * TB, sizeof gv);
+      gs += gv;
+      gx += x[r] * gv;
+    }
+    ag -= gx + gs * y;
+  }
+
+  // The same over the block of zeros of A_JI that g (rows ib.., columns jb..) serves
+  // transposed: entry (jb + c, ib + r) has b = -(x_c + y_r) and G_(ib + r)(jb + c), x (its
+  // row shifts) in the column lanes, y (its column shifts) in the row lanes.
+  void zero_gram_t(f8 x, f8 y, int64_t rows, const float* g) {
+    f8 gs = {}, gy = {};  // sum_r G_r, sum_r y_r G_r
+    for (int64_t r = 0; r < rows; ++r) {
+      f8 gv;
+      std::memcpy(&gv, g + r * TB, sizeof gv);
+      gs += gv;
+      gy += y[r] * gv;
+    }
+    ag -= gs * x + gy;
+  }
 };
 
 // One 8 x 8 Gram block (rows ib.., columns jb.. of the pair; g: its rows, stride TB)
-// against A_IJ's block when `live_ij` and A_JI's when `live_ji` (through the block
-// transposed in registers); a block that is not live is zero.
+// against A_IJ's block and, when `upper`, A_JI's (through the block transposed in
+// registers). A block that is not live is zero: its b = -(x + y) go into the sums in
+// closed form, <B, G> through the Gram block's row and column sums.
 // kFull: a whole 8 x 8 block (no edge): plain loads, no masks.
 template <bool kFull>
 inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, int64_t rows,
-                   int64_t cols, bool live_ij, bool live_ji, StripSums& st, f8& col_i) {
+                   int64_t cols, bool live_ij, bool upper, bool live_ji, StripSums& st,
+                   f8& col_i) {
+  const f8 yj = load_part(a.yj + jb, kFull ? 8 : cols);
   if (live_ij) {
     const f8 keep_cols = kFull ? f8{} : lane_mask(cols);
+    const f8 y = yj;
     f8 col_j = {};
     for (int64_t r = 0; r < (kFull ? 8 : rows); ++r) {
       const float* ar = a.aij + (ib + r) * a.lij + jb;
@@ -317,14 +379,24 @@ inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, in
         av = load_part(ar, cols);
       }
       std::memcpy(&gv, g + r * TB, sizeof gv);
-      st.entry<!kFull>(av, gv, a.xi[ib + r], keep_cols);
-      col_j += av;
+      col_j += st.entry<!kFull>(av, gv, a.xi[ib + r], y, keep_cols);
     }
     for (int64_t k = 0; k < (kFull ? 8 : cols); ++k) a.cj[jb + k] += col_j[k];
   } else {
-    st.zero_block(a.xi + ib, rows, cols);
+    const f8 x = load_part(a.xi + ib, kFull ? 8 : rows);
+    const f8 col_j = st.zero_sums(x, rows, yj, cols);
+    st.zero_gram(x, yj, rows, g);
+    for (int64_t k = 0; k < (kFull ? 8 : cols); ++k) a.cj[jb + k] += col_j[k];
   }
-  if (!live_ji) return;
+  if (!upper) return;
+  const f8 y = load_part(a.yi + ib, kFull ? 8 : rows);
+  if (!live_ji) {
+    const f8 x = load_part(a.xj + jb, kFull ? 8 : cols);
+    st.zero_gram_t(x, y, rows, g);
+    // its other sums: here, or (a tile of zeros) in closed form by the caller
+    if (a.aji != nullptr) col_i += st.zero_sums(x, cols, y, rows);
+    return;
+  }
   const f8 keep_rows = kFull ? f8{} : lane_mask(rows);
   f8 gt[8];
   for (int r = 0; r < 8; ++r) std::memcpy(&gt[r], g + r * TB, sizeof(f8));
@@ -337,8 +409,7 @@ inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, in
     } else {
       av = load_part(ar, rows);
     }
-    st.entry<!kFull>(av, gt[c], a.xj[jb + c], keep_rows);
-    col_i += av;
+    col_i += st.entry<!kFull>(av, gt[c], a.xj[jb + c], y, keep_rows);
   }
 }
 
@@ -363,28 +434,27 @@ void kl_pair(const PairArgs& a, float* gp, Acc& acc) {
       if (a.aji != nullptr && ib + 8 < a.ni)
         for (int64_t c = 0; c < std::min(jend, a.nj); ++c)
           __builtin_prefetch(a.aji + c * a.lji + ib + 8, 0, 2);
-      f8 col_i = {};  // column sums over the A_JI pieces, columns ib..
+      f8 col_i = {};  // B's column sums over the A_JI pieces, columns ib..
       const Extent& ext_i = a.ei[ib / 8];
       for (int64_t jb = 0; jb < jend; jb += 8) {
         const int64_t cols = std::min<int64_t>(8, a.nj - jb);
         const bool live_ij = ext_i.hits(a.gj0 + jb / 8);
-        // A_JI's block: when there is one, and not the diagonal block (A_IJ's, just seen)
-        const bool upper = a.aji != nullptr && !(a.diag && jb == ib);
-        const bool live_ji = upper && a.ej[jb / 8].hits(a.gi0 + ib / 8);
+        // A_JI's block, unless it is the diagonal block (A_IJ's, just seen)
+        const bool upper = !(a.diag && jb == ib);
+        const bool live_ji = upper && a.aji != nullptr && a.ej[jb / 8].hits(a.gi0 + ib / 8);
         if (rows == 8 && cols == 8) {
-          block8<true>(a, g8 + jb, ib, jb, rows, cols, live_ij, live_ji, st, col_i);
+          block8<true>(a, g8 + jb, ib, jb, rows, cols, live_ij, upper, live_ji, st, col_i);
         } else {
-          block8<false>(a, g8 + jb, ib, jb, rows, cols, live_ij, live_ji, st, col_i);
+          block8<false>(a, g8 + jb, ib, jb, rows, cols, live_ij, upper, live_ji, st, col_i);
         }
-        if (upper && !live_ji) st.zero_block(a.xj + jb, cols, rows);
       }
       for (int64_t k = 0; k < rows; ++k) a.ci[ib + k] += col_i[k];
       acc.kl += hsum(st.kl);
       acc.ap += hsum(st.ap);
       acc.ag += hsum(st.ag);
-      acc.ax2 += hsum(st.ax2) + st.ax2_zero;
-      st.kl = st.ap = st.ag = st.ax2 = f8{};
-      st.ax2_zero = 0;
+      acc.ax2 += hsum(st.ax2);
+      acc.a2 += hsum(st.a2);
+      st.kl = st.ap = st.ag = st.ax2 = st.a2 = f8{};
     }
   }
 }
@@ -416,8 +486,10 @@ struct Problem {
   at::Tensor vn;      // float [slots, T8, Dh]: Vn of the window rows (zeros after them)
   at::Tensor vnt;     // float [slots, Dh, Tp]: the same, transposed
   at::Tensor adot;    // double [BH, T]: m . Vn_i
-  at::Tensor xcen;    // float [BH, T]: centring values (row sums / n)
-  at::Tensor part;    // double [BH, P, 4]: the KL's two sums, <A, G>, centred sum of squares
+  at::Tensor xcen;    // float [BH, T]: row shifts and
+  at::Tensor ycol;    // float [BH, T]: column shifts of the tile pass (see set_shifts)
+  at::Tensor dcol;    // double [BH, T]: column sums of the diagonal tiles (DiagColumns)
+  at::Tensor part;    // double [BH, P, 5]: the sums of Acc
   at::Tensor rowp;    // double [BH, P, T]
   at::Tensor colp;    // double [BH, P, T]
   at::Tensor chunkbad;  // uint8 [BH, P]
@@ -493,11 +565,47 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
   P.vnt = at::empty({slots, Dh, P.Tp}, f32);
   P.adot = at::empty({P.BH, T}, f64);
   P.xcen = at::empty({P.BH, T}, f32);
-  P.part = at::zeros({P.BH, P.P, 4}, f64);
+  P.ycol = at::empty({P.BH, T}, f32);
+  P.dcol = at::empty({P.BH, T}, f64);
+  P.part = at::zeros({P.BH, P.P, kParts}, f64);
   P.rowp = at::zeros({P.BH, P.P, T}, f64);
   P.colp = at::zeros({P.BH, P.P, T}, f64);
   P.chunkbad = at::zeros({P.BH, P.P}, at::TensorOptions().dtype(at::kByte));
   P.ext = at::empty({P.BH, P.T8 / 8, 2}, at::TensorOptions().dtype(at::kInt));
+}
+
+// The shifts of tile row I's rows and columns for the tile pass (see PairArgs), once its
+// row sums r and diagonal column sums are known: x_i = (r_i - r0) / n, r0 the mean row sum
+// of tile row 0 (the same for every row: a row constant is left to the column shifts), and
+// y_j the mean over tile row I's rows of a_ij - x_i. Wherever A is close to a row constant
+// plus a column constant (one column taking most of every row's weight, an attention
+// sink), B is then close to Ac, and b = (a - y) - x is formed from nearby numbers (its
+// column part first, as the seed's centring subtracts the column means first). Any shifts
+// would keep the sums exact; these keep them small.
+void set_shifts(Problem& P, int64_t bh, int64_t I) {
+  const int64_t n = P.n[bh / P.H], i0 = I * TB, ni = std::min(TB, n - i0), n0 = std::min(TB, n);
+  const double* r = P.rowp.data_ptr<double>() + bh * P.P * P.T;  // row sums: chunk 0's
+  const double* dcol = P.dcol.data_ptr<double>() + bh * P.T;
+  float* x = P.xcen.data_ptr<float>() + bh * P.T;
+  float* y = P.ycol.data_ptr<float>() + bh * P.T;
+  double r0 = 0, sx = 0;
+  for (int64_t i = 0; i < n0; ++i) r0 += r[i];
+  r0 /= static_cast<double>(n0);
+  for (int64_t i = i0; i < i0 + ni; ++i) {
+    x[i] = static_cast<float>((r[i] - r0) / static_cast<double>(n));
+    sx += x[i];
+  }
+  for (int64_t j = i0; j < i0 + ni; ++j)
+    y[j] = static_cast<float>((dcol[j] - sx) / static_cast<double>(ni));
+}
+
+// set_shifts for every tile row of every head, after phase 1 in chunks.
+void shifts_phase(Problem& P) {
+  at::parallel_for(0, P.BH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh)
+      if (!P.bad[bh])
+        for (int64_t I = 0; I < P.nb(bh); ++I) set_shifts(P, bh, I);
+  });
 }
 
 // Whether tile (I, J) of a head's window may hold a nonzero of A.
@@ -616,6 +724,26 @@ void merge_bad_chunks(Problem& P) {
     for (int64_t p = 0; p < P.P; ++p) P.bad[bh] |= cb[bh * P.P + p];
 }
 
+// A tile of A all zero (rows [i0, i0 + ni), columns [j0, j0 + nj)) in a pair with no live
+// tile, where no Gram tile is formed: zero_sums, and its part of <B, G>,
+// -sum (x_i + y_j) G_ij = -(sum_i x_i Vn_i) . (sum_j Vn_j) - (sum_i Vn_i) . (sum_j y_j Vn_j).
+void zero_tile(const float* vn, int64_t dh, const float* x, const float* y, int64_t i0,
+               int64_t ni, int64_t j0, int64_t nj, Acc& acc, double* cols) {
+  zero_sums(x + i0, ni, y + j0, nj, acc.ax2, cols + j0);
+  std::vector<double> s(4 * dh, 0.0);  // sum x_i Vn_i, sum Vn_i, sum Vn_j, sum y_j Vn_j
+  for (int64_t i = i0; i < i0 + ni; ++i)
+    for (int64_t c = 0; c < dh; ++c) {
+      s[c] += static_cast<double>(x[i]) * vn[i * dh + c];
+      s[dh + c] += vn[i * dh + c];
+    }
+  for (int64_t j = j0; j < j0 + nj; ++j)
+    for (int64_t c = 0; c < dh; ++c) {
+      s[2 * dh + c] += vn[j * dh + c];
+      s[3 * dh + c] += static_cast<double>(y[j]) * vn[j * dh + c];
+    }
+  for (int64_t c = 0; c < dh; ++c) acc.ag -= s[c] * s[2 * dh + c] + s[dh + c] * s[3 * dh + c];
+}
+
 // Phase 2 driver: visits the lower-triangle tile pairs (I >= J) of each head, chunk p of
 // P taking every P-th pair. row_tile(bh, I) runs before tile row I's pairs (false: the head
 // holds a NaN or an infinity, and stops there). tile(bh, i0, ni, j0, nj, buf, lda) gives a
@@ -634,6 +762,7 @@ void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only 
       const float* vn = P.vn_of(bh);
       const float* vnt = P.vnt_of(bh);
       const float* x = P.xcen.data_ptr<float>() + bh * P.T;
+      const float* y = P.ycol.data_ptr<float>() + bh * P.T;
       double* cols = P.colp.data_ptr<double>() + (bh * P.P + p) * P.T;
       const Extent* ext = P.ext_of(bh);
       const float hs = static_cast<float>(0.5 / P.mS[bh]);
@@ -650,37 +779,39 @@ void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only 
           const int64_t j0 = J * TB, nj = std::min(TB, n - j0);
           int64_t lij = 0, lji = 0;
           const float* aij = nullptr;
-          if (tile_live(ext, I, J, n)) {
-            aij = tile(bh, i0, ni, j0, nj, buf_ij, lij);
-          } else {
-            acc.ax2 += zeros_ax2(x + i0, ni, nj);
-          }
+          if (tile_live(ext, I, J, n)) aij = tile(bh, i0, ni, j0, nj, buf_ij, lij);
           const float* aji = aij;
           lji = lij;
           if (I != J) {
             aji = nullptr;
-            if (tile_live(ext, J, I, n)) {
-              aji = tile(bh, j0, nj, i0, ni, buf_ji, lji);
-            } else {
-              acc.ax2 += zeros_ax2(x + j0, nj, ni);
-            }
+            if (tile_live(ext, J, I, n)) aji = tile(bh, j0, nj, i0, ni, buf_ji, lji);
+          }
+          // a tile of zeros beside a live one: its <B, G> in kl_pair (block by block, from
+          // the Gram tile formed for the live one), its other sums here
+          if (I != J && (aij == nullptr) != (aji == nullptr)) {
+            if (aij == nullptr) zero_sums(x + i0, ni, y + j0, nj, acc.ax2, cols + j0);
+            if (aji == nullptr) zero_sums(x + j0, nj, y + i0, ni, acc.ax2, cols + i0);
           }
           if (aij != nullptr) {
             kl_pair({vn + i0 * P.Dh, vnt + j0, P.Dh, P.Tp, aij, lij, aji, lji, ni, nj, I == J,
                      ext + i0 / 8, ext + j0 / 8, i0 / 8, j0 / 8, hs, x + i0, x + j0,
-                     cols + i0, cols + j0}, gp, acc);
+                     y + i0, y + j0, cols + i0, cols + j0}, gp, acc);
           } else if (aji != nullptr) {  // only A_JI: the pair seen from J
             kl_pair({vn + j0 * P.Dh, vnt + i0, P.Dh, P.Tp, aji, lji, nullptr, 0, nj, ni, false,
                      ext + j0 / 8, ext + i0 / 8, j0 / 8, i0 / 8, hs, x + j0, x + i0,
-                     cols + j0, cols + i0}, gp, acc);
+                     y + j0, y + i0, cols + j0, cols + i0}, gp, acc);
+          } else {
+            zero_tile(vn, P.Dh, x, y, i0, ni, j0, nj, acc, cols);
+            if (I != J) zero_tile(vn, P.Dh, x, y, j0, nj, i0, ni, acc, cols);
           }
         }
       }
-      double* pt = P.part.data_ptr<double>() + (bh * P.P + p) * 4;
+      double* pt = P.part.data_ptr<double>() + (bh * P.P + p) * kParts;
       pt[0] = acc.kl;
       pt[1] = acc.ap;
       pt[2] = acc.ag;
       pt[3] = acc.ax2;
+      pt[4] = acc.a2;
     }
   });
 }
@@ -696,45 +827,49 @@ void finalize_into(Problem& P, float* o, const Range* only = nullptr) {
       }
       const int64_t n = P.n[bh / P.H];
       const double nn = static_cast<double>(n);
-      const double* part = P.part.data_ptr<double>() + bh * P.P * 4;
+      const double* part = P.part.data_ptr<double>() + bh * P.P * kParts;
       const double* rowp = P.rowp.data_ptr<double>() + bh * P.P * P.T;
       const double* colp = P.colp.data_ptr<double>() + bh * P.P * P.T;
       const double* adot = P.adot.data_ptr<double>() + bh * P.T;
       const float* x = P.xcen.data_ptr<float>() + bh * P.T;
-      double kl = 0, ap = 0, ag = 0, ax2 = 0;
-      for (int64_t p = 0; p < P.P; ++p) {
-        kl += part[p * 4 + 0];
-        ap += part[p * 4 + 1];
-        ag += part[p * 4 + 2];
-        ax2 += part[p * 4 + 3];
+      double kl = 0, ap = 0, ag = 0, ax2 = 0, a2 = 0;
+      for (const double* pt = part; pt < part + P.P * kParts; pt += kParts) {
+        kl += pt[0];
+        ap += pt[1];
+        ag += pt[2];
+        ax2 += pt[3];
+        a2 += pt[4];
       }
-      // ||A||^2 = sum_i (sum_j (a_ij - x_i)^2 + 2 x_i r_i - n x_i^2): positive terms only
-      double a2 = ax2, sA = 0, sx = 0, ra = 0, ca = 0, rr = 0, cc = 0, mA = 0;
-      for (int64_t i = 0; i < n; ++i) sx += x[i];
+      // B = A - x 1^T - 1 y^T (the shifts of the tile pass): ax2 = ||B||^2, ag = <B, G>, colp
+      // holds B's column sums; its row sums are r_i - n x_i - sum(y). For any shifts
+      // ||Ac||^2 = ||H B H||^2 and <Ac, Sc> = <B, H G H> / 2 (H B H = H A H); with shifts
+      // near the row and column means B is near Ac, so neither is a difference of large
+      // sums (attention sinks: A near 1 y^T, Ac tiny)
+      const float* y = P.ycol.data_ptr<float>() + bh * P.T;
+      double sy = 0, mA = 0;
+      for (int64_t i = 0; i < n; ++i) sy += y[i];
+      double rb2 = 0, cb2 = 0, rba = 0, cba = 0, b1 = 0;
       for (int64_t i = 0; i < n; ++i) {
         double r = 0, c = 0;
         for (int64_t p = 0; p < P.P; ++p) {
           r += rowp[p * P.T + i];
           c += colp[p * P.T + i];
         }
-        sA += r;
         mA = std::max(mA, r);
-        a2 += (2.0 * r - nn * x[i]) * x[i];
-        ra += r * adot[i];
-        ca += c * adot[i];
-        const double br = r - nn * x[i];  // row sums of B = A - x 1^T
-        const double bc = c - sx;         // column sums of B
-        rr += br * br;
-        cc += bc * bc;
+        const double br = r - nn * x[i] - sy;  // row i of B's sum; c: column i's
+        b1 += br;
+        rb2 += br * br;
+        cb2 += c * c;
+        rba += br * adot[i];
+        cba += c * adot[i];
       }
-      const double b1 = sA - nn * sx;
-      // ||Ac||^2 = ||H B H||^2 for B = A - x 1^T (any x): exact, no large cancellation.
-      const double Acc = std::max(0.0, ax2 - rr / nn - cc / nn + b1 * b1 / (nn * nn));
+      const double Acc = std::max(0.0, ax2 - rb2 / nn - cb2 / nn + b1 * b1 / (nn * nn));
       const double Scc = P.Scc[bh];
-      // <Ac, Sc> = <A, Gc> / 2, bounded by Cauchy-Schwarz (so that it is exactly 0 when
-      // either centred matrix is, e.g. n = 1, as in the seed)
+      // <Ac, Sc> = <B, W W^T> / 2 (W W^T = H G H = G - a 1^T - 1 a^T + |m|^2, a = adot),
+      // bounded by Cauchy-Schwarz (so that it is exactly 0 when either centred matrix is,
+      // e.g. n = 1, as in the seed)
       const double bound = std::sqrt(Acc * Scc);
-      const double Asc = std::min(bound, std::max(-bound, 0.5 * (ag - ra - ca + sA * P.msq[bh])));
+      const double Asc = std::min(bound, std::max(-bound, 0.5 * (ag - rba - cba + b1 * P.msq[bh])));
       const double c = Asc / std::max(std::sqrt(Acc * Scc), 1e-12);
       const double num = std::sqrt(std::max(0.0, Acc - 2.0 * Asc + Scc));
       const double den = std::max(std::sqrt(a2) * std::sqrt(P.Snorm2[bh]), 1e-9);
@@ -755,7 +890,8 @@ at::Tensor finalize(Problem& P, const at::TensorOptions& out_opts) {
 // ---- vas_head_stats ------------------------------------------------------------------
 
 // Phase 1 of the attention op over tile row I of a head (rows [I TB, I TB + TB) of its
-// window): the rows' sums and centring values and the Extent of each 8-row block. False
+// window): the rows' sums and shifts, the Extent of each 8-row block and the column shifts
+// of the tile's columns. False
 // when a row holds a NaN or an infinity. row: scratch for one converted row.
 template <typename A_t>
 bool attn_row_tile(Problem& P, const In4<A_t>& A, int64_t s3, int64_t bh, int64_t I, float* row) {
@@ -764,8 +900,9 @@ bool attn_row_tile(Problem& P, const In4<A_t>& A, int64_t s3, int64_t bh, int64_
   Extent* ext = P.ext_of(bh);
   // each row has one owner: its sum goes to rowp[bh, 0]
   double* rsum = P.rowp.data_ptr<double>() + bh * P.P * P.T;
-  float* x = P.xcen.data_ptr<float>() + bh * P.T;
-  for (int64_t i = I * TB; i < std::min(n, (I + 1) * TB); ++i) {
+  const int64_t i0 = I * TB, ni = std::min(TB, n - i0);
+  DiagColumns diag;
+  for (int64_t i = i0; i < i0 + ni; ++i) {
     const float* a = row;
     if (direct) {
       a = reinterpret_cast<const float*>(A.at(b, h, s + i)) + s;
@@ -785,7 +922,7 @@ bool attn_row_tile(Problem& P, const In4<A_t>& A, int64_t s3, int64_t bh, int64_
     }
     if (!std::isfinite(sum)) return false;  // a NaN or an infinity (|a| < 1e19 never overflows)
     rsum[i] = sum;
-    x[i] = centre(sum, n);
+    diag.add_row(a + i0, ni);
     Extent& e = ext[i / 8];
     if (i % 8 == 0) e = {std::numeric_limits<int32_t>::max(), -1};
     if (first >= 0) {
@@ -793,6 +930,7 @@ bool attn_row_tile(Problem& P, const In4<A_t>& A, int64_t s3, int64_t bh, int64_
       e.hi = std::max(e.hi, static_cast<int32_t>(last));
     }
   }
+  diag.store(P.dcol.data_ptr<double>() + bh * P.T + i0, ni);
   return true;
 }
 
@@ -824,7 +962,10 @@ void attn_tiles_phase(Problem& P, const at::Tensor& attn, const Range* only = nu
   const int64_t s3 = attn.stride(3);
   const bool direct = std::is_same<A_t, float>::value && s3 == 1;
   auto row_tile = [&](int64_t bh, int64_t I) {
-    return !rows_too || attn_row_tile(P, A, s3, bh, I, P.thread_scratch() + 3 * TB * TB);
+    if (!rows_too) return true;
+    if (!attn_row_tile(P, A, s3, bh, I, P.thread_scratch() + 3 * TB * TB)) return false;
+    set_shifts(P, bh, I);
+    return true;
   };
   tiles_phase(P, row_tile, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0,
                                                 int64_t nj, float* buf,
@@ -883,6 +1024,7 @@ at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_wri
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_a", [&] {
     attn_row_phase<scalar_t>(P, attn);
     merge_bad_chunks(P);
+    shifts_phase(P);
     attn_tiles_phase<scalar_t>(P, attn);
   });
   return finalize(P, attn.options());
@@ -985,8 +1127,9 @@ struct HeldRow {
 
 // Tile row I of a head's recomputed attention, one key block at a time with an online
 // softmax: the statistics that recompute any tile of the row (row max M, 1 / denominator
-// Z), its sum over the window's columns and its centring value; with `held`, the row itself
-// too, else each block reuses `scratch` (TB x TB).
+// Z), its sums and shifts over the window's columns and the column shifts of its diagonal
+// tile (that tile's key block comes last, so its exp(l - m) has the final m); with `held`,
+// the row itself too, else each block reuses `scratch` (TB x TB).
 void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* held,
                  float* scratch) {
   const int64_t b = bh / P.H, n = P.n[b], s = P.s[b];
@@ -997,7 +1140,9 @@ void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* 
   double Z[TB], R[TB];
   float Mx[TB];
   for (int64_t r = 0; r < ni; ++r) Z[r] = R[r] = 0, Mx[r] = -std::numeric_limits<float>::infinity();
-  for (int64_t blk = 0; blk < kb.count(); ++blk) {
+  const int64_t nblk = kb.count(), diag = kb.npre + I;
+  for (int64_t t = 0; t < nblk; ++t) {
+    const int64_t blk = t == nblk - 1 ? diag : t + (t >= diag);
     const int64_t k0 = kb.begin(blk), nk = kb.end(blk) - k0;
     float* L = held ? held->e + k0 : scratch;
     gemm_nn(ni, nk, Q.D, Q.scale, qb + i0 * Q.D, Q.D, key_rows(P, Q, bh) + k0, P.Tp, L, ld);
@@ -1021,7 +1166,7 @@ void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* 
         Mx[r] = mx;
       }
       if (lim > 0) Z[r] += cpu::exp_shift_scale(l, l, lim, mx, 1.0f);
-      if (held) std::fill(l + std::max<int64_t>(lim, 0), l + nk, 0.0f);
+      if (held || blk == diag) std::fill(l + std::max<int64_t>(lim, 0), l + nk, 0.0f);
       // the window's columns [s, s + n) within this block
       const int64_t c0 = std::max<int64_t>(0, s - k0), c1 = std::min(lim, s + n - k0);
       if (c1 > c0) R[r] += row_sum(l + c0, c1 - c0);
@@ -1030,19 +1175,27 @@ void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* 
   float* M = Q.mrow.data_ptr<float>() + bh * P.T;
   float* IZ = Q.izrow.data_ptr<float>() + bh * P.T;
   double* rsum = P.rowp.data_ptr<double>() + bh * P.P * P.T;  // each row has one owner
-  float* x = P.xcen.data_ptr<float>() + bh * P.T;
   for (int64_t r = 0; r < ni; ++r) {
     const int64_t i = i0 + r;
     if (Z[r] == 0.0) {  // no key in use (all padding): a row of zeros
-      M[i] = IZ[i] = x[i] = 0.0f;
+      M[i] = IZ[i] = 0.0f;
       rsum[i] = 0.0;
       continue;
     }
     M[i] = Mx[r];
     IZ[i] = static_cast<float>(1.0 / Z[r]);
     rsum[i] = R[r] / Z[r];
-    x[i] = centre(rsum[i], n);
   }
+  // the diagonal block, done last: A = e IZ (rows without a key are zeros)
+  DiagColumns cols;
+  float a[TB];
+  const float* e = held ? held->e + s + i0 : scratch;
+  for (int64_t r = 0; r < ni; ++r) {
+    if (Z[r] == 0.0) continue;
+    for (int64_t c = 0; c < ni; ++c) a[c] = e[r * ld + c] * IZ[i0 + r];
+    cols.add_row(a, ni);
+  }
+  cols.store(P.dcol.data_ptr<double>() + bh * P.T + i0, ni);
 }
 
 // Phase 1 of the qk op (heads split into chunks): the statistics of qk_row_tile, chunk p
@@ -1080,6 +1233,7 @@ void qk_tiles_phase(Problem& P, const QK& Q, const Range* only = nullptr, bool r
   auto row_tile = [&](int64_t bh, int64_t I) {
     if (rows_too) {
       qk_row_tile(P, Q, bh, I, &row, nullptr);
+      set_shifts(P, bh, I);
       held = I;
     }
     return true;
@@ -1166,6 +1320,7 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(), "vas_v",
                                   [&] { prepare_values<scalar_t>(P, head_writes); });
   qk_row_phase(P, Q);
+  shifts_phase(P);
   qk_tiles_phase(P, Q);
   return finalize(P, q.options());
 }
