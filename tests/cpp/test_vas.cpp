@@ -143,6 +143,21 @@ TEST(Vas, HeadStatsMatchDenseDefinition) {
   }
 }
 
+TEST(Vas, AttentionSinkKeepsCentredStatistics) {
+  // Rows that put almost all their weight on key 0 (an attention sink): ||Ac|| is a small
+  // fraction of ||A||, and c must not come from differences of sums of A's size.
+  at::manual_seed(3);
+  for (bool causal : {false, true}) {
+    const int64_t B = 2, H = 2, T = 150, Dh = 12;
+    auto logits = at::randn({B, H, T, T});
+    logits.select(-1, 0).add_(12.0);
+    const auto A = causal_softmax(logits, causal);
+    const auto V = at::randn({B, H, T, Dh});
+    const std::vector<int64_t> lengths = {150, 40};
+    expect_stats(headscope::vas_head_stats(A, V, at::tensor(lengths)), A, V, lengths);
+  }
+}
+
 TEST(Vas, CalledFromInsideAParallelRegion) {
   // The op's own at::parallel_for then runs inline on each outer thread: per-thread
   // scratch must still be private to each call.
