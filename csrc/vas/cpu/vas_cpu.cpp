@@ -328,31 +328,19 @@ struct StripSums {
     return ny == 8 ? col : col * lane_mask(ny);
   }
 
-  // <B, G> over a block of zeros of A_IJ (g: its Gram rows, stride TB; row shifts x in
-  // lanes, column shifts y): -sum (x_r + y_c) G_rc.
-  void zero_gram(f8 x, f8 y, int64_t rows, const float* g) {
-    f8 gs = {}, gx = {};  // sum_r G_r, sum_r x_r G_r
+  // <B, G> over a block of zeros (g: its Gram rows r, stride TB, columns c in lanes):
+  // -sum_rc (w_r + v_c) G_rc. A_IJ's block: w = its row shifts x, v = its column shifts y.
+  // A_JI's, which g serves transposed (entry (jb + c, ib + r) has G_(ib + r)(jb + c)):
+  // w = its column shifts, v = its row shifts.
+  void zero_gram(f8 w, f8 v, int64_t rows, const float* g) {
+    f8 gs = {}, gw = {};  // sum_r G_r, sum_r w_r G_r
     for (int64_t r = 0; r < rows; ++r) {
       f8 gv;
       std::memcpy(&gv, g + r * TB, sizeof gv);
       gs += gv;
-      gx += x[r] * gv;
+      gw += w[r] * gv;
     }
-    ag -= gx + gs * y;
-  }
-
-  // The same over the block of zeros of A_JI that g (rows ib.., columns jb..) serves
-  // transposed: entry (jb + c, ib + r) has b = -(x_c + y_r) and G_(ib + r)(jb + c), x (its
-  // row shifts) in the column lanes, y (its column shifts) in the row lanes.
-  void zero_gram_t(f8 x, f8 y, int64_t rows, const float* g) {
-    f8 gs = {}, gy = {};  // sum_r G_r, sum_r y_r G_r
-    for (int64_t r = 0; r < rows; ++r) {
-      f8 gv;
-      std::memcpy(&gv, g + r * TB, sizeof gv);
-      gs += gv;
-      gy += y[r] * gv;
-    }
-    ag -= gs * x + gy;
+    ag -= gw + gs * v;
   }
 };
 
@@ -368,7 +356,6 @@ inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, in
   const f8 yj = load_part(a.yj + jb, kFull ? 8 : cols);
   if (live_ij) {
     const f8 keep_cols = kFull ? f8{} : lane_mask(cols);
-    const f8 y = yj;
     f8 col_j = {};
     for (int64_t r = 0; r < (kFull ? 8 : rows); ++r) {
       const float* ar = a.aij + (ib + r) * a.lij + jb;
@@ -379,7 +366,7 @@ inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, in
         av = load_part(ar, cols);
       }
       std::memcpy(&gv, g + r * TB, sizeof gv);
-      col_j += st.entry<!kFull>(av, gv, a.xi[ib + r], y, keep_cols);
+      col_j += st.entry<!kFull>(av, gv, a.xi[ib + r], yj, keep_cols);
     }
     for (int64_t k = 0; k < (kFull ? 8 : cols); ++k) a.cj[jb + k] += col_j[k];
   } else {
@@ -392,7 +379,7 @@ inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, in
   const f8 y = load_part(a.yi + ib, kFull ? 8 : rows);
   if (!live_ji) {
     const f8 x = load_part(a.xj + jb, kFull ? 8 : cols);
-    st.zero_gram_t(x, y, rows, g);
+    st.zero_gram(y, x, rows, g);
     // its other sums: here, or (a tile of zeros) in closed form by the caller
     if (a.aji != nullptr) col_i += st.zero_sums(x, cols, y, rows);
     return;
