@@ -5,8 +5,8 @@
 
 Each case draws shapes (T 1..300, Dh 1..128, B, H, grouped-query heads), dtypes, strides,
 thread counts, windows (lengths, offsets, key padding masks), attention patterns (random
-softmax of varied sharpness, attention sinks, rows not summing to 1, zero head-write rows)
-and runs vas_head_stats or vas_head_stats_qk. d and c are judged against a float64
+softmax of varied sharpness, attention sinks, sliding windows, rows not summing to 1, zero
+head-write rows) and runs vas_head_stats or vas_head_stats_qk. d and c are judged against a float64
 evaluation of the same (upcast) inputs, r against the project's float32 reference (its clip
 rules are the seed's). A case fails when the op misses the 1e-4 relative / 1e-6 absolute
 tolerance *and* is more than 3 times as far from float64 as the float32 reference (the
@@ -83,6 +83,10 @@ def run_case(case: int, near_parallel: float):
         logits = torch.randn(B, H, T, T, generator=g) * rng.choice([0.5, 2.0, 8.0, 30.0])
         if rng.random() < 0.3:
             logits[..., 0] += rng.choice([4.0, 8.0, 12.0])  # an attention sink
+        if rng.random() < 0.2:  # sliding-window attention: tiles and blocks of zeros
+            i = torch.arange(T)
+            logits = logits.masked_fill((i[:, None] - i[None, :]).abs() > rng.randint(1, 60),
+                                        float("-inf"))
         if causal:
             logits = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
         A = torch.softmax(logits, -1)
