@@ -97,27 +97,38 @@ inline bool any_nonzero(f8 v) {
 #endif
 }
 
-// The sum of a row piece of n <= 256 floats (two chains of 8 float lanes, then double),
-// and in `groups` bit g set when columns [8 g, 8 g + 8) hold a nonzero (or NaN).
+// Row sums of A are taken in double lanes: B's row sums r_i - n x_i - sum(y) (set_shifts)
+// are small where B is near Ac, and a float sum's rounding (~1e-7 r_i) would be most of
+// them (c was off by 0.5% in a head with ||Ac|| = 2e-5 ||A||).
+typedef double d4 __attribute__((vector_size(32)));
+inline void add_f64(d4 (&s)[2], f8 v) {
+  s[0] += __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), d4);
+  s[1] += __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), d4);
+}
+inline double hsum(const d4 (&s)[2]) {
+  const d4 t = s[0] + s[1];
+  return (t[0] + t[1]) + (t[2] + t[3]);
+}
+
+// The sum of a row piece of n <= 256 floats (in double lanes), and in `groups` bit g set
+// when columns [8 g, 8 g + 8) hold a nonzero (or NaN).
 inline double piece_sum(const float* x, int64_t n, uint32_t& groups) {
-  f8 s[2] = {};
+  d4 s[2] = {};
   uint32_t mask = 0;
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     f8 v;
     std::memcpy(&v, x + j, sizeof v);
-    s[(j / 8) & 1] += v;
+    add_f64(s, v);
     mask |= static_cast<uint32_t>(any_nonzero(v)) << (j / 8);
   }
-  double d = 0;
   if (j < n) {
     const f8 v = load_part(x + j, n - j);
-    for (int64_t k = 0; k < n - j; ++k) d += v[k];
+    add_f64(s, v);
     mask |= static_cast<uint32_t>(any_nonzero(v)) << (j / 8);
   }
-  for (int k = 0; k < 8; ++k) d += s[0][k] + s[1][k];
   groups = mask;
-  return d;
+  return hsum(s);
 }
 
 // Whether n floats are all finite: x - x is 0 for a finite x, NaN for an infinity or a NaN.
@@ -186,21 +197,17 @@ inline double hsum(f8 v) {
   return d;
 }
 
-// The sum of n floats: 8 float lanes over pieces of TB, then double (as hsum).
+// The sum of n floats, in double lanes (as piece_sum).
 inline double row_sum(const float* x, int64_t n) {
-  double d = 0;
-  for (int64_t j0 = 0; j0 < n; j0 += TB) {
-    const int64_t m = std::min(TB, n - j0);
-    f8 acc = {};
-    int64_t j = 0;
-    for (; j + 8 <= m; j += 8) {
-      f8 v;
-      std::memcpy(&v, x + j0 + j, sizeof v);
-      acc += v;
-    }
-    d += hsum(acc + load_part(x + j0 + j, m - j));
+  d4 s[2] = {};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    f8 v;
+    std::memcpy(&v, x + j, sizeof v);
+    add_f64(s, v);
   }
-  return d;
+  add_f64(s, load_part(x + j, n - j));
+  return hsum(s);
 }
 
 // The sums over a tile row's rows of its diagonal tile's columns (Problem::dcol), from
