@@ -23,107 +23,9 @@ import random
 import sys
 import time
 
-import numpy as np
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
-import vas_reference_impl as ref  # noqa: E402
-
 import headscope  # noqa: E402,F401  (loads the ops)
-
-OPS = torch.ops.headscope
-T_CHOICES = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 127, 128, 129, 130, 200, 257, 300]
-
-
-def relayout(x: torch.Tensor, rng: random.Random) -> torch.Tensor:
-    """The same values in one of three layouts: contiguous, (B, T, H, X) transposed, or every
-    other element of a wider buffer."""
-    k = rng.randrange(3)
-    if k == 1:
-        return x.transpose(1, 2).contiguous().transpose(1, 2)
-    if k == 2:
-        wide = torch.empty(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype)
-        wide[..., ::2] = x
-        return wide[..., ::2]
-    return x
-
-
-def dc_float64(a: np.ndarray, v: np.ndarray) -> tuple[float, float]:
-    a, v = a.astype(np.float64), v.astype(np.float64)
-    vn = v / np.maximum(np.linalg.norm(v, axis=-1, keepdims=True), 1e-9)
-    s = (vn @ vn.T + 1) / 2
-    centre = lambda k: k - k.mean(0, keepdims=True) - k.mean(1, keepdims=True) + k.mean()  # noqa: E731
-    ac, sc = centre(a), centre(s)
-    d = np.linalg.norm(ac - sc) / max(np.linalg.norm(a) * np.linalg.norm(s), 1e-9)
-    c = (ac * sc).sum() / max(np.sqrt((ac ** 2).sum() * (sc ** 2).sum()), 1e-12)
-    return d, c
-
-
-def run_case(case: int, near_parallel: float):
-    """One random case: (description, op result, float32 reference, float64 reference)."""
-    rng = random.Random(case)
-    g = torch.Generator().manual_seed(rng.randrange(1 << 30))
-    B, H, T = rng.randint(1, 3), rng.choice([1, 2, 3, 4, 6]), rng.choice(T_CHOICES)
-    Dh = rng.choice([1, 2, 3, 7, 8, 9, 16, 31, 64, 65, 128])
-    dtype = rng.choice([torch.float32, torch.float32, torch.float16, torch.bfloat16])
-    mode, causal = rng.choice(["attn", "attn", "qk"]), rng.random() < 0.5
-    threads = rng.choice([1, 2, 3, 4])
-    lengths = torch.tensor([rng.randint(0, T) for _ in range(B)])
-    offsets = (torch.tensor([rng.randint(0, T - int(n)) for n in lengths])
-               if rng.random() < 0.4 else None)
-    V = torch.randn(B, H, T, Dh, generator=g)
-    if rng.random() < 0.3:
-        V[:, :, ::rng.randint(2, 5)] = 0
-    parallel = rng.random() < near_parallel
-    if parallel:
-        V = V[:, :, :1].expand_as(V) + 1e-3 * V
-    V = V.to(dtype)
-    torch.set_num_threads(threads)
-    if mode == "attn":
-        logits = torch.randn(B, H, T, T, generator=g) * rng.choice([0.5, 2.0, 8.0, 30.0])
-        if rng.random() < 0.3:
-            logits[..., 0] += rng.choice([4.0, 8.0, 12.0])  # an attention sink
-        if rng.random() < 0.2:  # sliding-window attention: tiles and blocks of zeros
-            i = torch.arange(T)
-            logits = logits.masked_fill((i[:, None] - i[None, :]).abs() > rng.randint(1, 60),
-                                        float("-inf"))
-        if causal:
-            logits = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-        A = torch.softmax(logits, -1)
-        if rng.random() < 0.2:
-            A = A * rng.choice([0.5, 3.0])  # rows not summing to 1
-        A = A.to(dtype)
-        out = OPS.vas_head_stats(relayout(A, rng), relayout(V, rng), lengths, offsets)
-    else:
-        Hkv = rng.choice([h for h in range(1, H + 1) if H % h == 0])
-        D = rng.choice([1, 4, 16, 64, 65])
-        q = (torch.randn(B, H, T, D, generator=g) * rng.choice([0.3, 1.0, 3.0])).to(dtype)
-        k = torch.randn(B, Hkv, T, D, generator=g).to(dtype)
-        kpm = torch.rand(B, T, generator=g) < 0.3 if rng.random() < 0.4 else None
-        out = OPS.vas_head_stats_qk(relayout(q, rng), relayout(k, rng), relayout(V, rng),
-                                    lengths, D ** -0.5, causal, offsets, kpm)
-        A = ref.attention_from_qk(q, k, D ** -0.5, causal, kpm)
-    f32 = ref.head_stats(A, V, lengths, offsets)
-    f64 = f32.copy()
-    Af, Vf = A.float().numpy(), V.float().numpy()
-    for b in range(B):
-        s, n = ref.window(int(lengths[b]), T, None if offsets is None else int(offsets[b]))
-        for h in range(H):
-            if not np.isnan(f32[b, h]).any():
-                f64[b, h, :2] = dc_float64(Af[b, h, s:s + n, s:s + n], Vf[b, h, s:s + n])
-    what = (f"case {case}: {mode} B={B} H={H} T={T} Dh={Dh} {str(dtype)[6:]} "
-            f"{'causal' if causal else 'dense'} threads={threads} lengths={lengths.tolist()}"
-            f"{' offsets' if offsets is not None else ''}{' near-parallel' if parallel else ''}")
-    return what, out.double().numpy(), f32, f64
-
-
-def judge(out, f32, f64):
-    """err/tol of each statistic, 0 where the op is within 3x the float32 reference's miss."""
-    tol = lambda x: np.abs(x - f64) / (1e-6 + 1e-4 * np.abs(f64))  # noqa: E731
-    mine, seeds = tol(out), tol(f32)
-    both_nan = np.isnan(out) & np.isnan(f64)
-    mine = np.where(both_nan, 0.0, np.where(np.isnan(mine), np.inf, mine))
-    return np.where(mine > np.maximum(1.0, 3.0 * np.nan_to_num(seeds)), mine, 0.0)
+from vas_fuzz_cases import judge, run_case  # noqa: E402
 
 
 def main():
@@ -133,6 +35,7 @@ def main():
     ap.add_argument("--case", type=int, help="replay one case")
     ap.add_argument("--near-parallel", type=float, default=0.0,
                     help="share of cases whose head writes are nearly parallel")
+    ap.add_argument("--min-T", type=int, default=1, help="draw T from this up (3: no windows of 2)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -140,7 +43,7 @@ def main():
     start, n, failures = time.time(), 0, []
     while (cases is None and time.time() - start < args.seconds) or (cases and n < len(cases)):
         case = cases[n] if cases else rng.randrange(1 << 30)
-        what, out, f32, f64 = run_case(case, args.near_parallel)
+        what, out, f32, f64 = run_case(case, args.near_parallel, args.min_T)
         bad = judge(out, f32, f64)
         n += 1
         if args.verbose:
