@@ -480,8 +480,8 @@ struct Problem {
   at::Tensor vn;      // float [slots, T8, Dh]: Vn of the window rows (zeros after them)
   at::Tensor vnt;     // float [slots, Dh, Tp]: the same, transposed
   at::Tensor adot;    // double [BH, T]: m . Vn_i
-  at::Tensor xcen;    // float [BH, T]: row shifts and
-  at::Tensor ycol;    // float [BH, T]: column shifts of the tile pass (see set_shifts)
+  at::Tensor xrow;    // float [BH, T]: row shifts of the tile pass (see set_shifts)
+  at::Tensor ycol;    // float [BH, T]: column shifts of the tile pass
   at::Tensor dcol;    // double [BH, T]: column sums of the diagonal tiles (DiagColumns)
   at::Tensor part;    // double [BH, P, 5]: the sums of Acc
   at::Tensor rowp;    // double [BH, P, T]
@@ -558,7 +558,7 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
   P.vn = at::empty({slots, P.T8, Dh}, f32);
   P.vnt = at::empty({slots, Dh, P.Tp}, f32);
   P.adot = at::empty({P.BH, T}, f64);
-  P.xcen = at::empty({P.BH, T}, f32);
+  P.xrow = at::empty({P.BH, T}, f32);
   P.ycol = at::empty({P.BH, T}, f32);
   P.dcol = at::empty({P.BH, T}, f64);
   P.part = at::zeros({P.BH, P.P, kParts}, f64);
@@ -580,7 +580,7 @@ void set_shifts(Problem& P, int64_t bh, int64_t I) {
   const int64_t n = P.n[bh / P.H], i0 = I * TB, ni = std::min(TB, n - i0), n0 = std::min(TB, n);
   const double* r = P.rowp.data_ptr<double>() + bh * P.P * P.T;  // row sums: chunk 0's
   const double* dcol = P.dcol.data_ptr<double>() + bh * P.T;
-  float* x = P.xcen.data_ptr<float>() + bh * P.T;
+  float* x = P.xrow.data_ptr<float>() + bh * P.T;
   float* y = P.ycol.data_ptr<float>() + bh * P.T;
   double r0 = 0, sx = 0;
   for (int64_t i = 0; i < n0; ++i) r0 += r[i];
@@ -755,7 +755,7 @@ void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only 
       const int64_t n = P.n[bh / P.H], nb = P.nb(bh);
       const float* vn = P.vn_of(bh);
       const float* vnt = P.vnt_of(bh);
-      const float* x = P.xcen.data_ptr<float>() + bh * P.T;
+      const float* x = P.xrow.data_ptr<float>() + bh * P.T;
       const float* y = P.ycol.data_ptr<float>() + bh * P.T;
       double* cols = P.colp.data_ptr<double>() + (bh * P.P + p) * P.T;
       const Extent* ext = P.ext_of(bh);
@@ -825,7 +825,7 @@ void finalize_into(Problem& P, float* o, const Range* only = nullptr) {
       const double* rowp = P.rowp.data_ptr<double>() + bh * P.P * P.T;
       const double* colp = P.colp.data_ptr<double>() + bh * P.P * P.T;
       const double* adot = P.adot.data_ptr<double>() + bh * P.T;
-      const float* x = P.xcen.data_ptr<float>() + bh * P.T;
+      const float* x = P.xrow.data_ptr<float>() + bh * P.T;
       double kl = 0, ap = 0, ag = 0, ax2 = 0, a2 = 0;
       for (const double* pt = part; pt < part + P.P * kParts; pt += kParts) {
         kl += pt[0];
@@ -884,9 +884,9 @@ at::Tensor finalize(Problem& P, const at::TensorOptions& out_opts) {
 // ---- vas_head_stats ------------------------------------------------------------------
 
 // Phase 1 of the attention op over tile row I of a head (rows [I TB, I TB + TB) of its
-// window): the rows' sums and shifts, the Extent of each 8-row block and the column shifts
-// of the tile's columns. False
-// when a row holds a NaN or an infinity. row: scratch for one converted row.
+// window): the rows' sums, the column sums of its diagonal tile (for set_shifts) and the
+// Extent of each 8-row block. False when a row holds a NaN or an infinity. row: scratch
+// for one converted row.
 template <typename A_t>
 bool attn_row_tile(Problem& P, const In4<A_t>& A, int64_t s3, int64_t bh, int64_t I, float* row) {
   const bool direct = std::is_same<A_t, float>::value && s3 == 1;
@@ -1121,9 +1121,9 @@ struct HeldRow {
 
 // Tile row I of a head's recomputed attention, one key block at a time with an online
 // softmax: the statistics that recompute any tile of the row (row max M, 1 / denominator
-// Z), its sums and shifts over the window's columns and the column shifts of its diagonal
-// tile (that tile's key block comes last, so its exp(l - m) has the final m); with `held`,
-// the row itself too, else each block reuses `scratch` (TB x TB).
+// Z), its sums over the window's columns and the column sums of its diagonal tile (for
+// set_shifts; that tile's key block comes last, so its exp(l - m) has the final m); with
+// `held`, the row itself too, else each block reuses `scratch` (TB x TB).
 void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* held,
                  float* scratch) {
   const int64_t b = bh / P.H, n = P.n[b], s = P.s[b];
