@@ -6,12 +6,13 @@
 Each case draws shapes (T 1..300, Dh 1..128, B, H, grouped-query heads), dtypes, strides,
 thread counts, windows (lengths, offsets, key padding masks), attention patterns (random
 softmax of varied sharpness, attention sinks, sliding windows, rows not summing to 1, zero
-head-write rows) and runs vas_head_stats or vas_head_stats_qk. d and c are judged against a float64
-evaluation of the same (upcast) inputs, r against the project's float32 reference (its clip
-rules are the seed's). A case fails when the op misses the 1e-4 relative / 1e-6 absolute
-tolerance *and* is more than 3 times as far from float64 as the float32 reference (the
-seed's arithmetic) is: ill-conditioned heads, where no float32 method keeps the digits, do
-not count against the op. This found the attention-sink loss of `c` (README, "How it is
+head-write rows) and runs vas_head_stats or vas_head_stats_qk. d and c are judged against a
+float64 evaluation of the same (upcast) inputs, r against the project's float32 reference
+(the op forms S in float32 as the seed does, and log q near S = 0 follows those roundings).
+A case fails when the op misses the 1e-4 relative / 1e-6 absolute tolerance *and* is more
+than 3 times as far from float64 as the float32 reference (the seed's arithmetic) is:
+ill-conditioned heads, where no float32 method keeps the digits, do not count against the
+op. This found the attention-sink loss of `c` (README, "How it is
 computed"). Heads whose values are nearly parallel (--near-parallel) are such a case for
 the seed and the op alike.
 """

@@ -30,17 +30,6 @@ def relayout(x: torch.Tensor, rng: random.Random) -> torch.Tensor:
     return x
 
 
-def dc_float64(a: np.ndarray, v: np.ndarray) -> tuple[float, float]:
-    a, v = a.astype(np.float64), v.astype(np.float64)
-    vn = v / np.maximum(np.linalg.norm(v, axis=-1, keepdims=True), 1e-9)
-    s = (vn @ vn.T + 1) / 2
-    centre = lambda k: k - k.mean(0, keepdims=True) - k.mean(1, keepdims=True) + k.mean()  # noqa: E731
-    ac, sc = centre(a), centre(s)
-    d = np.linalg.norm(ac - sc) / max(np.linalg.norm(a) * np.linalg.norm(s), 1e-9)
-    c = (ac * sc).sum() / max(np.sqrt((ac ** 2).sum() * (sc ** 2).sum()), 1e-12)
-    return d, c
-
-
 def run_case(case: int, near_parallel: float = 0.0, min_T: int = 1):
     """One random case: (description, op result, float32 reference, float64 reference)."""
     rng = random.Random(case)
@@ -87,13 +76,10 @@ def run_case(case: int, near_parallel: float = 0.0, min_T: int = 1):
                                     lengths, D ** -0.5, causal, offsets, kpm)
         A = ref.attention_from_qk(q, k, D ** -0.5, causal, kpm)
     f32 = ref.head_stats(A, V, lengths, offsets)
-    f64 = f32.copy()
-    Af, Vf = A.float().numpy(), V.float().numpy()
-    for b in range(B):
-        s, n = ref.window(int(lengths[b]), T, None if offsets is None else int(offsets[b]))
-        for h in range(H):
-            if not np.isnan(f32[b, h]).any():
-                f64[b, h, :2] = dc_float64(Af[b, h, s:s + n, s:s + n], Vf[b, h, s:s + n])
+    f64 = ref.head_stats(A, V, lengths, offsets, dtype=np.float64)
+    # r is judged against the float32 reference: the op forms S in float32 as the seed does
+    # (README, "Deliberate differences"), and log q near S = 0 follows those roundings
+    f64[..., 2] = f32[..., 2]
     what = (f"case {case}: {mode} B={B} H={H} T={T} Dh={Dh} {str(dtype)[6:]} "
             f"{'causal' if causal else 'dense'} threads={threads} lengths={lengths.tolist()}"
             f"{' offsets' if offsets is not None else ''}{' near-parallel' if parallel else ''}")
