@@ -189,6 +189,17 @@ def test_head_stats_match_own_reference(case, device):
     assert_close(out, ref.head_stats(A, V, lengths.cpu()), what=str(case))
 
 
+def test_dense_tiles_at_a_power_of_two_row_stride_match_reference(device):
+    """Rows 2 KiB apart (T = 512): the CPU kernel reads A_JI down its columns from a copy at
+    another stride (kLd), as at every row stride of a multiple of 256 floats; a full window
+    and a shorter one (a partial last tile)."""
+    gen = torch.Generator().manual_seed(41)
+    lengths = torch.tensor([512, 300])
+    A, V, _ = rand_case(2, 2, 512, 16, False, gen, lengths=lengths)
+    out = headscope.vas_head_stats(A.to(device), V.to(device), lengths.to(device))
+    assert_close(out, ref.head_stats(A, V, lengths), what="T = 512, dense")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_inputs_match_reference(dtype, device):
     gen = torch.Generator().manual_seed(3)

@@ -50,6 +50,12 @@ using cpu::gemm_nn;
 using cpu::log2_8_pos;
 
 constexpr int64_t TB = 128;  // tile edge
+// Row stride of a tile in scratch: TB + 8 floats (8.5 cache lines). kl_pair reads A_JI 8
+// columns at a time down its 128 rows; at a stride of a multiple of 256 floats those rows
+// fall into at most 4 of L1's 64 sets and evict each other, at this one they spread over
+// all of them (18% off a dense head at T = 2048).
+constexpr int64_t kLd = TB + 8;
+constexpr int64_t kTileFloats = TB * kLd;
 constexpr double kClip = 1e-12;
 constexpr float kTiny = 1e-30f;  // a floor for A's entries in the KL: ratios stay normal
 
@@ -508,6 +514,7 @@ struct Problem {
   float* thread_scratch() {
     return scratch.data_ptr<float>() + thread_slot() * scratch_per_thread;
   }
+  float* row_scratch() { return thread_scratch() + 3 * kTileFloats; }  // one converted row of an input
   float* thread_extra() {  // the op's own part of the scratch (alloc_scratch's `extra`)
     return thread_scratch() + scratch_per_thread - scratch_extra;
   }
@@ -611,8 +618,8 @@ bool tile_live(const Extent* ext, int64_t I, int64_t J, int64_t n) {
 }
 
 void alloc_scratch(Problem& P, int64_t extra) {
-  // tiles A, G, G^T | a row | W (+16 floats read past the end by gemm_nn) | W^T | C
-  P.scratch_per_thread = 3 * TB * TB + std::max(P.T, P.Dh) + 16 + P.T * P.Dh + 16 +
+  // tiles A_IJ, A_JI, the Gram panel | a row | W (+16 floats read past the end by gemm_nn) | W^T | C
+  P.scratch_per_thread = 3 * kTileFloats + std::max(P.T, P.Dh) + 16 + P.T * P.Dh + 16 +
                          P.Dh * P.Tp + P.Dh * P.Dh + extra;
   P.scratch_extra = extra;
   P.scratch = at::empty({P.nthreads, P.scratch_per_thread}, at::TensorOptions().dtype(at::kFloat));
@@ -624,8 +631,7 @@ void prepare_values(Problem& P, const at::Tensor& head_writes, const Range* only
   const auto hw = in4<V_t>(head_writes);
   const int64_t sd = head_writes.stride(3);
   run_range(only, P.BH, 1, [&](int64_t begin, int64_t end) {
-    float* scr = P.thread_scratch();
-    float* row = scr + 3 * TB * TB;
+    float* row = P.row_scratch();
     float* W = row + std::max(P.T, P.Dh) + 16;
     float* WT = W + P.T * P.Dh + 16;
     float* C = WT + P.Dh * P.Tp;
@@ -740,15 +746,16 @@ void zero_tile(const float* vn, int64_t dh, const float* x, const float* y, int6
 
 // Phase 2 driver: visits the lower-triangle tile pairs (I >= J) of each head, chunk p of
 // P taking every P-th pair. row_tile(bh, I) runs before tile row I's pairs (false: the head
-// holds a NaN or an infinity, and stops there). tile(bh, i0, ni, j0, nj, buf, lda) gives a
-// pointer to A's tile and its row stride; it is called only for tiles the extents say may
-// hold a nonzero.
+// holds a NaN or an infinity, and stops there). tile(bh, i0, ni, j0, nj, buf, lda, down)
+// gives a pointer to A's tile and its row stride (buf: kLd), down when kl_pair reads it
+// down its columns (A_JI beside a live A_IJ); it is called only for tiles the extents say
+// may hold a nonzero.
 template <typename RowFn, typename TileFn>
 void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only = nullptr) {
   run_range(only, P.BH * P.P, 1, [&](int64_t begin, int64_t end) {
     float* buf_ij = P.thread_scratch();
-    float* buf_ji = buf_ij + TB * TB;
-    float* gp = buf_ji + TB * TB;
+    float* buf_ji = buf_ij + kTileFloats;
+    float* gp = buf_ji + kTileFloats;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / P.P, p = task % P.P;
       if (P.bad[bh]) continue;
@@ -773,12 +780,13 @@ void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only 
           const int64_t j0 = J * TB, nj = std::min(TB, n - j0);
           int64_t lij = 0, lji = 0;
           const float* aij = nullptr;
-          if (tile_live(ext, I, J, n)) aij = tile(bh, i0, ni, j0, nj, buf_ij, lij);
+          if (tile_live(ext, I, J, n)) aij = tile(bh, i0, ni, j0, nj, buf_ij, lij, false);
           const float* aji = aij;
           lji = lij;
           if (I != J) {
             aji = nullptr;
-            if (tile_live(ext, J, I, n)) aji = tile(bh, j0, nj, i0, ni, buf_ji, lji);
+            if (tile_live(ext, J, I, n))
+              aji = tile(bh, j0, nj, i0, ni, buf_ji, lji, /*down=*/aij != nullptr);
           }
           // a tile of zeros beside a live one: its <B, G> in kl_pair (block by block, from
           // the Gram tile formed for the live one), its other sums here
@@ -933,7 +941,7 @@ template <typename A_t>
 void attn_row_phase(Problem& P, const at::Tensor& attn) {
   const auto A = in4<A_t>(attn);
   at::parallel_for(0, P.BH * P.P, 1, [&](int64_t begin, int64_t end) {
-    float* row = P.thread_scratch() + 3 * TB * TB;
+    float* row = P.row_scratch();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / P.P, p = task % P.P;
       if (P.bad[bh]) continue;
@@ -957,20 +965,20 @@ void attn_tiles_phase(Problem& P, const at::Tensor& attn, const Range* only = nu
   const bool direct = std::is_same<A_t, float>::value && s3 == 1;
   auto row_tile = [&](int64_t bh, int64_t I) {
     if (!rows_too) return true;
-    if (!attn_row_tile(P, A, s3, bh, I, P.thread_scratch() + 3 * TB * TB)) return false;
+    if (!attn_row_tile(P, A, s3, bh, I, P.row_scratch())) return false;
     set_shifts(P, bh, I);
     return true;
   };
-  tiles_phase(P, row_tile, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0,
-                                                int64_t nj, float* buf,
-                                                int64_t& lda) -> const float* {
+  tiles_phase(P, row_tile, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0, int64_t nj,
+                               float* buf, int64_t& lda, bool down) -> const float* {
     const int64_t b = bh / P.H, h = bh % P.H, s = P.s[b];
-    if (direct) {
+    // read in place, unless down its columns at a stride that makes them evict each other
+    if (direct && !(down && A.s2 % 256 == 0)) {
       lda = A.s2;
       return reinterpret_cast<const float*>(A.at(b, h, s + i0)) + (s + j0);
     }
-    for (int64_t r = 0; r < ni; ++r) load(buf + r * TB, A.at(b, h, s + i0 + r) + (s + j0) * s3, nj, s3);
-    lda = TB;
+    for (int64_t r = 0; r < ni; ++r) load(buf + r * kLd, A.at(b, h, s + i0 + r) + (s + j0) * s3, nj, s3);
+    lda = kLd;
     return buf;
   }, only);
 }
@@ -1058,7 +1066,7 @@ void qk_prepare(Problem& P, QK& Q, const at::Tensor& q, const at::Tensor& k) {
   const int64_t qs = q.stride(3), ks = k.stride(3), D = Q.D;
   const int64_t nk = P.B * Q.Hkv;
   at::parallel_for(0, P.BH + nk, 1, [&](int64_t begin, int64_t end) {
-    float* row = P.thread_scratch() + 3 * TB * TB;
+    float* row = P.row_scratch();
     for (int64_t t = begin; t < end; ++t) {
       if (t < P.BH) {
         const int64_t b = t / P.H, h = t % P.H, n = P.n[b], s = P.s[b];
@@ -1233,25 +1241,25 @@ void qk_tiles_phase(Problem& P, const QK& Q, const Range* only = nullptr, bool r
     return true;
   };
   tiles_phase(P, row_tile, [&](int64_t bh, int64_t i0, int64_t ni, int64_t j0, int64_t nj,
-                               float* buf, int64_t& lda) -> const float* {
+                               float* buf, int64_t& lda, bool) -> const float* {
     const int64_t b = bh / P.H, s = P.s[b];
     const float* M = Q.mrow.data_ptr<float>() + bh * P.T;
     const float* IZ = Q.izrow.data_ptr<float>() + bh * P.T;
-    lda = TB;
+    lda = kLd;
     if (i0 == held * TB) {
       const int64_t blk = KeyBlocks(s, P.T).npre + j0 / TB;
       for (int64_t r = 0; r < ni; ++r) {
         const float f = std::exp(row.m[r * row.mld + blk] - M[i0 + r]) * IZ[i0 + r];
         const float* e = row.e + r * row.ld + s + j0;
-        for (int64_t c = 0; c < nj; ++c) buf[r * TB + c] = e[c] * f;
+        for (int64_t c = 0; c < nj; ++c) buf[r * kLd + c] = e[c] * f;
       }
       return buf;
     }
     const float* qb = Q.q.data_ptr<float>() + bh * P.T * Q.D;
     const float* kb = key_rows(P, Q, bh);
-    gemm_nn(ni, nj, Q.D, Q.scale, qb + i0 * Q.D, Q.D, kb + (s + j0), P.Tp, buf, TB);
+    gemm_nn(ni, nj, Q.D, Q.scale, qb + i0 * Q.D, Q.D, kb + (s + j0), P.Tp, buf, kLd);
     for (int64_t r = 0; r < ni; ++r) {
-      float* l = buf + r * TB;
+      float* l = buf + r * kLd;
       const float m = M[i0 + r], iz = IZ[i0 + r];
       const int64_t lim = Q.causal ? std::max<int64_t>(0, std::min(nj, i0 + r - j0 + 1)) : nj;
       Q.mask_keys(l, b, s + j0, lim, P.T);  // padding: exp(-inf) = 0 (all-padding rows: iz = 0)
