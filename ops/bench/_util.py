@@ -40,6 +40,38 @@ def timeit(fn: Callable[[], object], device="cpu", *, warmup: int = 1, min_time:
     return statistics.median(times)
 
 
+def interleaved(fns: dict[str, Callable[[], object]], device="cpu", *, rounds: int = 7,
+                calls: dict[str, int] | None = None, pause: float = 0.2) -> dict[str, list[float]]:
+    """Seconds per call of each function, measured in rounds that take every function in
+    turn (the median of calls[name] calls, default 1, per round), so that a shared machine's
+    slow and fast spells, which last seconds, fall on all of them alike: ratios of one round
+    compare like with like. `pause` seconds before each function let the worker threads of
+    the one before go idle (OpenBLAS's spin for about 0.1 s after a call, taking the cores
+    the next function's threads need)."""
+    calls = calls or {}
+    for fn in fns.values():
+        fn()
+    sync(device)
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            time.sleep(pause)
+            times = []
+            for _ in range(calls.get(name, 1)):
+                t0 = time.perf_counter()
+                fn()
+                sync(device)
+                times.append(time.perf_counter() - t0)
+            out[name].append(statistics.median(times))
+    return out
+
+
+def round_ratios(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """Median, lowest and highest ratio num / den over the rounds of interleaved()."""
+    r = sorted(a / b for a, b in zip(num, den))
+    return statistics.median(r), r[0], r[-1]
+
+
 def peak_bytes(fn: Callable[[], object], device="cpu") -> int:
     """Extra memory one call needs at its peak, beyond what exists before it.
 
