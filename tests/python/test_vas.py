@@ -33,10 +33,13 @@ def assert_close(actual, expected, rtol=RTOL, atol=ATOL, what=""):
                            f"{err.max():.3g}, worst rel err {(err / np.maximum(np.abs(e), 1e-30)).max():.3g}")
 
 
-def make_attention(B, H, T, causal, gen, sharpness=2.0, lengths=None, device="cpu"):
+def make_attention(B, H, T, causal, gen, sharpness=2.0, lengths=None, device="cpu", sink=0.0):
     """Softmax of random logits; keys beyond each sequence's length are masked out (like a
-    padded batch), padded query rows keep a full softmax."""
+    padded batch), padded query rows keep a full softmax. sink: a bonus on the first key's
+    logits: rows that put almost all their weight there (an attention sink, common in LLMs)
+    make A close to 1 e_0^T, and its centred part Ac a small fraction of A."""
     logits = torch.randn(B, H, T, T, generator=gen) * sharpness
+    logits[..., 0] += sink
     if causal:
         logits = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     if lengths is not None:
@@ -260,16 +263,6 @@ def test_results_do_not_depend_on_thread_count(causal):
     assert_close(one, ref.head_stats(A, V, lengths), what="1 thread vs reference")
 
 
-def sink_attention(B, H, T, causal, gen, bonus=12.0):
-    """Rows that put almost all their weight on the first key (an attention sink, common in
-    LLMs): A is close to 1 e_0^T, and its centred part Ac a small fraction of A."""
-    logits = torch.randn(B, H, T, T, generator=gen)
-    logits[..., 0] += bonus
-    if causal:
-        logits = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.softmax(logits, -1)
-
-
 def centred_fraction(A):
     """max over heads of ||Ac|| / ||A|| (float64)."""
     a = A.double().flatten(0, -3)
@@ -293,7 +286,7 @@ def test_attention_sink_keeps_centred_statistics_exact(T, bonus, causal, device,
     centring is itself off by up to 1.2e-4 (bonus 12) and 40x the tolerance (bonus 16)."""
     xfail_on_cuda(request, device)
     gen = torch.Generator().manual_seed(T)
-    A = sink_attention(2, 3, T, causal, gen, bonus)
+    A = make_attention(2, 3, T, causal, gen, sharpness=1.0, sink=bonus)
     V = torch.randn(2, 3, T, 16, generator=gen)
     lengths = torch.tensor([T, T - 3])
     assert centred_fraction(A) < (2e-2 if bonus < 16 else 1e-4)

@@ -724,24 +724,42 @@ void merge_bad_chunks(Problem& P) {
     for (int64_t p = 0; p < P.P; ++p) P.bad[bh] |= cb[bh * P.P + p];
 }
 
+// Sums over one tile's Vn rows for zero_tile: sum x_i Vn_i, sum Vn_i and sum y_i Vn_i (x, y:
+// the row and column shifts), in double, formed once per tile on first use, so that a pair
+// of tiles of zeros costs O(Dh) (sliding-window attention at long T has many).
+struct TileVnSums {
+  std::vector<double> sums;  // [tile][3][dh]
+  std::vector<uint8_t> ready;
+  const double* of(int64_t t, const float* vn, int64_t dh, const float* x, const float* y,
+                   int64_t n) {
+    if (ready.empty()) {
+      ready.assign((n + TB - 1) / TB, 0);
+      sums.resize(ready.size() * 3 * dh);
+    }
+    double* s = sums.data() + t * 3 * dh;
+    if (!ready[t]) {
+      std::fill(s, s + 3 * dh, 0.0);
+      for (int64_t i = t * TB; i < std::min(n, t * TB + TB); ++i)
+        for (int64_t c = 0; c < dh; ++c) {
+          const double v = vn[i * dh + c];
+          s[c] += x[i] * v;
+          s[dh + c] += v;
+          s[2 * dh + c] += y[i] * v;
+        }
+      ready[t] = 1;
+    }
+    return s;
+  }
+};
+
 // A tile of A all zero (rows [i0, i0 + ni), columns [j0, j0 + nj)) in a pair with no live
 // tile, where no Gram tile is formed: zero_sums, and its part of <B, G>,
-// -sum (x_i + y_j) G_ij = -(sum_i x_i Vn_i) . (sum_j Vn_j) - (sum_i Vn_i) . (sum_j y_j Vn_j).
-void zero_tile(const float* vn, int64_t dh, const float* x, const float* y, int64_t i0,
-               int64_t ni, int64_t j0, int64_t nj, Acc& acc, double* cols) {
+// -sum (x_i + y_j) G_ij = -(sum_i x_i Vn_i) . (sum_j Vn_j) - (sum_i Vn_i) . (sum_j y_j Vn_j)
+// (si, sj: TileVnSums of the row and column tiles).
+void zero_tile(const double* si, const double* sj, int64_t dh, const float* x, const float* y,
+               int64_t i0, int64_t ni, int64_t j0, int64_t nj, Acc& acc, double* cols) {
   zero_sums(x + i0, ni, y + j0, nj, acc.ax2, cols + j0);
-  std::vector<double> s(4 * dh, 0.0);  // sum x_i Vn_i, sum Vn_i, sum Vn_j, sum y_j Vn_j
-  for (int64_t i = i0; i < i0 + ni; ++i)
-    for (int64_t c = 0; c < dh; ++c) {
-      s[c] += static_cast<double>(x[i]) * vn[i * dh + c];
-      s[dh + c] += vn[i * dh + c];
-    }
-  for (int64_t j = j0; j < j0 + nj; ++j)
-    for (int64_t c = 0; c < dh; ++c) {
-      s[2 * dh + c] += vn[j * dh + c];
-      s[3 * dh + c] += static_cast<double>(y[j]) * vn[j * dh + c];
-    }
-  for (int64_t c = 0; c < dh; ++c) acc.ag -= s[c] * s[2 * dh + c] + s[dh + c] * s[3 * dh + c];
+  for (int64_t c = 0; c < dh; ++c) acc.ag -= si[c] * sj[dh + c] + si[dh + c] * sj[2 * dh + c];
 }
 
 // Phase 2 driver: visits the lower-triangle tile pairs (I >= J) of each head, chunk p of
@@ -768,6 +786,7 @@ void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only 
       const Extent* ext = P.ext_of(bh);
       const float hs = static_cast<float>(0.5 / P.mS[bh]);
       Acc acc;
+      TileVnSums tile_sums;
       int64_t idx = -1;
       for (int64_t I = 0; I < nb; ++I) {
         if (!row_tile(bh, I)) {
@@ -803,8 +822,10 @@ void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only 
                      ext + j0 / 8, ext + i0 / 8, j0 / 8, i0 / 8, hs, x + j0, x + i0,
                      y + j0, y + i0, cols + j0, cols + i0}, gp, acc);
           } else {
-            zero_tile(vn, P.Dh, x, y, i0, ni, j0, nj, acc, cols);
-            if (I != J) zero_tile(vn, P.Dh, x, y, j0, nj, i0, ni, acc, cols);
+            const double* si = tile_sums.of(I, vn, P.Dh, x, y, n);
+            const double* sj = tile_sums.of(J, vn, P.Dh, x, y, n);
+            zero_tile(si, sj, P.Dh, x, y, i0, ni, j0, nj, acc, cols);
+            if (I != J) zero_tile(sj, si, P.Dh, x, y, j0, nj, i0, ni, acc, cols);
           }
         }
       }
