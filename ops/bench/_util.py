@@ -47,7 +47,8 @@ def interleaved(fns: dict[str, Callable[[], object]], device="cpu", *, rounds: i
     slow and fast spells, which last seconds, fall on all of them alike: ratios of one round
     compare like with like. `pause` seconds before each function let the worker threads of
     the one before go idle (OpenBLAS's spin for about 0.1 s after a call, taking the cores
-    the next function's threads need)."""
+    the next function's threads need); one untimed call after it warms caches and cores
+    again."""
     calls = calls or {}
     for fn in fns.values():
         fn()
@@ -56,6 +57,8 @@ def interleaved(fns: dict[str, Callable[[], object]], device="cpu", *, rounds: i
     for _ in range(rounds):
         for name, fn in fns.items():
             time.sleep(pause)
+            fn()
+            sync(device)
             times = []
             for _ in range(calls.get(name, 1)):
                 t0 = time.perf_counter()
