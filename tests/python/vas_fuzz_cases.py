@@ -11,7 +11,8 @@ import vas_reference_impl as ref
 
 OPS = torch.ops.headscope
 
-T_CHOICES = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 127, 128, 129, 130, 200, 257, 300]
+T_CHOICES = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 127, 128, 129, 130, 200, 256, 257,
+             300]  # 256: a row stride of a multiple of 256 floats (the CPU copies A_JI tiles)
 # windows of 2 or 3 positions: centred 2 x 2 or 3 x 3 matrices, where c is a ratio of rounding
 # noise for the seed and the op alike
 DEGENERATE_T = 3
