@@ -13,12 +13,13 @@ keys of which 1024 are image tokens in K = 64 regions; one K/V cache per layer.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from ._util import mib, peak_bytes, print_table, timeit
+from ._util import interleaved, mib, peak_bytes, print_table, round_ratios, timeit
 
 ops = torch.ops.headscope
 
@@ -148,11 +149,14 @@ def bench_ward(quick: bool) -> dict:
     def sk():
         return AgglomerativeClustering(n_clusters=K, linkage="ward", connectivity=conn).fit(Xn)
 
-    t_ours = timeit(lambda: ops.ward_regions(X, h, w, K), min_time=0.5)
-    t_sk = timeit(sk, min_time=0.5, max_repeat=10)
+    # in alternating rounds: the ratios of one round compare like with like
+    times = interleaved({"ours": lambda: ops.ward_regions(X, h, w, K), "sklearn": sk},
+                        rounds=3 if quick else 5, calls={"ours": 5, "sklearn": 3})
     ari = adjusted_rand_score(sk().labels_, ops.ward_regions(X, h, w, K).numpy())
-    row = {"grid": f"{h}x{w}", "C": C, "K": K, "headscope_ms": 1e3 * t_ours,
-           "sklearn_ms": 1e3 * t_sk, "vs_sklearn": t_sk / t_ours, "ARI": ari,
+    row = {"grid": f"{h}x{w}", "C": C, "K": K,
+           "headscope_ms": 1e3 * statistics.median(times["ours"]),
+           "sklearn_ms": 1e3 * statistics.median(times["sklearn"]),
+           "vs_sklearn": round_ratios(times["sklearn"], times["ours"])[0], "ARI": ari,
            "headscope_peak_MiB": mib(peak_bytes(lambda: ops.ward_regions(X, h, w, K))),
            "sklearn_peak_MiB": mib(peak_bytes(sk))}
     print_table("ward_regions vs scikit-learn AgglomerativeClustering(ward, grid_to_graph)",

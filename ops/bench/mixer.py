@@ -3,10 +3,12 @@ batched eager-PyTorch Newton; kl_project + thin_mix against scaled_dot_product_a
 thin_mix against its eager formulation and the dense W @ X."""
 from __future__ import annotations
 
+import statistics
+
 import torch
 import torch.nn.functional as F
 
-from ._util import load_seed, mib, peak_bytes, print_table, timeit
+from ._util import interleaved, load_seed, mib, peak_bytes, print_table, round_ratios, timeit
 
 ops = torch.ops.headscope
 
@@ -49,16 +51,19 @@ def bench_projection(quick: bool):
     g = torch.Generator().manual_seed(0)
     a = torch.randn(P, n, r, generator=g, dtype=torch.float64)
     b = torch.randn(P, n, r, generator=g, dtype=torch.float64)
-    ours = timeit(lambda: ops.kl_project(a, b, 1e-11, 80))
-    eager = timeit(lambda: eager_project(a, b))
-    row = {"problems": P, "n": n, "r": r, "headscope_ms": 1e3 * ours, "eager_torch_ms": 1e3 * eager,
-           "vs_eager": eager / ours,
-           "headscope_peak_MiB": mib(peak_bytes(lambda: ops.kl_project(a, b, 1e-11, 80))),
-           "eager_peak_MiB": mib(peak_bytes(lambda: eager_project(a, b)))}
+    fns = {"ours": lambda: ops.kl_project(a, b, 1e-11, 80), "eager": lambda: eager_project(a, b)}
     if seed is not None:
         A, B = a.exp().numpy(), b.exp().numpy()
-        t = timeit(lambda: [seed.project(A[i], B[i]) for i in range(P)], min_time=0.0)
-        row.update(seed_numpy_ms=1e3 * t, vs_seed=t / ours)
+        fns["seed"] = lambda: [seed.project(A[i], B[i]) for i in range(P)]
+    # in alternating rounds: the ratios of one round compare like with like
+    times = interleaved(fns, rounds=3 if quick else 5, calls={"ours": 5, "eager": 3})
+    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    row = {"problems": P, "n": n, "r": r, "headscope_ms": ms["ours"], "eager_torch_ms": ms["eager"],
+           "vs_eager": round_ratios(times["eager"], times["ours"])[0],
+           "headscope_peak_MiB": mib(peak_bytes(fns["ours"])),
+           "eager_peak_MiB": mib(peak_bytes(fns["eager"]))}
+    if seed is not None:
+        row.update(seed_numpy_ms=ms["seed"], vs_seed=round_ratios(times["seed"], times["ours"])[0])
     cols = ["problems", "n", "r", "headscope_ms", "seed_numpy_ms", "vs_seed", "eager_torch_ms",
             "vs_eager", "headscope_peak_MiB", "eager_peak_MiB"]
     print_table("kl_project: batch of float64 problems (seed looped, batched eager torch)", [row], cols)

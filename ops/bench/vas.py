@@ -180,14 +180,18 @@ def _layer_section(device, quick, results):
         lengths = torch.full((B,), T, device=device)
         A = torch.softmax((q @ k.repeat_interleave(H // Hkv, 1).transpose(-1, -2)) * D ** -0.5
                           + torch.full((T, T), float("-inf"), device=device).triu(1), -1)
-        t_qk = timeit(lambda: ops.vas_head_stats_qk(q, k, V, lengths, D ** -0.5, True), device)
-        t_attn = timeit(lambda: ops.vas_head_stats(A, V, lengths), device)
-        t_sdpa = timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-                        device)
-        rows.append({"T": T, "qk ms/head": t_qk * 1e3 / H, "attn op ms/head": t_attn * 1e3 / H,
-                     "qk / attn op": t_qk / t_attn, "sdpa ms": t_sdpa * 1e3, "qk / sdpa": t_qk / t_sdpa})
+        times = interleaved({
+            "qk": lambda: ops.vas_head_stats_qk(q, k, V, lengths, D ** -0.5, True),
+            "attn": lambda: ops.vas_head_stats(A, V, lengths),
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        }, device, rounds=3 if quick else 5, calls={"qk": 3, "attn": 3, "sdpa": 3}, pause=0.0)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        rows.append({"T": T, "qk ms/head": ms["qk"] / H, "attn op ms/head": ms["attn"] / H,
+                     "qk / attn op": round_ratios(times["qk"], times["attn"])[0], "sdpa ms": ms["sdpa"],
+                     "qk / sdpa": round_ratios(times["qk"], times["sdpa"])[0]})
         del A
-    print_table(f"one layer, causal, float32 (B={B}, H={H}, Hkv={Hkv}, D=Dh={D}, {device})", rows,
+    print_table(f"one layer, causal, float32 (B={B}, H={H}, Hkv={Hkv}, D=Dh={D}, {device}; ratios: "
+                f"medians over rounds timing the three in turn)", rows,
                 list(rows[0]))
     results["layer"] = rows
 
@@ -222,7 +226,7 @@ def _cuda_layer_section(device, quick, results):
                          device)
     qk_row = {"qk ms": t_qk * 1e3, "sdpa ms": t_sdpa * 1e3, "qk / sdpa": t_qk / t_sdpa,
               "sdpa bf16 ms": t_sdpa_bf16 * 1e3}
-    print_table(f"vas_head_stats_qk (float32, causal, Hkv=4) against one SDPA call on the same q, k, v",
+    print_table("vas_head_stats_qk (float32, causal, Hkv=4) against one SDPA call on the same q, k, v",
                 [qk_row], list(qk_row))
     results["cuda_layer"] = {"attn": rows, "qk": qk_row}
 
