@@ -117,24 +117,24 @@ inline double hsum(const d4 (&s)[2]) {
   return (t[0] + t[1]) + (t[2] + t[3]);
 }
 
-// The sum of a row piece of n <= 256 floats (in double lanes), and in `groups` bit g set
-// when columns [8 g, 8 g + 8) hold a nonzero (or NaN).
-inline double piece_sum(const float* x, int64_t n, uint32_t& groups) {
+// The sum of n floats in double lanes. kGroups (n <= 256): also, in `groups`, bit g set when
+// columns [8 g, 8 g + 8) hold a nonzero (or NaN).
+template <bool kGroups>
+inline double sum_f64(const float* x, int64_t n, uint32_t* groups = nullptr) {
   d4 s[2] = {};
   uint32_t mask = 0;
+  auto add = [&](f8 v, int64_t j) {
+    add_f64(s, v);
+    if constexpr (kGroups) mask |= static_cast<uint32_t>(any_nonzero(v)) << (j / 8);
+  };
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     f8 v;
     std::memcpy(&v, x + j, sizeof v);
-    add_f64(s, v);
-    mask |= static_cast<uint32_t>(any_nonzero(v)) << (j / 8);
+    add(v, j);
   }
-  if (j < n) {
-    const f8 v = load_part(x + j, n - j);
-    add_f64(s, v);
-    mask |= static_cast<uint32_t>(any_nonzero(v)) << (j / 8);
-  }
-  groups = mask;
+  if (j < n) add(load_part(x + j, n - j), j);
+  if constexpr (kGroups) *groups = mask;
   return hsum(s);
 }
 
@@ -202,19 +202,6 @@ inline double hsum(f8 v) {
   double d = 0;
   for (int k = 0; k < 8; ++k) d += v[k];
   return d;
-}
-
-// The sum of n floats, in double lanes (as piece_sum).
-inline double row_sum(const float* x, int64_t n) {
-  d4 s[2] = {};
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    f8 v;
-    std::memcpy(&v, x + j, sizeof v);
-    add_f64(s, v);
-  }
-  add_f64(s, load_part(x + j, n - j));
-  return hsum(s);
 }
 
 // The sums over a tile row's rows of its diagonal tile's columns (Problem::dcol), from
@@ -938,7 +925,7 @@ bool attn_row_tile(Problem& P, const In4<A_t>& A, int64_t s3, int64_t bh, int64_
     for (int64_t J = 0; J < nb; ++J) {
       const int64_t j0 = J * TB;
       uint32_t groups;
-      sum += piece_sum(a + j0, std::min(TB, n - j0), groups);
+      sum += sum_f64<true>(a + j0, std::min(TB, n - j0), &groups);
       if (groups != 0) {
         if (first < 0) first = j0 / 8 + __builtin_ctz(groups);
         last = j0 / 8 + 31 - __builtin_clz(groups);
@@ -1193,7 +1180,7 @@ void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* 
       if (held || blk == diag) std::fill(l + std::max<int64_t>(lim, 0), l + nk, 0.0f);
       // the window's columns [s, s + n) within this block
       const int64_t c0 = std::max<int64_t>(0, s - k0), c1 = std::min(lim, s + n - k0);
-      if (c1 > c0) R[r] += row_sum(l + c0, c1 - c0);
+      if (c1 > c0) R[r] += sum_f64<false>(l + c0, c1 - c0);
     }
   }
   float* M = Q.mrow.data_ptr<float>() + bh * P.T;
