@@ -502,7 +502,8 @@ struct Problem {
   float* thread_scratch() {
     return scratch.data_ptr<float>() + thread_slot() * scratch_per_thread;
   }
-  float* row_scratch() { return thread_scratch() + 3 * kTileFloats; }  // one converted row of an input
+  // one converted row of an input, after alloc_scratch's three tiles
+  float* row_scratch() { return thread_scratch() + 3 * kTileFloats; }
   float* thread_extra() {  // the op's own part of the scratch (alloc_scratch's `extra`)
     return thread_scratch() + scratch_per_thread - scratch_extra;
   }
@@ -606,7 +607,8 @@ bool tile_live(const Extent* ext, int64_t I, int64_t J, int64_t n) {
 }
 
 void alloc_scratch(Problem& P, int64_t extra) {
-  // tiles A_IJ, A_JI, the Gram panel | a row | W (+16 floats read past the end by gemm_nn) | W^T | C
+  // tiles A_IJ, A_JI, the Gram panel | a row | W (+16 floats read past the end by gemm_nn) |
+  // W^T | C
   P.scratch_per_thread = 3 * kTileFloats + std::max(P.T, P.Dh) + 16 + P.T * P.Dh + 16 +
                          P.Dh * P.Tp + P.Dh * P.Dh + extra;
   P.scratch_extra = extra;
@@ -986,7 +988,8 @@ void attn_tiles_phase(Problem& P, const at::Tensor& attn, const Range* only = nu
       lda = A.s2;
       return reinterpret_cast<const float*>(A.at(b, h, s + i0)) + (s + j0);
     }
-    for (int64_t r = 0; r < ni; ++r) load(buf + r * kLd, A.at(b, h, s + i0 + r) + (s + j0) * s3, nj, s3);
+    for (int64_t r = 0; r < ni; ++r)
+      load(buf + r * kLd, A.at(b, h, s + i0 + r) + (s + j0) * s3, nj, s3);
     lda = kLd;
     return buf;
   }, only);
