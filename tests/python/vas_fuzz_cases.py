@@ -94,5 +94,3 @@ def judge(out, f32, f64):
     both_nan = np.isnan(out) & np.isnan(f64)
     mine = np.where(both_nan, 0.0, np.where(np.isnan(mine), np.inf, mine))
     return np.where(mine > np.maximum(1.0, 3.0 * np.nan_to_num(seeds)), mine, 0.0)
-
-

@@ -718,17 +718,20 @@ void merge_bad_chunks(Problem& P) {
 // the row and column shifts), in double, formed once per tile on first use, so that a pair
 // of tiles of zeros costs O(Dh) (sliding-window attention at long T has many).
 struct TileVnSums {
+  const float *vn, *x, *y;  // one head's
+  int64_t dh, n;
+  // allocated on first use (most heads have no such pair)
   std::vector<double> sums;  // [tile][3][dh]
   std::vector<uint8_t> ready;
-  const double* of(int64_t t, const float* vn, int64_t dh, const float* x, const float* y,
-                   int64_t n) {
+  TileVnSums(const float* vn_, const float* x_, const float* y_, int64_t dh_, int64_t n_)
+      : vn(vn_), x(x_), y(y_), dh(dh_), n(n_) {}
+  const double* of(int64_t t) {
     if (ready.empty()) {
       ready.assign((n + TB - 1) / TB, 0);
-      sums.resize(ready.size() * 3 * dh);
+      sums.assign(ready.size() * 3 * dh, 0.0);
     }
     double* s = sums.data() + t * 3 * dh;
     if (!ready[t]) {
-      std::fill(s, s + 3 * dh, 0.0);
       for (int64_t i = t * TB; i < std::min(n, t * TB + TB); ++i)
         for (int64_t c = 0; c < dh; ++c) {
           const double v = vn[i * dh + c];
@@ -776,7 +779,7 @@ void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only 
       const Extent* ext = P.ext_of(bh);
       const float hs = static_cast<float>(0.5 / P.mS[bh]);
       Acc acc;
-      TileVnSums tile_sums;
+      TileVnSums tile_sums(vn, x, y, P.Dh, n);
       int64_t idx = -1;
       for (int64_t I = 0; I < nb; ++I) {
         if (!row_tile(bh, I)) {
@@ -812,8 +815,8 @@ void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only 
                      ext + j0 / 8, ext + i0 / 8, j0 / 8, i0 / 8, hs, x + j0, x + i0,
                      y + j0, y + i0, cols + j0, cols + i0}, gp, acc);
           } else {
-            const double* si = tile_sums.of(I, vn, P.Dh, x, y, n);
-            const double* sj = tile_sums.of(J, vn, P.Dh, x, y, n);
+            const double* si = tile_sums.of(I);
+            const double* sj = tile_sums.of(J);
             zero_tile(si, sj, P.Dh, x, y, i0, ni, j0, nj, acc, cols);
             if (I != J) zero_tile(sj, si, P.Dh, x, y, j0, nj, i0, ni, acc, cols);
           }
@@ -996,8 +999,8 @@ void attn_tiles_phase(Problem& P, const at::Tensor& attn, const Range* only = nu
 }
 
 // The fused path's driver: one parallel region, each thread taking whole heads through
-// every phase (head(range), a range of one head), handed out one at a time as threads become free (windows
-// differ in length, and a shared machine slows one core now and then).
+// every phase (head(range), a range of one head), handed out one at a time as threads
+// become free (windows differ in length, and a shared machine slows one core now and then).
 template <typename F>
 void for_each_head(const Problem& P, const F& head) {
   std::atomic<int64_t> next_head{0};
