@@ -236,6 +236,12 @@ def test_strided_inputs_read_without_copy(device):
                  expected, rtol=1e-6, atol=1e-7, what="sliced")
 
 
+def chunked_threads(heads):
+    """A thread count at which the CPU kernels split each of `heads` heads into chunks (they
+    keep heads whole while ceil(heads / threads) <= 1.5 heads / threads)."""
+    return 2 * heads
+
+
 @contextlib.contextmanager
 def num_threads(n):
     """ATen's thread count set to n inside the block (the CPU kernels choose between whole
@@ -250,16 +256,17 @@ def num_threads(n):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_results_do_not_depend_on_thread_count(causal):
-    """One thread takes whole heads (each tile row read just before its pairs); four threads
-    split each of the 3 heads into chunks (a first pass over every row, then the pairs):
-    the same numbers, and the reference's."""
+    """One thread takes whole heads (each tile row read just before its pairs), and so do
+    two, one of them taking two heads; six threads split each of the 3 heads into chunks (a
+    first pass over every row, then the pairs): the same numbers, and the reference's."""
     gen = torch.Generator().manual_seed(9)
     A, V, lengths = rand_case(1, 3, 300, 32, causal, gen)
     with num_threads(1):
         one = headscope.vas_head_stats(A, V, lengths)
-    with num_threads(4):
-        four = headscope.vas_head_stats(A, V, lengths)
-    assert_close(four, one, rtol=1e-5, atol=1e-7, what="1 vs 4 threads")
+    for n in (2, chunked_threads(3)):
+        with num_threads(n):
+            out = headscope.vas_head_stats(A, V, lengths)
+        assert_close(out, one, rtol=1e-5, atol=1e-7, what=f"1 vs {n} threads")
     assert_close(one, ref.head_stats(A, V, lengths), what="1 thread vs reference")
 
 
@@ -282,7 +289,7 @@ def test_attention_sink_keeps_centred_statistics_exact(T, bonus, causal, device,
     ||A||. The centred sums must not be differences of sums of A's size (they were: c off
     by up to 100% of itself at T = 16, 100x the tolerance at T = 300), nor B's row sums
     differences of float row sums (0.5% in c at 2e-5), whether threads take whole heads
-    (1 thread) or chunks (4 threads). Against the reference in float64: the seed's float32
+    (1 thread) or chunks (12 threads). Against the reference in float64: the seed's float32
     centring is itself off by up to 1.2e-4 (bonus 12) and 40x the tolerance (bonus 16)."""
     xfail_on_cuda(request, device)
     gen = torch.Generator().manual_seed(T)
@@ -291,7 +298,7 @@ def test_attention_sink_keeps_centred_statistics_exact(T, bonus, causal, device,
     lengths = torch.tensor([T, T - 3])
     assert centred_fraction(A) < (2e-2 if bonus < 16 else 1e-4)
     expected = ref.head_stats(A, V, lengths, dtype=np.float64)
-    for n in (1, 4):
+    for n in (1, chunked_threads(6)):
         with num_threads(n):
             out = headscope.vas_head_stats(A.to(device), V.to(device), lengths.to(device))
         assert_close(out, expected, what=f"sink, {n} threads")
@@ -299,7 +306,8 @@ def test_attention_sink_keeps_centred_statistics_exact(T, bonus, causal, device,
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_qk_attention_sink_keeps_centred_statistics_exact(causal, device, request):
-    """The same through the qk op: every query has a large component along the first key.
+    """The same through the qk op (whole heads and chunks): every query has a large component
+    along the first key.
     (Not sharper: the op forms A itself, a few ulp from the reference's softmax, and c moves
     by about ||A|| / ||Ac|| times that.)"""
     xfail_on_cuda(request, device)
@@ -314,7 +322,7 @@ def test_qk_attention_sink_keeps_centred_statistics_exact(causal, device, reques
     A = ref.attention_from_qk(q, k, D ** -0.5, causal)
     assert centred_fraction(A) < 4e-2
     expected = ref.head_stats(A, V, lengths, dtype=np.float64)
-    for n in (1, 4):
+    for n in (1, chunked_threads(H)):
         with num_threads(n):
             out = headscope.vas_head_stats_qk(q.to(device), k.to(device), V.to(device),
                                               lengths.to(device), D ** -0.5, causal)
@@ -338,7 +346,7 @@ def test_banded_attention_with_tiles_and_blocks_of_zeros(causal, device):
     V = torch.randn(2, 3, T, 24, generator=gen)
     lengths = torch.tensor([T, 280])
     expected = ref.head_stats(A, V, lengths)
-    for n in (1, 4):
+    for n in (1, chunked_threads(6)):
         with num_threads(n):
             out = headscope.vas_head_stats(A.to(device), V.to(device), lengths.to(device))
         assert_close(out, expected, what=f"band, {n} threads")
@@ -380,7 +388,7 @@ def test_qk_equals_materialised_softmax(shape, causal, device):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_qk_whole_heads_and_chunked_paths(causal):
-    """One thread takes whole heads (each tile row of A formed once, beside its pairs); four
+    """One thread takes whole heads (each tile row of A formed once, beside its pairs); 12
     threads split each of the 6 heads into chunks (statistics first, tiles recomputed):
     both against the reference, over 3 tile rows with a padding mask, and with a window
     that starts at 37 (key blocks not aligned to 128)."""
@@ -393,7 +401,7 @@ def test_qk_whole_heads_and_chunked_paths(causal):
     lengths, offsets = torch.tensor([290, 250]), torch.tensor([0, 37])
     A = ref.attention_from_qk(q, k, 0.3, causal, pad)
     expected = ref.head_stats(A, V, lengths, offsets)
-    for n in (1, 4):
+    for n in (1, chunked_threads(B * H)):
         with num_threads(n):
             out = headscope.vas_head_stats_qk(q, k, V, lengths, 0.3, causal, offsets, pad)
         assert_close(out, expected, what=f"qk with {n} threads")

@@ -510,7 +510,7 @@ struct Problem {
 };
 
 void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Tensor& lengths,
-           const std::optional<at::Tensor>& offsets, const char* op, bool whole_heads) {
+           const std::optional<at::Tensor>& offsets, const char* op) {
   const bool has_off = offsets.has_value() && offsets->defined();
   const at::Tensor* off_ptr = has_off ? &*offsets : nullptr;
   check_window_values(op, lengths, off_ptr, T);
@@ -535,11 +535,15 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
   }
   const int64_t nb_max = (T + TB - 1) / TB;
   const int64_t pairs_max = nb_max * (nb_max + 1) / 2;
-  P.P = std::max<int64_t>(1, std::min<int64_t>(pairs_max, (2 * P.nthreads + P.BH - 1) /
-                                                              std::max<int64_t>(P.BH, 1)));
-  // whole heads also when they share out evenly (measured at B H = threads = 2, T = 2048:
-  // 20-25% faster for the attention op, 1.5x for the qk op, than splitting each head)
-  if (whole_heads && P.BH % P.nthreads == 0) P.P = 1;
+  // Whole heads per thread, unless too few threads would have one: heads split into chunks
+  // cost about 1.5 times the work (a separate first pass, and the qk op forms each tile
+  // twice; measured on 2 threads at T = 512), so whole heads win while their
+  // ceil(BH / threads) rounds take at most 1.5 BH / threads (3 heads on 2 threads: 12-20%
+  // faster whole; 1 head: 25-40% faster in chunks).
+  const int64_t rounds = (P.BH + P.nthreads - 1) / P.nthreads;
+  P.P = 2 * P.nthreads * rounds <= 3 * P.BH
+            ? 1
+            : std::max<int64_t>(1, std::min<int64_t>(pairs_max, (2 * P.nthreads + P.BH - 1) / P.BH));
   P.msq.assign(P.BH, 0);
   P.Scc.assign(P.BH, 0);
   P.Snorm2.assign(P.BH, 0);
@@ -549,7 +553,7 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
   // fused: each thread takes whole heads one at a time, so Vn and Vn^T live in one slot per
   // thread (and stay in its cache) instead of one per head
-  P.fused = whole_heads && P.P == 1;
+  P.fused = P.P == 1;
   const int64_t slots = P.fused ? P.nthreads : P.BH;
   P.vn = at::empty({slots, P.T8, Dh}, f32);
   P.vnt = at::empty({slots, Dh, P.Tp}, f32);
@@ -1019,7 +1023,7 @@ at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_wri
   const int64_t B = attn.size(0), H = attn.size(1), T = attn.size(2), Dh = head_writes.size(3);
   if (B == 0 || H == 0) return at::empty({B, H, 3}, attn.options().dtype(at::kFloat));
   Problem P;
-  setup(P, B, H, T, Dh, lengths, offsets, op, /*whole_heads=*/true);
+  setup(P, B, H, T, Dh, lengths, offsets, op);
   alloc_scratch(P, 0);
   if (P.fused) {
     // every head in one task: one parallel region, each thread taking whole heads through
@@ -1295,7 +1299,7 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = head_writes.size(3);
   if (B == 0 || H == 0) return at::empty({B, H, 3}, q.options().dtype(at::kFloat));
   Problem P;
-  setup(P, B, H, T, Dh, lengths, offsets, op, /*whole_heads=*/true);
+  setup(P, B, H, T, Dh, lengths, offsets, op);
   // a tile row of A (HeldRow) with whole heads per thread, else one key block
   alloc_scratch(P, P.fused ? TB * (P.Tp + max_key_blocks(T)) : TB * TB);
   QK Q;
