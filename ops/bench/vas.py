@@ -141,55 +141,58 @@ def _eager_section(device, quick, results):
     results["eager"] = rows
 
 
+def _growth_row(B, H, T, Dh, D, device):
+    """One row of the growth table (its T x T input freed on return)."""
+    gen = torch.Generator().manual_seed(T)
+    A = _attention(B, H, T, True, gen, device)
+    V = torch.randn(B, H, T, Dh, generator=gen).to(device)
+    q = torch.randn(B, H, T, D, generator=gen).to(device)
+    k = torch.randn(B, H, T, D, generator=gen).to(device)
+    lengths = torch.full((B,), T, device=device)
+    op = lambda: ops.vas_head_stats(A, V, lengths)  # noqa: E731
+    op_qk = lambda: ops.vas_head_stats_qk(q, k, V, lengths, D ** -0.5, True)  # noqa: E731
+    t, t_qk = timeit(op, device, min_time=0.0), timeit(op_qk, device, min_time=0.0)
+    m, m_qk = peak_bytes(op, device), peak_bytes(op_qk, device)
+    return {"T": T, "attn ms": t * 1e3, "qk ms": t_qk * 1e3,
+            "attn ns/entry": t * 1e9 / T ** 2, "qk ns/entry": t_qk * 1e9 / T ** 2,
+            "attn extra MiB": mib(m), "qk extra MiB": mib(m_qk), "input attn MiB": mib(T * T * 4)}
+
+
 def _growth_section(device, quick, results):
     B, H, Dh, D = 1, 1, 64, 64
     Ts = (512, 1024, 2048) if quick else (512, 1024, 2048, 4096, 8192)
-    rows = []
-    for T in Ts:
-        gen = torch.Generator().manual_seed(T)
-        A = _attention(B, H, T, True, gen, device)
-        V = torch.randn(B, H, T, Dh, generator=gen).to(device)
-        q = torch.randn(B, H, T, D, generator=gen).to(device)
-        k = torch.randn(B, H, T, D, generator=gen).to(device)
-        lengths = torch.full((B,), T, device=device)
-        op = lambda: ops.vas_head_stats(A, V, lengths)  # noqa: E731
-        op_qk = lambda: ops.vas_head_stats_qk(q, k, V, lengths, D ** -0.5, True)  # noqa: E731
-        t, t_qk = timeit(op, device, min_time=0.0), timeit(op_qk, device, min_time=0.0)
-        m, m_qk = peak_bytes(op, device), peak_bytes(op_qk, device)
-        rows.append({"T": T, "attn ms": t * 1e3, "qk ms": t_qk * 1e3,
-                     "attn ns/entry": t * 1e9 / T ** 2, "qk ns/entry": t_qk * 1e9 / T ** 2,
-                     "attn extra MiB": mib(m), "qk extra MiB": mib(m_qk),
-                     "input attn MiB": mib(T * T * 4)})
-        del A
+    rows = [_growth_row(B, H, T, Dh, D, device) for T in Ts]
     print_table(f"growth with T (causal, B={B}, H={H}, Dh={Dh}, D={D}, {device})", rows,
                 ["T", "attn ms", "qk ms", "attn ns/entry", "qk ns/entry", "attn extra MiB",
                  "qk extra MiB", "input attn MiB"])
     results["growth"] = rows
 
 
+def _layer_row(B, H, Hkv, T, D, device, quick):
+    """One row of the one-layer table (its T x T attention freed on return)."""
+    gen = torch.Generator().manual_seed(T)
+    q = torch.randn(B, H, T, D, generator=gen).to(device)
+    k, v = (torch.randn(B, Hkv, T, D, generator=gen).to(device) for _ in range(2))
+    V = torch.randn(B, H, T, D, generator=gen).to(device)
+    lengths = torch.full((B,), T, device=device)
+    A = torch.softmax((q @ k.repeat_interleave(H // Hkv, 1).transpose(-1, -2)) * D ** -0.5
+                      + torch.full((T, T), float("-inf"), device=device).triu(1), -1)
+    times = interleaved({
+        "qk": lambda: ops.vas_head_stats_qk(q, k, V, lengths, D ** -0.5, True),
+        "attn": lambda: ops.vas_head_stats(A, V, lengths),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+    }, device, rounds=3 if quick else 5, calls={"qk": 3, "attn": 3, "sdpa": 3}, pause=0.0)
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return {"T": T, "qk ms/head": ms["qk"] / H, "attn op ms/head": ms["attn"] / H,
+            "qk / attn op": round_ratios(times["qk"], times["attn"])[0], "sdpa ms": ms["sdpa"],
+            "qk / sdpa": round_ratios(times["qk"], times["sdpa"])[0]}
+
+
 def _layer_section(device, quick, results):
     """One grouped-query layer (the qk op's whole-heads path: H >= 2 x threads): the qk op
     beside vas_head_stats on the same layer's attention and one SDPA call on q, k, v."""
     B, H, Hkv, D = 1, 8, 4, 64
-    rows = []
-    for T in ((512,) if quick else (512, 2048)):
-        gen = torch.Generator().manual_seed(T)
-        q = torch.randn(B, H, T, D, generator=gen).to(device)
-        k, v = (torch.randn(B, Hkv, T, D, generator=gen).to(device) for _ in range(2))
-        V = torch.randn(B, H, T, D, generator=gen).to(device)
-        lengths = torch.full((B,), T, device=device)
-        A = torch.softmax((q @ k.repeat_interleave(H // Hkv, 1).transpose(-1, -2)) * D ** -0.5
-                          + torch.full((T, T), float("-inf"), device=device).triu(1), -1)
-        times = interleaved({
-            "qk": lambda: ops.vas_head_stats_qk(q, k, V, lengths, D ** -0.5, True),
-            "attn": lambda: ops.vas_head_stats(A, V, lengths),
-            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-        }, device, rounds=3 if quick else 5, calls={"qk": 3, "attn": 3, "sdpa": 3}, pause=0.0)
-        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        rows.append({"T": T, "qk ms/head": ms["qk"] / H, "attn op ms/head": ms["attn"] / H,
-                     "qk / attn op": round_ratios(times["qk"], times["attn"])[0], "sdpa ms": ms["sdpa"],
-                     "qk / sdpa": round_ratios(times["qk"], times["sdpa"])[0]})
-        del A
+    rows = [_layer_row(B, H, Hkv, T, D, device, quick) for T in ((512,) if quick else (512, 2048))]
     print_table(f"one layer, causal, float32 (B={B}, H={H}, Hkv={Hkv}, D=Dh={D}, {device}; ratios: "
                 f"medians over rounds timing the three in turn)", rows,
                 list(rows[0]))
