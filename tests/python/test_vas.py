@@ -304,6 +304,31 @@ def test_attention_sink_keeps_centred_statistics_exact(T, bonus, causal, device,
         assert_close(out, expected, what=f"sink, {n} threads")
 
 
+def test_sink_below_float64_resolution_matches_exact_cka(device, request):
+    """Rows that put all but 1e-17 to 1e-37 of their weight on the first key (the fuzzer's
+    case 95536818): ||Ac|| is 1e-17 of ||A||, below what float64 centring resolves (it gives
+    c = 0, as the seed does), and c = <Ac, Sc> / 1e-12 (the CKA's floor) is about 5e-6. The
+    op's c is within the tolerance of the exact value (the reference's exact_cka), and the
+    reference's exact_cka agrees with float64 where float64 does resolve it."""
+    xfail_on_cuda(request, device)
+    a = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 5.8597359e-30, 0.0, 0.0],
+                      [1.0, 1.5072127e-32, 2.3641461e-29, 0.0],
+                      [1.0, 7.6392156e-37, 1.9384425e-29, 1.1744589e-17]])
+    A = a.expand(1, 2, 4, 4).contiguous()
+    V = torch.randn(1, 2, 4, 65, generator=torch.Generator().manual_seed(3))
+    lengths = torch.tensor([4])
+    expected = ref.head_stats(A, V, lengths, dtype=np.float64)
+    assert np.all(np.abs(expected[..., 1]) > 1e-6), "the exact c is not ~0 here"
+    out = headscope.vas_head_stats(A.to(device), V.to(device), lengths.to(device))
+    assert_close(out, expected, what="sink at 1e-17")
+    gen = np.random.default_rng(0)
+    for n in (4, 30):
+        X, Y = gen.random((n, n)), gen.random((n, n))
+        Xc, Yc = ref._center(X), ref._center(Y)
+        plain = (Xc * Yc).sum() / np.sqrt((Xc ** 2).sum() * (Yc ** 2).sum())
+        assert abs(ref.exact_cka(X, Y) - plain) < 1e-12
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_qk_attention_sink_keeps_centred_statistics_exact(causal, device, request):
     """The same through the qk op (whole heads and chunks): every query has a large component

@@ -77,6 +77,7 @@ def run_case(case: int, near_parallel: float = 0.0, min_T: int = 1):
                                     lengths, D ** -0.5, causal, offsets, kpm)
         A = ref.attention_from_qk(q, k, D ** -0.5, causal, kpm)
     f32 = ref.head_stats(A, V, lengths, offsets)
+    # (c exact, in integers, for heads whose centred A float64 cannot resolve: ref.exact_cka)
     f64 = ref.head_stats(A, V, lengths, offsets, dtype=np.float64)
     # r is judged against the float32 reference: the op forms S in float32 as the seed does
     # (README, "Deliberate differences"), and log q near S = 0 follows those roundings

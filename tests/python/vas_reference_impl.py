@@ -7,6 +7,8 @@ It adds the window options of the ops (``offsets`` for left padding).
 """
 from __future__ import annotations
 
+import math
+from fractions import Fraction
 from typing import Optional
 
 import numpy as np
@@ -28,9 +30,34 @@ def _center(K):
     return K - K.mean(axis=0, keepdims=True) - K.mean(axis=1, keepdims=True) + K.mean()
 
 
+def _as_ints(M: np.ndarray, bits: int) -> np.ndarray:
+    """M * 2^bits as exact Python integers (M's floats have denominators dividing 2^bits)."""
+    out = [num * ((1 << bits) // den) for num, den in (float(x).as_integer_ratio() for x in M.ravel())]
+    return np.array(out, dtype=object).reshape(M.shape)
+
+
+def exact_cka(A: np.ndarray, S: np.ndarray) -> float:
+    """The seed's CKA of A and S (n x n float64 arrays, their values taken as exact), in
+    integer arithmetic: n^2 <Ac, Sc> = n^2 <A, S> - n <rA, rS> - n <cA, cS> + sum(A) sum(S)
+    (r, c: row and column sums), and the same for the norms. For heads whose centred A is
+    below float64's resolution (an attention sink taking all but 1e-15 of every row), where
+    a float64 evaluation of c is off by more than the tolerance."""
+    n = A.shape[0]
+    a, s = _as_ints(A, 1074), _as_ints(S, 1074)
+
+    def centred_dot(x, y):
+        return (n * n * (x * y).sum() - n * (x.sum(1) * y.sum(1)).sum()
+                - n * (x.sum(0) * y.sum(0)).sum() + x.sum() * y.sum())
+
+    num, den = centred_dot(a, s), math.isqrt(centred_dot(a, a) * centred_dot(s, s))
+    floor = Fraction(1e-12) * n * n * (1 << 2148)  # the seed's max(sqrt(d1 d2), 1e-12)
+    return float(Fraction(num) / max(Fraction(den), floor))
+
+
 def head_stats_dense(A: np.ndarray, V: np.ndarray, dtype=np.float32) -> tuple[float, float, float]:
     """(d, c, r) of one head from A (n, n) and V (n, Dh), in float32 arithmetic like the seed
-    (or float64: for inputs where float32 centring itself loses digits)."""
+    (or float64: for inputs where float32 centring itself loses digits; c then exact where
+    even float64 centring loses it, see exact_cka)."""
     A = A.astype(dtype)
     V = V.astype(dtype)
     nrm = np.linalg.norm(V, axis=-1, keepdims=True)  # float32: NumPy's pairwise sum
@@ -42,6 +69,8 @@ def head_stats_dense(A: np.ndarray, V: np.ndarray, dtype=np.float32) -> tuple[fl
     d1 = float(np.sum(Ac.astype(np.float64) ** 2))
     d2 = float(np.sum(Sc.astype(np.float64) ** 2))
     c = num / max(np.sqrt(d1 * d2), 1e-12)
+    if dtype == np.float64 and np.sqrt(d1) < 1e-11 * np.linalg.norm(A):
+        c = exact_cka(A, S)
     eps = dtype(1e-12)
     p = A / max(A.sum(-1).max(), eps)
     q = S / max(S.sum(-1).max(), eps)
