@@ -304,23 +304,30 @@ def test_attention_sink_keeps_centred_statistics_exact(T, bonus, causal, device,
         assert_close(out, expected, what=f"sink, {n} threads")
 
 
-def test_sink_below_float64_resolution_matches_exact_cka(device, request):
-    """Rows that put all but 1e-17 to 1e-37 of their weight on the first key (the fuzzer's
-    case 95536818): ||Ac|| is 1e-17 of ||A||, below what float64 centring resolves (it gives
-    c = 0, as the seed does), and c = <Ac, Sc> / 1e-12 (the CKA's floor) is about 5e-6. The
-    op's c is within the tolerance of the exact value (the reference's exact_cka), and the
-    reference's exact_cka agrees with float64 where float64 does resolve it."""
-    xfail_on_cuda(request, device)
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sink_below_float64_resolution_matches_exact_cka(scale, dtype, device, request):
+    """Rows that put all but 1e-16 to 1e-37 of their weight on the first key (the fuzzer's
+    cases 95536818 and, rows scaled by 3, 1063366221): ||Ac|| is 1e-17 of ||A||, below what
+    float64 centring resolves (it gives c = 0, as the seed does), and c = <Ac, Sc> / 1e-12
+    (the CKA's floor) is a few 1e-6. The op's c is within the tolerance of the exact value
+    (the reference's exact_cka; a plain float64 row sum of A left it 10x off), whether
+    threads take whole heads or chunks; and exact_cka agrees with float64 where float64
+    resolves c."""
+    if device == "cuda":  # the pass's row shift 1/n and 22-bit tensor-core Gram
+        request.applymarker(pytest.mark.xfail(reason="CUDA: c below float64's resolution"))
     a = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 5.8597359e-30, 0.0, 0.0],
                       [1.0, 1.5072127e-32, 2.3641461e-29, 0.0],
-                      [1.0, 7.6392156e-37, 1.9384425e-29, 1.1744589e-17]])
-    A = a.expand(1, 2, 4, 4).contiguous()
-    V = torch.randn(1, 2, 4, 65, generator=torch.Generator().manual_seed(3))
+                      [1.0, 7.6392156e-37, 2.2245502e-16, 1.1744589e-17]]) * scale
+    A = a.expand(1, 3, 4, 4).to(dtype)
+    V = torch.randn(1, 3, 4, 65, generator=torch.Generator().manual_seed(3))
     lengths = torch.tensor([4])
     expected = ref.head_stats(A, V, lengths, dtype=np.float64)
     assert np.all(np.abs(expected[..., 1]) > 1e-6), "the exact c is not ~0 here"
-    out = headscope.vas_head_stats(A.to(device), V.to(device), lengths.to(device))
-    assert_close(out, expected, what="sink at 1e-17")
+    for n in (1, chunked_threads(3)):
+        with num_threads(n):
+            out = headscope.vas_head_stats(A.to(device), V.to(device), lengths.to(device))
+        assert_close(out, expected, what=f"sink at 1e-17, {n} threads")
     gen = np.random.default_rng(0)
     for n in (4, 30):
         X, Y = gen.random((n, n)), gen.random((n, n))

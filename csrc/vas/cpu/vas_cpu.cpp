@@ -40,6 +40,7 @@
 #include <cmath>
 #include <limits>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 namespace headscope::vas {
@@ -104,17 +105,23 @@ inline bool any_nonzero(f8 v) {
 #endif
 }
 
-// Row sums of A are taken in double lanes: B's row sums r_i - n x_i - sum(y) (set_shifts)
-// are small where B is near Ac, and a float sum's rounding (~1e-7 r_i) would be most of
-// them (c was off by 0.5% in a head with ||Ac|| = 2e-5 ||A||).
+// Row sums of A are taken in double lanes: B's row sums r_i - n x_i - sum(y) (finalize) are
+// small where B is near Ac, and a float sum's rounding (~1e-7 r_i) would be most of them (c
+// was off by 0.5% in a head with ||Ac|| = 2e-5 ||A||).
 typedef double d4 __attribute__((vector_size(32)));
-inline void add_f64(d4 (&s)[2], f8 v) {
-  s[0] += __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), d4);
-  s[1] += __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), d4);
+inline d4 lo4(f8 v) {
+  return __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), d4);
 }
-inline double hsum(const d4 (&s)[2]) {
-  const d4 t = s[0] + s[1];
-  return (t[0] + t[1]) + (t[2] + t[3]);
+inline d4 hi4(f8 v) {
+  return __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), d4);
+}
+
+// s + e = s + v exactly (TwoSum: e collects the addition's rounding error).
+template <typename T>
+inline void two_sum(T& s, T& e, T v) {
+  const T t = s + v, bv = t - s;
+  e += (s - (t - bv)) + (v - bv);
+  s = t;
 }
 
 // The sum of n floats in double lanes. kGroups (n <= 256): also, in `groups`, bit g set when
@@ -124,7 +131,8 @@ inline double sum_f64(const float* x, int64_t n, uint32_t* groups = nullptr) {
   d4 s[2] = {};
   uint32_t mask = 0;
   auto add = [&](f8 v, int64_t j) {
-    add_f64(s, v);
+    s[0] += lo4(v);
+    s[1] += hi4(v);
     if constexpr (kGroups) mask |= static_cast<uint32_t>(any_nonzero(v)) << (j / 8);
   };
   int64_t j = 0;
@@ -135,7 +143,34 @@ inline double sum_f64(const float* x, int64_t n, uint32_t* groups = nullptr) {
   }
   if (j < n) add(load_part(x + j, n - j), j);
   if constexpr (kGroups) *groups = mask;
-  return hsum(s);
+  const d4 t = s[0] + s[1];
+  return (t[0] + t[1]) + (t[2] + t[3]);
+}
+
+// The sum of n floats as hi + lo (double lanes, TwoSum): a row that is one key's weight plus
+// entries 1e-16 of it and less (an attention sink's one-hot rows) loses those entries in a
+// plain double sum, and with them c (10x off at ||Ac|| = 3e-17 ||A||, where the exact c is
+// 4e-6). About 2.5 times the additions of sum_f64: taken only for heads that need it
+// (finalize_into's refine).
+inline void sum_f64_exact(const float* x, int64_t n, double& hi, double& lo) {
+  d4 s[2] = {}, e[2] = {};
+  auto add = [&](f8 v) {
+    two_sum(s[0], e[0], lo4(v));
+    two_sum(s[1], e[1], hi4(v));
+  };
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    f8 v;
+    std::memcpy(&v, x + j, sizeof v);
+    add(v);
+  }
+  if (j < n) add(load_part(x + j, n - j));
+  hi = lo = 0;
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 4; ++k) {
+      two_sum(hi, lo, s[h][k]);
+      lo += e[h][k];
+    }
 }
 
 // Whether n floats are all finite: x - x is 0 for a finite x, NaN for an infinity or a NaN.
@@ -478,7 +513,8 @@ struct Problem {
   at::Tensor ycol;    // float [BH, T]: column shifts of the tile pass
   at::Tensor dcol;    // double [BH, T]: column sums of the diagonal tiles (DiagColumns)
   at::Tensor part;    // double [BH, P, 5]: the sums of Acc
-  at::Tensor rowp;    // double [BH, P, T]
+  at::Tensor rsum;    // double [BH, T]: A's row sums (each row has one owner)
+  at::Tensor rlo;     // double [BH, T]: their rounding errors where refined (finalize_into)
   at::Tensor colp;    // double [BH, P, T]
   at::Tensor chunkbad;  // uint8 [BH, P]
   at::Tensor ext;       // int32 [BH, T8 / 8, 2]: Extent of each 8-row block of the window
@@ -541,9 +577,8 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
   // ceil(BH / threads) rounds take at most 1.5 BH / threads (3 heads on 2 threads: 12-20%
   // faster whole; 1 head: 25-40% faster in chunks).
   const int64_t rounds = (P.BH + P.nthreads - 1) / P.nthreads;
-  P.P = 2 * P.nthreads * rounds <= 3 * P.BH
-            ? 1
-            : std::max<int64_t>(1, std::min<int64_t>(pairs_max, (2 * P.nthreads + P.BH - 1) / P.BH));
+  const int64_t chunks = (2 * P.nthreads + P.BH - 1) / P.BH;
+  P.P = 2 * P.nthreads * rounds <= 3 * P.BH ? 1 : std::max<int64_t>(1, std::min(pairs_max, chunks));
   P.msq.assign(P.BH, 0);
   P.Scc.assign(P.BH, 0);
   P.Snorm2.assign(P.BH, 0);
@@ -562,7 +597,8 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
   P.ycol = at::empty({P.BH, T}, f32);
   P.dcol = at::empty({P.BH, T}, f64);
   P.part = at::zeros({P.BH, P.P, kParts}, f64);
-  P.rowp = at::zeros({P.BH, P.P, T}, f64);
+  P.rsum = at::zeros({P.BH, T}, f64);
+  P.rlo = at::zeros({P.BH, T}, f64);
   P.colp = at::zeros({P.BH, P.P, T}, f64);
   P.chunkbad = at::zeros({P.BH, P.P}, at::TensorOptions().dtype(at::kByte));
   P.ext = at::empty({P.BH, P.T8 / 8, 2}, at::TensorOptions().dtype(at::kInt));
@@ -578,7 +614,7 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
 // would keep the sums exact; these keep them small.
 void set_shifts(Problem& P, int64_t bh, int64_t I) {
   const int64_t n = P.n[bh / P.H], i0 = I * TB, ni = std::min(TB, n - i0), n0 = std::min(TB, n);
-  const double* r = P.rowp.data_ptr<double>() + bh * P.P * P.T;  // row sums: chunk 0's
+  const double* r = P.rsum.data_ptr<double>() + bh * P.T;
   const double* dcol = P.dcol.data_ptr<double>() + bh * P.T;
   float* x = P.xrow.data_ptr<float>() + bh * P.T;
   float* y = P.ycol.data_ptr<float>() + bh * P.T;
@@ -837,7 +873,13 @@ void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only 
 }
 
 // Combines the chunks' partial sums into (d, c, r) per head.
-void finalize_into(Problem& P, float* o, const Range* only = nullptr) {
+// refine(bh), where given: recomputes the head's row sums of A as hi + lo (rsum, rlo; see
+// sum_f64_exact), for heads whose ||Ac|| is below 1e-8 ||A||: B's row sums come from A's, and
+// below about 1e-12 ||A|| a double's rounding of those is most of them.
+using Refine = std::function<void(int64_t)>;
+
+void finalize_into(Problem& P, float* o, const Range* only = nullptr,
+                   const Refine& refine = nullptr) {
   run_range(only, P.BH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       float* ob = o + bh * 3;
@@ -848,7 +890,8 @@ void finalize_into(Problem& P, float* o, const Range* only = nullptr) {
       const int64_t n = P.n[bh / P.H];
       const double nn = static_cast<double>(n);
       const double* part = P.part.data_ptr<double>() + bh * P.P * kParts;
-      const double* rowp = P.rowp.data_ptr<double>() + bh * P.P * P.T;
+      const double* rsum = P.rsum.data_ptr<double>() + bh * P.T;
+      const double* rlo = P.rlo.data_ptr<double>() + bh * P.T;
       const double* colp = P.colp.data_ptr<double>() + bh * P.P * P.T;
       const double* adot = P.adot.data_ptr<double>() + bh * P.T;
       const float* x = P.xrow.data_ptr<float>() + bh * P.T;
@@ -866,24 +909,31 @@ void finalize_into(Problem& P, float* o, const Range* only = nullptr) {
       // near the row and column means B is near Ac, so neither is a difference of large
       // sums (attention sinks: A near 1 y^T, Ac tiny)
       const float* y = P.ycol.data_ptr<float>() + bh * P.T;
-      double sy = 0, mA = 0;
+      // (sum(y)'s rounding shifts every row sum of B alike: no centred sum changes)
+      double sy = 0;
       for (int64_t i = 0; i < n; ++i) sy += y[i];
-      double rb2 = 0, cb2 = 0, rba = 0, cba = 0, b1 = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        double r = 0, c = 0;
-        for (int64_t p = 0; p < P.P; ++p) {
-          r += rowp[p * P.T + i];
-          c += colp[p * P.T + i];
+      double rb2, cb2, rba, cba, b1, mA, Acc;
+      auto centred = [&] {
+        rb2 = cb2 = rba = cba = b1 = mA = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          double c = 0;
+          for (int64_t p = 0; p < P.P; ++p) c += colp[p * P.T + i];
+          mA = std::max(mA, rsum[i] + rlo[i]);
+          // row i of B's sum (where refined, r_i's large part cancels exactly); c: column i's
+          const double br = ((rsum[i] - nn * x[i]) - sy) + rlo[i];
+          b1 += br;
+          rb2 += br * br;
+          cb2 += c * c;
+          rba += br * adot[i];
+          cba += c * adot[i];
         }
-        mA = std::max(mA, r);
-        const double br = r - nn * x[i] - sy;  // row i of B's sum; c: column i's
-        b1 += br;
-        rb2 += br * br;
-        cb2 += c * c;
-        rba += br * adot[i];
-        cba += c * adot[i];
+        Acc = std::max(0.0, ax2 - rb2 / nn - cb2 / nn + b1 * b1 / (nn * nn));
+      };
+      centred();
+      if (refine && Acc < 1e-16 * a2) {
+        refine(bh);
+        centred();
       }
-      const double Acc = std::max(0.0, ax2 - rb2 / nn - cb2 / nn + b1 * b1 / (nn * nn));
       const double Scc = P.Scc[bh];
       // <Ac, Sc> = <B, W W^T> / 2 (W W^T = H G H = G - a 1^T - 1 a^T + |m|^2, a = adot),
       // bounded by Cauchy-Schwarz (so that it is exactly 0 when either centred matrix is,
@@ -901,9 +951,9 @@ void finalize_into(Problem& P, float* o, const Range* only = nullptr) {
   });
 }
 
-at::Tensor finalize(Problem& P, const at::TensorOptions& out_opts) {
+at::Tensor finalize(Problem& P, const at::TensorOptions& out_opts, const Refine& refine = nullptr) {
   at::Tensor out = at::empty({P.B, P.H, 3}, out_opts.dtype(at::kFloat));
-  finalize_into(P, out.data_ptr<float>());
+  finalize_into(P, out.data_ptr<float>(), nullptr, refine);
   return out;
 }
 
@@ -913,22 +963,27 @@ at::Tensor finalize(Problem& P, const at::TensorOptions& out_opts) {
 // window): the rows' sums, the column sums of its diagonal tile (for set_shifts) and the
 // Extent of each 8-row block. False when a row holds a NaN or an infinity. row: scratch
 // for one converted row.
+// Row i of head bh's window of A as floats: in place (float, unit column stride) or
+// converted into `buf`.
+template <typename A_t>
+const float* window_row(const Problem& P, const In4<A_t>& A, int64_t s3, int64_t bh, int64_t i,
+                        float* buf) {
+  const int64_t b = bh / P.H, h = bh % P.H, s = P.s[b];
+  if (std::is_same<A_t, float>::value && s3 == 1)
+    return reinterpret_cast<const float*>(A.at(b, h, s + i)) + s;
+  load(buf, A.at(b, h, s + i) + s * s3, P.n[b], s3);
+  return buf;
+}
+
 template <typename A_t>
 bool attn_row_tile(Problem& P, const In4<A_t>& A, int64_t s3, int64_t bh, int64_t I, float* row) {
-  const bool direct = std::is_same<A_t, float>::value && s3 == 1;
-  const int64_t b = bh / P.H, h = bh % P.H, n = P.n[b], s = P.s[b], nb = P.nb(bh);
+  const int64_t n = P.n[bh / P.H], nb = P.nb(bh);
   Extent* ext = P.ext_of(bh);
-  // each row has one owner: its sum goes to rowp[bh, 0]
-  double* rsum = P.rowp.data_ptr<double>() + bh * P.P * P.T;
+  double* rsum = P.rsum.data_ptr<double>() + bh * P.T;  // each row has one owner
   const int64_t i0 = I * TB, ni = std::min(TB, n - i0);
   DiagColumns diag;
   for (int64_t i = i0; i < i0 + ni; ++i) {
-    const float* a = row;
-    if (direct) {
-      a = reinterpret_cast<const float*>(A.at(b, h, s + i)) + s;
-    } else {
-      load(row, A.at(b, h, s + i) + s * s3, n, s3);
-    }
+    const float* a = window_row(P, A, s3, bh, i, row);
     double sum = 0;
     int64_t first = -1, last = -1;  // the first and last 8-column group holding a nonzero
     for (int64_t J = 0; J < nb; ++J) {
@@ -952,6 +1007,17 @@ bool attn_row_tile(Problem& P, const In4<A_t>& A, int64_t s3, int64_t bh, int64_
   }
   diag.store(P.dcol.data_ptr<double>() + bh * P.T + i0, ni);
   return true;
+}
+
+// finalize_into's refine for the attention op: head bh's row sums of A as hi + lo.
+template <typename A_t>
+void attn_exact_row_sums(Problem& P, const at::Tensor& attn, int64_t bh) {
+  const auto A = in4<A_t>(attn);
+  double* rsum = P.rsum.data_ptr<double>() + bh * P.T;
+  double* rlo = P.rlo.data_ptr<double>() + bh * P.T;
+  const int64_t n = P.n[bh / P.H];
+  for (int64_t i = 0; i < n; ++i)
+    sum_f64_exact(window_row(P, A, attn.stride(3), bh, i, P.row_scratch()), n, rsum[i], rlo[i]);
 }
 
 // Phase 1 of the attention op for every head, chunk p taking every P-th tile row.
@@ -1035,20 +1101,24 @@ at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_wri
                                       "vas_v", [&] { prepare_values<scalar_t>(P, head_writes, &r); });
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_a", [&] {
         attn_tiles_phase<scalar_t>(P, attn, &r, /*rows_too=*/true);
+        finalize_into(P, out.data_ptr<float>(), &r,
+                      [&](int64_t bh) { attn_exact_row_sums<scalar_t>(P, attn, bh); });
       });
-      finalize_into(P, out.data_ptr<float>(), &r);
     });
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, head_writes.scalar_type(), "vas_v",
                                   [&] { prepare_values<scalar_t>(P, head_writes); });
+  at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(), "vas_a", [&] {
     attn_row_phase<scalar_t>(P, attn);
     merge_bad_chunks(P);
     shifts_phase(P);
     attn_tiles_phase<scalar_t>(P, attn);
+    out = finalize(P, attn.options(),
+                   [&](int64_t bh) { attn_exact_row_sums<scalar_t>(P, attn, bh); });
   });
-  return finalize(P, attn.options());
+  return out;
 }
 
 // ---- vas_head_stats_qk ---------------------------------------------------------------
@@ -1195,7 +1265,7 @@ void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* 
   }
   float* M = Q.mrow.data_ptr<float>() + bh * P.T;
   float* IZ = Q.izrow.data_ptr<float>() + bh * P.T;
-  double* rsum = P.rowp.data_ptr<double>() + bh * P.P * P.T;  // each row has one owner
+  double* rsum = P.rsum.data_ptr<double>() + bh * P.T;  // (rlo stays 0)
   for (int64_t r = 0; r < ni; ++r) {
     const int64_t i = i0 + r;
     if (Z[r] == 0.0) {  // no key in use (all padding): a row of zeros
