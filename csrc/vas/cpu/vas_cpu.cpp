@@ -11,9 +11,10 @@
 //   8 x 8 Gram block serving both tiles (G is symmetric), and accumulates ||B||^2, <B, G>
 //   and the column sums of B = A less the shifts (close to the centred Ac, so that small
 //   centred statistics are not differences of large sums), ||A||^2 and the row KL's sums;
-//   ||Ac||^2, <Ac, Sc> and the KL's normalisation follow in float64. Tiles and 8 x 8
-//   blocks where A is all zero (causal masks) are skipped (their sums of B are added in
-//   closed form).
+//   ||Ac||^2, <Ac, Sc> and the KL's normalisation follow in float64 (A's row sums taken
+//   again as hi + lo pairs where ||Ac|| is below 1e-8 ||A||, see finalize_into). Tiles and
+//   8 x 8 blocks where A is all zero (causal masks) are skipped (their sums of B are added
+//   in closed form).
 // The qk op recomputes A: qk_row_tile forms a tile row of it (all the row's keys, for the
 //   softmax) in a per-thread buffer; with whole heads per thread its pairs read their A_IJ
 //   tiles there, and only A_JI tiles (no causal mask) are recomputed from the rows' max and
@@ -150,8 +151,8 @@ inline double sum_f64(const float* x, int64_t n, uint32_t* groups = nullptr) {
 // The sum of n floats as hi + lo (double lanes, TwoSum): a row that is one key's weight plus
 // entries 1e-16 of it and less (an attention sink's one-hot rows) loses those entries in a
 // plain double sum, and with them c (10x off at ||Ac|| = 3e-17 ||A||, where the exact c is
-// 4e-6). About 2.5 times the additions of sum_f64: taken only for heads that need it
-// (finalize_into's refine).
+// 4e-6). Seven additions for each of sum_f64's one (the op took 4-6% longer with it in
+// every first pass): taken only for heads that need it (finalize_into's refine).
 inline void sum_f64_exact(const float* x, int64_t n, double& hi, double& lo) {
   d4 s[2] = {}, e[2] = {};
   auto add = [&](f8 v) {
