@@ -94,6 +94,18 @@ inline f8 load_part(const float* p, int64_t n) {
   return v;
 }
 
+// f(v, j) for each 8 floats v of x[0, n), j their first column (the last ones zero past n).
+template <typename F>
+inline void for_each8(const float* x, int64_t n, F&& f) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    f8 v;
+    std::memcpy(&v, x + j, sizeof v);
+    f(v, j);
+  }
+  if (j < n) f(load_part(x + j, n - j), j);
+}
+
 // Whether one of 8 floats is nonzero (or NaN).
 inline bool any_nonzero(f8 v) {
   const auto nz = v != 0.0f;
@@ -131,18 +143,11 @@ template <bool kGroups>
 inline double sum_f64(const float* x, int64_t n, uint32_t* groups = nullptr) {
   d4 s[2] = {};
   uint32_t mask = 0;
-  auto add = [&](f8 v, int64_t j) {
+  for_each8(x, n, [&](f8 v, int64_t j) {
     s[0] += lo4(v);
     s[1] += hi4(v);
     if constexpr (kGroups) mask |= static_cast<uint32_t>(any_nonzero(v)) << (j / 8);
-  };
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    f8 v;
-    std::memcpy(&v, x + j, sizeof v);
-    add(v, j);
-  }
-  if (j < n) add(load_part(x + j, n - j), j);
+  });
   if constexpr (kGroups) *groups = mask;
   const d4 t = s[0] + s[1];
   return (t[0] + t[1]) + (t[2] + t[3]);
@@ -155,17 +160,10 @@ inline double sum_f64(const float* x, int64_t n, uint32_t* groups = nullptr) {
 // every first pass): taken only for heads that need it (finalize_into's refine).
 inline void sum_f64_exact(const float* x, int64_t n, double& hi, double& lo) {
   d4 s[2] = {}, e[2] = {};
-  auto add = [&](f8 v) {
+  for_each8(x, n, [&](f8 v, int64_t) {
     two_sum(s[0], e[0], lo4(v));
     two_sum(s[1], e[1], hi4(v));
-  };
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    f8 v;
-    std::memcpy(&v, x + j, sizeof v);
-    add(v);
-  }
-  if (j < n) add(load_part(x + j, n - j));
+  });
   hi = lo = 0;
   for (int h = 0; h < 2; ++h)
     for (int k = 0; k < 4; ++k) {
@@ -177,15 +175,9 @@ inline void sum_f64_exact(const float* x, int64_t n, double& hi, double& lo) {
 // Whether n floats are all finite: x - x is 0 for a finite x, NaN for an infinity or a NaN.
 inline bool all_finite(const float* x, int64_t n) {
   f8 acc = {};
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    f8 v;
-    std::memcpy(&v, x + j, sizeof v);
-    acc += v - v;
-  }
+  for_each8(x, n, [&](f8 v, int64_t) { acc += v - v; });
   float t = 0;
   for (int k = 0; k < 8; ++k) t += acc[k];
-  for (; j < n; ++j) t += x[j] - x[j];
   return t == 0.0f;
 }
 
@@ -873,12 +865,12 @@ void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only 
   });
 }
 
-// Combines the chunks' partial sums into (d, c, r) per head.
-// refine(bh), where given: recomputes the head's row sums of A as hi + lo (rsum, rlo; see
-// sum_f64_exact), for heads whose ||Ac|| is below 1e-8 ||A||: B's row sums come from A's, and
-// below about 1e-12 ||A|| a double's rounding of those is most of them.
-using Refine = std::function<void(int64_t)>;
+// Recomputes head bh's row sums of A as hi + lo pairs (rsum, rlo; see sum_f64_exact).
+using Refine = std::function<void(int64_t bh)>;
 
+// Combines the chunks' partial sums into (d, c, r) per head. refine, where given, runs for
+// heads whose ||Ac|| is below 1e-8 ||A||: B's row sums come from A's, and below about 1e-12
+// ||A|| a double's rounding of those is most of them.
 void finalize_into(Problem& P, float* o, const Range* only = nullptr,
                    const Refine& refine = nullptr) {
   run_range(only, P.BH, 1, [&](int64_t begin, int64_t end) {
@@ -960,10 +952,6 @@ at::Tensor finalize(Problem& P, const at::TensorOptions& out_opts, const Refine&
 
 // ---- vas_head_stats ------------------------------------------------------------------
 
-// Phase 1 of the attention op over tile row I of a head (rows [I TB, I TB + TB) of its
-// window): the rows' sums, the column sums of its diagonal tile (for set_shifts) and the
-// Extent of each 8-row block. False when a row holds a NaN or an infinity. row: scratch
-// for one converted row.
 // Row i of head bh's window of A as floats: in place (float, unit column stride) or
 // converted into `buf`.
 template <typename A_t>
@@ -976,6 +964,10 @@ const float* window_row(const Problem& P, const In4<A_t>& A, int64_t s3, int64_t
   return buf;
 }
 
+// Phase 1 of the attention op over tile row I of a head (rows [I TB, I TB + TB) of its
+// window): the rows' sums, the column sums of its diagonal tile (for set_shifts) and the
+// Extent of each 8-row block. False when a row holds a NaN or an infinity. row: scratch
+// for one converted row.
 template <typename A_t>
 bool attn_row_tile(Problem& P, const In4<A_t>& A, int64_t s3, int64_t bh, int64_t I, float* row) {
   const int64_t n = P.n[bh / P.H], nb = P.nb(bh);
