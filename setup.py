@@ -48,7 +48,7 @@ setup(
     version="0.1.0",
     description="Attention introspection ops for PyTorch: VAS features, vStream attribution, "
                 "KL projection and thin mixer",
-    packages=["headscope", "headscope.bench"],
+    packages=["headscope", "headscope.bench", "headscope.hf"],
     package_dir={"headscope": "ops"},
     # The library is a plain shared object loaded with torch.ops.load_library, not a
     # Python extension module: its file name carries no ABI tag.
@@ -56,5 +56,7 @@ setup(
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",
     install_requires=["torch>=2.9", "numpy"],
+    # headscope.hf (the Tracer): the version requirements.txt pins is the one tested.
+    extras_require={"hf": ["transformers>=5.24,<6", "safetensors"]},
     zip_safe=False,
 )

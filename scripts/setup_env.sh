@@ -21,7 +21,9 @@ if ((${#missing[@]})); then
 fi
 
 if [ "${HEADSCOPE_SKIP_PIP:-0}" != 1 ]; then
-  # Only ask pip when something is missing: it then installs just that.
+  # Only ask pip when something is missing: it then installs just that. The check
+  # itself needs 'packaging', which a bare Python lacks.
+  "$PYTHON" -c "import packaging" 2>/dev/null || "$PYTHON" -m pip install -q packaging
   if ! "$PYTHON" scripts/check_requirements.py requirements.txt; then
     "$PYTHON" -m pip install -q -r requirements.txt
   fi

@@ -1,0 +1,456 @@
+""":class:`Tracer`: VAS features and span-to-region attribution of a transformers VLM,
+computed inside its attention calls while it runs, with no attention matrix stored.
+
+Attaching sets the text decoder's attention implementation to ``"headscope"`` (see
+``backend.py``), which runs the implementation the model was loaded with and hands each
+layer's q (after rotary), key cache, mask and per-head outputs to this object; detaching
+puts the original back. Only the text decoder is traced.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from .. import attribution as _attr
+from .. import vas as _vas
+from . import backend
+from .regions import Regions, find_images, region_ids as _region_ids
+from .stream import Span, SpanCutter, SpanQueue, Stopped, _Pending, run_in_thread
+
+_WRITES = ("heads", "residual")
+_UNSUPPORTED_GENERATE = {"num_beams": 1, "num_return_sequences": 1, "assistant_model": None,
+                         "prompt_lookup_num_tokens": None}
+
+
+def sentence_end(tokenizer) -> Callable[[Sequence[int]], bool]:
+    """The default splitter: a span ends after a token whose text ends with '.', '!' or
+    '?', or holds a newline."""
+    def ends(ids: Sequence[int]) -> bool:
+        text = tokenizer.decode([ids[-1]])
+        return "\n" in text or text.rstrip(" ").endswith((".", "!", "?"))
+    return ends
+
+
+class _Mask:
+    """What the model's mask function was asked for in the current forward."""
+
+    def __init__(self, kwargs: Dict[str, Any]):
+        from transformers.masking_utils import causal_mask_function
+        self.plain = kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+        self.q_length = int(kwargs["q_length"])
+        self.kv_length = int(kwargs["kv_length"])
+        self.q_offset = int(kwargs.get("q_offset", 0))
+        self.kv_offset = int(kwargs.get("kv_offset", 0))
+        mask = kwargs.get("attention_mask")
+        self.padding: Optional[torch.Tensor] = None  # (B, kv_length) True = padding key
+        self.lengths = self.offsets = None
+        if mask is not None:
+            keep = mask.to(torch.bool)
+            end = self.kv_offset + self.kv_length
+            if keep.shape[-1] < end:
+                keep = torch.nn.functional.pad(keep, (0, end - keep.shape[-1]))
+            self.padding = ~keep[:, self.kv_offset:end]
+        self.full = self.q_offset == 0 and self.kv_offset == 0 and \
+            self.q_length == self.kv_length
+
+    def window(self, batch: int, device) -> tuple:
+        """VAS window per row of a full forward: (lengths, offsets); the kept tokens of
+        each row must be one contiguous run."""
+        if self.lengths is None:
+            if self.padding is None:
+                self.lengths = torch.full((batch,), self.q_length, dtype=torch.int64)
+                self.offsets = torch.zeros(batch, dtype=torch.int64)
+            else:
+                keep = ~self.padding.cpu()
+                lengths = keep.sum(-1)
+                first = torch.where(lengths > 0, keep.to(torch.int8).argmax(-1), 0)
+                last = self.q_length - 1 - keep.flip(-1).to(torch.int8).argmax(-1)
+                if bool(((last - first + 1 != lengths) & (lengths > 0)).any()):
+                    raise ValueError("headscope.hf.Tracer: VAS needs each row's attention mask "
+                                     "to keep one contiguous run of tokens (left or right "
+                                     "padding), got holes")
+                self.lengths, self.offsets = lengths.to(torch.int64), first.to(torch.int64)
+            self.lengths = self.lengths.to(device)
+            self.offsets = self.offsets.to(device)
+        return self.lengths, self.offsets
+
+
+class Tracer:
+    """VAS features and span attribution of a transformers VLM while it runs.
+
+        with Tracer(model, regions=8, vas=True, head=head, tokenizer=tok) as tr:
+            logits = model(**inputs).logits      # unchanged by the tracer
+            tr.vas_features()                    # (B, 36), columns VAS_COLUMNS
+            for span in tr.generate(**inputs, max_new_tokens=64):
+                span.features, span.scores, span.text
+
+    ``regions``: an int K (Ward regions of each image's own token embeddings, the vision
+    tower's output after its merger/projector, on its token grid), an int64 tensor of M
+    labels in ``[0, K)`` for an image's M tokens (row-major), or a callable
+    ``(features (M, C), (rows, cols)) -> labels (M,)``; None: no attribution. ``head``:
+    an :class:`~headscope.AttributionHead` (or any callable ``(K, L*H) -> (K,)``) giving
+    ``span.scores``. ``writes``: ``"heads"`` (each head's attention output, the seed's
+    head writes) or ``"residual"`` (the head's write into the residual stream, through
+    its block of ``o_proj``). ``splitter``: a callable that gets a row's generated ids so
+    far and says whether the last one ends a span (default: sentence ends, given a
+    tokenizer; else one span per answer). ``queue_size``: spans held between the
+    generating thread and the consumer before generation waits.
+    """
+
+    def __init__(self, model, regions: Optional[Regions] = None, vas: bool = True,
+                 head: Optional[Callable] = None, tokenizer=None, *, writes: str = "heads",
+                 splitter: Optional[Callable[[Sequence[int]], bool]] = None,
+                 queue_size: int = 8):
+        if writes not in _WRITES:
+            raise ValueError(f"headscope.hf.Tracer: argument 'writes' must be one of {_WRITES}, "
+                             f"got {writes!r}")
+        if queue_size < 1:
+            raise ValueError(f"headscope.hf.Tracer: argument 'queue_size' must be >= 1, got "
+                             f"{queue_size}")
+        if regions is not None and not (isinstance(regions, (int, torch.Tensor))
+                                        or callable(regions)) or isinstance(regions, bool):
+            raise TypeError(f"headscope.hf.Tracer: argument 'regions' must be an int, an int64 "
+                            f"tensor of labels or a callable, got {type(regions).__name__}")
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.config = self.decoder.config
+        self.num_layers = int(self.config.num_hidden_layers)
+        self.num_heads = int(self.config.num_attention_heads)
+        self._layers = {id(m): m.layer_idx for m in self.decoder.modules()
+                        if hasattr(m, "o_proj") and getattr(m, "layer_idx", None) is not None}
+        if sorted(self._layers.values()) != list(range(self.num_layers)):
+            raise ValueError(f"headscope.hf.Tracer: found attention layers "
+                             f"{sorted(self._layers.values())} in {type(self.decoder).__name__}, "
+                             f"expected 0..{self.num_layers - 1} (modules with o_proj and "
+                             f"layer_idx)")
+        L, H = self.num_layers, self.num_heads
+        if isinstance(head, _attr.AttributionHead) and (head.num_layers, head.num_heads) != (L, H):
+            raise ValueError(f"headscope.hf.Tracer: the head was fitted for L={head.num_layers}, "
+                             f"H={head.num_heads}; this model has L={L}, H={H}")
+        self.regions, self.vas, self.head, self.tokenizer = regions, bool(vas), head, tokenizer
+        self.writes = writes
+        self.splitter = splitter if splitter is not None else (
+            sentence_end(tokenizer) if tokenizer is not None else None)
+        self.queue_size = queue_size
+        self.sequences: Optional[torch.Tensor] = None
+        self.region_ids: Optional[torch.Tensor] = None
+        self.num_regions: Optional[List[int]] = None
+        self.observing = False
+        self._attached = False
+        self._mode = "forward"
+        self._generating: Optional[int] = None  # thread ident of a running tr.generate
+        self._mask: Optional[_Mask] = None
+        self._mask_other: Optional[str] = None
+        self._input_ids = self._image_grid_thw = None
+        self._stats: Optional[torch.Tensor] = None
+        self._seen: set = set()
+        self._acc: Optional[torch.Tensor] = None
+        self._rid: Optional[torch.Tensor] = None
+        self._ones: Optional[torch.Tensor] = None
+        self._final: Optional[Dict[str, torch.Tensor]] = None
+        self._R: Optional[torch.Tensor] = None
+        self.attach()
+
+    # ---- attaching ----------------------------------------------------------------------
+
+    def attach(self) -> "Tracer":
+        if self._attached:
+            return self
+        backend.register()
+        self._base_name = self.config._attn_implementation_internal
+        base_attention, self.base_mask = backend.base_functions(self._base_name)
+        self._base_attention = base_attention
+        backend.bind(self.config, self)
+        self.config._attn_implementation_internal = backend.NAME
+        self._hooks = [
+            self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True),
+            self.decoder.register_forward_pre_hook(self._on_decoder_forward, with_kwargs=True)]
+        self._attached = True
+        return self
+
+    def detach(self) -> None:
+        """Puts the model back as it was: its attention implementation, no hooks."""
+        if not self._attached:
+            return
+        for h in self._hooks:
+            h.remove()
+        self.config._attn_implementation_internal = self._base_name
+        backend.unbind(self.config)
+        self.observing = False
+        self._attached = False
+
+    def __enter__(self) -> "Tracer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    def base_attention(self, module) -> Callable:
+        return self._base_attention or backend.eager_function(module)
+
+    # ---- what the model shows us ----------------------------------------------------------
+
+    def _on_model_forward(self, module, args, kwargs):
+        self._input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if self._mode != "generate":  # generate hands the vision output over, not the grid
+            self._image_grid_thw = kwargs.get("image_grid_thw")
+
+    def _on_decoder_forward(self, module, args, kwargs):
+        if self._generating is not None and threading.get_ident() != self._generating:
+            raise RuntimeError("headscope.hf.Tracer: the model was called while tr.generate "
+                               "is running on it; finish or close that iterator first")
+        self._mask, self._mask_other = None, None
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        past = cache.get_seq_length() if cache is not None else 0
+        generating = self._mode == "generate"
+        pooling = generating and self.regions is not None
+        if past == 0:
+            embeds = kwargs.get("inputs_embeds")
+            if embeds is None:
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                embeds = module.get_input_embeddings()(ids)
+            self._start_forward(embeds, pooling)
+            vas = self.vas and not generating
+            self.observing = vas or (pooling and self._kmax > 0)
+            self._vas_now = vas
+        else:
+            self.observing = pooling and self._acc is not None and self._kmax > 0
+            self._vas_now = False
+        self._pool_now = pooling and self.observing
+
+    def _start_forward(self, embeds: torch.Tensor, pooling: bool) -> None:
+        B, T = embeds.shape[:2]
+        self._stats, self._seen = None, set()
+        self._kmax = 0
+        if self._mode != "vas" and self.regions is not None:
+            ids = self._input_ids
+            if ids is None or tuple(ids.shape) != (B, T):
+                raise ValueError("headscope.hf.Tracer: regions need the model's input_ids "
+                                 f"(B, T) = ({B}, {T}) to find the image tokens")
+            images = find_images(self.model.config, ids, self._image_grid_thw)
+            self.region_ids, self.num_regions = _region_ids(self.regions, images, embeds)
+            self._kmax = max(self.num_regions)
+        self._acc = None
+        if pooling and self._kmax > 0:
+            self._acc = torch.zeros(B, self._kmax, self.num_layers, self.num_heads,
+                                    dtype=torch.float32, device=embeds.device)
+            self._ones = torch.ones(B, 1, dtype=torch.float32, device=embeds.device)
+            self._rid = self.region_ids
+
+    def record_mask(self, kwargs: Dict[str, Any]) -> None:
+        mask = _Mask(kwargs)
+        if mask.plain:
+            self._mask = mask
+        else:
+            self._mask_other = getattr(kwargs.get("mask_function"), "__name__", "custom")
+
+    def observe(self, module, q: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
+                weights: Optional[torch.Tensor], kwargs: Dict[str, Any]) -> None:
+        layer = self._layers[id(module)]
+        mask = self._checked_mask(module, kwargs, k)
+        scale = kwargs.get("scaling")
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        if self._vas_now and mask.full:
+            writes = out.transpose(1, 2)  # (B, H, T, Dh): the o_proj input, per head
+            if self.writes == "residual":
+                writes = torch.matmul(writes.float(), self._residual_factor(layer, module))
+            lengths, offsets = mask.window(q.shape[0], q.device)
+            if weights is not None:
+                stats = _vas.vas_head_stats(weights, writes, lengths, offsets)
+            else:
+                stats = _vas.vas_head_stats_qk(q, k, writes, lengths, scale, True, offsets,
+                                               mask.padding)
+            if self._stats is None:
+                self._stats = stats.new_zeros(q.shape[0], self.num_layers, stats.shape[1], 3)
+            self._stats[:, layer] = stats
+            self._seen.add(layer)
+        if self._pool_now:
+            rid = self._region_ids_for(k.shape[2])
+            if weights is not None:
+                pooled = _attr.region_pool(weights[:, :, -1:].float(), self._ones, rid,
+                                           self._kmax)
+            else:
+                pooled = _attr.region_pool_qk(q[:, :, -1:].float(), k.float(), self._ones, rid,
+                                              self._kmax, scale, True, mask.padding)
+            self._acc[:, :, layer].add_(pooled)
+
+    def _checked_mask(self, module, kwargs, k: torch.Tensor) -> _Mask:
+        if getattr(module, "sliding_window", None) or kwargs.get("sliding_window"):
+            raise NotImplementedError("headscope.hf.Tracer: sliding-window attention layers "
+                                      "are not supported")
+        for name in ("softcap", "s_aux"):
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(f"headscope.hf.Tracer: attention with {name!r} is "
+                                          f"not supported")
+        mask = self._mask
+        if mask is None:
+            why = (f"its mask pattern ({self._mask_other}) is not plain causal"
+                   if self._mask_other else
+                   "the model did not build its mask through transformers' mask interface "
+                   "(was a prepared 4-D attention mask passed in?)")
+            raise NotImplementedError(f"headscope.hf.Tracer: cannot trace this forward: {why}")
+        if k.shape[2] != mask.kv_length:
+            raise NotImplementedError(f"headscope.hf.Tracer: the key cache holds {k.shape[2]} "
+                                      f"positions but the mask covers {mask.kv_length}")
+        return mask
+
+    def _region_ids_for(self, length: int) -> torch.Tensor:
+        rid = self._rid
+        if rid.shape[1] < length:
+            grow = max(length - rid.shape[1], 64)
+            rid = torch.nn.functional.pad(rid, (0, grow), value=-1)
+            self._rid = rid
+        return rid[:, :length]
+
+    def _residual_factor(self, layer: int, module) -> torch.Tensor:
+        """R^T per head, where W_O^h = Q R: (O_h R^T)(O_h R^T)^T = O_h W_O^h^T W_O^h O_h^T."""
+        if self._R is None:
+            self._R = {}
+        if layer not in self._R:
+            W = module.o_proj.weight.detach().float()  # (hidden, H * Dh)
+            Dh = W.shape[1] // self.num_heads
+            per_head = W.reshape(W.shape[0], self.num_heads, Dh).permute(1, 0, 2)
+            R = torch.linalg.qr(per_head, mode="r").R  # (H, Dh, Dh)
+            self._R[layer] = R.transpose(-1, -2).unsqueeze(0)
+        return self._R[layer]
+
+    # ---- results ------------------------------------------------------------------------
+
+    def vas_head_stats(self) -> torch.Tensor:
+        """(B, L, H, 3) per-head (d, c, r) of the last forward (after :meth:`generate`: of
+        the whole final sequence)."""
+        if not self.vas:
+            raise RuntimeError("headscope.hf.Tracer: VAS is off (Tracer(..., vas=True))")
+        if self._final is not None:
+            self._vas_pass()
+        if self._stats is None or len(self._seen) != self.num_layers:
+            raise RuntimeError("headscope.hf.Tracer: no complete forward over a whole sequence "
+                               "has run under this tracer yet (VAS needs one without a "
+                               "key cache from earlier calls)")
+        return self._stats
+
+    def vas_features(self) -> torch.Tensor:
+        """(B, 36) float32 VAS features (columns ``headscope.VAS_COLUMNS``)."""
+        return _vas.vas_aggregate(self.vas_head_stats())
+
+    def _vas_pass(self) -> None:
+        """One forward over the final sequence of :meth:`generate` (prompt and answer)."""
+        final, self._final = self._final, None
+        was_attached = self._attached
+        self.attach()
+        self._mode = "vas"
+        try:
+            with torch.no_grad():
+                self.model(**final, use_cache=False, logits_to_keep=1)
+        finally:
+            self._mode = "forward"
+            if not was_attached:
+                self.detach()
+
+    # ---- generation ---------------------------------------------------------------------
+
+    def generate(self, **kwargs) -> Iterator[Span]:
+        """Runs ``model.generate(**kwargs)`` and yields each row's spans as they end, in
+        order. ``tr.sequences`` holds generate's output once the iterator is exhausted;
+        breaking out of the loop stops generation."""
+        for name, allowed in _UNSUPPORTED_GENERATE.items():
+            value = kwargs.get(name, getattr(self.model.generation_config, name, allowed))
+            if value not in (allowed, None):
+                raise NotImplementedError(f"headscope.hf.Tracer.generate: {name}={value!r} is "
+                                          f"not supported (one sequence per prompt)")
+        if not self._attached:
+            raise RuntimeError("headscope.hf.Tracer.generate: the tracer is detached")
+        if self._generating is not None:
+            raise RuntimeError("headscope.hf.Tracer.generate: a generation is already running")
+        return self._generate(kwargs)
+
+    def _eos_ids(self, kwargs) -> List[int]:
+        eos = kwargs.get("eos_token_id")
+        config = kwargs.get("generation_config") or self.model.generation_config
+        eos = config.eos_token_id if eos is None else eos
+        if eos is None:
+            return []
+        return [int(e) for e in (eos.tolist() if isinstance(eos, torch.Tensor) else
+                                 eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def _generate(self, kwargs) -> Iterator[Span]:
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            raise ValueError("headscope.hf.Tracer.generate: pass the prompt's input_ids")
+        B, P = ids.shape
+        spans = SpanQueue(self.queue_size)
+        eos = self._eos_ids(kwargs)
+        cutter = SpanCutter(self._take_features, spans, B, self.splitter, eos,
+                            inner=kwargs.pop("streamer", None))
+        self.sequences, self._final = None, None
+        self._image_grid_thw = kwargs.get("image_grid_thw")
+        result: Dict[str, torch.Tensor] = {}
+
+        def target():
+            self._generating = threading.get_ident()
+            self._mode = "generate"
+            try:
+                result["sequences"] = self.model.generate(**kwargs, streamer=cutter)
+            finally:
+                self._mode = "forward"
+                self._acc = None
+                self._generating = None
+
+        thread = run_in_thread(target, spans)
+        try:
+            for pending in spans:
+                yield self._span(pending)
+        finally:
+            spans.stop.set()
+            thread.join()
+        self.sequences = result["sequences"]
+        if self.vas:
+            self._final = self._final_inputs(kwargs, self.sequences, P, eos)
+
+    def _take_features(self, b: int, steps: int) -> torch.Tensor:
+        """Row b's open span: its pooled features (K_b, L*H), then a fresh start."""
+        if self._acc is None:
+            return torch.zeros(0, self.num_layers * self.num_heads)
+        K = self.num_regions[b]
+        features = (self._acc[b, :K].flatten(1) / steps).clone()
+        self._acc[b].zero_()
+        return features
+
+    def _span(self, p: _Pending) -> Span:
+        features = p.features
+        scores = None
+        if self.head is not None and features.shape[0] > 0:
+            with torch.no_grad():
+                scores = self.head(features.to(self._head_device())).float().cpu()
+        text = self.tokenizer.decode(p.token_ids) if self.tokenizer is not None else None
+        return Span(p.batch_index, p.start, p.start + len(p.token_ids),
+                    torch.tensor(p.token_ids, dtype=torch.int64), features.float().cpu(),
+                    scores, text)
+
+    def _head_device(self):
+        for t in getattr(self.head, "parameters", lambda: iter(()))():
+            return t.device
+        return self.model.device
+
+    def _final_inputs(self, kwargs, sequences: torch.Tensor, P: int, eos: List[int]
+                      ) -> Dict[str, torch.Tensor]:
+        """The model inputs of the whole final sequence: the prompt's, with the answer's
+        tokens up to each row's end-of-sequence token kept in the mask."""
+        answer = sequences[:, P:]
+        keep = torch.ones_like(answer, dtype=torch.bool)
+        if eos and answer.shape[1] > 0:
+            is_eos = torch.isin(answer, torch.tensor(eos, device=answer.device))
+            after = (is_eos.to(torch.int64).cumsum(1) - is_eos.to(torch.int64)) > 0
+            keep = ~after
+        mask = kwargs.get("attention_mask")
+        mask = torch.ones(sequences.shape[0], P, dtype=torch.int64, device=sequences.device) \
+            if mask is None else mask
+        final = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        final["input_ids"] = sequences
+        final["attention_mask"] = torch.cat([mask, keep.to(mask.dtype)], 1)
+        types = kwargs.get("mm_token_type_ids")
+        if types is not None:
+            final["mm_token_type_ids"] = torch.nn.functional.pad(types, (0, answer.shape[1]))
+        return final

@@ -1,0 +1,425 @@
+"""The transformers integration (headscope.hf.Tracer) on tiny randomly initialised VLMs of
+every supported family: the model's outputs are unchanged, VAS features equal the seed's
+extract_vas (or vas_features) on eager attentions and per-head writes, span features equal
+region_pool on eager attentions of the teacher-forced sequence, batches with left padding
+equal their rows alone, and the span stream neither drops, hangs nor leaks."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import headscope
+from conftest import DEVICES, load_seed
+
+pytest.importorskip("transformers")
+from headscope.hf import Span, Tracer  # noqa: E402
+from headscope.hf.testing import EOS, FAMILIES, image_prompt, tiny_model  # noqa: E402
+
+GRIDS = {"llava": ((8, 8), (8, 8))}  # LLaVA's grid is fixed by its vision tower
+
+
+def _prompt(model, batch=1, seed=0):
+    grids = GRIDS.get(model.config.model_type, ((8, 8), (6, 4)))[:batch]
+    inputs = image_prompt(model, grids=grids, text_before=(3, 2)[:batch],
+                          text_after=(5, 3)[:batch], seed=seed)
+    return {k: v.to(model.device) for k, v in inputs.items()}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def models(family, request):
+    """The same weights loaded with sdpa (the default) and with eager attention."""
+    return (tiny_model(family).to(request.param),
+            tiny_model(family, attn_implementation="eager").to(request.param))
+
+
+def eager_run(model_eager, inputs):
+    """Eager attentions and per-head writes (the o_proj inputs) of every decoder layer."""
+    writes, hooks = [], []
+    H = model_eager.config.text_config.num_attention_heads
+    for layer in model_eager.get_decoder().layers:
+        def grab(module, args):
+            x = args[0]
+            writes.append(x.reshape(*x.shape[:2], H, -1).transpose(1, 2))
+        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(grab))
+    try:
+        with torch.no_grad():
+            out = model_eager(**inputs, output_attentions=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, list(out.attentions), writes
+
+
+# ---- forward ----------------------------------------------------------------------------
+
+def test_logits_unchanged_and_model_restored(models):
+    model, _ = models
+    inputs = _prompt(model, batch=2)
+    before_impl = model.config.text_config._attn_implementation
+    with torch.no_grad():
+        ref = model(**inputs).logits
+        with Tracer(model, regions=4, vas=True) as tr:
+            assert model.config.text_config._attn_implementation == "headscope"
+            traced = model(**inputs).logits
+            tr.vas_features()
+        after = model(**inputs).logits
+    assert torch.equal(ref, traced)
+    assert torch.equal(ref, after)
+    assert model.config.text_config._attn_implementation == before_impl
+    assert not model._forward_pre_hooks and not model.get_decoder()._forward_pre_hooks
+
+
+def test_vas_features_equal_seed_on_eager_attentions(models):
+    model, eager = models
+    inputs = _prompt(model, batch=1)
+    with torch.no_grad(), Tracer(model, vas=True) as tr:
+        model(**inputs)
+        feats = tr.vas_features()
+        stats = tr.vas_head_stats()
+    _, attns, writes = eager_run(eager, inputs)
+    L, H = model.config.text_config.num_hidden_layers, model.config.text_config.num_attention_heads
+    assert feats.shape == (1, 36) and feats.dtype == torch.float32
+    assert stats.shape == (1, L, H, 3)
+    try:
+        seed = load_seed("vas_reference")
+    except pytest.skip.Exception:
+        seed = None
+    if seed is not None:
+        cache = type("Cache", (), {"attn_weights": attns, "head_writes": writes})()
+        want, cols = seed.extract_vas(None, inputs["input_ids"], inputs["attention_mask"], cache)
+        assert cols == headscope.VAS_COLUMNS
+        want = torch.from_numpy(want).to(feats.device)
+    else:
+        want, _ = headscope.vas_features(attns, writes, inputs["attention_mask"])
+    torch.testing.assert_close(feats, want, atol=1e-4, rtol=1e-4)
+
+
+def test_eager_base_uses_materialised_weights(models):
+    model, eager = models
+    inputs = _prompt(model, batch=2)
+    with torch.no_grad():
+        with Tracer(model, vas=True) as tr:
+            model(**inputs)
+            via_qk = tr.vas_features()
+        with Tracer(eager, vas=True) as tr:
+            eager(**inputs)
+            via_weights = tr.vas_features()
+    torch.testing.assert_close(via_qk, via_weights, atol=1e-4, rtol=1e-4)
+
+
+def test_residual_writes_equal_writes_through_o_proj(models):
+    model, eager = models
+    inputs = _prompt(model, batch=1)
+    with torch.no_grad(), Tracer(model, vas=True, writes="residual") as tr:
+        model(**inputs)
+        stats = tr.vas_head_stats()
+    _, attns, writes = eager_run(eager, inputs)
+    H = model.config.text_config.num_attention_heads
+    lengths = inputs["attention_mask"].sum(-1)
+    want = []
+    for layer, A, O in zip(model.get_decoder().layers, attns, writes):
+        W = layer.self_attn.o_proj.weight  # (hidden, H * Dh)
+        Dh = W.shape[1] // H
+        # each head's write into the residual stream, hidden wide: O_h W_O^h^T
+        resid = torch.einsum("bhtd,ehd->bhte", O, W.reshape(W.shape[0], H, Dh))
+        want.append(headscope.vas_head_stats(A, resid, lengths))
+    torch.testing.assert_close(stats, torch.stack(want, 1), atol=2e-5, rtol=1e-4)
+
+
+def test_left_padded_batch_equals_rows_alone(models):
+    model, _ = models
+    inputs = _prompt(model, batch=2)
+    with torch.no_grad(), Tracer(model, regions=4, vas=True) as tr:
+        model(**inputs)
+        batch_feats, batch_rid = tr.vas_features(), tr.region_ids
+        for b in range(2):
+            keep = inputs["attention_mask"][b].bool()
+            row = {k: v[b:b + 1][:, keep] if k in ("input_ids", "attention_mask",
+                                                   "mm_token_type_ids") else v
+                   for k, v in inputs.items()}
+            row.update(_image_of(model, inputs, b))
+            model(**row)
+            torch.testing.assert_close(tr.vas_features()[0], batch_feats[b], atol=1e-4,
+                                       rtol=1e-4)
+            assert torch.equal(tr.region_ids[0], batch_rid[b, keep])
+
+
+def _image_of(model, inputs, b):
+    """Row b's pixel values (and grid) out of a batch of one image per row."""
+    if "image_grid_thw" not in inputs:
+        return {"pixel_values": inputs["pixel_values"][b:b + 1]}
+    sizes = inputs["image_grid_thw"].prod(-1).tolist()
+    start = sum(sizes[:b])
+    return {"pixel_values": inputs["pixel_values"][start:start + sizes[b]],
+            "image_grid_thw": inputs["image_grid_thw"][b:b + 1]}
+
+
+# ---- regions ------------------------------------------------------------------------------
+
+def test_region_forms_and_several_images():
+    model = tiny_model("qwen2_vl")
+    two = image_prompt(model, grids=((4, 4),), text_before=(2,), text_after=(2,))
+    # two images in one prompt: the second image's tokens follow the first's
+    one_ids = two["input_ids"][0]
+    image = one_ids == model.config.image_token_id
+    ids = torch.cat([one_ids, one_ids[image.nonzero().min() - 1:]])[None]
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "mm_token_type_ids": (ids == model.config.image_token_id).int(),
+              "pixel_values": torch.cat([two["pixel_values"]] * 2),
+              "image_grid_thw": torch.cat([two["image_grid_thw"]] * 2)}
+    labels = torch.tensor([0, 0, 1, 1])
+    seen = []
+
+    def by_column(features, grid):
+        seen.append((tuple(features.shape), grid))
+        return torch.arange(grid[0] * grid[1]) % grid[1]
+
+    with torch.no_grad():
+        for regions, K in ((labels, 2), (by_column, 2), (3, 3)):
+            with Tracer(model, regions=regions, vas=False) as tr:
+                model(**inputs)
+            rid = tr.region_ids[0]
+            positions = (ids[0] == model.config.image_token_id).nonzero().flatten()
+            assert bool((rid[ids[0] != model.config.image_token_id] == -1).all())
+            first, second = rid[positions[:4]], rid[positions[4:]]
+            assert set(first.tolist()) == set(range(K))
+            assert torch.equal(second, first + K) if regions is not None and K != 3 \
+                else set(second.tolist()) == set(range(K, 2 * K))
+            assert tr.num_regions == [2 * K]
+    assert seen == [((4, model.config.text_config.hidden_size), (2, 2))] * 2
+
+
+@pytest.mark.parametrize("bad, error", [
+    ("four", TypeError), (True, TypeError), (torch.tensor([0, 1]), ValueError),
+    (lambda f, g: torch.zeros(3, dtype=torch.int64), ValueError), (100, ValueError)])
+def test_bad_regions_raise(bad, error):
+    model = tiny_model("qwen2_vl")
+    inputs = _prompt(model)
+    with pytest.raises(error, match="headscope.hf.Tracer"):
+        with Tracer(model, regions=bad, vas=False):
+            with torch.no_grad():
+                model(**inputs)
+    assert model.config.text_config._attn_implementation == "sdpa"
+
+
+# ---- generation ---------------------------------------------------------------------------
+
+def _no_eos(model):
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_generate_same_tokens_and_span_features_equal_region_pool(models):
+    model, eager = models
+    inputs = _prompt(model, batch=2)
+    plain = model.generate(**inputs, max_new_tokens=7, do_sample=False, eos_token_id=None)
+    every3 = lambda ids: len(ids) % 3 == 0  # noqa: E731
+    with Tracer(model, regions=4, vas=True, splitter=every3) as tr:
+        spans = list(tr.generate(**inputs, max_new_tokens=7, do_sample=False,
+                                 eos_token_id=None))
+        prompt_rid = tr.region_ids
+        K = tr.num_regions
+        final_vas = tr.vas_features()
+    assert torch.equal(tr.sequences, plain)
+    P = inputs["input_ids"].shape[1]
+    for b in range(2):
+        mine = [s for s in spans if s.batch_index == b]
+        assert [(s.start, s.end) for s in mine] == [(0, 3), (3, 6), (6, 7)]
+        assert torch.equal(torch.cat([s.token_ids for s in mine]), plain[b, P:])
+    # teacher-forced eager run of the final sequence
+    dev = model.device
+    full = dict(inputs, input_ids=plain,
+                attention_mask=torch.cat([inputs["attention_mask"],
+                                          torch.ones(2, 7, dtype=torch.int64, device=dev)], 1))
+    if "mm_token_type_ids" in inputs:
+        full["mm_token_type_ids"] = torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, 7))
+    _, attns, writes = eager_run(eager, full)
+    rid = torch.nn.functional.pad(prompt_rid, (0, 7), value=-1)
+    for s in spans:
+        w = torch.zeros(2, P + 7, device=dev)
+        w[:, P + s.start - 1:P + s.end - 1] = 1.0  # rows that predicted the span's tokens
+        want = headscope.stack_layers(
+            [headscope.region_pool(a.float(), w, rid, max(K)) for a in attns])
+        assert s.features.shape == (K[s.batch_index], want.shape[-1])
+        assert s.features.device.type == "cpu"
+        torch.testing.assert_close(s.features, want[s.batch_index, :K[s.batch_index]].cpu(),
+                                   atol=1e-5, rtol=1e-5)
+    want_vas, _ = headscope.vas_features(attns, writes, full["attention_mask"], left_padding=True)
+    torch.testing.assert_close(final_vas, want_vas, atol=1e-4, rtol=1e-4)
+
+
+def test_spans_cover_every_token_with_eos_and_sentence_splitter():
+    model = tiny_model("qwen2_vl")
+    inputs = _prompt(model, batch=2)
+
+    class Tok:
+        def decode(self, ids):
+            return "".join("." if i % 5 == 0 else "w" for i in ids)
+
+    plain = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    with Tracer(model, regions=2, vas=False, tokenizer=Tok()) as tr:
+        spans = list(tr.generate(**inputs, max_new_tokens=12, do_sample=False))
+    assert torch.equal(tr.sequences, plain)
+    P = inputs["input_ids"].shape[1]
+    for b in range(2):
+        answer = plain[b, P:].tolist()
+        if EOS in answer:
+            answer = answer[:answer.index(EOS) + 1]
+        mine = [s for s in spans if s.batch_index == b]
+        assert mine[0].start == 0 and mine[-1].end == len(answer)
+        assert all(x.end == y.start for x, y in zip(mine, mine[1:]))
+        assert sum((s.token_ids.tolist() for s in mine), []) == answer
+        for s in mine[:-1]:
+            assert s.token_ids[-1] % 5 == 0  # ended by a token whose text ends with '.'
+        assert all(s.text == Tok().decode(s.token_ids.tolist()) for s in mine)
+
+
+def test_head_scores_spans():
+    model = tiny_model("qwen2_vl")
+    L, H = 2, 4
+    head = headscope.AttributionHead(L, H)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(L * H))
+    with Tracer(model, regions=3, vas=False, head=head) as tr:
+        spans = list(tr.generate(**_prompt(model), max_new_tokens=4, do_sample=False))
+    assert spans and all(isinstance(s, Span) for s in spans)
+    for s in spans:
+        torch.testing.assert_close(s.scores, head(s.features))
+    with pytest.raises(ValueError, match="fitted for L=3"):
+        Tracer(model, head=headscope.AttributionHead(3, H))
+
+
+def test_bfloat16_model():
+    model = tiny_model("qwen2_vl", dtype=torch.bfloat16)
+    inputs = _prompt(model, batch=2)
+    with torch.no_grad():
+        ref = model(**inputs).logits
+    with Tracer(model, regions=3, vas=True) as tr:
+        with torch.no_grad():
+            assert torch.equal(model(**inputs).logits, ref)
+        feats = tr.vas_features()
+        spans = list(tr.generate(**inputs, max_new_tokens=3, do_sample=False))
+    assert torch.isfinite(feats).all()
+    assert len(spans) == 2 and all(torch.isfinite(s.features).all() for s in spans)
+
+
+# ---- the span stream: backpressure, errors, interruption ------------------------------------
+
+def _threads():
+    return [t for t in threading.enumerate() if t.name == "headscope-generate"]
+
+
+def test_slow_consumer_gets_every_span_with_bounded_queue():
+    model = _no_eos(tiny_model("qwen2_vl"))
+    every = lambda ids: True  # noqa: E731  one span per token
+    with Tracer(model, regions=2, vas=False, splitter=every, queue_size=1) as tr:
+        got = []
+        for span in tr.generate(**_prompt(model), max_new_tokens=6, do_sample=False):
+            time.sleep(0.05)
+            got.append((span.start, span.end))
+    assert got == [(i, i + 1) for i in range(6)]
+    assert not _threads()
+
+
+def test_error_in_generation_is_reraised_and_thread_ends():
+    model = _no_eos(tiny_model("qwen2_vl"))
+
+    def broken(ids):
+        if len(ids) == 3:
+            raise ZeroDivisionError("splitter failed")
+        return False
+
+    with Tracer(model, regions=2, vas=False, splitter=broken) as tr:
+        with pytest.raises(ZeroDivisionError, match="splitter failed"):
+            list(tr.generate(**_prompt(model), max_new_tokens=6))
+        assert not _threads()
+        # the tracer is usable again
+        assert len(list(tr.generate(**_prompt(model), max_new_tokens=2))) == 1
+
+
+def test_keyboard_interrupt_and_break_stop_generation():
+    model = _no_eos(tiny_model("qwen2_vl"))
+    steps = []
+
+    def counting(ids):
+        steps.append(len(ids))
+        return True
+
+    with Tracer(model, regions=2, vas=False, splitter=counting, queue_size=1) as tr:
+        with pytest.raises(KeyboardInterrupt):
+            for span in tr.generate(**_prompt(model), max_new_tokens=200):
+                raise KeyboardInterrupt
+        assert not _threads()
+        assert len(steps) < 10  # generation stopped long before 200 tokens
+        steps.clear()
+        it = tr.generate(**_prompt(model), max_new_tokens=200)
+        next(it)
+        it.close()
+        assert not _threads() and len(steps) < 10
+        assert tr.sequences is None
+
+
+def test_interrupt_while_waiting_for_a_span():
+    model = _no_eos(tiny_model("qwen2_vl"))
+    import _thread
+    timer = threading.Timer(0.5, _thread.interrupt_main)
+    with Tracer(model, regions=2, vas=False, splitter=lambda ids: False) as tr:
+        start = time.monotonic()
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            list(tr.generate(**_prompt(model), max_new_tokens=100000))
+        assert not _threads()
+        assert time.monotonic() - start < 30  # generation stopped, not run to its end
+    timer.cancel()
+
+
+def test_model_called_while_generating_raises():
+    model = _no_eos(tiny_model("qwen2_vl"))
+    inputs = _prompt(model)
+    with Tracer(model, regions=2, vas=False, splitter=lambda ids: True, queue_size=1) as tr:
+        it = tr.generate(**inputs, max_new_tokens=50)
+        next(it)
+        with pytest.raises(RuntimeError, match="while tr.generate is running"):
+            with torch.no_grad():
+                model(**inputs)
+        it.close()
+
+
+def test_import_headscope_does_not_import_transformers():
+    import subprocess
+    import sys
+    code = "import sys, headscope; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_misuse_errors():
+    model = tiny_model("qwen2_vl")
+    inputs = _prompt(model)
+    with Tracer(model, vas=True) as tr:
+        with pytest.raises(RuntimeError, match="no complete forward"):
+            tr.vas_features()
+        with pytest.raises(RuntimeError, match="already traced"):
+            Tracer(model)
+        with pytest.raises(NotImplementedError, match="num_beams"):
+            tr.generate(**inputs, num_beams=2)
+    with pytest.raises(ValueError, match="writes"):
+        Tracer(model, writes="values")
+    with Tracer(model, vas=False) as tr:
+        with pytest.raises(RuntimeError, match="VAS is off"):
+            tr.vas_features()
+    # a copy of a traced model that outlives its tracer
+    with Tracer(model):
+        import copy
+        clone = copy.deepcopy(model)
+    with pytest.raises(RuntimeError, match="no Tracer is attached"):
+        with torch.no_grad():
+            clone(**inputs)
