@@ -64,6 +64,9 @@ def head_stats_dense(A: np.ndarray, V: np.ndarray, dtype=np.float32) -> tuple[fl
     Vn = V / np.maximum(nrm, dtype(1e-9))
     S = (Vn @ Vn.T + dtype(1.0)) / dtype(2.0)
     Ac, Sc = _center(A), _center(S)
+    if dtype == np.float64:  # Sc = H S H = W W^T / 2 (W = Vn - mean): nearly parallel rows
+        W = Vn - Vn.mean(0)  # keep their digits there, and identical rows give Sc = 0
+        Sc = W @ W.T / 2.0
     d = float(np.linalg.norm(Ac - Sc)) / max(float(np.linalg.norm(A)) * float(np.linalg.norm(S)), 1e-9)
     num = float(np.sum(Ac.astype(np.float64) * Sc))
     d1 = float(np.sum(Ac.astype(np.float64) ** 2))

@@ -3,7 +3,10 @@
 // Per head (b, h) over the window of n positions (see vas_checks.h), with Vn the
 // row-normalised head writes, G = Vn Vn^T, S = (G + 1) / 2, A the attention:
 //   ||S||^2, ||Sc||^2 and S's row sums come from u = sum_i Vn_i and C = W^T W (Dh x Dh),
-//   W = Vn - mean(Vn), so the value Gram is never formed whole;
+//   W = Vn - mean(Vn), so the value Gram is never formed whole; heads whose writes are
+//   nearly parallel (||Sc|| < 0.1 ||S||) form their Gram tiles from W instead of Vn
+//   (W W^T = H G H keeps the digits that G, close to 1 everywhere, rounds away) and
+//   rebuild G_ij = (W W^T)_ij + e_i + e_j from them for the KL (e_i = W_i . m + |m|^2 / 2);
 //   phase 1 takes A's row sums, its diagonal tiles' column sums and where its rows are
 //   nonzero (an Extent per 8 rows), one tile row at a time (in the fused path just before
 //   that row's pairs), and from them row and column shifts (set_shifts); phase 2 visits
@@ -290,8 +293,9 @@ struct Extent {
 // is the seed's p wherever a / mA >= 1e-12; below, where the seed clips p to 1e-12, both
 // terms are under 3e-11 (README.md, "Deliberate differences").
 struct PairArgs {
-  const float* vi;   // Vn rows of I (row stride dh), readable zeros up to a multiple of 8
-  const float* vtj;  // Vn^T columns of J (row stride ldv), the same
+  const float* vi;   // Vn (or W) rows of I (row stride dh), readable zeros up to a multiple
+                     // of 8
+  const float* vtj;  // Vn^T (or W^T) columns of J (row stride ldv), the same
   int64_t dh, ldv;
   const float* aij;  // A_IJ (row stride lij)
   int64_t lij;
@@ -303,6 +307,7 @@ struct PairArgs {
   const Extent* ej;
   int64_t gi0, gj0;  // the first column group of I and of J
   float hs;  // 1 / (2 mS)
+  const float *evi, *evj;  // e of I's and J's rows: G_ij = g_ij + e_i + e_j (0 with Vn)
   const float *xi, *xj;  // row shifts of I's and J's rows
   const float *yi, *yj;  // column shifts of I's and J's columns
   double *ci, *cj;       // B's column sums over I's and J's columns
@@ -325,13 +330,16 @@ struct StripSums {
   f8 hs;  // 1 / (2 mS)
   f8 kl = {}, ap = {}, ag = {}, ax2 = {}, a2 = {};
 
-  // One row piece of A against its G values (row shift x, column shifts y); returns its b.
-  // kMasked (a tile's edge): keep is 1 in the lanes inside the tile (A is 0 and G finite
-  // outside), which alone count.
+  // hs (e_i + e_j + 1): q = hs g_ij + this is the seed's S_ij / mS before its clip
+  f8 q_offsets(float e_row, f8 e_cols) const { return (e_cols + e_row) * hs + hs; }
+
+  // One row piece of A against its Gram values gv (Vn Vn^T or W W^T; row shift x, column
+  // shifts y; qo: q_offsets); returns its b. kMasked (a tile's edge): keep is 1 in the lanes inside the
+  // tile (A is 0 and G finite outside), which alone count.
   template <bool kMasked>
-  f8 entry(f8 av, f8 gv, float x, f8 y, f8 keep) {
+  f8 entry(f8 av, f8 gv, f8 qo, float x, f8 y, f8 keep) {
     const f8 a1 = max8(av, f8{} + kTiny);                   // a'
-    const f8 q = max8(gv * hs + hs, f8{} + static_cast<float>(kClip));  // the seed's q
+    const f8 q = max8(gv * hs + qo, f8{} + static_cast<float>(kClip));  // the seed's q
     const f8 t = a1 * log2_8_pos(a1 / q);
     f8 d = (av - y) - x;
     if constexpr (kMasked) {
@@ -357,8 +365,8 @@ struct StripSums {
     return ny == 8 ? col : col * lane_mask(ny);
   }
 
-  // <B, G> over a block of zeros (g: its Gram rows r, stride TB, columns c in lanes):
-  // -sum_rc (w_r + v_c) G_rc. A_IJ's block: w = its row shifts x, v = its column shifts y.
+  // <B, g> over a block of zeros (g: its Gram rows r, stride TB, columns c in lanes):
+  // -sum_rc (w_r + v_c) g_rc. A_IJ's block: w = its row shifts x, v = its column shifts y.
   // A_JI's, which g serves transposed (entry (jb + c, ib + r) has G_(ib + r)(jb + c)):
   // w = its column shifts, v = its row shifts.
   void zero_gram(f8 w, f8 v, int64_t rows, const float* g) {
@@ -376,7 +384,7 @@ struct StripSums {
 // One 8 x 8 Gram block (rows ib.., columns jb.. of the pair; g: its rows, stride TB)
 // against A_IJ's block and, when `upper`, A_JI's (through the block transposed in
 // registers). A block that is not live is zero: its b = -(x + y) go into the sums in
-// closed form, <B, G> through the Gram block's row and column sums.
+// closed form, <B, g> through the Gram block's row and column sums.
 // kFull: a whole 8 x 8 block (no edge): plain loads, no masks.
 template <bool kFull>
 inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, int64_t rows,
@@ -385,6 +393,7 @@ inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, in
   const f8 yj = load_part(a.yj + jb, kFull ? 8 : cols);
   if (live_ij) {
     const f8 keep_cols = kFull ? f8{} : lane_mask(cols);
+    const f8 ej = load_part(a.evj + jb, kFull ? 8 : cols);
     f8 col_j = {};
     for (int64_t r = 0; r < (kFull ? 8 : rows); ++r) {
       const float* ar = a.aij + (ib + r) * a.lij + jb;
@@ -395,7 +404,8 @@ inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, in
         av = load_part(ar, cols);
       }
       std::memcpy(&gv, g + r * TB, sizeof gv);
-      col_j += st.entry<!kFull>(av, gv, a.xi[ib + r], yj, keep_cols);
+      col_j += st.entry<!kFull>(av, gv, st.q_offsets(a.evi[ib + r], ej), a.xi[ib + r], yj,
+                                keep_cols);
     }
     for (int64_t k = 0; k < (kFull ? 8 : cols); ++k) a.cj[jb + k] += col_j[k];
   } else {
@@ -414,6 +424,7 @@ inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, in
     return;
   }
   const f8 keep_rows = kFull ? f8{} : lane_mask(rows);
+  const f8 ei = load_part(a.evi + ib, kFull ? 8 : rows);
   f8 gt[8];
   for (int r = 0; r < 8; ++r) std::memcpy(&gt[r], g + r * TB, sizeof(f8));
   cpu::transpose8x8(gt);  // gt[c]: G_JI row jb + c, columns ib..
@@ -425,7 +436,8 @@ inline void block8(const PairArgs& a, const float* g, int64_t ib, int64_t jb, in
     } else {
       av = load_part(ar, rows);
     }
-    col_i += st.entry<!kFull>(av, gt[c], a.xj[jb + c], y, keep_rows);
+    col_i += st.entry<!kFull>(av, gt[c], st.q_offsets(a.evj[jb + c], ei), a.xj[jb + c], y,
+                              keep_rows);
   }
 }
 
@@ -497,11 +509,15 @@ struct Problem {
   std::vector<int64_t> n, s;  // per batch row: window length and start
   // per head
   std::vector<double> msq, Scc, Snorm2;
+  std::vector<uint8_t> centred;  // the head's Gram tiles are W W^T (see prepare_values)
   std::vector<double> mS;  // the largest row sum of S (at least 1e-12)
   std::vector<uint8_t> bad;
-  at::Tensor vn;      // float [slots, T8, Dh]: Vn of the window rows (zeros after them)
+  at::Tensor vn;      // float [slots, T8, Dh]: Vn of the window rows (zeros after them), or
+                      // W = Vn - m for a head with centred Gram tiles
   at::Tensor vnt;     // float [slots, Dh, Tp]: the same, transposed
   at::Tensor adot;    // double [BH, T]: m . Vn_i
+  at::Tensor e;       // float [BH, T]: 0, or (centred) e_i = W_i . m + |m|^2 / 2, so that
+                      // G_ij = (W W^T)_ij + e_i + e_j
   at::Tensor xrow;    // float [BH, T]: row shifts of the tile pass (see set_shifts)
   at::Tensor ycol;    // float [BH, T]: column shifts of the tile pass
   at::Tensor dcol;    // double [BH, T]: column sums of the diagonal tiles (DiagColumns)
@@ -573,6 +589,7 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
   const int64_t chunks = (2 * P.nthreads + P.BH - 1) / P.BH;
   P.P = 2 * P.nthreads * rounds <= 3 * P.BH ? 1 : std::max<int64_t>(1, std::min(pairs_max, chunks));
   P.msq.assign(P.BH, 0);
+  P.centred.assign(P.BH, 0);
   P.Scc.assign(P.BH, 0);
   P.Snorm2.assign(P.BH, 0);
   P.mS.assign(P.BH, 0);
@@ -586,6 +603,7 @@ void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Te
   P.vn = at::empty({slots, P.T8, Dh}, f32);
   P.vnt = at::empty({slots, Dh, P.Tp}, f32);
   P.adot = at::empty({P.BH, T}, f64);
+  P.e = at::empty({P.BH, T}, f32);
   P.xrow = at::empty({P.BH, T}, f32);
   P.ycol = at::empty({P.BH, T}, f32);
   P.dcol = at::empty({P.BH, T}, f64);
@@ -648,7 +666,10 @@ void alloc_scratch(Problem& P, int64_t extra) {
   P.scratch = at::empty({P.nthreads, P.scratch_per_thread}, at::TensorOptions().dtype(at::kFloat));
 }
 
-// Phase V: Vn, m . Vn_i, S's row-sum maximum, ||S||^2 and ||Sc||^2 per head.
+// Below this ||Sc||^2 / ||S||^2 a head's Gram tiles are formed from W (see prepare_values).
+constexpr double kCentredGram = 1e-2;
+
+// Phase V: Vn (or W), m . Vn_i, S's row-sum maximum, ||S||^2 and ||Sc||^2 per head.
 template <typename V_t>
 void prepare_values(Problem& P, const at::Tensor& head_writes, const Range* only = nullptr) {
   const auto hw = in4<V_t>(head_writes);
@@ -663,8 +684,12 @@ void prepare_values(Problem& P, const at::Tensor& head_writes, const Range* only
     float* sq = sqv.data();
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / P.H, h = bh % P.H, n = P.n[b], s = P.s[b], Dh = P.Dh;
+      const int64_t n8 = (n + 7) / 8 * 8;  // kl_pair reads rows / columns up to here: zeros
+      const double nn = static_cast<double>(n);
       float* vn = P.vn_of(bh);
+      float* vnt = P.vnt_of(bh);
       double* adot = P.adot.data_ptr<double>() + bh * P.T;
+      float* e = P.e.data_ptr<float>() + bh * P.T;
       std::fill(u.begin(), u.end(), 0.0);
       bool bad = false;
       for (int64_t i = 0; i < n; ++i) {
@@ -685,9 +710,9 @@ void prepare_values(Problem& P, const at::Tensor& head_writes, const Range* only
         P.bad[bh] = 1;
         continue;
       }
-      double msq = 0, usq = 0, mS = 0;
+      double msq = 0, usq = 0, mS = 0, amin = std::numeric_limits<double>::infinity();
       for (int64_t c = 0; c < Dh; ++c) {
-        mf[c] = static_cast<float>(u[c] / static_cast<double>(n));
+        mf[c] = static_cast<float>(u[c] / nn);
         m[c] = mf[c];  // the mean as used for W = Vn - m (float), exactly
         msq += m[c] * m[c];
         usq += u[c] * u[c];
@@ -698,44 +723,89 @@ void prepare_values(Problem& P, const at::Tensor& head_writes, const Range* only
         for (int64_t c = 0; c < Dh; ++c) wi[c] = vi[c] - mf[c];
         const double a = dot8(mf.data(), vi, Dh);  // m . Vn_i; u . Vn_i = n a
         adot[i] = a;
-        mS = std::max(mS, 0.5 * (static_cast<double>(n) * a + static_cast<double>(n)));
+        amin = std::min(amin, a);
+        mS = std::max(mS, 0.5 * (nn * a + nn));
       }
-      // Vn^T for the Gram tiles, W^T for C = W^T W (summed in double over row chunks)
-      float* vnt = P.vnt_of(bh);
-      // kl_pair reads rows / columns up to the next multiple of 8: zeros there
-      const int64_t n8 = (n + 7) / 8 * 8;
+      // Vn^T for the Gram tiles, W^T for C = W^T W
       std::fill(vn + n * Dh, vn + n8 * Dh, 0.0f);
       cpu::transpose(vn, Dh, n, Dh, vnt, P.Tp);
       for (int64_t c = 0; c < Dh; ++c) std::fill(vnt + c * P.Tp + n, vnt + c * P.Tp + n8, 0.0f);
       for (int64_t c = 0; c < Dh; ++c)
         for (int64_t i = 0; i < n; ++i) WT[c * P.Tp + i] = vnt[c * P.Tp + i] - mf[c];
-      // C is symmetric: only its upper triangle is formed, in 16-column panels (rows up to
-      // the panel's last column), and the off-diagonal entries count twice below
-      std::fill(Cd.begin(), Cd.end(), 0.0);
-      constexpr int64_t kChunk = 256;
-      for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
-        const int64_t rows = std::min(kChunk, n - i0);
-        for (int64_t q0 = 0; q0 < Dh; q0 += 16) {
-          const int64_t nq = std::min<int64_t>(16, Dh - q0), np = q0 + nq;
-          gemm_nn(np, nq, rows, 1.0f, WT + i0, P.Tp, W + i0 * Dh + q0, Dh, C + q0, Dh);
-          for (int64_t p = 0; p < np; ++p)
-            for (int64_t q = q0; q < q0 + nq; ++q) Cd[p * Dh + q] += C[p * Dh + q];
+      // ||S||^2 and ||Sc||^2 from C = W^T W (summed in double over row chunks). C is
+      // symmetric: only its upper triangle is formed, in 16-column panels (rows up to the
+      // panel's last column), and the off-diagonal entries count twice below
+      auto value_norms = [&] {
+        std::fill(Cd.begin(), Cd.end(), 0.0);
+        constexpr int64_t kChunk = 256;
+        for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+          const int64_t rows = std::min(kChunk, n - i0);
+          for (int64_t q0 = 0; q0 < Dh; q0 += 16) {
+            const int64_t nq = std::min<int64_t>(16, Dh - q0), np = q0 + nq;
+            gemm_nn(np, nq, rows, 1.0f, WT + i0, P.Tp, W + i0 * Dh + q0, Dh, C + q0, Dh);
+            for (int64_t p = 0; p < np; ++p)
+              for (int64_t q = q0; q < q0 + nq; ++q) Cd[p * Dh + q] += C[p * Dh + q];
+          }
         }
-      }
-      double c2 = 0, mcm = 0;
-      for (int64_t p = 0; p < Dh; ++p) {
-        for (int64_t q = p; q < Dh; ++q) {
-          const double cpq = Cd[p * Dh + q], w = q == p ? 1.0 : 2.0;
-          c2 += w * cpq * cpq;
-          mcm += w * m[p] * cpq * m[q];
+        double c2 = 0, mcm = 0;
+        for (int64_t p = 0; p < Dh; ++p) {
+          for (int64_t q = p; q < Dh; ++q) {
+            const double cpq = Cd[p * Dh + q], w = q == p ? 1.0 : 2.0;
+            c2 += w * cpq * cpq;
+            mcm += w * m[p] * cpq * m[q];
+          }
         }
-      }
-      const double nn = static_cast<double>(n);
-      P.msq[bh] = msq;
-      P.Scc[bh] = c2 / 4.0;
-      const double vtv2 = c2 + 2.0 * nn * mcm + nn * nn * msq * msq;
-      P.Snorm2[bh] = (vtv2 + 2.0 * usq + nn * nn) / 4.0;
+        P.Scc[bh] = c2 / 4.0;
+        const double vtv2 = c2 + 2.0 * nn * mcm + nn * nn * msq * msq;
+        P.Snorm2[bh] = (vtv2 + 2.0 * usq + nn * nn) / 4.0;
+      };
+      value_norms();
       P.mS[bh] = std::max(mS, kClip);
+      // Nearly parallel writes: G is close to 1 everywhere and its float rounding would be
+      // most of Gc = H G H, so the Gram tiles come from W (finalize_into then takes <B, W W^T>
+      // as it is) and the KL rebuilds G from them through e. Only where every row is within
+      // about 40 degrees of m (so every G_ij > 0, far from the KL's clip at G = -1, where the
+      // rebuilt G's rounding would matter); elsewhere Vn keeps the Gram tiles the seed's
+      // float32 products, which the KL's q near its clip follows.
+      const bool centred = P.Scc[bh] < kCentredGram * P.Snorm2[bh] &&
+                           amin > 0.75 * std::sqrt(msq);
+      P.centred[bh] = centred;
+      if (centred) {
+        // W's digits are below Vn's float rounding there: m, W, m . Vn_i and the norms
+        // again from the rows normalised in double, W rounded once
+        std::fill(u.begin(), u.end(), 0.0);
+        for (int64_t i = 0; i < n; ++i) {
+          load(row, hw.at(b, h, s + i), Dh, sd);
+          const double inv = 1.0 / std::max(std::sqrt(dot8(row, row, Dh)), 1e-9);
+          for (int64_t c = 0; c < Dh; ++c) u[c] += row[c] * inv;
+        }
+        msq = usq = 0;
+        for (int64_t c = 0; c < Dh; ++c) {
+          m[c] = u[c] / nn;
+          msq += m[c] * m[c];
+          usq += u[c] * u[c];
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          load(row, hw.at(b, h, s + i), Dh, sd);
+          const double inv = 1.0 / std::max(std::sqrt(dot8(row, row, Dh)), 1e-9);
+          float* wi = vn + i * Dh;
+          double a = 0;
+          for (int64_t c = 0; c < Dh; ++c) {
+            const double v = row[c] * inv;
+            a += m[c] * v;
+            wi[c] = static_cast<float>(v - m[c]);
+          }
+          adot[i] = a;
+          e[i] = static_cast<float>(a - 0.5 * msq);  // G_ij = W_i . W_j + e_i + e_j
+        }
+        std::copy(vn, vn + n * Dh, W);
+        cpu::transpose(vn, Dh, n, Dh, vnt, P.Tp);
+        for (int64_t c = 0; c < Dh; ++c) std::copy(vnt + c * P.Tp, vnt + c * P.Tp + n, WT + c * P.Tp);
+        value_norms();
+      } else {
+        std::fill(e, e + n, 0.0f);
+      }
+      P.msq[bh] = msq;
     }
   });
 }
@@ -747,7 +817,7 @@ void merge_bad_chunks(Problem& P) {
     for (int64_t p = 0; p < P.P; ++p) P.bad[bh] |= cb[bh * P.P + p];
 }
 
-// Sums over one tile's Vn rows for zero_tile: sum x_i Vn_i, sum Vn_i and sum y_i Vn_i (x, y:
+// Sums over one tile's W rows for zero_tile: sum x_i W_i, sum W_i and sum y_i W_i (x, y:
 // the row and column shifts), in double, formed once per tile on first use, so that a pair
 // of tiles of zeros costs O(Dh) (sliding-window attention at long T has many).
 struct TileVnSums {
@@ -779,8 +849,8 @@ struct TileVnSums {
 };
 
 // A tile of A all zero (rows [i0, i0 + ni), columns [j0, j0 + nj)) in a pair with no live
-// tile, where no Gram tile is formed: zero_sums, and its part of <B, G>,
-// -sum (x_i + y_j) G_ij = -(sum_i x_i Vn_i) . (sum_j Vn_j) - (sum_i Vn_i) . (sum_j y_j Vn_j)
+// tile, where no Gram tile is formed: zero_sums, and its part of <B, W W^T>,
+// -sum (x_i + y_j) W_i . W_j = -(sum_i x_i W_i) . (sum_j W_j) - (sum_i W_i) . (sum_j y_j W_j)
 // (si, sj: TileVnSums of the row and column tiles).
 void zero_tile(const double* si, const double* sj, int64_t dh, const float* x, const float* y,
                int64_t i0, int64_t ni, int64_t j0, int64_t nj, Acc& acc, double* cols) {
@@ -808,6 +878,7 @@ void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only 
       const float* vnt = P.vnt_of(bh);
       const float* x = P.xrow.data_ptr<float>() + bh * P.T;
       const float* y = P.ycol.data_ptr<float>() + bh * P.T;
+      const float* e = P.e.data_ptr<float>() + bh * P.T;
       double* cols = P.colp.data_ptr<double>() + (bh * P.P + p) * P.T;
       const Extent* ext = P.ext_of(bh);
       const float hs = static_cast<float>(0.5 / P.mS[bh]);
@@ -833,7 +904,7 @@ void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only 
             if (tile_live(ext, J, I, n))
               aji = tile(bh, j0, nj, i0, ni, buf_ji, lji, /*down=*/aij != nullptr);
           }
-          // a tile of zeros beside a live one: its <B, G> in kl_pair (block by block, from
+          // a tile of zeros beside a live one: its <B, W W^T> in kl_pair (block by block, from
           // the Gram tile formed for the live one), its other sums here
           if (I != J && (aij == nullptr) != (aji == nullptr)) {
             if (aij == nullptr) zero_sums(x + i0, ni, y + j0, nj, acc.ax2, cols + j0);
@@ -841,11 +912,11 @@ void tiles_phase(Problem& P, RowFn&& row_tile, TileFn&& tile, const Range* only 
           }
           if (aij != nullptr) {
             kl_pair({vn + i0 * P.Dh, vnt + j0, P.Dh, P.Tp, aij, lij, aji, lji, ni, nj, I == J,
-                     ext + i0 / 8, ext + j0 / 8, i0 / 8, j0 / 8, hs, x + i0, x + j0,
+                     ext + i0 / 8, ext + j0 / 8, i0 / 8, j0 / 8, hs, e + i0, e + j0, x + i0, x + j0,
                      y + i0, y + j0, cols + i0, cols + j0}, gp, acc);
           } else if (aji != nullptr) {  // only A_JI: the pair seen from J
             kl_pair({vn + j0 * P.Dh, vnt + i0, P.Dh, P.Tp, aji, lji, nullptr, 0, nj, ni, false,
-                     ext + j0 / 8, ext + i0 / 8, j0 / 8, i0 / 8, hs, x + j0, x + i0,
+                     ext + j0 / 8, ext + i0 / 8, j0 / 8, i0 / 8, hs, e + j0, e + i0, x + j0, x + i0,
                      y + j0, y + i0, cols + j0, cols + i0}, gp, acc);
           } else {
             const double* si = tile_sums.of(I);
@@ -896,8 +967,9 @@ void finalize_into(Problem& P, float* o, const Range* only = nullptr,
         ax2 += pt[3];
         a2 += pt[4];
       }
-      // B = A - x 1^T - 1 y^T (the shifts of the tile pass): ax2 = ||B||^2, ag = <B, G>, colp
-      // holds B's column sums; its row sums are r_i - n x_i - sum(y). For any shifts
+      // B = A - x 1^T - 1 y^T (the shifts of the tile pass): ax2 = ||B||^2, ag = <B, G> (or
+      // <B, W W^T>, centred), colp holds B's column sums; its row sums are r_i - n x_i -
+      // sum(y). For any shifts
       // ||Ac||^2 = ||H B H||^2 and <Ac, Sc> = <B, H G H> / 2 (H B H = H A H); with shifts
       // near the row and column means B is near Ac, so neither is a difference of large
       // sums (attention sinks: A near 1 y^T, Ac tiny)
@@ -932,7 +1004,8 @@ void finalize_into(Problem& P, float* o, const Range* only = nullptr,
       // bounded by Cauchy-Schwarz (so that it is exactly 0 when either centred matrix is,
       // e.g. n = 1, as in the seed)
       const double bound = std::sqrt(Acc * Scc);
-      const double Asc = std::min(bound, std::max(-bound, 0.5 * (ag - rba - cba + b1 * P.msq[bh])));
+      const double BWW = P.centred[bh] ? ag : ag - rba - cba + b1 * P.msq[bh];
+      const double Asc = std::min(bound, std::max(-bound, 0.5 * BWW));
       const double c = Asc / std::max(std::sqrt(Acc * Scc), 1e-12);
       const double num = std::sqrt(std::max(0.0, Acc - 2.0 * Asc + Scc));
       const double den = std::max(std::sqrt(a2) * std::sqrt(P.Snorm2[bh]), 1e-9);
