@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ["mixer", "vas", "attribution"]
+FAMILIES = ["mixer", "vas", "attribution", "hf"]
 
 
 def main(argv=None) -> None:

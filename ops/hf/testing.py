@@ -25,8 +25,8 @@ PAD = 0
 
 
 def _text(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-          intermediate: int) -> dict:
-    return dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
+          intermediate: int, vocab: int) -> dict:
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                 num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=kv_heads, head_dim=head_dim, eos_token_id=EOS,
                 pad_token_id=PAD, bos_token_id=None, max_position_embeddings=8192,
@@ -35,15 +35,19 @@ def _text(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
 
 def tiny_model(family: str = "qwen2_vl", *, hidden: int = 64, layers: int = 2,
                heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
-               vision_hidden: int = 32, attn_implementation: str = "sdpa",
+               vision_hidden: int = 32, vocab: int = VOCAB,
+               attn_implementation: str = "sdpa",
                dtype: torch.dtype = torch.float32, seed: int = 0):
     """A randomly initialised VLM of ``family`` in eval mode. The text decoder has
     ``layers`` layers of ``heads`` query and ``kv_heads`` key/value heads of width
-    ``hidden // heads``; the vision tower is one or two small blocks."""
+    ``hidden // heads`` and a vocabulary of ``vocab`` (>= :data:`VOCAB`, whose top ids are
+    the special tokens); the vision tower is one or two small blocks."""
     import transformers as tf
 
     head_dim = hidden // heads
-    text = _text(hidden, layers, heads, kv_heads, head_dim, intermediate)
+    if vocab < VOCAB:
+        raise ValueError(f"headscope.hf.testing.tiny_model: vocab must be >= {VOCAB}, got {vocab}")
+    text = _text(hidden, layers, heads, kv_heads, head_dim, intermediate, vocab)
     ids = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
                vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
     if family == "qwen2_vl":

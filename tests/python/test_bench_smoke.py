@@ -9,7 +9,7 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("family", ["mixer", "vas", "attribution"])
+@pytest.mark.parametrize("family", ["mixer", "vas", "attribution", "hf"])
 def test_quick_benchmark_runs(family, tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "-m", "headscope.bench", "--family", family, "--quick",
