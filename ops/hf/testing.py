@@ -8,7 +8,7 @@ would produce, left-padded when the rows differ in length.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import torch
 

@@ -17,7 +17,7 @@ from .. import attribution as _attr
 from .. import vas as _vas
 from . import backend
 from .regions import Regions, find_images, region_ids as _region_ids
-from .stream import Span, SpanCutter, SpanQueue, Stopped, _Pending, run_in_thread
+from .stream import Span, SpanCutter, SpanQueue, _Pending, run_in_thread
 
 _WRITES = ("heads", "residual")
 _UNSUPPORTED_GENERATE = {"num_beams": 1, "num_return_sequences": 1, "assistant_model": None,

@@ -152,6 +152,32 @@ def test_left_padded_batch_equals_rows_alone(models):
             assert torch.equal(tr.region_ids[0], batch_rid[b, keep])
 
 
+def test_left_padded_generation_equals_rows_alone(models):
+    model, _ = models
+    inputs = _prompt(model, batch=2)
+    gen = dict(max_new_tokens=5, do_sample=False, eos_token_id=None)
+    every2 = lambda ids: len(ids) % 2 == 0  # noqa: E731
+    with Tracer(model, regions=3, vas=True, splitter=every2) as tr:
+        batch_spans = list(tr.generate(**inputs, **gen))
+        batch_vas = tr.vas_features()
+        for b in range(2):
+            keep = inputs["attention_mask"][b].bool()
+            row = {k: v[b:b + 1][:, keep] if k in ("input_ids", "attention_mask",
+                                                   "mm_token_type_ids") else v
+                   for k, v in inputs.items()}
+            row.update(_image_of(model, inputs, b))
+            alone = list(tr.generate(**row, **gen))
+            assert torch.equal(tr.sequences[0, int(keep.sum()):],
+                               inputs["input_ids"].new_tensor(
+                                   [t for s in alone for t in s.token_ids.tolist()]))
+            mine = [s for s in batch_spans if s.batch_index == b]
+            assert [(s.start, s.end) for s in mine] == [(s.start, s.end) for s in alone]
+            for x, y in zip(mine, alone):
+                assert torch.equal(x.token_ids, y.token_ids)
+                torch.testing.assert_close(x.features, y.features, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(tr.vas_features()[0], batch_vas[b], atol=1e-4, rtol=1e-4)
+
+
 def _image_of(model, inputs, b):
     """Row b's pixel values (and grid) out of a batch of one image per row."""
     if "image_grid_thw" not in inputs:
