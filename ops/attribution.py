@@ -14,9 +14,12 @@ correlation with measured ablation effects, scored by LDS (Spearman correlation)
 * ``ward_regions``: the paper's regions (Ward clustering of patch features on the grid).
 """
 # No "from __future__ import annotations": TorchScript reads the class annotations.
+import contextlib
 import json
 import math
+import os
 import sys
+import tempfile
 from typing import Iterable, NamedTuple, Optional, Tuple
 
 import torch
@@ -142,6 +145,25 @@ def _check_fit_data(where: str, features: Tensor, targets: Tensor, num_features:
                          f"or Inf")
     return (features.reshape(-1, num_features).to(torch.float64),
             targets.reshape(-1).to(torch.float64))
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yields a temporary file name beside ``path``; on leaving the block without an error
+    the file is flushed to disk and renamed to ``path`` (atomic on POSIX), else removed."""
+    folder = os.path.dirname(os.path.abspath(str(path)))
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(str(path)) + ".", suffix=".tmp",
+                               dir=folder)
+    os.close(fd)
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, str(path))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def _dist_group(group):
@@ -355,12 +377,15 @@ class AttributionHead(nn.Module):
 
     @torch.jit.unused
     def save(self, path) -> None:
-        """Writes weight, mean, std and bias to a safetensors file with metadata."""
+        """Writes weight, mean, std and bias to a safetensors file with metadata, atomically:
+        into a temporary file in the same folder, then renamed over ``path``, so that an
+        interrupted save leaves the previous file (or none), never half of one."""
         from safetensors.torch import save_file
         tensors = {name: t.detach().cpu().contiguous() for name, t in
                    (("weight", self.weight), ("mean", self.mean), ("std", self.std),
                     ("bias", self.bias))}
-        save_file(tensors, str(path), metadata=self.metadata())
+        with atomic_path(path) as tmp:
+            save_file(tensors, tmp, metadata=self.metadata())
 
     @classmethod
     def load(cls, path, num_layers: Optional[int] = None, num_heads: Optional[int] = None,
