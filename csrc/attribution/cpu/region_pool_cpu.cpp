@@ -316,7 +316,11 @@ at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k_in,
               for (int64_t t = 0; t < n; ++t)
                 if (pad[b * pad_s0 + (t0 + t) * pad_s1]) s[t] = -INFINITY;
             const acc_t tmax = max_of(s, n);
-            if (tmax == -INFINITY) continue;  // every key of the tile masked
+            if (tmax == -INFINITY) {  // every key of the tile masked, or NaN logits
+              for (int64_t t = 0; t < n; ++t)
+                if (s[t] != s[t]) z[r] = NAN;
+              continue;
+            }
             acc_t* ar = acc.data() + r * K;
             if (tmax > m[r]) {
               const acc_t f = m[r] == -INFINITY ? acc_t(0) : std::exp(m[r] - tmax);
@@ -331,11 +335,16 @@ at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k_in,
             }
           }
         }
-        // Weighted sum over the item's queries; rows without a visible key add nothing.
+        // Weighted sum over the item's queries; rows without a visible key add nothing,
+        // rows with NaN or infinite logits (z NaN) make their features NaN.
         acc_t* pp = part_p + it * G * K;
         for (int64_t g = 0; g < G; ++g)
           for (int64_t j = 0; j < nq; ++j) {
             const int64_t r = g * nq + j;
+            if (z[r] != z[r] && span.weight[b][q0 + j] > 0) {
+              for (int64_t kk = 0; kk < K; ++kk) pp[g * K + kk] = NAN;
+              continue;
+            }
             if (!(z[r] > 0)) continue;
             const acc_t w = static_cast<acc_t>(span.weight[b][q0 + j]) / z[r];
             for (int64_t kk = 0; kk < K; ++kk) pp[g * K + kk] += w * acc[r * K + kk];
