@@ -65,19 +65,19 @@ def _eager_today(model_eager, inputs):
     """Today's way: eager attention, output_attentions=True, hooks on the o_proj inputs,
     then the VAS features from the stored attentions."""
     import headscope
-    H = model_eager.config.text_config.num_attention_heads
-    writes, hooks = [], []
-    for layer in model_eager.get_decoder().layers:
-        def grab(module, args):
-            x = args[0]
-            writes.append(x.reshape(*x.shape[:2], H, -1).transpose(1, 2))
-        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(grab))
+    from headscope.hf.testing import eager_reference
+    _, attentions, writes = eager_reference(model_eager, inputs, logits_to_keep=1)
+    return headscope.vas_features(attentions, writes, inputs["attention_mask"])[0]
+
+
+def _traced_forward(tracer, model, inputs):
+    """One forward with the tracer attached (detached again after): its VAS features."""
+    tracer.attach()
     try:
-        out = model_eager(**inputs, output_attentions=True, logits_to_keep=1)
-        return headscope.vas_features(out.attentions, writes, inputs["attention_mask"])[0]
+        model(**inputs, logits_to_keep=1)
+        return tracer.vas_features()
     finally:
-        for h in hooks:
-            h.remove()
+        tracer.detach()
 
 
 @torch.no_grad()
@@ -94,12 +94,7 @@ def bench_prefill(device, quick: bool) -> dict:
         return model(**inputs, logits_to_keep=1)
 
     def traced():
-        tracer.attach()
-        try:
-            model(**inputs, logits_to_keep=1)
-            return tracer.vas_features()
-        finally:
-            tracer.detach()
+        return _traced_forward(tracer, model, inputs)
 
     torch.testing.assert_close(traced(), _eager_today(eager, inputs), atol=1e-4, rtol=1e-4)
     t = interleaved({"plain": plain, "traced": traced, "eager": lambda: _eager_today(eager, inputs)},
@@ -119,18 +114,11 @@ def bench_prefill(device, quick: bool) -> dict:
     growth = []
     for s in ((8, 16) if quick else (16, 32, 48)):
         inp = _inputs(model, s, device)
-
-        def tr_s(inp=inp):
-            tracer.attach()
-            try:
-                model(**inp, logits_to_keep=1)
-                return tracer.vas_features()
-            finally:
-                tracer.detach()
         growth.append({"what": "peak growth", "T": inp["input_ids"].shape[1],
                        "plain_MiB": mib(peak_bytes(lambda: model(**inp, logits_to_keep=1),
                                                    device)),
-                       "traced_MiB": mib(peak_bytes(tr_s, device)),
+                       "traced_MiB": mib(peak_bytes(lambda: _traced_forward(tracer, model, inp),
+                                                    device)),
                        "eager_MiB": mib(peak_bytes(lambda: _eager_today(eager, inp), device))})
     L = model.config.text_config.num_hidden_layers
     print_table(f"prefill, one image prompt, {L} layers ({device.type}, float32)", rows,

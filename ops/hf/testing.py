@@ -161,3 +161,26 @@ def image_prompt(model, grids: Sequence[Tuple[int, int]] = ((8, 8),),
         out["image_grid_thw"] = torch.stack(thw)
         out["mm_token_type_ids"] = mm_types
     return out
+
+
+def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwargs):
+    """The way attention is inspected without headscope: a model loaded with eager
+    attention, run with ``output_attentions=True`` and forward hooks on the o_proj inputs.
+    Returns ``(output, attentions, head_writes)``: per decoder layer its ``(B, H, T, T)``
+    attention and ``(B, H, T, Dh)`` per-head outputs."""
+    H = model_eager.config.text_config.num_attention_heads
+    writes, hooks = [], []
+
+    def grab(module, args):
+        x = args[0]
+        writes.append(x.reshape(*x.shape[:2], H, -1).transpose(1, 2))
+
+    for layer in model_eager.get_decoder().layers:
+        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(grab))
+    try:
+        with torch.no_grad():
+            out = model_eager(**inputs, output_attentions=True, **forward_kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, list(out.attentions), writes

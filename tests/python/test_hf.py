@@ -16,7 +16,8 @@ from conftest import DEVICES, load_seed
 
 pytest.importorskip("transformers")
 from headscope.hf import Span, Tracer  # noqa: E402
-from headscope.hf.testing import EOS, FAMILIES, image_prompt, tiny_model  # noqa: E402
+from headscope.hf.testing import (EOS, FAMILIES, eager_reference, image_prompt,  # noqa: E402
+                                  tiny_model)
 
 GRIDS = {"llava": ((8, 8), (8, 8))}  # LLaVA's grid is fixed by its vision tower
 
@@ -42,20 +43,7 @@ def models(family, request):
 
 def eager_run(model_eager, inputs):
     """Eager attentions and per-head writes (the o_proj inputs) of every decoder layer."""
-    writes, hooks = [], []
-    H = model_eager.config.text_config.num_attention_heads
-    for layer in model_eager.get_decoder().layers:
-        def grab(module, args):
-            x = args[0]
-            writes.append(x.reshape(*x.shape[:2], H, -1).transpose(1, 2))
-        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(grab))
-    try:
-        with torch.no_grad():
-            out = model_eager(**inputs, output_attentions=True)
-    finally:
-        for h in hooks:
-            h.remove()
-    return out, list(out.attentions), writes
+    return eager_reference(model_eager, inputs)
 
 
 # ---- forward ----------------------------------------------------------------------------
@@ -142,10 +130,7 @@ def test_left_padded_batch_equals_rows_alone(models):
         batch_feats, batch_rid = tr.vas_features(), tr.region_ids
         for b in range(2):
             keep = inputs["attention_mask"][b].bool()
-            row = {k: v[b:b + 1][:, keep] if k in ("input_ids", "attention_mask",
-                                                   "mm_token_type_ids") else v
-                   for k, v in inputs.items()}
-            row.update(_image_of(model, inputs, b))
+            row = _row_alone(model, inputs, b)
             model(**row)
             torch.testing.assert_close(tr.vas_features()[0], batch_feats[b], atol=1e-4,
                                        rtol=1e-4)
@@ -162,10 +147,7 @@ def test_left_padded_generation_equals_rows_alone(models):
         batch_vas = tr.vas_features()
         for b in range(2):
             keep = inputs["attention_mask"][b].bool()
-            row = {k: v[b:b + 1][:, keep] if k in ("input_ids", "attention_mask",
-                                                   "mm_token_type_ids") else v
-                   for k, v in inputs.items()}
-            row.update(_image_of(model, inputs, b))
+            row = _row_alone(model, inputs, b)
             alone = list(tr.generate(**row, **gen))
             assert torch.equal(tr.sequences[0, int(keep.sum()):],
                                inputs["input_ids"].new_tensor(
@@ -178,14 +160,17 @@ def test_left_padded_generation_equals_rows_alone(models):
             torch.testing.assert_close(tr.vas_features()[0], batch_vas[b], atol=1e-4, rtol=1e-4)
 
 
-def _image_of(model, inputs, b):
-    """Row b's pixel values (and grid) out of a batch of one image per row."""
+def _row_alone(model, inputs, b):
+    """Row b of a left-padded batch of one image per row, without its padding."""
+    keep = inputs["attention_mask"][b].bool()
+    row = {k: v[b:b + 1][:, keep] for k, v in inputs.items()
+           if k in ("input_ids", "attention_mask", "mm_token_type_ids")}
     if "image_grid_thw" not in inputs:
-        return {"pixel_values": inputs["pixel_values"][b:b + 1]}
+        return dict(row, pixel_values=inputs["pixel_values"][b:b + 1])
     sizes = inputs["image_grid_thw"].prod(-1).tolist()
     start = sum(sizes[:b])
-    return {"pixel_values": inputs["pixel_values"][start:start + sizes[b]],
-            "image_grid_thw": inputs["image_grid_thw"][b:b + 1]}
+    return dict(row, pixel_values=inputs["pixel_values"][start:start + sizes[b]],
+                image_grid_thw=inputs["image_grid_thw"][b:b + 1])
 
 
 # ---- regions ------------------------------------------------------------------------------
