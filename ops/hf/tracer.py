@@ -362,6 +362,8 @@ class Tracer:
                                           f"not supported (one sequence per prompt)")
         if not self._attached:
             raise RuntimeError("headscope.hf.Tracer.generate: the tracer is detached")
+        if self.model.device.type == "mps":  # generate streams tokens a step late there
+            raise NotImplementedError("headscope.hf.Tracer.generate: not supported on MPS")
         if self._generating is not None:
             raise RuntimeError("headscope.hf.Tracer.generate: a generation is already running")
         return self._generate(kwargs)
