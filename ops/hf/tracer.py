@@ -150,7 +150,7 @@ class Tracer:
         self._rid: Optional[torch.Tensor] = None
         self._ones: Optional[torch.Tensor] = None
         self._final: Optional[Dict[str, torch.Tensor]] = None
-        self._R: Optional[torch.Tensor] = None
+        self._R: Dict[int, torch.Tensor] = {}  # layer -> R^T per head (writes="residual")
         self.attach()
 
     # ---- attaching ----------------------------------------------------------------------
@@ -306,8 +306,6 @@ class Tracer:
 
     def _residual_factor(self, layer: int, module) -> torch.Tensor:
         """R^T per head, where W_O^h = Q R: (O_h R^T)(O_h R^T)^T = O_h W_O^h^T W_O^h O_h^T."""
-        if self._R is None:
-            self._R = {}
         if layer not in self._R:
             W = module.o_proj.weight.detach().float()  # (hidden, H * Dh)
             Dh = W.shape[1] // self.num_heads
