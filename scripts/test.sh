@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds, and runs every test: GoogleTest through ctest,
-# the TorchScript round trip through the C++ example, and pytest.
+# Installs what is missing, builds, and runs every test: GoogleTest through ctest (also
+# under AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer), the TorchScript
+# round trip through the C++ example, and pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -11,6 +12,9 @@ bash scripts/build_example.sh
 
 echo "== ctest"
 ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)"
+
+echo "== ctest under ASan + LSan + UBSan (CPU kernels)"
+bash scripts/sanitize.sh
 
 echo "== pytest"
 export HEADSCOPE_EXAMPLE_BIN=$PWD/$BUILD/example/headscope_run_torchscript

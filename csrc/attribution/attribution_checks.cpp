@@ -14,9 +14,13 @@
 #include <ATen/ops/le.h>
 #include <ATen/ops/logical_not.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/gt.h>
+#include <ATen/ops/logical_and.h>
+#include <ATen/ops/where.h>
 
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <vector>
 
 namespace headscope::attribution {
@@ -42,7 +46,13 @@ LinearRows prepare_linear_attribution(const at::Tensor& features, const at::Tens
   if (p.rows == 0) return p;
   p.features = features.contiguous();
   const auto acc = accum_dtype(features.scalar_type());
-  p.scaled_weight = weight.to(at::kDouble).div(std.to(at::kDouble)).to(acc).contiguous();
+  // A std that is not finite and positive makes every score NaN (a check on the values
+  // would cost a device synchronisation per call).
+  const at::Tensor sd = std.to(at::kDouble);
+  p.scaled_weight = at::where(sd.gt(0).logical_and(sd.isfinite()), weight.to(at::kDouble).div(sd),
+                              std::numeric_limits<double>::quiet_NaN())
+                        .to(acc)
+                        .contiguous();
   p.mean = mean.to(acc).contiguous();
   return p;
 }

@@ -78,7 +78,7 @@ VALID: Dict[str, Tuple] = {
                         "reduce max": (8, "max")}),
     "linear_attribution": (["features", "weight", "mean", "std", "bias"],
                            [rand(3, 5, 8), rand(8), rand(8), torch.rand(8, generator=g) + 0.5,
-                            0.1], {"features", "weight", "mean"},  # std: values unchecked
+                            0.1], {"features", "weight", "mean", "std"},
                            {"weight of F + 1": (1, rand(9))}),
     "spearman": (["pred", "target", "dim"], [rand(4, 10), rand(4, 10), -1], {"pred", "target"},
                  {"dim 2": (2, 2), "dim -3": (2, -3), "shapes differ": (1, rand(4, 11))}),
@@ -127,7 +127,10 @@ def names_op_and_arg(message: str, op: str, arg: str) -> bool:
 
 def cases() -> List[Tuple[str, str, str, Callable[[], object], str]]:
     """(op, case, argument, thunk, expectation)."""
-    out = []
+    f, w, mu, sd, bias = VALID["linear_attribution"][1]
+    out = [("linear_attribution", f"std {v}", "std",
+            (lambda v=v: call("linear_attribution", [f, w, mu, torch.full_like(sd, v), bias])),
+            "error_or_nonfinite") for v in (0.0, -1.0)]
     for op, (names, valid, valued, extra) in VALID.items():
         for i, (name, v) in enumerate(zip(names, valid)):
             if not isinstance(v, torch.Tensor):
