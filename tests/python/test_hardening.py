@@ -285,3 +285,27 @@ def test_results_repeat_bitwise_across_runs():
     first = {name: fn() for name, fn in calls.items()}
     for name, fn in calls.items():
         assert torch.equal(fn(), first[name]), name
+
+
+# ---- inputs past 2^31 elements (64-bit indexing) -----------------------------------------------
+
+def test_attention_past_2_31_elements():
+    """vas_head_stats and region_pool on a (1, H, 64, 64) attention of 2^31 + 2^20 elements
+    (8 GiB): every head's result equals the same op on a slice of heads far below 2^31, so
+    no offset (head * T * T, ...) wrapped around in 32 bits."""
+    T, Dh = 64, 4
+    H = (1 << 31) // (T * T) + 256
+    gen = torch.Generator().manual_seed(31)
+    A = torch.rand(1, H, T, T, generator=gen)
+    A /= A.sum(-1, keepdim=True)
+    assert A.numel() > 2 ** 31
+    V = torch.randn(1, H, T, Dh, generator=gen)
+    lengths = torch.tensor([T])
+    stats = headscope.vas_head_stats(A, V, lengths)
+    rid = (torch.arange(T) % 5 - 1)[None]
+    w = torch.ones(1, T)
+    pooled = headscope.region_pool(A, w, rid, 4)
+    for h0 in (0, H // 2, H - 300):  # slices at the start, the middle and past 2^31
+        sl = slice(h0, h0 + 300)
+        assert torch.equal(stats[:, sl], headscope.vas_head_stats(A[:, sl], V[:, sl], lengths))
+        assert torch.equal(pooled[:, :, sl], headscope.region_pool(A[:, sl], w, rid, 4))
