@@ -9,7 +9,8 @@ o_proj inputs), in one process, alternating:
 * decode: time per generated token (median interval between streamer calls) of plain
   ``generate`` vs ``Tracer.generate`` streaming span attribution (which generates on a
   second thread; plain generate on a second thread is timed too, to tell the two costs
-  apart) vs eager ``generate`` with ``output_attentions=True``; the cost of the answer's VAS (one extra forward);
+  apart), vs ``Tracer.generate_with`` (generate on the caller's thread, spans to a
+  callback on a worker) vs eager ``generate`` with ``output_attentions=True``; the cost of the answer's VAS (one extra forward);
   peak memory of each generation.
 
 Model: Qwen2-VL-2B-shaped text decoder (hidden 1536, 12 heads, 2 KV heads, head dim 128,
@@ -137,7 +138,7 @@ def bench_decode(device, quick: bool) -> dict:
     gen = dict(max_new_tokens=new, do_sample=False, eos_token_id=None)
     tracer = Tracer(model, regions=K_REGIONS, vas=True)
     tracer.detach()
-    per_token = {"plain": [], "threaded": [], "traced": [], "eager": []}
+    per_token = {"plain": [], "threaded": [], "traced": [], "callback": [], "eager": []}
     spans = []
 
     def plain():
@@ -162,6 +163,17 @@ def bench_decode(device, quick: bool) -> dict:
             tracer.detach()
         per_token["traced"].append(clock.per_token())
 
+    def callback():
+        clock = _Clock()
+        got = []
+        tracer.attach()
+        try:
+            tracer.generate_with(got.append, **inputs, **gen, streamer=clock)
+        finally:
+            tracer.detach()
+        assert len(got) == 1 and got[0].end == new
+        per_token["callback"].append(clock.per_token())
+
     def today():
         clock = _Clock()
         eager.generate(**inputs, **gen, streamer=clock, output_attentions=True,
@@ -169,12 +181,13 @@ def bench_decode(device, quick: bool) -> dict:
         per_token["eager"].append(clock.per_token())
 
     for _ in range(2 if quick else 3):
-        for fn in (plain, threaded, traced, today):
+        for fn in (plain, threaded, traced, callback, today):
             fn()
     assert len(spans) == 1 and spans[0].end == new
     ratio = round_ratios(per_token["traced"], per_token["plain"])
     ratio_thread = round_ratios(per_token["threaded"], per_token["plain"])
     ratio_own = round_ratios(per_token["traced"], per_token["threaded"])
+    ratio_cb = round_ratios(per_token["callback"], per_token["plain"])
     ratio_eager = round_ratios(per_token["eager"], per_token["plain"])
 
     def answer_vas():
@@ -200,6 +213,10 @@ def bench_decode(device, quick: bool) -> dict:
              "ms_per_token": 1e3 * statistics.median(per_token["traced"]), "vs_plain": ratio[0],
              "range": f"{ratio[1]:.3f}-{ratio[2]:.3f}", "peak_MiB": mib(peak_bytes(traced, device)),
              "vs_threaded": ratio_own[0]},
+            {"what": "Tracer.generate_with (callback)",
+             "ms_per_token": 1e3 * statistics.median(per_token["callback"]),
+             "vs_plain": ratio_cb[0], "range": f"{ratio_cb[1]:.3f}-{ratio_cb[2]:.3f}",
+             "peak_MiB": mib(peak_bytes(callback, device))},
             {"what": "eager + output_attentions",
              "ms_per_token": 1e3 * statistics.median(per_token["eager"]),
              "vs_plain": ratio_eager[0], "range": f"{ratio_eager[1]:.3f}-{ratio_eager[2]:.3f}",

@@ -137,6 +137,8 @@ class SpanQueue:
             try:
                 item = self.q.get(timeout=_POLL_S)
             except queue.Empty:
+                if self.stop.is_set():  # the other side has gone without a last word
+                    return
                 continue
             if item is self._DONE:
                 return

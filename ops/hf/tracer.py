@@ -17,7 +17,7 @@ from .. import attribution as _attr
 from .. import vas as _vas
 from . import backend
 from .regions import Regions, find_images, region_ids as _region_ids
-from .stream import Span, SpanCutter, SpanQueue, _Pending, run_in_thread
+from .stream import Span, SpanCutter, SpanQueue, Stopped, _Pending, run_in_thread
 
 _WRITES = ("heads", "residual")
 _UNSUPPORTED_GENERATE = {"num_beams": 1, "num_return_sequences": 1, "assistant_model": None,
@@ -350,9 +350,53 @@ class Tracer:
     # ---- generation ---------------------------------------------------------------------
 
     def generate(self, **kwargs) -> Iterator[Span]:
-        """Runs ``model.generate(**kwargs)`` and yields each row's spans as they end, in
-        order. ``tr.sequences`` holds generate's output once the iterator is exhausted;
-        breaking out of the loop stops generation."""
+        """Runs ``model.generate(**kwargs)`` on a second thread and yields each row's spans
+        as they end, in order. ``tr.sequences`` holds generate's output once the iterator
+        is exhausted; breaking out of the loop stops generation."""
+        self._check_generate(kwargs)
+        return self._generate(kwargs)
+
+    def generate_with(self, on_span: Callable[[Span], None], **kwargs) -> torch.Tensor:
+        """Runs ``model.generate(**kwargs)`` on the calling thread and hands each span, in
+        order, to ``on_span`` on a background worker (which also applies the head); returns
+        generate's output (also ``tr.sequences``). An exception in ``on_span`` stops
+        generation and is raised here. Unlike :meth:`generate`, the model runs on the
+        caller's thread: on a CPU whose intra-op threads the caller's thread already owns,
+        that saves the cost of a second thread's (see docs/hf.md, "Cost")."""
+        self._check_generate(kwargs)
+        spans, cutter, P, eos = self._start_generation(kwargs)
+
+        def deliver():
+            for pending in spans:
+                on_span(self._span(pending))
+
+        worker_error: List[BaseException] = []
+
+        def worker():
+            try:
+                deliver()
+            except BaseException as e:  # noqa: BLE001 - raised in the caller below
+                worker_error.append(e)
+                spans.stop.set()
+
+        thread = threading.Thread(target=worker, name="headscope-spans", daemon=True)
+        thread.start()
+        try:
+            sequences = self._run_generate(kwargs, cutter)
+        except Stopped:
+            sequences = None
+        except BaseException:
+            spans.stop.set()
+            thread.join()
+            raise
+        spans.finish(None)
+        thread.join()
+        if worker_error:
+            raise worker_error[0]
+        self._end_generation(kwargs, sequences, P, eos)
+        return sequences
+
+    def _check_generate(self, kwargs) -> None:
         for name, allowed in _UNSUPPORTED_GENERATE.items():
             value = kwargs.get(name, getattr(self.model.generation_config, name, allowed))
             if value not in (allowed, None):
@@ -364,7 +408,6 @@ class Tracer:
             raise NotImplementedError("headscope.hf.Tracer.generate: not supported on MPS")
         if self._generating is not None:
             raise RuntimeError("headscope.hf.Tracer.generate: a generation is already running")
-        return self._generate(kwargs)
 
     def _eos_ids(self, kwargs) -> List[int]:
         eos = kwargs.get("eos_token_id")
@@ -375,7 +418,8 @@ class Tracer:
         return [int(e) for e in (eos.tolist() if isinstance(eos, torch.Tensor) else
                                  eos if isinstance(eos, (list, tuple)) else [eos])]
 
-    def _generate(self, kwargs) -> Iterator[Span]:
+    def _start_generation(self, kwargs) -> tuple:
+        """The span queue and the streamer that cuts spans into it."""
         ids = kwargs.get("input_ids")
         if ids is None:
             raise ValueError("headscope.hf.Tracer.generate: pass the prompt's input_ids")
@@ -386,17 +430,29 @@ class Tracer:
                             inner=kwargs.pop("streamer", None))
         self.sequences, self._final = None, None
         self._image_grid_thw = kwargs.get("image_grid_thw")
+        return spans, cutter, P, eos
+
+    def _run_generate(self, kwargs, cutter) -> torch.Tensor:
+        self._generating = threading.get_ident()
+        self._mode = "generate"
+        try:
+            return self.model.generate(**kwargs, streamer=cutter)
+        finally:
+            self._mode = "forward"
+            self._acc = None
+            self._generating = None
+
+    def _end_generation(self, kwargs, sequences: torch.Tensor, P: int, eos: List[int]) -> None:
+        self.sequences = sequences
+        if self.vas:
+            self._final = self._final_inputs(kwargs, sequences, P, eos)
+
+    def _generate(self, kwargs) -> Iterator[Span]:
+        spans, cutter, P, eos = self._start_generation(kwargs)
         result: Dict[str, torch.Tensor] = {}
 
         def target():
-            self._generating = threading.get_ident()
-            self._mode = "generate"
-            try:
-                result["sequences"] = self.model.generate(**kwargs, streamer=cutter)
-            finally:
-                self._mode = "forward"
-                self._acc = None
-                self._generating = None
+            result["sequences"] = self._run_generate(kwargs, cutter)
 
         thread = run_in_thread(target, spans)
         try:
@@ -405,9 +461,7 @@ class Tracer:
         finally:
             spans.stop.set()
             thread.join()
-        self.sequences = result["sequences"]
-        if self.vas:
-            self._final = self._final_inputs(kwargs, self.sequences, P, eos)
+        self._end_generation(kwargs, result["sequences"], P, eos)
 
     def _take_features(self, b: int, steps: int) -> torch.Tensor:
         """Row b's open span: its pooled features (K_b, L*H), then a fresh start."""

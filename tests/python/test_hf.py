@@ -325,7 +325,8 @@ def test_bfloat16_model():
 # ---- the span stream: backpressure, errors, interruption ------------------------------------
 
 def _threads():
-    return [t for t in threading.enumerate() if t.name == "headscope-generate"]
+    return [t for t in threading.enumerate()
+            if t.name in ("headscope-generate", "headscope-spans")]
 
 
 def test_slow_consumer_gets_every_span_with_bounded_queue():
@@ -390,6 +391,66 @@ def test_interrupt_while_waiting_for_a_span():
         assert not _threads()
         assert time.monotonic() - start < 30  # generation stopped, not run to its end
     timer.cancel()
+
+
+def test_generate_with_callback_equals_iterator():
+    model = tiny_model("qwen2_vl")
+    inputs = _prompt(model, batch=2)
+    gen = dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    head = headscope.AttributionHead(2, 4)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(8))
+    every2 = lambda ids: len(ids) % 2 == 0  # noqa: E731
+    with Tracer(model, regions=3, vas=True, head=head, splitter=every2) as tr:
+        iterated = list(tr.generate(**inputs, **gen))
+        seq_iter, vas_iter = tr.sequences, tr.vas_features()
+        got, threads_seen = [], set()
+
+        def on_span(span):
+            threads_seen.add(threading.current_thread().name)
+            got.append(span)
+
+        sequences = tr.generate_with(on_span, **inputs, **gen)
+        assert torch.equal(sequences, seq_iter) and torch.equal(tr.sequences, seq_iter)
+        torch.testing.assert_close(tr.vas_features(), vas_iter)
+    assert threads_seen == {"headscope-spans"}
+    assert [(s.batch_index, s.start, s.end) for s in got] == \
+        [(s.batch_index, s.start, s.end) for s in iterated]
+    for a, b in zip(got, iterated):
+        assert torch.equal(a.token_ids, b.token_ids)
+        assert torch.equal(a.features, b.features) and torch.equal(a.scores, b.scores)
+    assert not _threads()
+
+
+def test_generate_with_callback_error_and_interrupt_stop_generation():
+    model = _no_eos(tiny_model("qwen2_vl"))
+    steps = []
+
+    def counting(ids):
+        steps.append(len(ids))
+        return True
+
+    def broken(span):
+        if span.start == 1:
+            raise ValueError("callback failed")
+
+    with Tracer(model, regions=2, vas=False, splitter=counting, queue_size=1) as tr:
+        with pytest.raises(ValueError, match="callback failed"):
+            tr.generate_with(broken, **_prompt(model), max_new_tokens=200)
+        assert not _threads() and len(steps) < 10 and tr.sequences is None
+
+        def interrupting(ids):
+            if len(ids) == 3:
+                raise KeyboardInterrupt
+            return True
+
+        tr.splitter = interrupting
+        with pytest.raises(KeyboardInterrupt):
+            tr.generate_with(lambda span: None, **_prompt(model), max_new_tokens=200)
+        assert not _threads()
+        tr.splitter = None
+        assert tr.generate_with(lambda span: None, **_prompt(model),
+                                max_new_tokens=2).shape[1] == _prompt(model)["input_ids"].shape[1] + 2
 
 
 def test_model_called_while_generating_raises():
