@@ -2,7 +2,6 @@
 holds up under concurrent callers, and that saved files are never half-written."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
