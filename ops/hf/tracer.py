@@ -212,13 +212,12 @@ class Tracer:
                 ids = kwargs.get("input_ids", args[0] if args else None)
                 embeds = module.get_input_embeddings()(ids)
             self._start_forward(embeds, pooling)
-            vas = self.vas and not generating
-            self.observing = vas or (pooling and self._kmax > 0)
-            self._vas_now = vas
+            self._vas_now = self.vas and not generating
         else:
-            self.observing = pooling and self._acc is not None and self._kmax > 0
             self._vas_now = False
-        self._pool_now = pooling and self.observing
+        # _start_forward made the accumulator exactly when there is something to pool
+        self._pool_now = pooling and self._acc is not None
+        self.observing = self._vas_now or self._pool_now
 
     def _start_forward(self, embeds: torch.Tensor, pooling: bool) -> None:
         B, T = embeds.shape[:2]
@@ -366,15 +365,12 @@ class Tracer:
         self._check_generate(kwargs)
         spans, cutter, P, eos = self._start_generation(kwargs)
 
-        def deliver():
-            for pending in spans:
-                on_span(self._span(pending))
-
         worker_error: List[BaseException] = []
 
         def worker():
             try:
-                deliver()
+                for pending in spans:
+                    on_span(self._span(pending))
             except BaseException as e:  # noqa: BLE001 - raised in the caller below
                 worker_error.append(e)
                 spans.stop.set()

@@ -357,13 +357,18 @@ def test_error_in_generation_is_reraised_and_thread_ends():
         assert len(list(tr.generate(**_prompt(model), max_new_tokens=2))) == 1
 
 
-def test_keyboard_interrupt_and_break_stop_generation():
-    model = _no_eos(tiny_model("qwen2_vl"))
-    steps = []
-
+def _counting_splitter(steps):
+    """A splitter that ends a span at every token and notes how many it has seen."""
     def counting(ids):
         steps.append(len(ids))
         return True
+    return counting
+
+
+def test_keyboard_interrupt_and_break_stop_generation():
+    model = _no_eos(tiny_model("qwen2_vl"))
+    steps = []
+    counting = _counting_splitter(steps)
 
     with Tracer(model, regions=2, vas=False, splitter=counting, queue_size=1) as tr:
         with pytest.raises(KeyboardInterrupt):
@@ -425,10 +430,7 @@ def test_generate_with_callback_equals_iterator():
 def test_generate_with_callback_error_and_interrupt_stop_generation():
     model = _no_eos(tiny_model("qwen2_vl"))
     steps = []
-
-    def counting(ids):
-        steps.append(len(ids))
-        return True
+    counting = _counting_splitter(steps)
 
     def broken(span):
         if span.start == 1:
