@@ -3,7 +3,7 @@
 Per layer and head, the attention matrix is compared with the Gram matrix of the head's
 row-normalised writes (d: normalised mismatch, c: CKA, r: row KL); the per-head numbers
 are aggregated over heads (mean, std, max, min) and then over layers (mean, std, max)
-into 36 features per sequence. See the README, "VAS feature ops".
+into 36 features per sequence. Reference: docs/vas.md.
 
 - :func:`vas_head_stats` / :func:`vas_head_stats_qk`: one layer -> ``(B, H, 3)``.
 - :func:`vas_aggregate`: ``(B, L, H, 3)`` -> ``(B, 36)``.

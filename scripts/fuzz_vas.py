@@ -10,11 +10,10 @@ head-write rows) and runs vas_head_stats or vas_head_stats_qk. d and c are judge
 float64 evaluation of the same (upcast) inputs, r against the project's float32 reference
 (the op forms S in float32 as the seed does, and log q near S = 0 follows those roundings).
 A case fails when the op misses the 1e-4 relative / 1e-6 absolute tolerance *and* is more
-than 3 times as far from float64 as the float32 reference (the seed's arithmetic) is:
-ill-conditioned heads, where no float32 method keeps the digits, do not count against the
-op. This found the attention-sink loss of `c` (README, "How it is
-computed"). Heads whose values are nearly parallel (--near-parallel) are such a case for
-the seed and the op alike.
+than 3 times as far from float64 as the float32 reference (the arithmetic of the VAS
+reference implementation, docs/vas.md) is: ill-conditioned heads, where no float32 method
+keeps the digits, do not count against the op. Heads whose values are nearly parallel
+(--near-parallel) are such a case for the reference and the op alike.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU machine's check, in one call (see README "GPU check"): every CUDA test and the
+# The GPU machine's check, in one call (docs/DEVELOPING.md, "The GPU check"): every CUDA test and the
 # benchmarks on the GPU, logs and results under $OUT (at most 8 files, as the device tool
 # returns them). Budget: about 5 minutes on a 16-core H200 machine.
 #

@@ -10,7 +10,7 @@ namespace headscope {
 
 // Projects positive references exp(log_u_ref), exp(log_v_ref) (both (..., n, r)) to
 // row-stochastic U, V with equal column sums g. Returns (U, V, z, iters, residual);
-// residual > tol means the problem did not converge (see README).
+// residual > tol means the problem did not converge (docs/mixer.md).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_project(
     const at::Tensor& log_u_ref, const at::Tensor& log_v_ref, double tol = 1e-11,
     int64_t max_iter = 80);

@@ -1,6 +1,6 @@
 // C++ API of the vas family: value-attention similarity (VAS) statistics per head and
 // their aggregation to the 36 VAS features. Each call goes through the dispatcher.
-// Semantics, shapes and policies: README.md, "VAS feature ops".
+// Semantics, shapes and policies: docs/vas.md.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,13 +1,15 @@
 """Benchmarks: each op beside its baselines in one process; prints ratios and peak memory.
 
-    python -m headscope.bench [--family mixer vas attribution] [--device cpu|cuda]
+    python -m headscope.bench [--family mixer vas attribution hf] [--device cpu|cuda]
                               [--quick] [--json results.json]
 
-Timings are for reading, never assertions.
+Timings are for reading, never assertions. The JSON holds each family's results and the
+tables printed (``scripts/perf_tables.py`` turns them into docs/performance.md).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import json
 import platform
@@ -28,17 +30,36 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     import headscope  # noqa: F401  (loads the ops)
+    from headscope.attribution import atomic_path
 
-    results = {"torch": torch.__version__, "device": args.device,
-               "machine": platform.processor() or platform.machine(),
-               "threads": torch.get_num_threads(), "families": {}}
+    from ._util import PRINTED_TABLES
+
+    results = {"torch": torch.__version__, "device": args.device, "machine": _cpu_name(),
+               "threads": torch.get_num_threads(),
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               "quick": args.quick, "families": {}, "tables": {}}
     if args.device == "cuda":
         results["gpu"] = torch.cuda.get_device_name()
     for family in args.family:
         module = importlib.import_module(f"headscope.bench.{family}")
+        PRINTED_TABLES.clear()
         results["families"][family] = module.run(torch.device(args.device), quick=args.quick)
-    args.json.write_text(json.dumps(results, indent=2))
+        results["tables"][family] = list(PRINTED_TABLES)
+    with atomic_path(args.json) as tmp:  # an interrupted run leaves the previous file
+        Path(tmp).write_text(json.dumps(results, indent=2))
     print(f"\nresults written to {args.json}")
+
+
+def _cpu_name() -> str:
+    """The processor's model name (Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -103,8 +103,16 @@ def mib(n: int) -> float:
     return n / 2**20
 
 
+#: Every table printed since the list was last cleared, as {"title", "columns", "rows"}:
+#: ``python -m headscope.bench --json`` saves them per family for scripts/perf_tables.py.
+PRINTED_TABLES: list[dict] = []
+
+
 def print_table(title: str, rows: list[dict], columns: list[str]) -> None:
-    """Prints rows (dicts) as an aligned text table with the given columns."""
+    """Prints rows (dicts) as an aligned text table with the given columns, and records it
+    in PRINTED_TABLES."""
+    PRINTED_TABLES.append({"title": title, "columns": list(columns),
+                           "rows": [{c: r[c] for c in columns if c in r} for r in rows]})
     def fmt(v):
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"

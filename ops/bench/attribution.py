@@ -7,7 +7,7 @@
 * features and scores for all layers (region_pool_qk per layer + linear_attribution);
 * ward_regions against scikit-learn's AgglomerativeClustering (grid connectivity).
 
-Sizes follow the issue: L = 28 layers, H = 28 query heads, Hkv = 4, D = 128, Tk = 4096
+Sizes: L = 28 layers, H = 28 query heads, Hkv = 4, D = 128, Tk = 4096
 keys of which 1024 are image tokens in K = 64 regions; one K/V cache per layer.
 """
 from __future__ import annotations

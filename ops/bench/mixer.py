@@ -1,5 +1,6 @@
-"""Mixer benchmarks: kl_project against the seed's project looped over a batch and a
-batched eager-PyTorch Newton; kl_project + thin_mix against scaled_dot_product_attention;
+"""Mixer benchmarks: kl_project against the reference implementation's ``project``
+(kl_projection_reference.py, column ``seed``) looped over a batch and a batched
+eager-PyTorch Newton; kl_project + thin_mix against scaled_dot_product_attention;
 thin_mix against its eager formulation and the dense W @ X."""
 from __future__ import annotations
 

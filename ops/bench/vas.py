@@ -1,9 +1,10 @@
-"""VAS benchmarks: the ops beside the seed's NumPy code and the best eager PyTorch
+"""VAS benchmarks: the ops beside the reference NumPy code and the best eager PyTorch
 formulation, in one run (ratios are for reading, never assertions).
 
-* seed: ``extract_vas`` of ../shared/seeds/vas_reference.py (skipped with a note when the
-  folder is absent) against ``headscope.vas_features`` at B = 1, L = 4, H = 8, T = 512,
-  Dh = 64, for dense and causal attention;
+* seed: ``extract_vas`` of the reference implementation, vas_reference.py in
+  ../shared/seeds/ (skipped with a note when the folder is absent), against
+  ``headscope.vas_features`` at B = 1, L = 4, H = 8, T = 512, Dh = 64, for dense and
+  causal attention;
 * eager: batched matmuls and reductions that materialise T x T per head, at T = 2048;
 * growth: time and extra peak memory of vas_head_stats and vas_head_stats_qk (causal)
   from T = 512 to 8192;

@@ -498,12 +498,3 @@ def test_misuse_errors():
         with torch.no_grad():
             clone(**inputs)
 
-
-def test_readme_example_runs(capsys):
-    from conftest import REPO
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Inside a transformers VLM"):]
-    code = section[section.index("```python\n") + 10:section.index("```\n", 10)]
-    exec(compile(code, "README.md", "exec"), {})
-    out = capsys.readouterr().out
-    assert "torch.Size([1, 36])" in out and "torch.Size([4, 8])" in out

@@ -127,7 +127,7 @@ def sharp_case(causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_sharp_attention_with_clipped_and_subnormal_entries(causal, device):
     # The kernels sum the KL before the max row sum mA is known and keep p = a / mA where
-    # the seed clips it (README, "Deliberate differences"): still within the tolerance of
+    # the seed clips it (docs/vas.md, "Differences from the reference"): still within the tolerance of
     # the reference, which clips like the seed.
     A, V, lengths = sharp_case(causal)
     out = headscope.vas_head_stats(A.to(device), V.to(device), lengths.to(device))
@@ -278,7 +278,7 @@ def centred_fraction(A):
 
 
 def xfail_on_cuda(request, device):
-    if device.type == "cuda":  # README, "CUDA": the pass centres A by 1/n, without column shifts
+    if device.type == "cuda":  # docs/vas.md, "Known gaps (CUDA)": the pass centres A by 1/n, without column shifts
         request.applymarker(pytest.mark.xfail(strict=True, reason="CUDA pass: no column shifts yet"))
 
 
@@ -427,7 +427,7 @@ def test_near_parallel_writes_keep_c_exact(spread, kind, device, request):
     output close to the mean value): G is close to 1 everywhere and its float32 rounding was
     most of Gc, c off by up to 5e-3 (relative) at cosine 0.9999. Both ops, causal and dense,
     whole heads and chunks: c within 1e-4 of float64 (cosines down to 1 - 1e-8)."""
-    if device.type == "cuda":  # README, "CUDA": the pass forms G, not W W^T
+    if device.type == "cuda":  # docs/vas.md, "Known gaps (CUDA)": the pass forms G, not W W^T
         request.applymarker(pytest.mark.xfail(strict=True, reason="CUDA pass: uncentred Gram"))
     gen = torch.Generator().manual_seed(int(-math.log10(spread)) * 7 + len(kind))
     B, H, T, Dh, D = 2, 3, 96, 16, 16
@@ -673,7 +673,7 @@ def test_non_finite_input_in_window_gives_nan_head(bad, device):
     keep = torch.ones(2, 3, dtype=torch.bool)
     keep[0, 1] = keep[1, 2] = False
     # Other heads are untouched: bit for bit on CPU; on CUDA up to the order of the float64
-    # atomics that sum a head's tiles (nondeterministic, see README), a few float32 ulps.
+    # atomics that sum a head's tiles (nondeterministic, docs/vas.md), a few float32 ulps.
     exact = device.type == "cpu"
     assert_close(out.cpu()[keep], clean.cpu()[keep], rtol=0 if exact else 1e-6, atol=0)
     q = torch.randn(2, 3, 30, 4, generator=gen)

@@ -83,7 +83,7 @@ def run_case(case: int, near_parallel: float = 0.0, min_T: int = 1):
     # (c exact, in integers, for heads whose centred A float64 cannot resolve: ref.exact_cka)
     f64 = ref.head_stats(A, V, lengths, offsets, dtype=np.float64)
     # r is judged against the float32 reference: the op forms S in float32 as the seed does
-    # (README, "Deliberate differences"), and log q near S = 0 follows those roundings
+    # (docs/vas.md, "Differences from the reference"), and log q near S = 0 follows those roundings
     f64[..., 2] = f32[..., 2]
     what = (f"case {case}: {mode} B={B} H={H} T={T} Dh={Dh} {str(dtype)[6:]} "
             f"{'causal' if causal else 'dense'} threads={threads} lengths={lengths.tolist()}"
