@@ -1,5 +1,5 @@
 """The transformers integration (headscope.hf.Tracer) against plain inference and against
-the way it is done today (eager attention with ``output_attentions=True`` and hooks on the
+the usual way (eager attention with ``output_attentions=True`` and hooks on the
 o_proj inputs), in one process, alternating:
 
 * prefill: one forward over an image prompt (``logits_to_keep=1``, as generate's
@@ -10,8 +10,8 @@ o_proj inputs), in one process, alternating:
   ``generate`` vs ``Tracer.generate`` streaming span attribution (which generates on a
   second thread; plain generate on a second thread is timed too, to tell the two costs
   apart), vs ``Tracer.generate_with`` (generate on the caller's thread, spans to a
-  callback on a worker) vs eager ``generate`` with ``output_attentions=True``; the cost of the answer's VAS (one extra forward);
-  peak memory of each generation.
+  callback on a worker) vs eager ``generate`` with ``output_attentions=True``; the cost of
+  the answer's VAS (one extra forward); peak memory of each generation.
 
 Model: Qwen2-VL-2B-shaped text decoder (hidden 1536, 12 heads, 2 KV heads, head dim 128,
 intermediate 8960, vocabulary 151936), 4 layers, random weights, a one-block vision tower;

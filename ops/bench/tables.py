@@ -62,30 +62,37 @@ def markdown_table(columns: list[str], rows: list[dict]) -> list[str]:
     return lines
 
 
-def section_rows(value) -> list[dict]:
-    """The rows of one family section of results files without printed tables: a list of
-    dicts, a dict holding "rows", or a single row."""
-    if isinstance(value, dict) and isinstance(value.get("rows"), list):
-        value = value["rows"]
-    if isinstance(value, dict):
-        value = [value]
-    if not isinstance(value, list):
+def section_tables(name: str, value) -> list[dict]:
+    """The tables of one family section of a results file without printed tables: a list
+    of rows; a dict whose lists of rows are tables ("rows" under the section's name, others
+    as "section: key"); or a dict that is one row. Nested values are left out."""
+    def rows_of(items) -> list[dict]:
+        return [{k: v for k, v in row.items() if not isinstance(v, (dict, list))}
+                for row in items if isinstance(row, dict)]
+
+    def table(title, rows):
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        return {"title": title, "columns": columns, "rows": rows}
+
+    if isinstance(value, list):
+        rows = rows_of(value)
+        return [table(name, rows)] if rows else []
+    if not isinstance(value, dict):
         return []
-    return [{k: v for k, v in row.items() if not isinstance(v, (dict, list))}
-            for row in value if isinstance(row, dict)]
+    lists = {k: rows_of(v) for k, v in value.items() if isinstance(v, list)}
+    if lists:
+        return [table(name if k == "rows" else f"{name}: {k}", rows)
+                for k, rows in lists.items() if rows]
+    rows = rows_of([value])
+    return [table(name, rows)] if rows and rows[0] else []
 
 
 def tables_of(results: dict, family: str) -> list[dict]:
     """The family's tables as {"title", "columns", "rows"}."""
     if family in results.get("tables", {}):
         return results["tables"][family]
-    tables = []
-    for name, value in (results["families"][family] or {}).items():
-        rows = section_rows(value)
-        if rows:
-            columns = list(dict.fromkeys(k for row in rows for k in row))
-            tables.append({"title": name, "columns": columns, "rows": rows})
-    return tables
+    return [t for name, value in (results["families"][family] or {}).items()
+            for t in section_tables(name, value)]
 
 
 def measured_on(results: dict, source: Path) -> str:

@@ -51,12 +51,13 @@ def check_markdown_tables(family, results, source, tmp_path):
 
 def test_tables_from_results_without_printed_tables(tmp_path):
     """Results files written before the benchmark recorded its tables: each section's rows
-    (a list, a dict with "rows", or one dict) become a table titled by the section."""
+    (a list, the lists of a dict, or one dict) become tables titled by the section."""
     source = tmp_path / "old.json"
     source.write_text(json.dumps({"torch": "2.11.0", "device": "cpu", "machine": "x86_64",
                                   "threads": 2, "families": {"mixer": {
                                       "projection": {"n": 128, "ms": 5.6312, "vs_seed": 19.71},
                                       "mixer_vs_sdpa": {"rows": [{"n": 256, "r": 8, "speedup": 1.2}],
+                                                        "growth": [{"T": 128, "MiB": 25.46}],
                                                         "crossover_n": {"8": 256}},
                                       "thin_mix": [{"n": 1024, "what": "a|b", "eager_ms": None}],
                                       "skipped": None}}}))
@@ -65,10 +66,12 @@ def test_tables_from_results_without_printed_tables(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     page = run.stdout
     assert "**projection**" in page and "| 128 | 5.63 | 19.7 |" in page
+    assert "**mixer_vs_sdpa**" in page
     assert "| n | r | speedup |\n| ---: | ---: | ---: |\n| 256 | 8 | 1.2 |" in page
+    assert "**mixer_vs_sdpa: growth**" in page and "| 128 | 25.5 |" in page
     assert "| n | what | eager_ms |\n| ---: | --- | --- |\n| 1024 | a\\|b |  |" in page
     assert "skipped" not in page and "crossover" not in page
-    assert page.count("_x86_64, 2 CPU threads, torch 2.11.0, file dated ") == 3
+    assert page.count("_x86_64, 2 CPU threads, torch 2.11.0, file dated ") == 4
 
 
 def test_tables_refuse_other_json(tmp_path):
