@@ -1,5 +1,8 @@
 // Every headscope op schema, declared once. Kernels register per dispatch key next
-// to their code: csrc/<family>/{cpu,cuda,meta,autograd}/.
+// to their code: csrc/<family>/<backend>/ (docs/DEVELOPING.md, "Where things live").
+// Shared conventions: q/k ops take `float? scale=None` (None: head_dim ** -0.5),
+// `bool causal=True` and `Tensor? key_padding_mask=None` (true = padding); sizes that
+// shape an output are SymInt so torch.compile keeps them symbolic.
 #include <torch/library.h>
 
 TORCH_LIBRARY(headscope, m) {
@@ -14,19 +17,20 @@ TORCH_LIBRARY(headscope, m) {
   // ---- vas: value-attention similarity features ---------------------------------
   m.def("vas_head_stats(Tensor attn, Tensor head_writes, Tensor lengths, Tensor? offsets=None)"
         " -> Tensor", pt2);
-  m.def("vas_head_stats_qk(Tensor q, Tensor k, Tensor head_writes, Tensor lengths, float scale,"
-        " bool causal, Tensor? offsets=None, Tensor? key_padding_mask=None) -> Tensor", pt2);
+  m.def("vas_head_stats_qk(Tensor q, Tensor k, Tensor head_writes, Tensor lengths, float? scale=None,"
+        " bool causal=True, Tensor? offsets=None, Tensor? key_padding_mask=None) -> Tensor", pt2);
   m.def("vas_aggregate(Tensor head_stats) -> Tensor", pt2);
 
   // ---- attribution: vStream region pooling, linear head, correlations, regions ----
-  m.def("region_pool(Tensor attn, Tensor query_weights, Tensor region_ids, int num_regions,"
+  m.def("region_pool(Tensor attn, Tensor query_weights, Tensor region_ids, SymInt num_regions,"
         " str reduce=\"sum\") -> Tensor", pt2);
   m.def("region_pool_qk(Tensor q, Tensor k, Tensor query_weights, Tensor region_ids,"
-        " int num_regions, float scale, bool causal, Tensor? key_padding_mask,"
+        " SymInt num_regions, float? scale=None, bool causal=True, Tensor? key_padding_mask=None,"
         " str reduce=\"sum\") -> Tensor", pt2);
   m.def("linear_attribution(Tensor features, Tensor weight, Tensor mean, Tensor std,"
-        " float bias) -> Tensor", pt2);
+        " Tensor? bias=None) -> Tensor", pt2);
   m.def("spearman(Tensor pred, Tensor target, int dim=-1) -> Tensor", pt2);
   m.def("pearson(Tensor pred, Tensor target, int dim=-1) -> Tensor", pt2);
-  m.def("ward_regions(Tensor features, int height, int width, int num_regions) -> Tensor", pt2);
+  m.def("ward_regions(Tensor features, SymInt height, SymInt width, SymInt num_regions) -> Tensor",
+        pt2);
 }

@@ -20,7 +20,7 @@ import math
 import os
 import sys
 import tempfile
-from typing import Iterable, NamedTuple, Optional, Tuple
+from typing import Iterable, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -49,27 +49,30 @@ def region_pool(attn: Tensor, query_weights: Tensor, region_ids: Tensor, num_reg
 
 
 def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tensor,
-                   num_regions: int, scale: Optional[float] = None, causal: bool = False,
+                   num_regions: int, scale: Optional[float] = None, causal: bool = True,
                    key_padding_mask: Optional[Tensor] = None, reduce: str = "sum") -> Tensor:
     """``region_pool(softmax(scale * q k^T))`` without storing the attention matrix.
 
     ``q`` ``(B, H, Tq, D)``, ``k`` ``(B, Hkv, Tk, D)`` with ``Hkv`` dividing ``H`` (grouped
     query attention: query head h reads kv head ``h // (H // Hkv)``). ``scale`` defaults
-    to ``1 / sqrt(D)``. ``causal`` masks bottom-right aligned: query i sees keys
+    to ``D ** -0.5``. ``causal`` masks bottom-right aligned: query i sees keys
     ``t <= i + Tk - Tq`` (a decode step with a key cache sees all keys).
     ``key_padding_mask`` ``(B, Tk)`` bool, True = padding (ignored), as in
     ``nn.MultiheadAttention``. A query row with no visible key contributes nothing.
     """
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
     return torch.ops.headscope.region_pool_qk(q, k, query_weights, region_ids, num_regions,
-                                              float(scale), causal, key_padding_mask, reduce)
+                                              scale, causal, key_padding_mask, reduce)
 
 
 def linear_attribution(features: Tensor, weight: Tensor, mean: Tensor, std: Tensor,
-                       bias: float = 0.0) -> Tensor:
-    """``(..., F)`` features -> ``(...)`` scores ``((f - mean) / std) . weight + bias``."""
-    return torch.ops.headscope.linear_attribution(features, weight, mean, std, float(bias))
+                       bias: Union[float, Tensor, None] = None) -> Tensor:
+    """``(..., F)`` features -> ``(...)`` scores ``((f - mean) / std) . weight + bias``.
+
+    ``bias`` is a 0-dim tensor or a number (None: 0). A ``std`` entry that is not finite
+    and positive makes every score NaN."""
+    if bias is not None and not isinstance(bias, Tensor):
+        bias = features.new_full((), float(bias), dtype=weight.dtype)
+    return torch.ops.headscope.linear_attribution(features, weight, mean, std, bias)
 
 
 def spearman(pred: Tensor, target: Tensor, dim: int = -1) -> Tensor:
@@ -209,6 +212,7 @@ class AttributionHead(nn.Module):
         return self.num_layers * self.num_heads
 
     def forward(self, features: Tensor) -> Tensor:
+        # The op would name its 'weight' argument; a head's user thinks in L*H features.
         F = self.num_layers * self.num_heads
         if features.dim() < 1 or features.size(-1) != F:
             raise ValueError("headscope.AttributionHead: argument 'features' must have L*H = "
@@ -216,7 +220,7 @@ class AttributionHead(nn.Module):
                              + str(F) + " entries in its last dimension, got shape "
                              + str(features.shape))
         return torch.ops.headscope.linear_attribution(features, self.weight, self.mean,
-                                                      self.std, float(self.bias.item()))
+                                                      self.std, self.bias)
 
     @torch.jit.export
     def predict_subsets(self, scores: Tensor, subsets: Tensor) -> Tensor:
@@ -290,7 +294,8 @@ class AttributionHead(nn.Module):
         same number of batches per pass (the collectives run once per batch).
 
         The loss is formed from the (all-reduced) moments with plain torch ops; the
-        scores go through ``headscope.linear_attribution`` and its C++ autograd kernel.
+        scores go through ``headscope.linear_attribution`` (an ATen composite: autograd
+        from ATen).
         ``progress=True`` prints one line per epoch to stderr (quiet by default).
         """
         dist, group = _dist_group(group)
@@ -324,8 +329,8 @@ class AttributionHead(nn.Module):
         w = nn.Parameter((cov / (std * sy)).clone())
         opt = torch.optim.Adam([w], lr=lr)
 
-        def moments(X: Tensor, y: Tensor, wt: Tensor, bias: float = 0.0) -> Tensor:
-            p = torch.ops.headscope.linear_attribution(X, wt, mean, std, bias)
+        def moments(X: Tensor, y: Tensor, wt: Tensor) -> Tensor:
+            p = torch.ops.headscope.linear_attribution(X, wt, mean, std)
             return torch.stack([torch.full((), float(X.shape[0]), dtype=torch.float64),
                                 p.sum(), y.sum(), (p * p).sum(), (y * y).sum(), (p * y).sum()])
 

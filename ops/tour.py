@@ -132,7 +132,8 @@ def attribution_rows(device):
     feats = torch.randn(K, F, generator=g).to(device)
     weight, mean = torch.randn(F, generator=g).to(device), torch.randn(F, generator=g).to(device)
     std = torch.rand(F, generator=g).to(device) + 0.5
-    scores, ms = timed(lambda: ops.linear_attribution(feats, weight, mean, std, 0.5))
+    bias = torch.tensor(0.5, device=device)
+    scores, ms = timed(lambda: ops.linear_attribution(feats, weight, mean, std, bias))
     want = ((feats - mean) / std) @ weight + 0.5
     yield ("linear_attribution", f"features {list(feats.shape)} (L*H = {F})",
            f"scores {list(scores.shape)}",

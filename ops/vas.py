@@ -49,10 +49,8 @@ def vas_head_stats_qk(q: torch.Tensor, k: torch.Tensor, head_writes: torch.Tenso
     tile from q (B, H, T, D) and k (B, Hkv, T, D) (Hkv divides H). scale defaults to
     ``D ** -0.5``. ``key_padding_mask`` (B, T) bool, True = padding: those keys are left out
     of the softmax, as the model's attention mask leaves them out."""
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    return torch.ops.headscope.vas_head_stats_qk(q, k, head_writes, lengths, float(scale),
-                                                 bool(causal), offsets, key_padding_mask)
+    return torch.ops.headscope.vas_head_stats_qk(q, k, head_writes, lengths, scale, causal,
+                                                 offsets, key_padding_mask)
 
 
 def vas_aggregate(head_stats: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
 #include <c10/util/string_view.h>
 
 #include <optional>
@@ -15,21 +16,25 @@ namespace headscope {
 // Returns (B, K, H): the query-weighted mean attention mass on each region's keys;
 // reduce "mean" divides by the region's size. float32 out for float32/16/bf16 in.
 at::Tensor region_pool(const at::Tensor& attn, const at::Tensor& query_weights,
-                       const at::Tensor& region_ids, int64_t num_regions,
+                       const at::Tensor& region_ids, c10::SymInt num_regions,
                        c10::string_view reduce = "sum");
 
 // The same from q (B, H, Tq, D) and k (B, Hkv, Tk, D) (Hkv divides H), streaming:
-// softmax(scale * q k^T) with causal (bottom-right aligned) and key_padding_mask
-// (B, Tk) bool, true = padding (ignored) masking, never storing (B, H, Tq, Tk).
+// softmax(scale * q k^T) (no scale: D ** -0.5) with causal (bottom-right aligned) and
+// key_padding_mask (B, Tk) bool, true = padding (ignored) masking, never storing
+// (B, H, Tq, Tk).
 at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& query_weights, const at::Tensor& region_ids,
-                          int64_t num_regions, double scale, bool causal,
-                          const std::optional<at::Tensor>& key_padding_mask,
+                          c10::SymInt num_regions, std::optional<double> scale = std::nullopt,
+                          bool causal = true,
+                          const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
                           c10::string_view reduce = "sum");
 
-// features (..., F) -> (...): ((features - mean) / std) . weight + bias.
+// features (..., F) -> (...): ((features - mean) / std) . weight + bias, bias a 0-dim
+// tensor (none: 0). A std entry that is not finite and positive makes the scores NaN.
 at::Tensor linear_attribution(const at::Tensor& features, const at::Tensor& weight,
-                              const at::Tensor& mean, const at::Tensor& std, double bias);
+                              const at::Tensor& mean, const at::Tensor& std,
+                              const std::optional<at::Tensor>& bias = std::nullopt);
 
 // Spearman (average ranks for ties) and Pearson correlation of pred and target along dim.
 // A constant slice gives NaN (as scipy), a NaN entry gives NaN.
@@ -39,7 +44,7 @@ at::Tensor pearson(const at::Tensor& pred, const at::Tensor& target, int64_t dim
 // features (M, C), M = height * width patches in row-major order -> int64 labels (M,):
 // Ward agglomerative clustering with 4-neighbour grid connectivity down to num_regions
 // clusters, labels numbered by first appearance.
-at::Tensor ward_regions(const at::Tensor& features, int64_t height, int64_t width,
-                        int64_t num_regions);
+at::Tensor ward_regions(const at::Tensor& features, c10::SymInt height, c10::SymInt width,
+                        c10::SymInt num_regions);
 
 }  // namespace headscope

@@ -3,24 +3,18 @@
 #include "common/checks.h"
 
 #include <ATen/ops/any.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/all.h>
-#include <ATen/ops/isfinite.h>
-#include <ATen/ops/sum.h>
 #include <ATen/ops/argmax.h>
-#include <ATen/ops/logical_or.h>
-#include <ATen/ops/lt.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/ge.h>
+#include <ATen/ops/isfinite.h>
 #include <ATen/ops/le.h>
 #include <ATen/ops/logical_not.h>
+#include <ATen/ops/logical_or.h>
+#include <ATen/ops/lt.h>
 #include <ATen/ops/stack.h>
-#include <ATen/ops/gt.h>
-#include <ATen/ops/logical_and.h>
-#include <ATen/ops/where.h>
+#include <ATen/ops/sum.h>
 
-#include <cmath>
 #include <cstdlib>
-#include <limits>
 #include <vector>
 
 namespace headscope::attribution {
@@ -32,29 +26,6 @@ const std::initializer_list<at::ScalarType> kFloat = {at::kFloat, at::kDouble, a
 
 at::ScalarType accum_dtype(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
-}
-
-LinearRows prepare_linear_attribution(const at::Tensor& features, const at::Tensor& weight,
-                                      const at::Tensor& mean, const at::Tensor& std) {
-  check_linear_attribution_args(features, weight, mean, std);
-  LinearRows p;
-  auto out_sizes = features.sizes().vec();
-  p.F = out_sizes.back();
-  out_sizes.pop_back();
-  p.out = at::empty(out_sizes, features.options());
-  p.rows = p.out.numel();
-  if (p.rows == 0) return p;
-  p.features = features.contiguous();
-  const auto acc = accum_dtype(features.scalar_type());
-  // A std that is not finite and positive makes every score NaN (a check on the values
-  // would cost a device synchronisation per call).
-  const at::Tensor sd = std.to(at::kDouble);
-  p.scaled_weight = at::where(sd.gt(0).logical_and(sd.isfinite()), weight.to(at::kDouble).div(sd),
-                              std::numeric_limits<double>::quiet_NaN())
-                        .to(acc)
-                        .contiguous();
-  p.mean = mean.to(acc).contiguous();
-  return p;
 }
 
 CorrelationRows prepare_correlation(const char* op, const at::Tensor& pred,
@@ -80,8 +51,9 @@ bool parse_reduce(const char* op, c10::string_view reduce) {
 
 static void check_weights_and_regions(const char* op, const at::Tensor& ref, const char* ref_name,
                                       const at::Tensor& query_weights,
-                                      const at::Tensor& region_ids, int64_t num_regions,
-                                      int64_t tq_dim, const at::Tensor& keys,
+                                      const at::Tensor& region_ids,
+                                      const c10::SymInt& num_regions, int64_t tq_dim,
+                                      const at::Tensor& keys,
                                       const char* keys_name, int64_t tk_dim) {
   check_dim(op, "query_weights", query_weights, 2);
   check_dtype_in(op, "query_weights", query_weights, kFloat);
@@ -97,7 +69,7 @@ static void check_weights_and_regions(const char* op, const at::Tensor& ref, con
 }
 
 void check_region_pool_args(const at::Tensor& attn, const at::Tensor& query_weights,
-                            const at::Tensor& region_ids, int64_t num_regions,
+                            const at::Tensor& region_ids, const c10::SymInt& num_regions,
                             c10::string_view reduce) {
   const char* op = "headscope::region_pool";
   check_dim(op, "attn", attn, 4);
@@ -109,7 +81,8 @@ void check_region_pool_args(const at::Tensor& attn, const at::Tensor& query_weig
 
 void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& query_weights, const at::Tensor& region_ids,
-                               int64_t num_regions, double scale,
+                               const c10::SymInt& num_regions,
+                               const std::optional<double>& scale,
                                const std::optional<at::Tensor>& key_padding_mask,
                                c10::string_view reduce) {
   const char* op = "headscope::region_pool_qk";
@@ -126,7 +99,7 @@ void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
   HEADSCOPE_CHECK_ARG(Hkv >= 1 && H % Hkv == 0, op, "k",
                       "must have a number of heads (dimension 1) >= 1 that divides the ", H,
                       " heads of 'q', got ", describe(k));
-  HEADSCOPE_CHECK_ARG(std::isfinite(scale), op, "scale", "must be finite, got ", scale);
+  check_scale(op, scale);
   check_weights_and_regions(op, q, "q", query_weights, region_ids, num_regions, 2, k, "k", 2);
   if (key_padding_mask.has_value() && key_padding_mask->defined()) {
     const auto& m = *key_padding_mask;
@@ -140,7 +113,8 @@ void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
 }
 
 void check_linear_attribution_args(const at::Tensor& features, const at::Tensor& weight,
-                                   const at::Tensor& mean, const at::Tensor& std) {
+                                   const at::Tensor& mean, const at::Tensor& std,
+                                   const std::optional<at::Tensor>& bias) {
   const char* op = "headscope::linear_attribution";
   check_min_dim(op, "features", features, 1);
   check_dtype_in(op, "features", features, kFloat);
@@ -151,6 +125,11 @@ void check_linear_attribution_args(const at::Tensor& features, const at::Tensor&
     check_dtype_in(op, name, *t, kFloat);
     check_same_device(op, "features", features, name, *t);
     check_same_size(op, "features", features, -1, name, *t, 0);
+  }
+  if (bias.has_value() && bias->defined()) {
+    check_dim(op, "bias", *bias, 0);
+    check_dtype_in(op, "bias", *bias, kFloat);
+    check_same_device(op, "features", features, "bias", *bias);
   }
 }
 
@@ -175,8 +154,8 @@ int64_t check_correlation_args(const char* op, const at::Tensor& pred, const at:
   return d;
 }
 
-void check_ward_args(const at::Tensor& features, int64_t height, int64_t width,
-                     int64_t num_regions) {
+void check_ward_args(const at::Tensor& features, const c10::SymInt& height,
+                     const c10::SymInt& width, const c10::SymInt& num_regions) {
   const char* op = "headscope::ward_regions";
   check_dim(op, "features", features, 2);
   check_dtype_in(op, "features", features, kFloat);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/SymInt.h>
 #include <c10/util/string_view.h>
 
 #include <optional>
@@ -17,33 +18,23 @@ at::ScalarType accum_dtype(at::ScalarType t);
 bool parse_reduce(const char* op, c10::string_view reduce);
 
 void check_region_pool_args(const at::Tensor& attn, const at::Tensor& query_weights,
-                            const at::Tensor& region_ids, int64_t num_regions,
+                            const at::Tensor& region_ids, const c10::SymInt& num_regions,
                             c10::string_view reduce);
 
 void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& query_weights, const at::Tensor& region_ids,
-                               int64_t num_regions, double scale,
+                               const c10::SymInt& num_regions,
+                               const std::optional<double>& scale,
                                const std::optional<at::Tensor>& key_padding_mask,
                                c10::string_view reduce);
 
 void check_linear_attribution_args(const at::Tensor& features, const at::Tensor& weight,
-                                   const at::Tensor& mean, const at::Tensor& std);
+                                   const at::Tensor& mean, const at::Tensor& std,
+                                   const std::optional<at::Tensor>& bias);
 
 // Returns dim wrapped into [0, pred.dim()).
 int64_t check_correlation_args(const char* op, const at::Tensor& pred, const at::Tensor& target,
                                int64_t dim);
-
-// Checked arguments and allocated output of linear_attribution, shared by the CPU and
-// CUDA kernels: features as contiguous rows of F, weight / std and mean in the
-// accumulation dtype (weight / std divided in double).
-struct LinearRows {
-  at::Tensor out;       // (...), features' dtype
-  at::Tensor features;  // (rows, F) contiguous view or copy
-  at::Tensor scaled_weight, mean;  // (F,) accum_dtype
-  int64_t rows = 0, F = 0;
-};
-LinearRows prepare_linear_attribution(const at::Tensor& features, const at::Tensor& weight,
-                                      const at::Tensor& mean, const at::Tensor& std);
 
 // Checked arguments and allocated output of spearman/pearson: both inputs as contiguous
 // float64 rows (rows x n) with the correlation dim last.
@@ -55,8 +46,8 @@ struct CorrelationRows {
 CorrelationRows prepare_correlation(const char* op, const at::Tensor& pred,
                                     const at::Tensor& target, int64_t dim);
 
-void check_ward_args(const at::Tensor& features, int64_t height, int64_t width,
-                     int64_t num_regions);
+void check_ward_args(const at::Tensor& features, const c10::SymInt& height,
+                     const c10::SymInt& width, const c10::SymInt& num_regions);
 
 // Value checks through ATen ops (any device; one host sync each). The CPU kernels do the
 // same checks inline while they read the data.

@@ -1,9 +1,8 @@
 #include "common/checks.h"
 
-#include <ATen/ops/all.h>
-#include <ATen/ops/isfinite.h>
 #include <c10/core/ScalarType.h>
 
+#include <cmath>
 #include <sstream>
 
 namespace headscope {
@@ -69,9 +68,14 @@ void check_same_batch(const char* op, const char* arg_a, const at::Tensor& a, in
                       batch_a, " of '", arg_a, "', got ", describe(b));
 }
 
-void check_finite(const char* op, const char* arg, const at::Tensor& t) {
-  HEADSCOPE_CHECK_ARG(at::isfinite(t).all().item<bool>(), op, arg,
-                      "must hold only finite values (found NaN or Inf) in ", describe(t));
+void check_scale(const char* op, const std::optional<double>& scale) {
+  HEADSCOPE_CHECK_ARG(!scale.has_value() || std::isfinite(*scale), op, "scale",
+                      "must be finite, got ", *scale);
+}
+
+double scale_or_default(const std::optional<double>& scale, int64_t head_dim) {
+  if (scale.has_value()) return *scale;
+  return head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0;
 }
 
 }  // namespace headscope

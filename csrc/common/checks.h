@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <initializer_list>
+#include <optional>
 #include <string>
 
 namespace headscope {
@@ -35,7 +36,9 @@ inline void check_same_batch(const char* op, const char* arg_a, const at::Tensor
                              const char* arg_b, const at::Tensor& b, int64_t trailing) {
   check_same_batch(op, arg_a, a, trailing, arg_b, b, trailing);
 }
-// Every entry finite (costs a pass over the data; used where NaN would poison a solve).
-void check_finite(const char* op, const char* arg, const at::Tensor& t);
+// The q/k ops' softmax scale: finite when given. None stands for head_dim ** -0.5
+// (1 for head_dim 0, where q k^T is 0 whatever the scale).
+void check_scale(const char* op, const std::optional<double>& scale);
+double scale_or_default(const std::optional<double>& scale, int64_t head_dim);
 
 }  // namespace headscope

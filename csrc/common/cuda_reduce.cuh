@@ -40,8 +40,6 @@ __device__ T block_reduce(T v, T* scratch, Op op, T identity) {
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) { return warp_reduce(v, Plus{}); }
 template <typename T>
-__device__ __forceinline__ T warp_max(T v) { return warp_reduce(v, Max{}); }
-template <typename T>
 __device__ T block_sum(T v, T* scratch) { return block_reduce(v, scratch, Plus{}, T(0)); }
 template <typename T>
 __device__ T block_max(T v, T* scratch) { return block_reduce(v, scratch, Max{}, T(-INFINITY)); }

@@ -13,9 +13,6 @@ void check_kl_project_args(const at::Tensor& log_u_ref, const at::Tensor& log_v_
 // (float32/float64); X has U's dtype, or float16/bfloat16 when U is float32.
 void check_thin_mix_args(const at::Tensor& U, const at::Tensor& V, const at::Tensor& X);
 
-}  // namespace headscope::mixer
-
-namespace headscope::mixer {
 // U, V: (..., n, r) factor pair as for thin_mix; s: (..., r) with U's batch dims and dtype.
 void check_kl_hvp_args(const at::Tensor& U, const at::Tensor& V, const at::Tensor& s);
 }  // namespace headscope::mixer

@@ -18,11 +18,12 @@ at::Tensor vas_head_stats(const at::Tensor& attn, const at::Tensor& head_writes,
                           const std::optional<at::Tensor>& offsets = std::nullopt);
 
 // The same statistics with the attention recomputed tile by tile from q (B, H, T, D) and
-// k (B, Hkv, T, D): softmax(q k^T * scale + causal mask), never stored whole. Keys where
-// the bool (B, T) `key_padding_mask` is true are left out of the softmax (padding).
+// k (B, Hkv, T, D): softmax(q k^T * scale + causal mask), never stored whole; no scale
+// means D ** -0.5. Keys where the bool (B, T) `key_padding_mask` is true are left out of
+// the softmax (padding).
 at::Tensor vas_head_stats_qk(const at::Tensor& q, const at::Tensor& k,
                              const at::Tensor& head_writes, const at::Tensor& lengths,
-                             double scale, bool causal,
+                             std::optional<double> scale = std::nullopt, bool causal = true,
                              const std::optional<at::Tensor>& offsets = std::nullopt,
                              const std::optional<at::Tensor>& key_padding_mask = std::nullopt);
 

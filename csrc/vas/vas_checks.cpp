@@ -57,7 +57,8 @@ void check_head_stats_args(const at::Tensor& attn, const at::Tensor& head_writes
 
 void check_head_stats_qk_args(const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& head_writes, const at::Tensor& lengths,
-                              double scale, const std::optional<at::Tensor>& offsets,
+                              const std::optional<double>& scale,
+                              const std::optional<at::Tensor>& offsets,
                               const std::optional<at::Tensor>& key_padding_mask) {
   const char* op = "headscope::vas_head_stats_qk";
   check_dtype_in(op, "q", q, {kF32, kF16, kBF16});
@@ -77,7 +78,7 @@ void check_head_stats_qk_args(const at::Tensor& q, const at::Tensor& k,
   HEADSCOPE_CHECK_ARG(Hkv >= 1 && (H % Hkv) == 0, op, "k",
                       "must have a number of key/value heads that divides the ", H,
                       " query heads of 'q' (grouped-query attention), got ", describe(k));
-  HEADSCOPE_CHECK_ARG(std::isfinite(scale), op, "scale", "must be finite, got ", scale);
+  check_scale(op, scale);
   check_head_writes(op, q, "q", head_writes);
   check_lengths_offsets(op, q, "q", lengths, offsets);
   if (key_padding_mask.has_value() && key_padding_mask->defined()) {

@@ -1,6 +1,8 @@
 // Argument checks and the window rule shared by every backend of the vas ops.
 #pragma once
 
+#include "common/checks.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -14,7 +16,8 @@ void check_head_stats_args(const at::Tensor& attn, const at::Tensor& head_writes
                            const at::Tensor& lengths, const std::optional<at::Tensor>& offsets);
 void check_head_stats_qk_args(const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& head_writes, const at::Tensor& lengths,
-                              double scale, const std::optional<at::Tensor>& offsets,
+                              const std::optional<double>& scale,
+                              const std::optional<at::Tensor>& offsets,
                               const std::optional<at::Tensor>& key_padding_mask);
 void check_aggregate_args(const at::Tensor& head_stats);
 

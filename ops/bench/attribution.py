@@ -87,7 +87,7 @@ def bench_decode(device, quick: bool) -> dict:
 
     def run_features_and_scores():
         feats = torch.stack(run_qk(), dim=-2).flatten(-2)  # (1, K, L*H)
-        return ops.linear_attribution(feats, head_w, head_mu, head_sd, 0.0)
+        return ops.linear_attribution(feats, head_w, head_mu, head_sd)
 
     kw = dict(warmup=2, min_time=1.0 if not quick else 0.3, max_repeat=30)
     t_qk = timeit(run_qk, device, **kw)

@@ -108,6 +108,8 @@ TEST(Attribution, RegionPoolQKMatchesSoftmaxPath) {
       attn[b][h].copy_(at::softmax(masked, -1));
     }
   expect_close(out, ref_pool(attn, w, rid, K, false), 1e-10);
+  // the defaults are scale = D ** -0.5 (0.25 here) and causal
+  EXPECT_TRUE(at::equal(headscope::region_pool_qk(q, k, w, rid, K), out));
 }
 
 TEST(Attribution, LinearAttribution) {
@@ -116,7 +118,7 @@ TEST(Attribution, LinearAttribution) {
   const auto f = at::randn({3, 4, F}, at::kDouble);
   const auto wt = at::randn({F}, at::kDouble), mu = at::randn({F}, at::kDouble);
   const auto sd = at::rand({F}, at::kDouble) + 0.5;
-  const auto out = headscope::linear_attribution(f, wt, mu, sd, -0.5);
+  const auto out = headscope::linear_attribution(f, wt, mu, sd, at::scalar_tensor(-0.5, at::kDouble));
   ASSERT_EQ(out.sizes(), (at::IntArrayRef{3, 4}));
   std::vector<double> want;
   for (int64_t i = 0; i < 3; ++i)

@@ -78,7 +78,7 @@ VALID: Dict[str, Tuple] = {
                         "reduce max": (8, "max")}),
     "linear_attribution": (["features", "weight", "mean", "std", "bias"],
                            [rand(3, 5, 8), rand(8), rand(8), torch.rand(8, generator=g) + 0.5,
-                            0.1], {"features", "weight", "mean", "std"},
+                            torch.tensor(0.1)], {"features", "weight", "mean", "std", "bias"},
                            {"weight of F + 1": (1, rand(9))}),
     "spearman": (["pred", "target", "dim"], [rand(4, 10), rand(4, 10), -1], {"pred", "target"},
                  {"dim 2": (2, 2), "dim -3": (2, -3), "shapes differ": (1, rand(4, 11))}),

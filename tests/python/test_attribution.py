@@ -170,7 +170,8 @@ def test_region_pool_qk_low_precision(device):
         ql, kl = q.to(low), k.to(low)
         out = headscope.region_pool_qk(ql, kl, w, rid, 3)
         assert out.dtype == torch.float32
-        ref = ref_region_pool(ref_softmax_attn(ql.float(), kl.float(), 32 ** -0.5, False, None),
+        # the defaults: scale D ** -0.5, causal
+        ref = ref_region_pool(ref_softmax_attn(ql.float(), kl.float(), 32 ** -0.5, True, None),
                               w, rid, 3)
         torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
 
@@ -198,6 +199,49 @@ def test_linear_attribution_matches_eager(device, dtype):
     torch.testing.assert_close(outb.double(), refb, rtol=1e-2, atol=2e-2)
 
 
+def test_linear_attribution_bias(device):
+    gen = torch.Generator().manual_seed(9)
+    F = 5
+    f = torch.randn(4, F, generator=gen).to(device)
+    w, mu = (torch.randn(F, generator=gen).to(device) for _ in range(2))
+    sd = (torch.rand(F, generator=gen) + 0.5).to(device)
+    plain = OPS.linear_attribution(f, w, mu, sd)
+    torch.testing.assert_close(plain, ((f - mu) / sd) @ w, rtol=1e-5, atol=1e-5)
+    # a 0-dim tensor (no host synchronisation), float64 or float32, or a number
+    b = torch.tensor(-1.5, dtype=torch.float64, device=device)
+    for bias in (b, b.float(), -1.5):
+        torch.testing.assert_close(headscope.linear_attribution(f, w, mu, sd, bias),
+                                   plain - 1.5, rtol=0, atol=1e-6)
+    with pytest.raises(RuntimeError, match=r"linear_attribution: argument 'bias' must have dtype"):
+        OPS.linear_attribution(f, w, mu, sd, torch.tensor(1))
+    with pytest.raises(RuntimeError, match=r"linear_attribution: argument 'bias' must be on the"):
+        OPS.linear_attribution(f, w, mu, sd, b.to("meta"))
+
+
+def test_linear_attribution_invalid_std_gives_nan(device):
+    f = torch.randn(3, 4, device=device)
+    w, mu = torch.randn(4, device=device), torch.zeros(4, device=device)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        sd = torch.ones(4, device=device)
+        sd[2] = bad
+        assert bool(OPS.linear_attribution(f, w, mu, sd).isnan().all())
+
+
+def test_attribution_head_compiles_without_graph_break():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(10)
+    head = headscope.AttributionHead(num_layers=2, num_heads=3)
+    head._store(torch.randn(6, generator=gen), torch.randn(6, generator=gen),
+                torch.rand(6, generator=gen) + 0.5, 0.75)
+    feats = torch.randn(4, 5, 6, generator=gen)
+    explained = torch._dynamo.explain(head)(feats)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    compiled = torch.compile(head, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(feats), head(feats))
+    want = ((feats - head.mean) / head.std) @ head.weight + 0.75
+    torch.testing.assert_close(head(feats), want, rtol=1e-5, atol=1e-5)
+
+
 def test_linear_attribution_and_pearson_gradients(device):
     gen = torch.Generator().manual_seed(8)
     F = 6
@@ -205,8 +249,9 @@ def test_linear_attribution_and_pearson_gradients(device):
     w = torch.randn(F, generator=gen, dtype=torch.float64).to(device).requires_grad_()
     mu = torch.randn(F, generator=gen, dtype=torch.float64).to(device).requires_grad_()
     sd = (torch.rand(F, generator=gen, dtype=torch.float64) + 0.5).to(device).requires_grad_()
-    assert torch.autograd.gradcheck(lambda *a: headscope.linear_attribution(*a, 0.5),
-                                    (f, w, mu, sd))
+    b = torch.tensor(0.5, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(headscope.linear_attribution, (f, w, mu, sd, b))
+    assert torch.autograd.gradgradcheck(headscope.linear_attribution, (f, w, mu, sd, b))
     x = torch.randn(3, 10, generator=gen, dtype=torch.float64).to(device).requires_grad_()
     y = torch.randn(3, 10, generator=gen, dtype=torch.float64).to(device).requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: headscope.pearson(a, b, -1), (x, y))
@@ -373,9 +418,11 @@ def test_bad_inputs_region_pool_qk():
 def test_bad_inputs_other_ops():
     f, w = torch.randn(3, 4), torch.randn(4)
     with pytest.raises(RuntimeError, match=r"linear_attribution: argument 'weight' must have size 4"):
-        OPS.linear_attribution(f, torch.randn(5), w, w, 0.0)
+        OPS.linear_attribution(f, torch.randn(5), w, w)
     with pytest.raises(RuntimeError, match=r"linear_attribution: argument 'features' must have dtype"):
-        OPS.linear_attribution(f.long(), w, w, w, 0.0)
+        OPS.linear_attribution(f.long(), w, w, w)
+    with pytest.raises(RuntimeError, match=r"linear_attribution: argument 'bias' must have 0 dim"):
+        OPS.linear_attribution(f, w, w, w, torch.zeros(1))
     with pytest.raises(RuntimeError, match=r"spearman: argument 'target' must have the shape"):
         OPS.spearman(torch.randn(3, 4), torch.randn(3, 5), -1)
     with pytest.raises(RuntimeError, match=r"pearson: argument 'dim' must be in \[-2, 2\)"):
@@ -403,7 +450,7 @@ def test_bad_inputs_other_ops():
     out = OPS.region_pool_qk(torch.randn(1, 2, 1, 4), torch.randn(1, 1, 0, 4), torch.ones(1, 1),
                              torch.zeros(1, 0, dtype=torch.long), 3, 0.5, False, None, "sum")
     assert out.shape == (1, 3, 2) and bool((out == 0).all())  # no key: no mass anywhere
-    assert OPS.linear_attribution(torch.randn(0, 4), w, w, w.abs() + 1, 0.0).shape == (0,)
+    assert OPS.linear_attribution(torch.randn(0, 4), w, w, w.abs() + 1).shape == (0,)
     with pytest.raises(RuntimeError, match=r"ward_regions: argument 'height' must be >= 1"):
         OPS.ward_regions(torch.randn(0, 2), 0, 4, 1)
 
@@ -665,7 +712,9 @@ def _op_samples(device):
         (OPS.region_pool_qk.default, (q, k, w, rid, K, 0.3, True, pad, "sum")),
         (OPS.region_pool_qk.default, (q, k, w, rid, K, 0.3, False, None, "mean")),
         (OPS.linear_attribution.default,
-         (f.requires_grad_(), wt.requires_grad_(), mu.requires_grad_(), sd.requires_grad_(), 0.5)),
+         (f.requires_grad_(), wt.requires_grad_(), mu.requires_grad_(), sd.requires_grad_(),
+          torch.tensor(0.5, dtype=torch.float64, device=device, requires_grad=True))),
+        (OPS.linear_attribution.default, (f, wt, mu, sd)),
         (OPS.spearman.default, (x, y, -1)),
         (OPS.pearson.default, (x.clone().requires_grad_(), y.clone().requires_grad_(), 0)),
         (OPS.ward_regions.default, (torch.randn(12, 3, generator=gen).to(device), 3, 4, 4)),
@@ -691,7 +740,7 @@ class _Pipeline(torch.nn.Module):
         f1 = OPS.region_pool_qk(q, k, w, rid, 5, 0.35, False, None, "sum")
         f2 = OPS.region_pool(attn, w, rid, 5, "mean")
         feats = torch.stack([f1, f2], dim=-2).flatten(-2)     # (B, K, 2H)
-        scores = OPS.linear_attribution(feats, self.w, self.mu, self.sd, 0.0)
+        scores = OPS.linear_attribution(feats, self.w, self.mu, self.sd)
         return scores, OPS.spearman(scores, target, -1), OPS.pearson(scores, target, -1)
 
 
@@ -714,6 +763,55 @@ def test_torch_compile_fullgraph():
         args = _pipeline_inputs(Tk=Tk)
         for got, want in zip(compiled(*args), mod(*args)):
             torch.testing.assert_close(got, want)
+
+
+def test_compile_dynamic_sizes_do_not_recompile():
+    """num_regions, height and width are SymInt: one graph serves every value."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def pool(attn, q, k, w, rid, K):
+        return OPS.region_pool(attn, w, rid, K), headscope.region_pool_qk(q, k, w, rid, K)
+
+    compiled = torch.compile(pool, backend=counter, dynamic=True, fullgraph=True)
+    gen = torch.Generator().manual_seed(18)
+    q, k = torch.randn(2, 4, 3, 8, generator=gen), torch.randn(2, 2, 20, 8, generator=gen)
+    attn = torch.softmax(torch.randn(2, 4, 3, 20, generator=gen), -1)
+    w = torch.rand(2, 3, generator=gen) + 0.1
+    for K in (5, 7):
+        rid = random_regions(2, 20, K, gen)
+        got, want = compiled(attn, q, k, w, rid, K), pool(attn, q, k, w, rid, K)
+        assert got[0].shape == (2, K, 4) and got[1].shape == (2, K, 4)
+        for g_, w_ in zip(got, want):
+            torch.testing.assert_close(g_, w_)
+    assert counter.frame_count == 1
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    ward = torch.compile(lambda x, h, w_, K: OPS.ward_regions(x, h, w_, K), backend=counter,
+                         dynamic=True, fullgraph=True)
+    for h, w_, K in ((3, 4, 3), (4, 5, 6)):
+        x = torch.randn(h * w_, 3, generator=gen)
+        assert torch.equal(ward(x, h, w_, K), OPS.ward_regions(x, h, w_, K))
+    assert counter.frame_count == 1
+
+
+def test_qk_defaults_are_the_same_everywhere():
+    """scale D ** -0.5, causal, no padding mask: in the wrapper and in the schema."""
+    gen = torch.Generator().manual_seed(19)
+    q, k = torch.randn(1, 4, 6, 16, generator=gen), torch.randn(1, 2, 9, 16, generator=gen)
+    w = torch.rand(1, 6, generator=gen) + 0.1
+    rid = random_regions(1, 9, 3, gen)
+    explicit = OPS.region_pool_qk(q, k, w, rid, 3, 0.25, True, None, "sum")
+    assert torch.equal(headscope.region_pool_qk(q, k, w, rid, 3), explicit)
+    assert torch.equal(OPS.region_pool_qk(q, k, w, rid, 3), explicit)
+    assert not torch.equal(OPS.region_pool_qk(q, k, w, rid, 3, causal=False), explicit)
+    V = torch.randn(1, 4, 6, 8, generator=gen)
+    lengths = torch.tensor([6])
+    explicit = OPS.vas_head_stats_qk(q, q, V, lengths, 0.25, True, None, None)
+    assert torch.equal(headscope.vas_head_stats_qk(q, q, V, lengths), explicit)
+    assert torch.equal(OPS.vas_head_stats_qk(q, q, V, lengths), explicit)
 
 
 def test_torch_export():

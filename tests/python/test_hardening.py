@@ -117,9 +117,9 @@ OPS = torch.ops.headscope
     (lambda: OPS.kl_hvp(torch.rand(4, 3).double(), torch.rand(4, 3).double(),
                         torch.rand(2).double()), "headscope::kl_hvp"),
     (lambda: OPS.linear_attribution(torch.rand(2, 6), torch.rand(6), torch.rand(5),
-                                    torch.ones(6), 0.0), "headscope::linear_attribution.*'mean'"),
+                                    torch.ones(6)), "headscope::linear_attribution.*'mean'"),
     (lambda: OPS.linear_attribution(torch.rand(2, 6), torch.rand(6), torch.rand(6),
-                                    torch.ones(7), 0.0), "headscope::linear_attribution.*'std'"),
+                                    torch.ones(7)), "headscope::linear_attribution.*'std'"),
     (lambda: OPS.spearman(torch.rand(5), torch.rand(5).double(), -1), "headscope::spearman"),
 ])
 def test_op_errors_name_the_op_and_argument(call, pattern):

@@ -1,6 +1,6 @@
 // CPU kernels of spearman and pearson along one dim, in double precision.
 #include "attribution/attribution_checks.h"
-#include "attribution/cpu/correlation.h"
+#include "attribution/cpu/correlation_cpu.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -1,7 +1,8 @@
 // CPU kernels of region_pool (from attention probabilities) and region_pool_qk (from q
 // and k, streaming: flash-attention style tiles of keys with an online softmax).
 #include "attribution/attribution_checks.h"
-#include "attribution/cpu/pool_common.h"
+#include "common/checks.h"
+#include "attribution/cpu/region_pool_common_cpu.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -198,14 +199,15 @@ void scores_tile(const T* Q, const T* Kt, int64_t ldk, T* S, int64_t R, int64_t 
 
 at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k_in,
                               const at::Tensor& query_weights, const at::Tensor& region_ids,
-                              int64_t num_regions, double scale, bool causal,
-                              const std::optional<at::Tensor>& key_padding_mask,
+                              int64_t num_regions, std::optional<double> scale_arg,
+                              bool causal, const std::optional<at::Tensor>& key_padding_mask,
                               c10::string_view reduce) {
   const char* op = "headscope::region_pool_qk";
-  check_region_pool_qk_args(q, k_in, query_weights, region_ids, num_regions, scale,
+  check_region_pool_qk_args(q, k_in, query_weights, region_ids, num_regions, scale_arg,
                             key_padding_mask, reduce);
   const bool mean = parse_reduce(op, reduce);
   const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
+  const double scale = scale_or_default(scale_arg, D);
   const int64_t Hkv = k_in.size(1), Tk = k_in.size(2), K = num_regions, G = H / Hkv;
   const RegionLists regions = build_region_lists(op, region_ids, K);
   const SpanWeights span = build_span_weights(op, query_weights);

@@ -13,6 +13,7 @@
 //     acc / z at the common max, weighted by the row's normalised weight.
 // Rows with zero weight are never computed (only the active rows are launched).
 #include "attribution/attribution_checks.h"
+#include "common/checks.h"
 #include "common/cuda_launch.h"
 #include "common/cuda_reduce.cuh"
 
@@ -330,7 +331,7 @@ __global__ void qk_combine_kernel(QKParams p, const int64_t* __restrict__ active
 
 at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
                                const at::Tensor& query_weights, const at::Tensor& region_ids,
-                               int64_t num_regions, double scale, bool causal,
+                               int64_t num_regions, std::optional<double> scale, bool causal,
                                const std::optional<at::Tensor>& key_padding_mask,
                                c10::string_view reduce) {
   const char* op = "headscope::region_pool_qk";
@@ -349,7 +350,7 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
   p.Tk = k_in.size(2);
   p.K = num_regions;
   p.G = p.H / p.Hkv;
-  p.scale = scale;
+  p.scale = scale_or_default(scale, q.size(3));
   p.causal = causal;
   auto out = at::zeros({p.B, p.K, p.H}, q.options().dtype(acc_type));
   if (out.numel() == 0 || p.Tk == 0) return out;

@@ -10,29 +10,22 @@ namespace headscope::attribution::meta {
 namespace {
 
 at::Tensor region_pool_meta(const at::Tensor& attn, const at::Tensor& query_weights,
-                            const at::Tensor& region_ids, int64_t num_regions,
+                            const at::Tensor& region_ids, c10::SymInt num_regions,
                             c10::string_view reduce) {
   check_region_pool_args(attn, query_weights, region_ids, num_regions, reduce);
-  return at::empty_symint({attn.sym_size(0), c10::SymInt(num_regions), attn.sym_size(1)},
+  return at::empty_symint({attn.sym_size(0), num_regions, attn.sym_size(1)},
                           attn.options().dtype(accum_dtype(attn.scalar_type())));
 }
 
 at::Tensor region_pool_qk_meta(const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& query_weights, const at::Tensor& region_ids,
-                               int64_t num_regions, double scale, bool causal,
-                               const std::optional<at::Tensor>& key_padding_mask,
+                               c10::SymInt num_regions, std::optional<double> scale,
+                               bool causal, const std::optional<at::Tensor>& key_padding_mask,
                                c10::string_view reduce) {
   check_region_pool_qk_args(q, k, query_weights, region_ids, num_regions, scale,
                             key_padding_mask, reduce);
-  return at::empty_symint({q.sym_size(0), c10::SymInt(num_regions), q.sym_size(1)},
+  return at::empty_symint({q.sym_size(0), num_regions, q.sym_size(1)},
                           q.options().dtype(accum_dtype(q.scalar_type())));
-}
-
-at::Tensor linear_attribution_meta(const at::Tensor& features, const at::Tensor& weight,
-                                   const at::Tensor& mean, const at::Tensor& std, double bias) {
-  check_linear_attribution_args(features, weight, mean, std);
-  const auto sizes = features.sym_sizes();
-  return at::empty_symint(sizes.slice(0, sizes.size() - 1), features.options());
 }
 
 at::Tensor correlation_meta(const char* op, const at::Tensor& pred, const at::Tensor& target,
@@ -50,8 +43,8 @@ at::Tensor pearson_meta(const at::Tensor& pred, const at::Tensor& target, int64_
   return correlation_meta("headscope::pearson", pred, target, dim);
 }
 
-at::Tensor ward_regions_meta(const at::Tensor& features, int64_t height, int64_t width,
-                             int64_t num_regions) {
+at::Tensor ward_regions_meta(const at::Tensor& features, c10::SymInt height, c10::SymInt width,
+                             c10::SymInt num_regions) {
   check_ward_args(features, height, width, num_regions);
   return at::empty_symint({features.sym_size(0)}, features.options().dtype(at::kLong));
 }
@@ -61,7 +54,6 @@ at::Tensor ward_regions_meta(const at::Tensor& features, int64_t height, int64_t
 TORCH_LIBRARY_IMPL(headscope, Meta, m) {
   m.impl("region_pool", &region_pool_meta);
   m.impl("region_pool_qk", &region_pool_qk_meta);
-  m.impl("linear_attribution", &linear_attribution_meta);
   m.impl("spearman", &spearman_meta);
   m.impl("pearson", &pearson_meta);
   m.impl("ward_regions", &ward_regions_meta);

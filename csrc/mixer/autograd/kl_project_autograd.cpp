@@ -19,7 +19,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-namespace headscope::mixer {
+namespace headscope::mixer::autograd {
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -73,4 +73,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_projec
 
 TORCH_LIBRARY_IMPL(headscope, Autograd, m) { m.impl("kl_project", &kl_project_autograd); }
 
-}  // namespace headscope::mixer
+}  // namespace headscope::mixer::autograd

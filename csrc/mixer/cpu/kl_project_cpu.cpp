@@ -16,7 +16,7 @@
 #include <tuple>
 #include <vector>
 
-namespace headscope::mixer {
+namespace headscope::mixer::cpu {
 namespace {
 
 // The product form below is exact to rounding while every factor stays above e^-kFastRange.
@@ -240,4 +240,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_projec
 
 TORCH_LIBRARY_IMPL(headscope, CPU, m) { m.impl("kl_project", &kl_project_cpu); }
 
-}  // namespace headscope::mixer
+}  // namespace headscope::mixer::cpu

@@ -13,7 +13,7 @@
 
 #include <tuple>
 
-namespace headscope::mixer {
+namespace headscope::mixer::cuda {
 namespace {
 
 constexpr int kThreads = 256;
@@ -225,4 +225,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_projec
 
 TORCH_LIBRARY_IMPL(headscope, CUDA, m) { m.impl("kl_project", &kl_project_cuda); }
 
-}  // namespace headscope::mixer
+}  // namespace headscope::mixer::cuda

@@ -1,4 +1,5 @@
-// Shape-only kernels of the mixer ops for fake tensors (torch.compile, torch.export).
+// Shape-only kernel of kl_project for fake tensors (torch.compile, torch.export); the
+// mixer's composite ops need none.
 #include "mixer/mixer_checks.h"
 
 #include <ATen/core/Tensor.h>
@@ -7,7 +8,7 @@
 
 #include <tuple>
 
-namespace headscope::mixer {
+namespace headscope::mixer::meta {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_project_meta(
@@ -23,18 +24,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_projec
           at::empty_symint(batch, opts.dtype(at::kDouble))};
 }
 
-at::Tensor thin_mix_meta(const at::Tensor& U, const at::Tensor& V, const at::Tensor& X) {
-  check_thin_mix_args(U, V, X);
-  std::vector<c10::SymInt> sizes(U.sym_sizes().begin(), U.sym_sizes().end());
-  sizes.back() = X.sym_size(-1);
-  return at::empty_symint(sizes, X.options());
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(headscope, Meta, m) {
   m.impl("kl_project", &kl_project_meta);
-  m.impl("thin_mix", &thin_mix_meta);
 }
 
-}  // namespace headscope::mixer
+}  // namespace headscope::mixer::meta

@@ -1427,7 +1427,7 @@ void qk_tiles_phase(Problem& P, const QK& Q, const Range* only = nullptr, bool r
 
 at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& head_writes, const at::Tensor& lengths,
-                                 double scale, bool causal,
+                                 std::optional<double> scale, bool causal,
                                  const std::optional<at::Tensor>& offsets,
                                  const std::optional<at::Tensor>& key_padding_mask) {
   const char* op = "headscope::vas_head_stats_qk";
@@ -1441,7 +1441,7 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
   QK Q;
   Q.Hkv = k.size(1);
   Q.D = q.size(3);
-  Q.scale = static_cast<float>(scale);
+  Q.scale = static_cast<float>(scale_or_default(scale, Q.D));
   Q.causal = causal;
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   Q.q = at::empty({P.BH, T, Q.D}, f32);

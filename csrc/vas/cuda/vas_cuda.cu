@@ -887,7 +887,7 @@ at::Tensor vas_head_stats_cuda(const at::Tensor& attn, const at::Tensor& head_wr
 
 at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                   const at::Tensor& head_writes, const at::Tensor& lengths,
-                                  double scale, bool causal,
+                                  std::optional<double> scale, bool causal,
                                   const std::optional<at::Tensor>& offsets,
                                   const std::optional<at::Tensor>& key_padding_mask) {
   const char* op = "headscope::vas_head_stats_qk";
@@ -909,7 +909,7 @@ at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   Scratch sc;
   const Heads P = make_heads(B, H, T, Dh, lengths, offsets, true, sc, q.options());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale_or_default(scale, D));
   launch_prep(P, head_writes, stream);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "vas_qk", [&] {
     const scalar_t* qp = q.const_data_ptr<scalar_t>();

@@ -18,7 +18,7 @@ at::Tensor vas_head_stats_meta(const at::Tensor& attn, const at::Tensor& head_wr
 
 at::Tensor vas_head_stats_qk_meta(const at::Tensor& q, const at::Tensor& k,
                                   const at::Tensor& head_writes, const at::Tensor& lengths,
-                                  double scale, bool causal,
+                                  std::optional<double> scale, bool causal,
                                   const std::optional<at::Tensor>& offsets,
                                   const std::optional<at::Tensor>& key_padding_mask) {
   check_head_stats_qk_args(q, k, head_writes, lengths, scale, offsets, key_padding_mask);

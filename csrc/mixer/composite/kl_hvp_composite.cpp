@@ -7,7 +7,7 @@
 #include <ATen/ops/sum.h>
 #include <torch/library.h>
 
-namespace headscope::mixer {
+namespace headscope::mixer::composite {
 namespace {
 
 at::Tensor covariance_product(const at::Tensor& P, const at::Tensor& s_col) {
@@ -25,4 +25,4 @@ at::Tensor kl_hvp(const at::Tensor& U, const at::Tensor& V, const at::Tensor& s)
 
 TORCH_LIBRARY_IMPL(headscope, CompositeImplicitAutograd, m) { m.impl("kl_hvp", &kl_hvp); }
 
-}  // namespace headscope::mixer
+}  // namespace headscope::mixer::composite

@@ -1,6 +1,5 @@
-// CUDA kernels of linear_attribution (one warp per row), pearson (one block per row,
-// double sums) and spearman (average ranks by counting, O(n^2 / threads) per row, then
-// the Pearson kernel on the ranks).
+// CUDA kernels of pearson (one block per row, double sums) and spearman (average ranks by
+// counting, O(n^2 / threads) per row, then the Pearson kernel on the ranks).
 #include "attribution/attribution_checks.h"
 #include "common/cuda_reduce.cuh"
 
@@ -22,43 +21,6 @@ namespace {
 using namespace headscope::cuda_reduce;
 
 constexpr int kThreads = 256;
-
-// ---- linear_attribution ------------------------------------------------------------------------
-
-template <typename scalar_t, typename acc_t>
-__global__ void linear_kernel(const scalar_t* __restrict__ f, const acc_t* __restrict__ ws,
-                              const acc_t* __restrict__ mu, acc_t bias, int64_t rows, int64_t F,
-                              scalar_t* __restrict__ out) {
-  const int lane = threadIdx.x & 31;
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  if (row >= rows) return;
-  const scalar_t* x = f + row * F;
-  acc_t s = 0;
-  for (int64_t j = lane; j < F; j += 32) s += (static_cast<acc_t>(x[j]) - mu[j]) * ws[j];
-  s = warp_sum(s);
-  if (lane == 0) out[row] = static_cast<scalar_t>(s + bias);
-}
-
-at::Tensor linear_attribution_cuda(const at::Tensor& features, const at::Tensor& weight,
-                                   const at::Tensor& mean, const at::Tensor& std, double bias) {
-  const c10::cuda::CUDAGuard guard(features.device());
-  const auto p = prepare_linear_attribution(features, weight, mean, std);
-  const int64_t rows = p.rows, F = p.F;
-  if (rows == 0) return p.out;
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(),
-                                  "headscope_linear_attribution_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const unsigned blocks = static_cast<unsigned>((rows * 32 + kThreads - 1) / kThreads);
-    auto kernel = linear_kernel<scalar_t, acc_t>;
-    kernel<<<blocks, kThreads, 0, stream>>>(
-        p.features.const_data_ptr<scalar_t>(), p.scaled_weight.const_data_ptr<acc_t>(),
-        p.mean.const_data_ptr<acc_t>(), static_cast<acc_t>(bias), rows, F,
-        p.out.mutable_data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  return p.out;
-}
 
 // ---- correlations -------------------------------------------------------------------------------
 
@@ -180,7 +142,6 @@ at::Tensor pearson_cuda(const at::Tensor& pred, const at::Tensor& target, int64_
 }  // namespace
 
 TORCH_LIBRARY_IMPL(headscope, CUDA, m) {
-  m.impl("linear_attribution", &linear_attribution_cuda);
   m.impl("spearman", &spearman_cuda);
   m.impl("pearson", &pearson_cuda);
 }

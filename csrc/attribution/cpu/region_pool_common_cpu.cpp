@@ -1,4 +1,4 @@
-#include "attribution/cpu/pool_common.h"
+#include "attribution/cpu/region_pool_common_cpu.h"
 
 #include "attribution/attribution_checks.h"
 
