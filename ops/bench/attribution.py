@@ -4,7 +4,8 @@
   formulation (grouped heads without copying K, one matmul, softmax, index_add over
   regions) and against one scaled_dot_product_attention decode call per layer;
 * region_pool (from given attention probabilities) against its eager formulation;
-* features and scores for all layers (region_pool_qk per layer + linear_attribution);
+* features and scores for all layers (region_pool_qk per layer + linear_attribution), and
+  linear_attribution alone against ``((f - mean) / std) @ w + b`` written out;
 * ward_regions against scikit-learn's AgglomerativeClustering (grid connectivity).
 
 Sizes: L = 28 layers, H = 28 query heads, Hkv = 4, D = 128, Tk = 4096
@@ -89,6 +90,12 @@ def bench_decode(device, quick: bool) -> dict:
         feats = torch.stack(run_qk(), dim=-2).flatten(-2)  # (1, K, L*H)
         return ops.linear_attribution(feats, head_w, head_mu, head_sd)
 
+    feats = torch.randn(1, K, L * s["H"], device=device)
+    head_b = torch.tensor(0.5, device=device)
+    t_linear = timeit(lambda: ops.linear_attribution(feats, head_w, head_mu, head_sd, head_b),
+                      device, warmup=20, min_time=0.3, max_repeat=2000)
+    t_linear_eager = timeit(lambda: ((feats - head_mu) / head_sd) @ head_w + head_b, device,
+                            warmup=20, min_time=0.3, max_repeat=2000)
     kw = dict(warmup=2, min_time=1.0 if not quick else 0.3, max_repeat=30)
     t_qk = timeit(run_qk, device, **kw)
     t_eager = timeit(run_eager_qk, device, **kw)
@@ -118,6 +125,8 @@ def bench_decode(device, quick: bool) -> dict:
         {"what": "region_pool (given probs)", "ms_per_token": 1e3 * t_pool,
          "eager_ms": 1e3 * t_pool_eager, "vs_eager": t_pool_eager / t_pool},
         {"what": "features+scores (qk, all layers)", "ms_per_token": 1e3 * t_full},
+        {"what": f"linear_attribution (1, {K}, {L * s['H']})", "ms_per_token": 1e3 * t_linear,
+         "eager_ms": 1e3 * t_linear_eager, "vs_eager": t_linear_eager / t_linear},
     ]
     print_table(f"decode step, per generated token: L={L} layers, H={s['H']}, Hkv={s['Hkv']}, "
                 f"D={s['D']}, Tk={s['Tk']}, {s['n_img']} image tokens, K={K} "
@@ -128,6 +137,8 @@ def bench_decode(device, quick: bool) -> dict:
             "qk_vs_eager": t_eager / t_qk, "sdpa_ms": 1e3 * t_sdpa, "qk_vs_sdpa": t_sdpa / t_qk,
             "region_pool_ms": 1e3 * t_pool, "eager_pool_ms": 1e3 * t_pool_eager,
             "pool_vs_eager": t_pool_eager / t_pool, "features_and_scores_ms": 1e3 * t_full,
+            "linear_ms": 1e3 * t_linear, "linear_eager_ms": 1e3 * t_linear_eager,
+            "linear_vs_eager": t_linear_eager / t_linear,
             "qk_peak_MiB": mib(m_qk), "eager_peak_MiB": mib(m_eager), "sdpa_peak_MiB": mib(m_sdpa)}
 
 
