@@ -18,12 +18,14 @@ at::Tensor linear_attribution(const at::Tensor& features, const at::Tensor& weig
                               const std::optional<at::Tensor>& bias) {
   check_linear_attribution_args(features, weight, mean, std, bias);
   const auto acc = accum_dtype(features.scalar_type());
-  // weight / std divided in double, then rounded once to the accumulation dtype
-  const auto sd = std.to(at::kDouble);
-  const auto valid = sd.gt(0).logical_and(sd.isfinite());
-  const auto scaled_weight =
-      at::where(valid, weight.to(at::kDouble).div(sd), std::numeric_limits<double>::quiet_NaN())
-          .to(acc);
+  // weight / std rounded once to the accumulation dtype: divided in the widest dtype of the
+  // three (a float32 quotient is the rounded float64 one, so float32 needs no copies)
+  const auto div_dtype =
+      c10::promoteTypes(c10::promoteTypes(weight.scalar_type(), std.scalar_type()), acc);
+  const auto valid = std.gt(0).logical_and(std.isfinite());
+  const auto scaled_weight = at::where(valid, weight.to(div_dtype).div(std.to(div_dtype)),
+                                       std::numeric_limits<double>::quiet_NaN())
+                                 .to(acc);
   auto scores = at::matmul(features.to(acc).sub(mean.to(acc)), scaled_weight);
   if (bias.has_value() && bias->defined()) scores = scores.add(bias->to(acc));
   return scores.to(features.scalar_type());
