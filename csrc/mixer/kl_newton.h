@@ -6,13 +6,9 @@
 //   grad = colsum(U) - colsum(V),  H = diag(cu) - U^T U + diag(cv) - V^T V.
 #pragma once
 
-#include <cmath>
+#include "common/host_device.h"
 
-#if defined(__CUDACC__)
-#define HEADSCOPE_HD __host__ __device__
-#else
-#define HEADSCOPE_HD
-#endif
+#include <cmath>
 
 namespace headscope::mixer {
 

@@ -1,11 +1,11 @@
-// Argument checks and the window rule shared by every backend of the vas ops.
+// Argument checks shared by every backend of the vas ops (the window rule: vas_math.h).
 #pragma once
 
 #include "common/checks.h"
+#include "vas/vas_math.h"
 
 #include <ATen/core/Tensor.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -25,15 +25,5 @@ void check_aggregate_args(const at::Tensor& head_stats);
 // offsets[b] + lengths[b] <= T. Takes CPU int64 tensors (the CUDA kernels copy them).
 void check_window_values(const char* op, const at::Tensor& lengths_cpu,
                          const at::Tensor* offsets_cpu, int64_t T);
-
-// The seed's used length: T_used = max(min(T_b, T_max), 4), then bounded by T_max.
-inline int64_t window_len(int64_t length, int64_t T) {
-  return std::min(std::max(std::min(length, T), int64_t(4)), T);
-}
-// First position of the window: 0 (the seed's first-T rule) or, with offsets (left
-// padding), offsets[b], moved left where needed so that the window fits in T.
-inline int64_t window_start(int64_t offset, int64_t n, int64_t T) {
-  return std::max<int64_t>(0, std::min(offset, T - n));
-}
 
 }  // namespace headscope::vas

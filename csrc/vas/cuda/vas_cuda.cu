@@ -20,6 +20,7 @@
 #include "common/cuda_reduce.cuh"
 #include "vas/cuda/tile_mma.cuh"
 #include "vas/vas_checks.h"
+#include "vas/vas_math.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -83,8 +84,8 @@ struct Heads {
 };
 
 __device__ inline void window(const Heads& P, int64_t b, int64_t& n, int64_t& s) {
-  n = min(max(min(P.len[b], P.T), (int64_t)4), P.T);
-  s = P.off != nullptr ? max((int64_t)0, min(P.off[b], P.T - n)) : 0;
+  n = window_len(P.len[b], P.T);
+  s = P.off != nullptr ? window_start(P.off[b], n, P.T) : 0;
 }
 
 template <typename T>
@@ -570,24 +571,19 @@ __device__ void finalize_head(const Heads& P, int64_t bh, int64_t n, float* out,
   }
   // ||Ac||^2 = ||H B H||^2 for B = A - x 1 1^T (x constant): exact, no large cancellation
   const double b1 = sA - nn * nn * x;
-  const double Acc = fmax(0.0, ax2 - rr / nn - cc / nn + b1 * b1 / (nn * nn));
+  const double Acc = centred_norm2(nn, ax2, rr, cc, b1);
   // G = Vn Vn^T: ||H G H||^2 = sum G^2 - 2/n sum_i (G 1)_i^2 + (1^T G 1)^2 / n^2
   const double Scc = fmax(0.0, g2 - 2.0 * g1sq / nn + sG * sG / (nn * nn)) / 4.0;
   const double Snorm2 = (g2 + 2.0 * sG + nn * nn) / 4.0;
   const double msq = sG / (nn * nn);
-  // <Ac, Sc> = <A, H G H> / 2, bounded by Cauchy-Schwarz (exactly 0 with a zero centred
-  // matrix, as in the seed)
-  const double bound = sqrt(Acc * Scc);
-  const double Asc = fmin(bound, fmax(-bound, 0.5 * (ag - ra - ca + sA * msq)));
-  const double c = Asc / fmax(bound, 1e-12);
-  const double num = sqrt(fmax(0.0, Acc - 2.0 * Asc + Scc));
+  // <Ac, Sc> = <A, H G H> / 2
   const double a2 = fmax(0.0, ax2 + 2.0 * x * sA - nn * nn * x * x);  // sum (a - x + x)^2
-  const double den = fmax(sqrt(a2) * sqrt(Snorm2), 1e-9);
+  const DistanceCka dc = distance_and_cka(Acc, Scc, ag - ra - ca + sA * msq, a2, Snorm2);
   const double mAe = fmax(mA, 1e-12), mS = fmax(0.0, 0.5 * (nn + mG));
   const double D = log(fmax(mS, 1e-12)) - ln2 * static_cast<double>(log2_half_n(n));
   const double kl = (kA + D * s1 - log(mAe) * sU) / mAe + static_cast<double>(kEps) * (c1 + D * n1);
-  o[0] = static_cast<float>(num / den);
-  o[1] = static_cast<float>(c);
+  o[0] = static_cast<float>(dc.d);
+  o[1] = static_cast<float>(dc.c);
   o[2] = static_cast<float>(kl / nn);
 }
 

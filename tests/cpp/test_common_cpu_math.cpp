@@ -1,6 +1,8 @@
-// The vectorised helpers of the vas CPU kernels: the division-free log2, the 8 x 8
-// register transpose and the strided transpose built on it.
-#include "vas/cpu/vas_cpu_math.h"
+// The vectorised helpers of the CPU kernels: the division-free log2, the 8 x 8 register
+// transpose and the strided transpose built on it, and the small matrix product.
+#include "common/cpu_gemm.h"
+#include "common/cpu_math.h"
+#include "common/cpu_simd.h"
 
 #include <gtest/gtest.h>
 
@@ -11,9 +13,9 @@
 
 namespace {
 
-using headscope::vas::cpu::f8;
+using headscope::f8;
 
-TEST(VasCpuMath, Log2WithinItsBoundOverTheClippedRange) {
+TEST(CpuMath, Log2WithinItsBoundOverTheClippedRange) {
   // the kernels take logs of p / q with p, q in [1e-12, ~1]: ratios in [1e-12, 1e12]
   std::mt19937 gen(7);
   std::uniform_real_distribution<float> expo(-40.0f, 40.0f);
@@ -26,7 +28,7 @@ TEST(VasCpuMath, Log2WithinItsBoundOverTheClippedRange) {
     if (n == 1 || n == 2)  // either side of the table's interval edges, where the worst cases lie
       for (int k = 0; k < 8; ++k)
         x[k] = std::nextafter(std::sqrt(0.5f) * (1.0f + k / 8.0f), n == 1 ? 0.0f : 2.0f);
-    const f8 y = headscope::vas::cpu::log2_8_pos(x);
+    const f8 y = headscope::log2_8_pos(x);
     for (int k = 0; k < 8; ++k) {
       const double truth = std::log2(static_cast<double>(x[k]));
       if (truth == 0.0) {
@@ -41,13 +43,13 @@ TEST(VasCpuMath, Log2WithinItsBoundOverTheClippedRange) {
   EXPECT_LT(worst_ulp, 2.5);  // the documented bound (an exhaustive sweep finds 2.47)
 }
 
-TEST(VasCpuMath, TransposeMatchesScalarForEveryEdgeShape) {
+TEST(CpuMath, TransposeMatchesScalarForEveryEdgeShape) {
   for (int rows : {1, 7, 8, 9, 16, 23}) {
     for (int cols : {1, 5, 8, 15, 24}) {
       const int lds = cols + 3, ldd = rows + 5;
       std::vector<float> src(rows * lds), dst(cols * ldd, -1.0f);
       for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<float>(i);
-      headscope::vas::cpu::transpose(src.data(), lds, rows, cols, dst.data(), ldd);
+      headscope::transpose(src.data(), lds, rows, cols, dst.data(), ldd);
       for (int r = 0; r < rows; ++r)
         for (int c = 0; c < cols; ++c)
           ASSERT_EQ(dst[c * ldd + r], src[r * lds + c]) << rows << "x" << cols << " at " << r << "," << c;
@@ -57,26 +59,32 @@ TEST(VasCpuMath, TransposeMatchesScalarForEveryEdgeShape) {
   }
 }
 
-TEST(VasCpuMath, GemmMatchesLoopsOnRaggedShapes) {
+template <typename T>
+void check_gemm_on_ragged_shapes(double tol) {
   std::mt19937 gen(3);
-  std::normal_distribution<float> nd;
+  std::normal_distribution<T> nd;
   for (int m : {1, 5, 6, 13, 24}) {
-    for (int n : {1, 8, 16, 17, 40}) {
-      const int k = 37, lda = k + 1, ldb = n + 16 + 16, ldc = n + 2;  // B rows: 16 spare floats
-      std::vector<float> A(m * lda), B(k * ldb), C(m * ldc, 7.0f);
+    for (int n : {1, 4, 8, 16, 17, 40}) {
+      const int k = 37, lda = k + 1, ldb = n + 16 + 16, ldc = n + 2;  // B rows: 16 spare entries
+      std::vector<T> A(m * lda), B(k * ldb), C(m * ldc, T(7));
       for (auto& v : A) v = nd(gen);
       for (auto& v : B) v = nd(gen);
-      headscope::vas::cpu::gemm_nn(m, n, k, 0.5f, A.data(), lda, B.data(), ldb, C.data(), ldc);
+      headscope::gemm_nn<T>(m, n, k, T(0.5), A.data(), lda, B.data(), ldb, C.data(), ldc);
       for (int i = 0; i < m; ++i) {
         for (int j = 0; j < n; ++j) {
-          double ref = 0;
-          for (int q = 0; q < k; ++q) ref += static_cast<double>(A[i * lda + q]) * B[q * ldb + j];
-          ASSERT_NEAR(C[i * ldc + j], 0.5 * ref, 1e-5 * (1 + std::fabs(ref)));
+          long double ref = 0;
+          for (int q = 0; q < k; ++q)
+            ref += static_cast<long double>(A[i * lda + q]) * B[q * ldb + j];
+          ASSERT_NEAR(C[i * ldc + j], 0.5 * static_cast<double>(ref),
+                      tol * (1 + std::fabs(static_cast<double>(ref))));
         }
-        for (int j = n; j < ldc; ++j) ASSERT_EQ(C[i * ldc + j], 7.0f);  // untouched
+        for (int j = n; j < ldc; ++j) ASSERT_EQ(C[i * ldc + j], T(7));  // untouched
       }
     }
   }
 }
+
+TEST(CpuMath, GemmMatchesLoopsOnRaggedShapes) { check_gemm_on_ragged_shapes<float>(1e-5); }
+TEST(CpuMath, GemmInDoubleMatchesLoopsOnRaggedShapes) { check_gemm_on_ragged_shapes<double>(1e-13); }
 
 }  // namespace
