@@ -13,6 +13,13 @@ o_proj inputs), in one process, alternating:
   callback on a worker) vs eager ``generate`` with ``output_attentions=True``; the cost of
   the answer's VAS (one extra forward); peak memory of each generation.
 
+* effects: ``region_effects`` of K regions batched (8 ablations per forward, the prompt's
+  text before the image computed once) against one ablation per forward and against one
+  plain model forward per region (attention mask with the region's keys masked out);
+* collect: per example of ``python -m headscope collect`` on the tiny Qwen2-VL checkpoint
+  and synthetic images, the time of plain generation, of the span features the Tracer
+  adds, and of the ablation passes.
+
 Model: Qwen2-VL-2B-shaped text decoder (hidden 1536, 12 heads, 2 KV heads, head dim 128,
 intermediate 8960, vocabulary 151936), 4 layers, random weights, a one-block vision tower;
 one image of 1024 tokens and 64 text tokens (``--quick``: 256 image tokens, 2 layers).
@@ -230,6 +237,113 @@ def bench_decode(device, quick: bool) -> dict:
     return {"rows": rows}
 
 
+def _naive_effects(model, inputs, sequences, rid, K: int) -> torch.Tensor:
+    """One full forward of the model per region, the region's keys masked out through the
+    attention mask: the way without region_effects (vision tower and prefix every time)."""
+    P = inputs["input_ids"].shape[1]
+    N = sequences.shape[1] - P
+    full = dict(inputs, input_ids=sequences)
+    for name in ("attention_mask", "mm_token_type_ids"):
+        full[name] = torch.nn.functional.pad(full[name], (0, N), value=int(name == "attention_mask"))
+    targets = sequences[0, P:, None]
+
+    def logp(removed):
+        mask = full["attention_mask"] * ~torch.nn.functional.pad(removed, (0, N))
+        logits = model(**dict(full, attention_mask=mask)).logits[0, P - 1:P - 1 + N].float()
+        return logits.log_softmax(-1).gather(1, targets).squeeze(1)
+
+    base = logp(torch.zeros(P, dtype=torch.bool, device=sequences.device))
+    return torch.stack([(base - logp(rid[0] == k)).sum() for k in range(K)])
+
+
+@torch.no_grad()
+def bench_effects(device, quick: bool) -> dict:
+    """region_effects (mask ablation of K regions on one answer span) batched against one
+    ablation per forward and against one plain model forward per region."""
+    from headscope.hf import Tracer, region_effects
+    model = _model(quick, "sdpa").to(device)
+    inputs = _inputs(model, 16 if quick else 32, device)
+    K = 8 if quick else K_REGIONS
+    new = 8 if quick else 32
+    with Tracer(model, regions=K, vas=False) as tr:
+        list(tr.generate(**inputs, max_new_tokens=new, do_sample=False, eos_token_id=None))
+    sequences, rid = tr.sequences, tr.region_ids
+    spans = [(0, new)]
+
+    def batched():
+        return region_effects(model, inputs, sequences, spans, rid, batch_size=8,
+                              progress=False)
+
+    def one_at_a_time():
+        return region_effects(model, inputs, sequences, spans, rid, batch_size=1,
+                              progress=False)
+
+    def naive():
+        return _naive_effects(model, inputs, sequences, rid, K)
+
+    torch.testing.assert_close(batched()[0], naive().float(), atol=1e-3, rtol=1e-3)
+    t = interleaved({"batched": batched, "one": one_at_a_time, "naive": naive}, device,
+                    rounds=2 if quick else 3)
+    r_one = round_ratios(t["one"], t["batched"])
+    r_naive = round_ratios(t["naive"], t["batched"])
+    rows = [{"what": "region_effects, batch 8", "s": statistics.median(t["batched"]),
+             "vs_batched": 1.0},
+            {"what": "region_effects, batch 1", "s": statistics.median(t["one"]),
+             "vs_batched": r_one[0], "range": f"{r_one[1]:.3f}-{r_one[2]:.3f}"},
+            {"what": "plain forward per region", "s": statistics.median(t["naive"]),
+             "vs_batched": r_naive[0], "range": f"{r_naive[1]:.3f}-{r_naive[2]:.3f}"}]
+    print_table(f"ablation effects of K = {K} regions + reference, T = {sequences.shape[1]} "
+                f"({device.type}, float32)", rows, ["what", "s", "vs_batched", "range"])
+    return {"rows": rows}
+
+
+@torch.no_grad()
+def bench_collect(device, quick: bool) -> dict:
+    """Per example of ``python -m headscope collect`` on the tiny Qwen2-VL checkpoint and
+    synthetic images (the CI's size): plain generation, generation with span features
+    (the Tracer), and the ablation passes."""
+    import argparse
+    import tempfile
+    from pathlib import Path
+
+    from headscope.commands.collect import add_arguments, collect, load_model, prompt_inputs
+    from headscope.commands.data import load_image, read_examples
+    from headscope.commands.shards import read_collection
+    from headscope.hf.testing import tiny_checkpoint, tiny_dataset
+    images, new = (2, 8) if quick else (6, 16)
+    with tempfile.TemporaryDirectory() as root:
+        root = Path(root)
+        model_dir = tiny_checkpoint(root / "model")
+        data = tiny_dataset(root / "data", images)
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        args = parser.parse_args(["--regions", "8", "--max-new-tokens", str(new),
+                                  "--device", device.type])
+        args.model, args.data, args.out = str(model_dir), str(data), str(root / "out")
+        from tqdm.auto import tqdm  # noqa: F401  (imported before timing)
+        collect(args)
+        seconds = read_collection(root / "out").tensors["seconds"]
+        model, processor = load_model(str(model_dir), "float32", device)
+        plain = []
+        for example in read_examples(data):
+            inputs = prompt_inputs(processor, example, load_image(example), device)
+            t0 = time.perf_counter()
+            model.generate(**inputs, max_new_tokens=new, do_sample=False)
+            plain.append(time.perf_counter() - t0)
+    generation = statistics.median(plain)
+    traced = float(seconds[:, 0].median())
+    ablation = float(seconds[:, 1].median())
+    total = traced + ablation
+    rows = [{"what": "generation", "s": generation, "share": generation / total},
+            {"what": "span features (Tracer)", "s": traced - generation,
+             "share": (traced - generation) / total},
+            {"what": "ablation passes", "s": ablation, "share": ablation / total},
+            {"what": "collect, per example", "s": total, "share": 1.0}]
+    print_table(f"collect per example: tiny Qwen2-VL, {images} images, {new} new tokens, "
+                f"K = 8, 8 subsets (medians)", rows, ["what", "s", "share"])
+    return {"rows": rows}
+
+
 def run(device, quick: bool = False) -> dict:
     try:
         import transformers
@@ -237,4 +351,5 @@ def run(device, quick: bool = False) -> dict:
         print("transformers is not installed (pip install headscope[hf]): hf family skipped")
         return {}
     transformers.logging.set_verbosity_error()  # the vision tower's sdpa warns on attentions
-    return {"prefill": bench_prefill(device, quick), "decode": bench_decode(device, quick)}
+    return {"prefill": bench_prefill(device, quick), "decode": bench_decode(device, quick),
+            "effects": bench_effects(device, quick), "collect": bench_collect(device, quick)}

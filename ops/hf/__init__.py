@@ -1,10 +1,12 @@
 """headscope inside a running transformers VLM: :class:`Tracer` computes VAS features
-and span-to-region attribution during ``forward`` and ``generate``.
+and span-to-region attribution during ``forward`` and ``generate``;
+:func:`region_effects` measures the ground truth the attribution head is fitted to.
 
 Needs ``transformers`` (``pip install headscope[hf]``); ``import headscope`` alone never
 imports it.
 """
+from .effects import region_effects
 from .stream import Span
 from .tracer import Tracer, sentence_end
 
-__all__ = ["Span", "Tracer", "sentence_end"]
+__all__ = ["Span", "Tracer", "region_effects", "sentence_end"]

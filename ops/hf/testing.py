@@ -184,3 +184,6 @@ def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwar
         for h in hooks:
             h.remove()
     return out, list(out.attentions), writes
+
+
+from .checkpoint import tiny_checkpoint, tiny_dataset, tiny_processor, tiny_tokenizer  # noqa: E402,F401

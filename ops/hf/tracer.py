@@ -77,7 +77,7 @@ class _Mask:
         return self.lengths, self.offsets
 
 
-class Tracer:
+class Tracer(backend.Binding):
     """VAS features and span attribution of a transformers VLM while it runs.
 
         with Tracer(model, regions=8, vas=True, head=head, tokenizer=tok) as tr:
@@ -98,6 +98,8 @@ class Tracer:
     tokenizer; else one span per answer). ``queue_size``: spans held between the
     generating thread and the consumer before generation waits.
     """
+
+    who = "headscope.hf.Tracer"
 
     def __init__(self, model, regions: Optional[Regions] = None, vas: bool = True,
                  head: Optional[Callable] = None, tokenizer=None, *, writes: str = "heads",
@@ -158,12 +160,7 @@ class Tracer:
     def attach(self) -> "Tracer":
         if self._attached:
             return self
-        backend.register()
-        self._base_name = self.config._attn_implementation_internal
-        base_attention, self.base_mask = backend.base_functions(self._base_name)
-        self._base_attention = base_attention
-        backend.bind(self.config, self)
-        self.config._attn_implementation_internal = backend.NAME
+        self.bind(self.config)
         self._hooks = [
             self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True),
             self.decoder.register_forward_pre_hook(self._on_decoder_forward, with_kwargs=True)]
@@ -176,8 +173,7 @@ class Tracer:
             return
         for h in self._hooks:
             h.remove()
-        self.config._attn_implementation_internal = self._base_name
-        backend.unbind(self.config)
+        self.unbind(self.config)
         self.observing = False
         self._attached = False
 
@@ -187,8 +183,16 @@ class Tracer:
     def __exit__(self, *exc) -> None:
         self.detach()
 
-    def base_attention(self, module) -> Callable:
-        return self._base_attention or backend.eager_function(module)
+    def attention(self, module, query, key, value, attention_mask, **kwargs):
+        out, weights = self.base_attention(module)(module, query, key, value, attention_mask,
+                                                   **kwargs)
+        if self.observing:
+            self.observe(module, query, key, out, weights, kwargs)
+        return out, weights
+
+    def mask(self, *args, **kwargs):
+        self.record_mask(kwargs)
+        return self.base_mask(*args, **kwargs)
 
     # ---- what the model shows us ----------------------------------------------------------
 

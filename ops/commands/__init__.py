@@ -1,0 +1,70 @@
+"""``python -m headscope collect|train|eval``: the loop that fits and checks an attribution
+head on a user's own VLM.
+
+    python -m headscope collect --model MODEL --data DATA --out runs/train
+    python -m headscope train --data runs/train --out head.safetensors
+    python -m headscope eval --model MODEL --head head.safetensors --data DATA_TEST
+
+Exit codes: 0 success, 1 the run failed, 2 bad arguments or a missing or malformed input
+file (the message names the file and the line).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from .errors import FAILURE, USAGE, UsageError
+
+COMMANDS = {
+    "collect": "generate, cut spans, record span features and region ablation effects",
+    "train": "fit an AttributionHead to collected features and effects",
+    "eval": "LDS, Pearson, subset LDS and pointing of a head against raw attention",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    from . import collect, evaluate, train
+    top = argparse.ArgumentParser(prog="python -m headscope", description=__doc__.replace("``", ""),
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = top.add_subparsers(dest="command", required=True, metavar="{collect,train,eval}")
+    for name, module in (("collect", collect), ("train", train), ("eval", evaluate)):
+        p = sub.add_parser(name, help=COMMANDS[name], description=module.__doc__.replace("``", ""),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        if name == "collect":
+            p.add_argument("--model", required=True, help="local transformers model folder "
+                           "(from_pretrained with its processor, no network)")
+            p.add_argument("--data", required=True,
+                           help="folder with images and one .jsonl file (or the .jsonl file)")
+            p.add_argument("--out", required=True, help="the collection's folder (resumed "
+                           "when it exists)")
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
+    return top
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)  # exits 2 on bad usage
+    prog = f"headscope {args.command}"
+    try:
+        return args.run(args)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return USAGE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - reported with its traceback, exit 1
+        traceback.print_exc()
+        print(f"{prog}: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return FAILURE
+    finally:
+        _leave_process_group()
+
+
+def _leave_process_group() -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,102 @@
+"""The DATA format of ``collect`` and ``eval``: a folder with images and one JSON Lines
+file, one example a line::
+
+    {"image": "a.png", "prompt": "Describe the image.", "boxes": {"cat": [x0, y0, x1, y1]}}
+
+``image`` is a path relative to the JSON Lines file's folder; ``boxes`` (optional) gives
+an object's box in the image's pixels for a phrase: the spans whose text holds the
+phrase are scored for pointing. Blank lines are skipped; an example is known by its line
+number, so the file must not be reordered between a collection and its resumption.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from .errors import UsageError
+
+Box = Tuple[float, float, float, float]
+
+
+@dataclass
+class Example:
+    line: int              # 1-based line of the JSON Lines file: the example's key
+    image: Path
+    prompt: str
+    boxes: Dict[str, Box] = field(default_factory=dict)
+
+
+def jsonl_file(data: Path) -> Path:
+    """The JSON Lines file of DATA: DATA itself, or the one ``*.jsonl`` in the folder."""
+    if data.is_file():
+        return data
+    if not data.is_dir():
+        raise UsageError(f"--data {data}: no such file or folder")
+    found = sorted(data.glob("*.jsonl"))
+    if len(found) != 1:
+        raise UsageError(f"--data {data}: the folder must hold exactly one .jsonl file, found "
+                         f"{[p.name for p in found] or 'none'}")
+    return found[0]
+
+
+def read_examples(data: Path) -> List[Example]:
+    """Every example of DATA, checked: the error names the file and the line."""
+    path = jsonl_file(data)
+    examples = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: cannot be read: {e}") from e
+    for number, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+        if not isinstance(record, dict):
+            raise UsageError(f"{where}: must be a JSON object, got {type(record).__name__}")
+        for key in ("image", "prompt"):
+            if not isinstance(record.get(key), str) or not record[key]:
+                raise UsageError(f"{where}: {key!r} must be a non-empty string")
+        unknown = sorted(set(record) - {"image", "prompt", "boxes"})
+        if unknown:
+            raise UsageError(f"{where}: unknown keys {unknown} (expected image, prompt, boxes)")
+        image = path.parent / record["image"]
+        if not image.is_file():
+            raise UsageError(f"{where}: image {record['image']!r} not found ({image})")
+        examples.append(Example(number, image, record["prompt"],
+                                _boxes(record.get("boxes", {}), where)))
+    if not examples:
+        raise UsageError(f"{path}: holds no example")
+    return examples
+
+
+def _boxes(boxes, where: str) -> Dict[str, Box]:
+    if not isinstance(boxes, dict):
+        raise UsageError(f"{where}: 'boxes' must be an object of phrase: [x0, y0, x1, y1]")
+    out = {}
+    for phrase, box in boxes.items():
+        if not (isinstance(box, list) and len(box) == 4
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                        and math.isfinite(v) for v in box)
+                and box[0] < box[2] and box[1] < box[3]):
+            raise UsageError(f"{where}: box of {phrase!r} must be [x0, y0, x1, y1] with "
+                             f"x0 < x1 and y0 < y1, got {box!r}")
+        out[phrase] = tuple(float(v) for v in box)
+    return out
+
+
+def load_image(example: Example):
+    """The example's image as RGB (PIL)."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        with Image.open(example.image) as image:
+            return image.convert("RGB")
+    except (OSError, UnidentifiedImageError) as e:
+        raise UsageError(f"{example.image} (line {example.line}): not a readable image: "
+                         f"{e}") from e

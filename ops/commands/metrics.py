@@ -1,0 +1,93 @@
+"""Faithfulness of region scores against measured ablation effects, per span and per
+image: LDS (Spearman across regions), Pearson, subset-level LDS and pointing accuracy."""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from ..attribution import pearson, spearman
+from .shards import Collection
+
+
+def _mean(values: torch.Tensor) -> Optional[float]:
+    """Mean over the defined (not NaN) values; None when there is none."""
+    values = values[~torch.isnan(values)]
+    return float(values.mean()) if values.numel() else None
+
+
+def per_image(values: torch.Tensor, span_example: torch.Tensor, examples: int) -> torch.Tensor:
+    """Mean of each example's defined span values, NaN for an example with none."""
+    out = torch.full((examples,), math.nan, dtype=torch.float64)
+    for e in range(examples):
+        mine = values[span_example == e]
+        mean = _mean(mine)
+        if mean is not None:
+            out[e] = mean
+    return out
+
+
+def region_centroids(labels: torch.Tensor, rows: int, cols: int, K: int) -> torch.Tensor:
+    """(K, 2) centroid (x, y) of each region on the image, in [0, 1] of its width and
+    height (NaN for an empty region)."""
+    r = torch.arange(rows, dtype=torch.float64).repeat_interleave(cols)
+    c = torch.arange(cols, dtype=torch.float64).repeat(rows)
+    xy = torch.stack([(c + 0.5) / cols, (r + 0.5) / rows], 1)
+    sums = torch.zeros(K, 2, dtype=torch.float64).index_add_(0, labels, xy)
+    counts = torch.zeros(K, dtype=torch.float64).index_add_(0, labels,
+                                                            torch.ones_like(r))
+    return sums / counts.unsqueeze(1)
+
+
+def pointing_cases(data: Collection) -> List[tuple]:
+    """(span, centroids (K, 2), normalised box) for every span whose text holds a phrase
+    of its example's boxes (case-insensitive)."""
+    t = data.tensors
+    K = t["effects"].shape[1]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64),
+                         (t["grid"][:, 0] * t["grid"][:, 1]).cumsum(0)])
+    cases = []
+    for span in range(data.num_spans):
+        e = int(t["span_example"][span])
+        text = (data.texts[span] or "").lower()
+        for phrase, box in data.boxes[e].items():
+            if phrase.lower() in text:
+                rows, cols = t["grid"][e].tolist()
+                width, height = t["image_size"][e].tolist()
+                labels = t["labels"][offsets[e]:offsets[e + 1]]
+                cases.append((span, region_centroids(labels, rows, cols, K),
+                              (box[0] / width, box[1] / height, box[2] / width,
+                               box[3] / height)))
+                break
+    return cases
+
+
+def score(data: Collection, scores: torch.Tensor) -> Dict:
+    """Every metric of region ``scores`` (S, K) against the collection's effects."""
+    t = data.tensors
+    effects = t["effects"].double()
+    scores = scores.double()
+    examples = t["line"].shape[0]
+    rho = spearman(scores, effects, -1)
+    lds_image = per_image(rho, t["span_example"], examples)
+    out = {"lds": _mean(lds_image), "lds_per_image": [None if math.isnan(v) else v
+                                                      for v in lds_image.tolist()],
+           "lds_pooled": float(spearman(scores.flatten(), effects.flatten(), -1)),
+           "pearson": _mean(per_image(pearson(scores, effects, -1), t["span_example"],
+                                      examples))}
+    subsets = t["subsets"][t["span_example"]].double()  # (S, M, K)
+    if subsets.shape[1] >= 2:
+        predicted = torch.einsum("sk,smk->sm", scores, subsets)
+        out["subset_lds"] = _mean(per_image(spearman(predicted, t["subset_effects"].double(), -1),
+                                            t["span_example"], examples))
+    else:
+        out["subset_lds"] = None
+    cases = pointing_cases(data)
+    hits = []
+    for span, centroids, (x0, y0, x1, y1) in cases:
+        x, y = centroids[int(scores[span].argmax())].tolist()
+        hits.append(x0 <= x <= x1 and y0 <= y <= y1)
+    out["pointing"] = sum(hits) / len(hits) if hits else None
+    out["pointing_spans"] = len(hits)
+    return out

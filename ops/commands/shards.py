@@ -1,0 +1,137 @@
+"""The folder ``collect`` writes: ``manifest.json`` (what was asked for, checked on
+resumption) and shards ``shard-NNNNN.safetensors``, shard s holding examples
+``[s * shard_size, (s + 1) * shard_size)`` of the DATA file in order. Every file is
+written atomically (a temporary file in the folder, then a rename), so a shard is either
+complete or absent: an interrupted collection loses at most the shard it was writing.
+
+A shard's tensors (E examples, S spans, K regions, F = L*H features, M subsets):
+
+| name | shape | what |
+| --- | --- | --- |
+| ``line`` | (E,) int64 | the example's line in the JSON Lines file |
+| ``span_example`` | (S,) int64 | the span's example, an index into ``line`` |
+| ``span_bounds`` | (S, 2) int64 | the span's generated tokens ``[start, end)`` |
+| ``features`` | (S, K, F) float32 | ``Span.features``: attention mass per layer and head |
+| ``effects`` | (S, K) float32 | ``region_effects`` of each region on the span |
+| ``subsets`` | (E, M, K) bool | the example's random region sets |
+| ``subset_effects`` | (S, M) float32 | ``region_effects`` of each set on the span |
+| ``grid`` | (E, 2) int64 | the image's token grid (rows, columns) |
+| ``labels`` | (sum rows*cols,) int64 | each image token's region, row-major, examples in order |
+| ``image_size`` | (E, 2) int64 | the image's width and height in pixels |
+| ``seconds`` | (E, 2) float64 | time of generation (with features) and of the ablations |
+
+Metadata ``texts`` (JSON list of the spans' text) and ``boxes`` (JSON list of each
+example's boxes).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+from ..attribution import atomic_path
+from .errors import UsageError
+
+FORMAT = "headscope.collect"
+VERSION = 1
+MANIFEST = "manifest.json"
+TENSORS = ("line", "span_example", "span_bounds", "features", "effects", "subsets",
+           "subset_effects", "grid", "labels", "image_size", "seconds")
+
+
+def shard_path(folder: Path, index: int) -> Path:
+    return folder / f"shard-{index:05d}.safetensors"
+
+
+def write_manifest(folder: Path, settings: Dict) -> None:
+    """Writes the manifest, or checks that the one there asked for the same."""
+    settings = {"format": FORMAT, "version": VERSION, **settings}
+    path = folder / MANIFEST
+    if path.exists():
+        old = read_manifest(folder)
+        differ = sorted(k for k in settings if old.get(k) != settings[k])
+        if differ:
+            raise UsageError(f"{path}: this folder holds a collection with other settings "
+                             f"({', '.join(f'{k}: {old.get(k)!r}, now {settings[k]!r}' for k in differ)}); "
+                             f"use another --out, or the same settings to resume")
+        return
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def read_manifest(folder: Path) -> Dict:
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise UsageError(f"{folder}: not a collection (no {MANIFEST}; run "
+                         f"`python -m headscope collect` first)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path}: not a readable manifest: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or manifest.get("version") != VERSION:
+        raise UsageError(f"{path}: not a {FORMAT} manifest of version {VERSION}")
+    return manifest
+
+
+def remove_temporaries(folder: Path) -> None:
+    """Temporary files an interrupted run left behind (never a complete shard)."""
+    for tmp in folder.glob(".shard-*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def write_shard(path: Path, tensors: Dict[str, torch.Tensor], texts: List[str],
+                boxes: List[Dict]) -> None:
+    from safetensors.torch import save_file
+    with atomic_path(path) as tmp:
+        save_file({k: tensors[k].contiguous() for k in TENSORS}, tmp,
+                  metadata={"format": FORMAT, "texts": json.dumps(texts),
+                            "boxes": json.dumps(boxes)})
+
+
+@dataclass
+class Collection:
+    """Every shard of a collection, joined (spans of all examples, in DATA order)."""
+    manifest: Dict
+    tensors: Dict[str, torch.Tensor]  # as in a shard; span_example indexes the joined line
+    texts: List[str]
+    boxes: List[Dict]
+
+    @property
+    def num_spans(self) -> int:
+        return self.tensors["span_example"].shape[0]
+
+
+def read_collection(folder: Path) -> Collection:
+    """Joins the shards of ``folder``; a missing shard or a damaged file is an error
+    naming it."""
+    from safetensors import safe_open
+    manifest = read_manifest(folder)
+    count = -(-int(manifest["examples"]) // int(manifest["shard_size"]))
+    parts: Dict[str, List[torch.Tensor]] = {k: [] for k in TENSORS}
+    texts, boxes = [], []
+    examples = 0
+    for index in range(count):
+        path = shard_path(folder, index)
+        if not path.is_file():
+            raise UsageError(f"{path}: missing (the collection is incomplete: rerun "
+                             f"`python -m headscope collect` with the same --out to finish it)")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                shard = {k: f.get_tensor(k) for k in TENSORS}
+            shard_texts, shard_boxes = json.loads(meta["texts"]), json.loads(meta["boxes"])
+        except Exception as e:  # safetensors raises several types for damaged files
+            raise UsageError(f"{path}: not a readable shard (truncated or damaged?): "
+                             f"{e}") from e
+        shard["span_example"] = shard["span_example"] + examples
+        examples += shard["line"].shape[0]
+        for k in TENSORS:
+            parts[k].append(shard[k])
+        texts += shard_texts
+        boxes += shard_boxes
+    tensors = {k: torch.cat(v) for k, v in parts.items()}
+    return Collection(manifest, tensors, texts, boxes)

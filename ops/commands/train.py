@@ -1,0 +1,114 @@
+"""``python -m headscope train``: fits an :class:`~headscope.AttributionHead` to a
+collection's span features and ablation effects (every span-region pair is a sample),
+optionally holding images out for a validation LDS."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from ..attribution import AttributionHead
+from .errors import UsageError
+from .metrics import score
+from .shards import Collection, read_collection
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", required=True, help="a folder written by `collect`")
+    parser.add_argument("--out", required=True, help="the head's file (.safetensors)")
+    parser.add_argument("--loss", choices=("lstsq", "pearson"), default="lstsq",
+                        help="lstsq: closed-form least squares on standardised features and "
+                             "targets (default); pearson: minibatch Adam on -Pearson")
+    parser.add_argument("--epochs", type=int, default=20, help="pearson: passes (default 20)")
+    parser.add_argument("--lr", type=float, default=1e-2, help="pearson: Adam step (default 0.01)")
+    parser.add_argument("--batch-spans", type=int, default=256,
+                        help="pearson: spans per minibatch (default 256)")
+    parser.add_argument("--ridge", type=float, default=0.0,
+                        help="lstsq: ridge penalty in standardised units (default 0)")
+    parser.add_argument("--val-fraction", type=float, default=0.0,
+                        help="share of images held out; their LDS is reported (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the held-out choice")
+
+
+class _Batches:
+    """Re-iterable minibatches of (features, effects) that advance a progress bar."""
+
+    def __init__(self, features, effects, size: int, bar):
+        self.features, self.effects, self.size, self.bar = features, effects, size, bar
+
+    def __len__(self) -> int:
+        return -(-self.features.shape[0] // self.size)
+
+    def __iter__(self):
+        for lo in range(0, self.features.shape[0], self.size):
+            yield self.features[lo:lo + self.size], self.effects[lo:lo + self.size]
+            self.bar.update(1)
+
+
+def split(data: Collection, fraction: float, seed: int) -> tuple:
+    """Boolean masks over spans (train, validation): whole images are held out."""
+    examples = data.tensors["line"].shape[0]
+    held = round(fraction * examples)
+    if fraction and not 1 <= held < examples:
+        raise UsageError(f"--val-fraction {fraction} of {examples} images leaves "
+                         f"{held} for validation and {examples - held} for training; both "
+                         f"need at least one")
+    order = torch.randperm(examples, generator=torch.Generator().manual_seed(seed))
+    is_val = torch.zeros(examples, dtype=torch.bool)
+    is_val[order[:held]] = True
+    val = is_val[data.tensors["span_example"]]
+    return ~val, val
+
+
+def subset(data: Collection, spans: torch.Tensor) -> Collection:
+    """The collection restricted to the spans ``spans`` (bool mask); examples kept."""
+    t = dict(data.tensors)
+    for k in ("span_example", "span_bounds", "features", "effects", "subset_effects"):
+        t[k] = t[k][spans]
+    texts = [x for x, keep in zip(data.texts, spans.tolist()) if keep]
+    return Collection(data.manifest, t, texts, data.boxes)
+
+
+def fit(data: Collection, args) -> AttributionHead:
+    from tqdm.auto import tqdm
+    t = data.tensors
+    S, K, F = t["features"].shape
+    L = int(data.manifest["num_layers"])
+    head = AttributionHead(L, F // L)
+    if args.loss == "lstsq":
+        return head.fit(t["features"], t["effects"], ridge=args.ridge)
+    if args.epochs < 1 or args.batch_spans < 1:
+        raise UsageError("--epochs and --batch-spans must be >= 1")
+    batches = -(-S // args.batch_spans)
+    with tqdm(total=batches * (args.epochs + 2), desc="train (pearson)", unit="batch") as bar:
+        loader = _Batches(t["features"], t["effects"], args.batch_spans, bar)
+        return head.fit_pearson(loader, args.epochs, lr=args.lr)
+
+
+def run(args) -> int:
+    if not 0 <= args.val_fraction < 1:
+        raise UsageError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    data = read_collection(Path(args.data))
+    train_spans, val_spans = split(data, args.val_fraction, args.seed)
+    train = subset(data, train_spans)
+    if train.num_spans < 2:
+        raise UsageError(f"{args.data}: {train.num_spans} training span(s); need at least 2")
+    head = fit(train, args)
+    head.save(args.out)
+    with torch.no_grad():
+        fitted = score(train, head(train.tensors["features"]))
+    print(f"fitted a {args.loss} head on {train.num_spans} spans x "
+          f"{data.tensors['effects'].shape[1]} regions -> {args.out}")
+    print(f"train LDS {_fmt(fitted['lds'])}")
+    if val_spans.any():
+        val = subset(data, val_spans)
+        with torch.no_grad():
+            held = score(val, head(val.tensors["features"]))
+        print(f"validation LDS {_fmt(held['lds'])} on {val.num_spans} spans of "
+              f"{round(args.val_fraction * data.tensors['line'].shape[0])} held-out images")
+    return 0
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.4f}"

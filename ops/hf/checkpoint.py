@@ -1,0 +1,145 @@
+"""Tiny model folders that load like a real checkpoint, offline: a randomly initialised
+model of :func:`~headscope.hf.testing.tiny_model` saved with a real processor (image
+processor, a small word-level tokenizer, a chat template, the image special tokens), so
+that ``AutoProcessor.from_pretrained(folder)`` and
+``AutoModelForImageTextToText.from_pretrained(folder)`` work without a hub.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, Union
+
+# Words of the tiny vocabulary, ids 2.. in this order (0 = padding, 1 = unknown); the
+# remaining ids up to the special tokens are filler words w<id>.
+WORDS = ("user assistant system . , ! ? : a an the this that is are was of and or to in "
+         "on at with what where which who how describe image picture photo shows show see "
+         "there it its left right top bottom middle center red green blue yellow black white "
+         "big small cat dog car tree house person ball box sky road water one two three "
+         "color shape near next above below behind front").split()
+
+# Chat template of the Qwen-VL family, reduced to what a one-turn image prompt needs.
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<image> "
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %} "
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def special_tokens(family: str) -> Dict[int, str]:
+    """The special tokens of ``family``'s tiny vocabulary, by id (the ids
+    :mod:`headscope.hf.testing`'s models use)."""
+    from .testing import EOS, IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START
+    if family == "llava":
+        return {IMAGE_TOKEN: "<image>", EOS: "</s>"}
+    return {IMAGE_TOKEN: "<|image_pad|>", VIDEO_TOKEN: "<|video_pad|>",
+            VISION_START: "<|vision_start|>", VISION_END: "<|vision_end|>",
+            EOS: "<|endoftext|>", EOS + 1: "<|im_start|>", EOS + 2: "<|im_end|>"}
+
+
+def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
+    """A word-level ``PreTrainedTokenizerFast`` of ``vocab`` ids for ``family``: padding 0,
+    unknown 1, :data:`WORDS`, filler words, and the family's special tokens at the ids of
+    :func:`special_tokens`. Text splits on whitespace and punctuation; decoding joins words
+    with spaces (no space before punctuation)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = special_tokens(family)
+    words = ["<pad>", "<unk>", *WORDS]
+    names = [special.get(i, words[i] if i < len(words) else f"w{i}") for i in range(vocab)]
+    if len(set(names)) != vocab or max(special) >= vocab:
+        raise ValueError(f"headscope.hf.testing.tiny_tokenizer: vocab must be > {max(special)}, "
+                         f"got {vocab}")
+    backend = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    backend.add_special_tokens(list(special.values()))
+    eos = special[max(i for i, n in special.items() if n in ("</s>", "<|endoftext|>"))]
+    extra = {} if family == "llava" else {
+        "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+        "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"}
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                   pad_token="<pad>", eos_token=eos,
+                                   extra_special_tokens=extra)
+
+
+def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
+                   max_pixels: int = 48 * 48):
+    """The processor of a tiny ``family`` model (:func:`~headscope.hf.testing.tiny_model`'s
+    vision sizes): its transformers image processor (Qwen: patches of 4 pixels, merged
+    2 x 2, images resized to between ``min_pixels`` and ``max_pixels``; LLaVA: 16 x 16
+    pixels), :func:`tiny_tokenizer` and a chat template. Qwen families need torchvision
+    (their processors do in transformers 5)."""
+    import transformers as tf
+
+    tokenizer = tiny_tokenizer(family)
+    if family == "llava":
+        images = tf.CLIPImageProcessor(size={"shortest_edge": 16},
+                                       crop_size={"height": 16, "width": 16})
+        return tf.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4,
+                                 vision_feature_select_strategy="default",
+                                 num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE)
+    sizes = dict(patch_size=4, temporal_patch_size=2, merge_size=2)
+    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    images = tf.Qwen2VLImageProcessor(size=size, **sizes)
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        video = tf.Qwen2VLVideoProcessor(**sizes)
+        cls = tf.Qwen2VLProcessor if family == "qwen2_vl" else tf.Qwen2_5_VLProcessor
+    elif family == "qwen3_vl":
+        video = tf.Qwen3VLVideoProcessor(**sizes)
+        cls = tf.Qwen3VLProcessor
+    else:
+        from .testing import FAMILIES
+        raise ValueError(f"headscope.hf.testing.tiny_processor: family must be one of "
+                         f"{FAMILIES}, got {family!r}")
+    return cls(image_processor=images, tokenizer=tokenizer, video_processor=video,
+               chat_template=QWEN_TEMPLATE)
+
+
+def tiny_checkpoint(path: Union[str, Path], family: str = "qwen2_vl", **model_kwargs) -> Path:
+    """Saves a tiny random ``family`` model (``tiny_model(family, **model_kwargs)``) and
+    its :func:`tiny_processor` into the folder ``path`` (created), loadable offline with
+    ``AutoModelForImageTextToText.from_pretrained(path)`` and
+    ``AutoProcessor.from_pretrained(path)``. Returns the folder."""
+    from .testing import tiny_model
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tiny_model(family, **model_kwargs).save_pretrained(path)
+    tiny_processor(family).save_pretrained(path)
+    return path
+
+
+def tiny_dataset(path: Union[str, Path], count: int = 4, *, size: tuple = (48, 40),
+                 prompt: str = "describe the image .", seed: int = 0) -> Path:
+    """Writes a DATA folder for ``python -m headscope collect|eval`` into ``path``:
+    ``count`` PNG images of ``size`` (width, height), each a noisy background with one
+    coloured rectangle, and ``data.jsonl`` with one line per image
+    (``{"image", "prompt", "boxes": {"box": [x0, y0, x1, y1]}}``). Returns the folder."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    width, height = size
+    lines = []
+    for i in range(count):
+        pixels = rng.integers(0, 80, (height, width, 3), dtype=np.uint8)
+        x0, y0 = int(rng.integers(0, width // 2)), int(rng.integers(0, height // 2))
+        x1, y1 = x0 + width // 3, y0 + height // 3
+        pixels[y0:y1, x0:x1] = rng.integers(128, 256, 3, dtype=np.uint8)
+        Image.fromarray(pixels).save(path / f"image{i}.png")
+        lines.append(json.dumps({"image": f"image{i}.png", "prompt": prompt,
+                                 "boxes": {"box": [x0, y0, x1, y1]}}))
+    (path / "data.jsonl").write_text("\n".join(lines) + "\n")
+    return path

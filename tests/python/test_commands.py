@@ -1,0 +1,205 @@
+"""``python -m headscope collect|train|eval`` end to end on a tiny random Qwen2-VL saved
+with a real processor and a handful of synthetic images: the shards hold what
+region_effects and the Tracer give for each example, a collection killed mid-run and
+resumed equals one run straight through, two torchrun processes (gloo) give the examples
+one process gives, and every command reports bad input with its file and line."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("torchvision")
+from headscope.commands import main  # noqa: E402
+from headscope.commands.shards import read_collection, shard_path  # noqa: E402
+from headscope.hf.testing import tiny_checkpoint, tiny_dataset  # noqa: E402
+
+IMAGES = 4
+COLLECT = ["--regions", "4", "--max-new-tokens", "6", "--subsets", "3", "--shard-size", "1"]
+# One intra-op thread everywhere: torchrun gives its workers one, and the comparisons
+# between runs are bitwise.
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
+
+
+def headscope(*args, check=True, **kwargs) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "headscope", *map(str, args)],
+                            capture_output=True, text=True, env=ENV, timeout=300, **kwargs)
+    if check and result.returncode != 0:
+        raise AssertionError(f"exit {result.returncode}\n{result.stdout[-2000:]}\n"
+                             f"{result.stderr[-4000:]}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loop")
+    model = tiny_checkpoint(root / "model", "qwen2_vl")
+    data = tiny_dataset(root / "data", IMAGES)
+    collection = root / "collection"
+    headscope("collect", "--model", model, "--data", data, "--out", collection, *COLLECT)
+    return root, model, data, collection
+
+
+def _same(a, b) -> None:
+    assert a.texts == b.texts and a.boxes == b.boxes
+    for name, t in a.tensors.items():
+        if name == "seconds":
+            continue
+        assert torch.equal(t, b.tensors[name]), name
+
+
+def test_collection_holds_tracer_features_and_region_effects(files):
+    from headscope.commands.collect import load_model, random_subsets
+    from headscope.commands.data import load_image, read_examples
+    from headscope.commands.collect import prompt_inputs
+    from headscope.hf import Tracer, region_effects
+    root, model_dir, data, collection = files
+    col = read_collection(collection)
+    t = col.tensors
+    S = col.num_spans
+    assert t["line"].tolist() == list(range(1, IMAGES + 1))
+    assert t["features"].shape == (S, 4, 2 * 4) and t["effects"].shape == (S, 4)
+    assert t["subsets"].shape == (IMAGES, 3, 4) and bool((t["subsets"].sum(-1) == 2).all())
+    assert t["subset_effects"].shape == (S, 3)
+    assert len(col.texts) == S and all(isinstance(x, str) for x in col.texts)
+    assert bool((t["seconds"] > 0).all())
+    assert torch.isfinite(t["effects"]).all() and t["effects"].abs().max() > 0
+    # example 2 again, by hand: same spans, features and effects
+    example = read_examples(data)[1]
+    model, processor = load_model(str(model_dir), "float32", torch.device("cpu"))
+    inputs = prompt_inputs(processor, example, load_image(example), torch.device("cpu"))
+    spans = []
+    with torch.no_grad(), Tracer(model, regions=4, vas=False, tokenizer=processor.tokenizer) as tr:
+        tr.generate_with(spans.append, **inputs, max_new_tokens=6, do_sample=False)
+    mine = t["span_example"] == 1
+    assert t["span_bounds"][mine].tolist() == [[s.start, s.end] for s in spans]
+    torch.testing.assert_close(t["features"][mine], torch.stack([s.features for s in spans]))
+    subsets = random_subsets(3, 4, 0, example.line)
+    assert torch.equal(t["subsets"][1], subsets)
+    effects, joint = region_effects(model, inputs, tr.sequences, spans, tr.region_ids,
+                                    subsets=subsets, progress=False)
+    torch.testing.assert_close(t["effects"][mine], effects)
+    torch.testing.assert_close(t["subset_effects"][mine], joint)
+
+
+def test_train_and_eval_report_numbers(files, tmp_path):
+    root, model, data, collection = files
+    head = tmp_path / "head.safetensors"
+    out = headscope("train", "--data", collection, "--out", head, "--val-fraction", "0.25")
+    assert "validation LDS" in out.stdout and head.is_file()
+    pearson_head = tmp_path / "pearson.safetensors"
+    out = headscope("train", "--data", collection, "--out", pearson_head, "--loss", "pearson",
+                    "--epochs", "2")
+    assert "train (pearson)" in out.stderr  # the progress bar
+    # boxes on words the model did say, so that pointing has spans to score
+    col = read_collection(collection)
+    lines = [json.loads(x) for x in (data / "data.jsonl").read_text().splitlines()]
+    for e, line in enumerate(lines):
+        text = col.texts[int((col.tensors["span_example"] == e).nonzero()[0])]
+        line["boxes"] = {text.split()[0]: [0, 0, 24, 40]}  # the left half
+    boxed = tmp_path / "boxed"
+    boxed.mkdir()
+    for line in lines:
+        (boxed / line["image"]).write_bytes((data / line["image"]).read_bytes())
+    (boxed / "data.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    report = tmp_path / "report.json"
+    out = headscope("eval", "--model", model, "--head", head, "--data", boxed,
+                    "--report", report, *COLLECT)
+    assert "LDS (mean over images)" in out.stdout and "pointing accuracy" in out.stdout
+    results = json.loads(report.read_text())
+    for scorer in ("head", "attention"):
+        r = results[scorer]
+        for key in ("lds", "lds_pooled", "pearson", "subset_lds", "pointing"):
+            assert isinstance(r[key], float) and -1 <= r[key] <= 1, (scorer, key, r[key])
+        assert r["pointing_spans"] >= IMAGES and len(r["lds_per_image"]) == IMAGES
+    # the collection eval made of the boxed data equals the plain one (same images)
+    _same_numbers = read_collection(tmp_path / "report.collect")
+    assert torch.equal(_same_numbers.tensors["effects"], col.tensors["effects"])
+    # eval of an existing collection reads it without collecting
+    out = headscope("eval", "--model", model, "--head", pearson_head, "--data", collection,
+                    "--report", tmp_path / "again.json")
+    assert json.loads((tmp_path / "again.json").read_text())["spans"] == col.num_spans
+
+
+def test_resume_after_kill_equals_straight_run(files, tmp_path):
+    root, model, data, collection = files
+    out = tmp_path / "resumed"
+    proc = subprocess.Popen([sys.executable, "-m", "headscope", "collect", "--model", str(model),
+                             "--data", str(data), "--out", str(out), *COLLECT],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while not shard_path(out, 0).exists():
+            assert proc.poll() is None, "collect ended before its first shard"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    done = sorted(p.name for p in out.glob("shard-*.safetensors"))
+    assert 1 <= len(done) < IMAGES, done
+    headscope("collect", "--model", model, "--data", data, "--out", out, *COLLECT)
+    assert not list(out.glob(".*.tmp"))
+    _same(read_collection(out), read_collection(collection))
+
+
+def test_torchrun_two_processes_equal_one(files, tmp_path):
+    root, model, data, collection = files
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--standalone", "-m", "headscope", "collect", "--model", str(model),
+           "--data", str(data), "--out", str(out), *COLLECT]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    _same(read_collection(out), read_collection(collection))
+
+
+def test_help_and_errors(files, tmp_path, capsys):
+    root, model, data, collection = files
+    for command in ("collect", "train", "eval"):
+        with pytest.raises(SystemExit) as e:
+            main([command, "--help"])
+        assert e.value.code == 0
+        assert "--data" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["collect", "--data", str(data)])  # --model and --out missing
+    assert e.value.code == 2
+
+    def error(*argv) -> str:
+        assert main([str(a) for a in argv]) == 2
+        return capsys.readouterr().err
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "image0.png").write_bytes((data / "image0.png").read_bytes())
+    (bad / "d.jsonl").write_text('{"image": "image0.png", "prompt": "a"}\n{"image": \n')
+    assert f"{bad / 'd.jsonl'}:2: not valid JSON" in error(
+        "collect", "--model", model, "--data", bad, "--out", tmp_path / "o")
+    (bad / "d.jsonl").write_text('\n{"image": "nope.png", "prompt": "a"}\n')
+    assert f"{bad / 'd.jsonl'}:2: image 'nope.png' not found" in error(
+        "collect", "--model", model, "--data", bad, "--out", tmp_path / "o")
+    (bad / "d.jsonl").write_text('{"image": "image0.png", "prompt": "a", "boxes": {"x": [3, 0, 1, 2]}}\n')
+    assert ":1: box of 'x'" in error("collect", "--model", model, "--data", bad,
+                                     "--out", tmp_path / "o")
+    assert "no such folder" in error("collect", "--model", tmp_path / "none", "--data", data,
+                                     "--out", tmp_path / "o")
+    assert "other settings" in error("collect", "--model", model, "--data", data,
+                                     "--out", collection, *COLLECT[:-2], "--shard-size", "2")
+    assert "no manifest.json" in error("train", "--data", tmp_path, "--out", tmp_path / "h")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "manifest.json").write_text(
+        (collection / "manifest.json").read_text())
+    assert "shard-00000.safetensors: missing" in error(
+        "train", "--data", tmp_path / "broken", "--out", tmp_path / "h")
+    from headscope import AttributionHead
+    AttributionHead(3, 4).save(tmp_path / "wrong.safetensors")
+    assert "num_layers=3, expected 2" in error(
+        "eval", "--model", model, "--head", tmp_path / "wrong.safetensors", "--data",
+        collection)
