@@ -13,7 +13,8 @@ o_proj inputs), in one process, alternating:
   callback on a worker) vs eager ``generate`` with ``output_attentions=True``; the cost of
   the answer's VAS (one extra forward); peak memory of each generation.
 
-* effects: ``region_effects`` of K regions batched (8 ablations per forward, the prompt's
+* effects: ``region_effects`` of K = 8 regions on a 16-token answer after a 256-token
+  image (two layers of the model below; ``--quick``: the tiny test model) batched (8 ablations per forward, the prompt's
   text before the image computed once) against one ablation per forward and against one
   plain model forward per region (attention mask with the region's keys masked out);
 * collect: per example of ``python -m headscope collect`` on the tiny Qwen2-VL checkpoint
@@ -246,6 +247,12 @@ def _naive_effects(model, inputs, sequences, rid, K: int) -> torch.Tensor:
     for name in ("attention_mask", "mm_token_type_ids"):
         full[name] = torch.nn.functional.pad(full[name], (0, N), value=int(name == "attention_mask"))
     targets = sequences[0, P:, None]
+    got = {}  # the positions of the unmasked sequence (Qwen-VL's rope index takes no holes)
+    hook = model.get_decoder().register_forward_pre_hook(lambda m, a, kw: got.update(kw),
+                                                         with_kwargs=True)
+    model(**full, logits_to_keep=1)
+    hook.remove()
+    full["position_ids"] = got["position_ids"]
 
     def logp(removed):
         mask = full["attention_mask"] * ~torch.nn.functional.pad(removed, (0, N))
@@ -261,10 +268,13 @@ def bench_effects(device, quick: bool) -> dict:
     """region_effects (mask ablation of K regions on one answer span) batched against one
     ablation per forward and against one plain model forward per region."""
     from headscope.hf import Tracer, region_effects
-    model = _model(quick, "sdpa").to(device)
-    inputs = _inputs(model, 16 if quick else 32, device)
-    K = 8 if quick else K_REGIONS
-    new = 8 if quick else 32
+    from headscope.hf.testing import tiny_model
+    # every ablation is a forward over the image and the answer: two layers of the
+    # 2B-shaped decoder, or the tiny test model for --quick
+    model = (tiny_model("qwen2_vl") if quick else _model(True, "sdpa")).to(device)
+    inputs = _inputs(model, 16, device)
+    K = 8
+    new = 8 if quick else 16
     with Tracer(model, regions=K, vas=False) as tr:
         list(tr.generate(**inputs, max_new_tokens=new, do_sample=False, eos_token_id=None))
     sequences, rid = tr.sequences, tr.region_ids
@@ -283,7 +293,7 @@ def bench_effects(device, quick: bool) -> dict:
 
     torch.testing.assert_close(batched()[0], naive().float(), atol=1e-3, rtol=1e-3)
     t = interleaved({"batched": batched, "one": one_at_a_time, "naive": naive}, device,
-                    rounds=2 if quick else 3)
+                    rounds=3)
     r_one = round_ratios(t["one"], t["batched"])
     r_naive = round_ratios(t["naive"], t["batched"])
     rows = [{"what": "region_effects, batch 8", "s": statistics.median(t["batched"]),

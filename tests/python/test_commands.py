@@ -203,3 +203,21 @@ def test_help_and_errors(files, tmp_path, capsys):
     assert "num_layers=3, expected 2" in error(
         "eval", "--model", model, "--head", tmp_path / "wrong.safetensors", "--data",
         collection)
+
+
+def test_readme_loop_commands_parse():
+    """The README's loop: every `python -m headscope` line is a valid command line (the
+    loop itself runs in the tests above, on the same tiny model and data)."""
+    import shlex
+    from conftest import REPO
+    from headscope.commands import parser
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Your own VLM"):]
+    block = section[section.index("```bash\n") + 8:section.index("```\n", 8)]
+    lines = [line.split("#")[0].strip() for line in block.splitlines()]
+    assert len(lines) == 5
+    commands = [shlex.split(line)[3:] for line in lines if line.startswith("python -m headscope")]
+    assert [c[0] for c in commands] == ["collect", "train", "eval"]
+    for argv in commands:
+        parser().parse_args(argv)
+    assert "tiny_checkpoint('model')" in lines[0] and "tiny_dataset('data'" in lines[0]
