@@ -293,7 +293,7 @@ def bench_effects(device, quick: bool) -> dict:
 
     torch.testing.assert_close(batched()[0], naive().float(), atol=1e-3, rtol=1e-3)
     t = interleaved({"batched": batched, "one": one_at_a_time, "naive": naive}, device,
-                    rounds=3)
+                    rounds=2 if quick else 5)
     r_one = round_ratios(t["one"], t["batched"])
     r_naive = round_ratios(t["naive"], t["batched"])
     rows = [{"what": "region_effects, batch 8", "s": statistics.median(t["batched"]),
@@ -309,48 +309,46 @@ def bench_effects(device, quick: bool) -> dict:
 
 @torch.no_grad()
 def bench_collect(device, quick: bool) -> dict:
-    """Per example of ``python -m headscope collect`` on the tiny Qwen2-VL checkpoint and
-    synthetic images (the CI's size): plain generation, generation with span features
-    (the Tracer), and the ablation passes."""
+    """Per example of ``python -m headscope collect`` (its ``collect_example``) on the tiny
+    Qwen2-VL checkpoint and synthetic images (the CI's size), each example timed right
+    after a plain ``generate`` of the same prompt: generation, the span features the Tracer
+    adds to it, and the ablation passes."""
     import argparse
     import tempfile
     from pathlib import Path
 
-    from headscope.commands.collect import add_arguments, collect, load_model, prompt_inputs
+    from headscope.commands.collect import (add_arguments, collect_example, load_model,
+                                            prompt_inputs)
     from headscope.commands.data import load_image, read_examples
-    from headscope.commands.shards import read_collection
     from headscope.hf.testing import tiny_checkpoint, tiny_dataset
-    images, new = (2, 8) if quick else (6, 16)
+    images, new = (2, 8) if quick else (8, 16)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--regions", "8", "--max-new-tokens", str(new)])
+    plain, traced, ablation = [], [], []
     with tempfile.TemporaryDirectory() as root:
-        root = Path(root)
-        model_dir = tiny_checkpoint(root / "model")
-        data = tiny_dataset(root / "data", images)
-        parser = argparse.ArgumentParser()
-        add_arguments(parser)
-        args = parser.parse_args(["--regions", "8", "--max-new-tokens", str(new),
-                                  "--device", device.type])
-        args.model, args.data, args.out = str(model_dir), str(data), str(root / "out")
-        from tqdm.auto import tqdm  # noqa: F401  (imported before timing)
-        collect(args)
-        seconds = read_collection(root / "out").tensors["seconds"]
+        model_dir = tiny_checkpoint(Path(root) / "model")
+        examples = read_examples(tiny_dataset(Path(root) / "data", images))
         model, processor = load_model(str(model_dir), "float32", device)
-        plain = []
-        for example in read_examples(data):
+        collect_example(model, processor, examples[0], args)  # warm-up
+        for example in examples:
             inputs = prompt_inputs(processor, example, load_image(example), device)
             t0 = time.perf_counter()
             model.generate(**inputs, max_new_tokens=new, do_sample=False)
             plain.append(time.perf_counter() - t0)
+            seconds = collect_example(model, processor, example, args)["seconds"].tolist()
+            traced.append(seconds[0])
+            ablation.append(seconds[1])
     generation = statistics.median(plain)
-    traced = float(seconds[:, 0].median())
-    ablation = float(seconds[:, 1].median())
-    total = traced + ablation
-    rows = [{"what": "generation", "s": generation, "share": generation / total},
-            {"what": "span features (Tracer)", "s": traced - generation,
-             "share": (traced - generation) / total},
-            {"what": "ablation passes", "s": ablation, "share": ablation / total},
-            {"what": "collect, per example", "s": total, "share": 1.0}]
+    features = statistics.median(t - p for t, p in zip(traced, plain))
+    ablations = statistics.median(ablation)
+    total = statistics.median(t + a for t, a in zip(traced, ablation))
+    rows = [{"what": "generation", "ms": 1e3 * generation, "share": generation / total},
+            {"what": "span features (Tracer)", "ms": 1e3 * features, "share": features / total},
+            {"what": "ablation passes", "ms": 1e3 * ablations, "share": ablations / total},
+            {"what": "collect, per example", "ms": 1e3 * total, "share": 1.0}]
     print_table(f"collect per example: tiny Qwen2-VL, {images} images, {new} new tokens, "
-                f"K = 8, 8 subsets (medians)", rows, ["what", "s", "share"])
+                f"K = 8, 8 subsets (medians)", rows, ["what", "ms", "share"])
     return {"rows": rows}
 
 

@@ -76,13 +76,17 @@ def _device(args) -> torch.device:
     return torch.device("cpu")
 
 
+def _model_folder(folder: str) -> Path:
+    if not Path(folder).is_dir():
+        raise UsageError(f"--model {folder}: no such folder (a local transformers model "
+                         f"folder, as save_pretrained writes)")
+    return Path(folder)
+
+
 def load_model(folder: str, dtype: str, device: torch.device):
     """Model and processor of a local transformers folder (no network)."""
     import transformers as tf
-    path = Path(folder)
-    if not path.is_dir():
-        raise UsageError(f"--model {folder}: no such folder (a local transformers model "
-                         f"folder, as save_pretrained writes)")
+    path = _model_folder(folder)
     try:
         processor = tf.AutoProcessor.from_pretrained(path, local_files_only=True)
         model = tf.AutoModelForImageTextToText.from_pretrained(
@@ -97,11 +101,8 @@ def load_model(folder: str, dtype: str, device: torch.device):
 def text_sizes(folder: str) -> tuple:
     """(layers, attention heads) of the model's text decoder, from its config."""
     import transformers as tf
-    if not Path(folder).is_dir():
-        raise UsageError(f"--model {folder}: no such folder (a local transformers model "
-                         f"folder, as save_pretrained writes)")
     try:
-        config = tf.AutoConfig.from_pretrained(folder, local_files_only=True)
+        config = tf.AutoConfig.from_pretrained(_model_folder(folder), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"--model {folder}: no readable config.json: {e}") from e
     text = config.get_text_config(decoder=True)

@@ -11,7 +11,7 @@ answer go through the output layer.
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 

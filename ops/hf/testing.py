@@ -4,7 +4,10 @@ configs (no downloads): what the tests and ``python -m headscope.bench --family 
 ``tiny_model(family)`` gives a model of one of :data:`FAMILIES`, all with grouped-query
 attention in the text decoder; ``image_prompt(model, grids, text_before, text_after)``
 gives its inputs for one image per prompt (random pixels), in the layout its processor
-would produce, left-padded when the rows differ in length.
+would produce, left-padded when the rows differ in length. ``tiny_checkpoint(folder,
+family)`` saves such a model with a real processor (``tiny_processor``) for
+``from_pretrained``, and ``tiny_dataset(folder, count)`` writes synthetic images in the
+DATA format of ``python -m headscope collect`` (both in ``checkpoint.py``).
 """
 from __future__ import annotations
 

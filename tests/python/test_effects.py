@@ -8,6 +8,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+from conftest import DEVICES  # noqa: E402
 from headscope.hf import Tracer, region_effects  # noqa: E402
 from headscope.hf.keymask import removed_score  # noqa: E402
 from headscope.hf.testing import image_prompt, tiny_model  # noqa: E402
@@ -19,6 +20,7 @@ SPANS = [(0, 2), (2, 6), (0, 6), (5, 6)]
 def _generated(model, text_before=3):
     grid = ((8, 8),)
     inputs = image_prompt(model, grids=grid, text_before=(text_before,), text_after=(5,))
+    inputs = {k: v.to(model.device) for k, v in inputs.items()}
     with torch.no_grad(), Tracer(model, regions=K, vas=False) as tr:
         list(tr.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=None))
     return inputs, tr.sequences, tr.region_ids
@@ -27,11 +29,11 @@ def _generated(model, text_before=3):
 _CASES = {}
 
 
-def _case(family):
-    if family not in _CASES:
-        model = tiny_model(family)
-        _CASES[family] = (model, *_generated(model))
-    return _CASES[family]
+def _case(family, device="cpu"):
+    if (family, device) not in _CASES:
+        model = tiny_model(family).to(device)
+        _CASES[family, device] = (model, *_generated(model))
+    return _CASES[family, device]
 
 
 @pytest.fixture
@@ -62,6 +64,8 @@ def _clean_inputs(model, full):
 def _reference_logp(model, inputs, sequences, rid, removed, ablation, hole=None):
     """Answer-token log-probabilities of one ablation (``removed`` (P,) bool), by the
     model's plain forward. ``hole``: prompt positions masked out in every run."""
+    removed = removed.to(model.device)
+    hole = None if hole is None else hole.to(model.device)
     P = inputs["input_ids"].shape[1]
     N = sequences.shape[1] - P
     full = dict(inputs, input_ids=sequences)
@@ -108,7 +112,7 @@ def _reference_effects(model, inputs, sequences, rid, sets, ablation, hole=None)
     base = _reference_logp(model, inputs, sequences, rid, none, ablation, hole)
     out = []
     for regions in sets:
-        removed = torch.isin(rid[0], torch.tensor(regions))
+        removed = torch.isin(rid[0], torch.tensor(regions, device=rid.device))
         drop = base - _reference_logp(model, inputs, sequences, rid, removed, ablation, hole)
         out.append([float(drop[a:b].sum()) for a, b in SPANS])
     return torch.tensor(out, dtype=torch.float32).T
@@ -118,8 +122,9 @@ def _reference_effects(model, inputs, sequences, rid, sets, ablation, hole=None)
 @pytest.mark.parametrize("family, ablation", [
     ("qwen2_vl", "mask"), ("qwen3_vl", "mask"), ("llava", "mask"), ("qwen2_vl", "zero"),
     ("qwen2_vl", "mean"), ("qwen3_vl", "zero"), ("qwen3_vl", "mean")])
-def test_batched_effects_equal_one_region_at_a_time(family, ablation):
-    model, inputs, sequences, rid = _case(family)
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_effects_equal_one_region_at_a_time(family, ablation, device):
+    model, inputs, sequences, rid = _case(family, device)
     subsets = torch.tensor([[1, 1, 0, 0], [0, 1, 0, 1], [1, 1, 1, 1]], dtype=torch.bool)
     effects, joint = region_effects(model, inputs, sequences, SPANS, rid, subsets=subsets,
                                     ablation=ablation, batch_size=8, progress=False)
