@@ -150,10 +150,23 @@ def _check_fit_data(where: str, features: Tensor, targets: Tensor, num_features:
             targets.reshape(-1).to(torch.float64))
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask would, for all threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 @contextlib.contextmanager
 def atomic_path(path):
     """Yields a temporary file name beside ``path``; on leaving the block without an error
-    the file is flushed to disk and renamed to ``path`` (atomic on POSIX), else removed."""
+    the file is flushed to disk, given the permissions a plain ``open`` would give it, and
+    renamed to ``path`` (atomic on POSIX), else removed."""
     folder = os.path.dirname(os.path.abspath(str(path)))
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(str(path)) + ".", suffix=".tmp",
                                dir=folder)
@@ -162,6 +175,7 @@ def atomic_path(path):
         yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private (0600)
         os.replace(tmp, str(path))
     except BaseException:
         if os.path.exists(tmp):

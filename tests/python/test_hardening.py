@@ -2,6 +2,7 @@
 holds up under concurrent callers, and that saved files are never half-written."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -213,6 +214,18 @@ def test_save_killed_midway_keeps_previous_file(tmp_path):
     assert torch.equal(head.weight, torch.ones(8))
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == \
         ["head.safetensors"]
+
+
+def test_saved_file_has_the_permissions_of_a_plain_open(tmp_path):
+    """The temporary file is private (mkstemp); the saved one must not stay so."""
+    umask = os.umask(0o027)
+    try:
+        headscope.AttributionHead(2, 4).save(tmp_path / "head.safetensors")
+        (tmp_path / "plain").touch()
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "head.safetensors").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "plain").stat().st_mode & 0o777 == 0o640
 
 
 def test_save_error_removes_temporary_file(tmp_path, monkeypatch):
