@@ -18,7 +18,7 @@
 // bits of float32.
 #include "common/cuda_launch.h"
 #include "common/cuda_reduce.cuh"
-#include "vas/cuda/tile_mma.cuh"
+#include "vas/cuda/tile_mma_cuda.cuh"
 #include "vas/vas_checks.h"
 #include "vas/vas_math.h"
 
@@ -37,7 +37,7 @@
 #include <optional>
 #include <vector>
 
-namespace headscope::vas {
+namespace headscope::vas::cuda {
 namespace {
 
 using namespace headscope::cuda_reduce;
@@ -998,4 +998,4 @@ TORCH_LIBRARY_IMPL(headscope, CUDA, m) {
   m.impl("vas_aggregate", &vas_aggregate_cuda);
 }
 
-}  // namespace headscope::vas
+}  // namespace headscope::vas::cuda

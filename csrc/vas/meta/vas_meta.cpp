@@ -5,7 +5,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-namespace headscope::vas {
+namespace headscope::vas::meta {
 namespace {
 
 at::Tensor vas_head_stats_meta(const at::Tensor& attn, const at::Tensor& head_writes,
@@ -40,4 +40,4 @@ TORCH_LIBRARY_IMPL(headscope, Meta, m) {
   m.impl("vas_aggregate", &vas_aggregate_meta);
 }
 
-}  // namespace headscope::vas
+}  // namespace headscope::vas::meta

@@ -20,7 +20,7 @@
 #error "headscope's vas CUDA kernels need sm_80 or newer (mma.sync m16n8k16, cp.async)"
 #endif
 
-namespace headscope::vas::mma {
+namespace headscope::vas::cuda::mma {
 
 constexpr int kTile = 64;
 constexpr int kThreads = 128;
@@ -154,4 +154,4 @@ __device__ inline void gemm_3xtf32(float* acc, const float* x, const float* y, i
   }
 }
 
-}  // namespace headscope::vas::mma
+}  // namespace headscope::vas::cuda::mma
