@@ -48,7 +48,9 @@ setup(
     version="0.1.0",
     description="Attention introspection ops for PyTorch: VAS features, vStream attribution, "
                 "KL projection and thin mixer",
-    packages=["headscope", "headscope.bench", "headscope.commands", "headscope.hf"],
+    packages=["headscope", "headscope.bench", "headscope.commands", "headscope.hf",
+              "headscope.shapes"],
+    package_data={"headscope.shapes": ["data/*"]},
     package_dir={"headscope": "ops"},
     # The library is a plain shared object loaded with torch.ops.load_library, not a
     # Python extension module: its file name carries no ABI tag.
@@ -58,6 +60,9 @@ setup(
     install_requires=["torch>=2.9", "numpy"],
     # headscope.hf (the Tracer): the version requirements.txt pins is the one tested.
     extras_require={"hf": ["transformers>=5.24,<6", "safetensors", "pillow", "torchvision",
-                           "tqdm"]},
+                           "tqdm"],
+                    # the embedded model and its demo (python -m headscope.shapes)
+                    "shapes": ["transformers>=5.24,<6", "safetensors", "pillow", "torchvision",
+                               "tqdm", "matplotlib"]},
     zip_safe=False,
 )

@@ -1,0 +1,88 @@
+"""python -m headscope.shapes {train,demo,accuracy,latency}: the embedded shapes model.
+
+  train     train the model from scratch into a folder (resumable: rerun the same command)
+  demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
+  accuracy  caption accuracy of a model on held-out scenes
+  latency   per-token time of generation with streaming attribution against plain generate
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+SIZES = ("steps", "batch", "seed", "hidden", "layers", "intermediate", "vision_width",
+         "vision_depth", "vision_mlp_ratio", "warmup")
+
+
+def _threads(n):
+    import torch
+    if n is not None:
+        if n < 1:
+            raise SystemExit(f"python -m headscope.shapes: --threads must be >= 1, got {n}")
+        torch.set_num_threads(n)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m headscope.shapes", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from .train import Settings
+    defaults = Settings()
+    p = sub.add_parser("train", help="train the shapes model from scratch")
+    p.add_argument("--out", type=Path, required=True,
+                   help="folder for the checkpoint and the trained model (from_pretrained)")
+    for name in SIZES:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--eval-scenes", type=int, default=200,
+                   help="held-out scenes for the caption accuracy at the end")
+
+    p = sub.add_parser("demo", help="describe held-out scenes with span attributions")
+    p.add_argument("--out", type=Path, default=Path("shapes-demo"), help="output folder")
+    p.add_argument("--images", type=int, default=3)
+    p.add_argument("--regions", type=int, default=None, help="regions per image (Ward)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="model folder (default: the one shipped with headscope)")
+
+    p = sub.add_parser("accuracy", help="caption accuracy on held-out scenes")
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--scenes", type=int, default=200)
+
+    p = sub.add_parser("latency", help="per-token latency with streaming attribution")
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--tokens", type=int, default=40)
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+
+    args = parser.parse_args(argv)
+    _threads(args.threads)
+    if args.command == "train":
+        from .train import train
+        settings = Settings(lr=args.lr, **{k: getattr(args, k) for k in SIZES})
+        report = train(args.out, settings, eval_scenes=args.eval_scenes)
+        print(json.dumps(report, indent=2))
+    elif args.command == "demo":
+        from .demo import DEFAULT_REGIONS, run_demo
+        run_demo(args.out, args.images, model_dir=args.model,
+                 regions=args.regions or DEFAULT_REGIONS)
+    elif args.command == "accuracy":
+        from .accuracy import caption_accuracy, held_out_scenes
+        from .model import load
+        model, processor, _ = load(args.model, head=False)
+        print(json.dumps(caption_accuracy(model, processor, held_out_scenes(args.scenes))))
+    else:
+        from .latency import format_latency, measure_latency
+        result = measure_latency(args.rounds, args.tokens, args.model)
+        format_latency(result)
+        if args.json is not None:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

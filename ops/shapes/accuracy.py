@@ -1,0 +1,57 @@
+"""Caption accuracy of a shapes model on held-out scenes."""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List
+
+import torch
+
+from .processor import IMAGE_TEXT
+from .world import PROMPT, describe, match_object, parse_description, scene
+
+# Scene seeds at or above this are never used in training (training uses 0, 1, 2, ...).
+HELD_OUT_SEED = 1_000_000_000
+
+
+def held_out_scenes(count: int, start: int = 0, noise=None) -> List[tuple]:
+    """``count`` held-out scenes ``(seed, image, objects)``: seeds ``HELD_OUT_SEED +
+    start + k`` with ``1 + (k % 4)`` objects, as in training."""
+    out = []
+    for k in range(start, start + count):
+        seed = HELD_OUT_SEED + k
+        image, objects = scene(seed, 1 + k % 4, noise=noise)
+        out.append((seed, image, objects))
+    return out
+
+
+@torch.no_grad()
+def describe_images(model, processor, images, max_new_tokens: int = 48,
+                    batch_size: int = 32) -> List[str]:
+    """The model's greedy descriptions of ``images`` (batched, left padding)."""
+    texts = []
+    for i in range(0, len(images), batch_size):
+        chunk = images[i:i + batch_size]
+        inputs = processor(text=[IMAGE_TEXT + PROMPT] * len(chunk), images=list(chunk),
+                           return_tensors="pt", padding=True, padding_side="left")
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        texts += processor.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:],
+                                                  skip_special_tokens=True)
+    return texts
+
+
+def caption_accuracy(model, processor, scenes: Iterable[tuple]) -> Dict[str, float]:
+    """On ``scenes`` ``(seed, image, objects)``: ``exact`` (share of descriptions equal to
+    the truth), ``precision`` (share of generated sentences naming an object of the image:
+    colour, shape and place), ``recall`` (share of objects named) and ``count``."""
+    scenes = list(scenes)
+    texts = describe_images(model, processor, [image for _, image, _ in scenes])
+    exact = named = sentences = found = total = 0
+    for (_, _, objects), text in zip(scenes, texts):
+        exact += text.strip() == describe(objects)
+        parsed = parse_description(text)
+        matched = {match_object(p, objects) for p in parsed} - {None}
+        sentences += len(parsed)
+        named += sum(match_object(p, objects) is not None for p in parsed)
+        found += len(matched)
+        total += len(objects)
+    return {"count": len(scenes), "exact": exact / len(scenes),
+            "precision": named / max(sentences, 1), "recall": found / total}

@@ -1,0 +1,156 @@
+"""Training the shapes model from scratch: teacher-forced next-token loss on the answer,
+fresh scenes every step, AdamW with warm-up and cosine decay; resumable from an atomic
+checkpoint, deterministic in its seed (for a given number of threads).
+
+Example ``i`` of the run (``i = step * batch + j``) is ``scene(i, 1 + i % 4)``: training
+sees scene seeds ``0 .. steps * batch - 1``, all below ``HELD_OUT_SEED``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .accuracy import HELD_OUT_SEED, caption_accuracy, held_out_scenes
+from .model import build_model, training_batch
+from .processor import build_processor
+from .world import describe, scene
+
+STATE_FILE = "train_state.pt"
+REPORT_FILE = "training.json"
+
+
+@dataclass(frozen=True)
+class Settings:
+    steps: int = 3000
+    batch: int = 16
+    lr: float = 3e-3
+    warmup: int = 100
+    seed: int = 0
+    hidden: int = 96
+    layers: int = 3
+    intermediate: int = 256
+    vision_width: int = 64
+    vision_depth: int = 2
+    vision_mlp_ratio: int = 2
+
+    def check(self) -> None:
+        for name in ("steps", "batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"headscope.shapes.train: argument '{name}' must be >= 1, "
+                                 f"got {getattr(self, name)}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"headscope.shapes.train: argument 'lr' must be > 0, got {self.lr}")
+        if self.steps * self.batch > HELD_OUT_SEED:
+            raise ValueError("headscope.shapes.train: steps * batch would reach the held-out "
+                             "scene seeds")
+
+
+def _batch(processor, step: int, size: int):
+    scenes = [scene(i, 1 + i % 4) for i in range(step * size, (step + 1) * size)]
+    return training_batch(processor, [image for image, _ in scenes],
+                          [describe(objects) for _, objects in scenes])
+
+
+def _schedule(settings: Settings):
+    def factor(step: int) -> float:
+        if step < settings.warmup:
+            return (step + 1) / settings.warmup
+        progress = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return factor
+
+
+def _save_atomic(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int = 100,
+          stop_after: Optional[int] = None, eval_scenes: int = 200, progress: bool = True) -> dict:
+    """Trains (or resumes training) into ``out``; when done, saves the model and processor
+    there (``from_pretrained`` format), measures caption accuracy on ``eval_scenes``
+    held-out scenes and writes ``training.json``. ``stop_after``: leave after that many
+    steps of this call with the checkpoint saved (for tests). Returns the report
+    (None when stopped early)."""
+    from tqdm import tqdm
+
+    settings.check()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    processor = build_processor()
+    model = build_model(processor, settings.seed, hidden=settings.hidden,
+                        layers=settings.layers, intermediate=settings.intermediate,
+                        vision_width=settings.vision_width, vision_depth=settings.vision_depth,
+                        vision_mlp_ratio=settings.vision_mlp_ratio)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.01,
+                                  betas=(0.9, 0.98))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(settings))
+    state_path = out / STATE_FILE
+    step, elapsed = 0, 0.0
+    if state_path.is_file():
+        state = torch.load(state_path, weights_only=False)
+        if state["settings"] != asdict(settings):
+            raise ValueError(f"headscope.shapes.train: {state_path} was written with settings "
+                             f"{state['settings']}, not {asdict(settings)}; use the same ones "
+                             f"or another --out")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, elapsed = state["step"], state["elapsed"]
+
+    def checkpoint() -> None:
+        _save_atomic({"settings": asdict(settings), "step": step, "elapsed": elapsed,
+                      "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                      "scheduler": scheduler.state_dict()}, state_path)
+
+    model.train()
+    bar = tqdm(total=settings.steps, initial=step, desc="train shapes model",
+               disable=not progress, unit="step")
+    stop = settings.steps if stop_after is None else min(settings.steps, step + stop_after)
+    try:
+        while step < stop:
+            started = time.perf_counter()
+            loss = model(**_batch(processor, step, settings.batch)).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step += 1
+            elapsed += time.perf_counter() - started
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.update()
+            if step % checkpoint_every == 0 or step == stop:
+                checkpoint()
+    except KeyboardInterrupt:
+        checkpoint()
+        raise
+    finally:
+        bar.close()
+    if step < settings.steps:
+        return None
+    model.eval()
+    accuracy = caption_accuracy(model, processor, held_out_scenes(eval_scenes))
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    report = {"settings": asdict(settings), "train_seconds": round(elapsed, 1),
+              "threads": torch.get_num_threads(),
+              "train_scene_seeds": [0, settings.steps * settings.batch - 1],
+              "held_out_scene_seeds": [HELD_OUT_SEED, HELD_OUT_SEED + eval_scenes - 1],
+              "held_out_accuracy": accuracy}
+    tmp = out / (REPORT_FILE + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, out / REPORT_FILE)
+    state_path.unlink()
+    return report

@@ -1,0 +1,145 @@
+"""The shapes world: images of coloured shapes on a 3 x 3 grid of places, each with its
+true description and boxes, deterministic in a seed.
+
+Every object sits in its own cell of the grid (so its place words are unambiguous), its
+centre jittered inside the cell and its size drawn at random, so that neighbours can
+overlap. The description names the objects in reading order (cell by cell, top left
+first), one sentence each: "A red circle at the top left. A blue square in the centre."
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+IMAGE_SIZE = 96
+SHAPES = ("circle", "square", "triangle", "star")
+COLOURS = {"red": (220, 40, 40), "green": (40, 165, 60), "blue": (45, 85, 225),
+           "yellow": (235, 200, 30), "purple": (145, 60, 195), "orange": (245, 135, 30)}
+# Cell (row, col) of the 3 x 3 grid -> its place words and the phrase a sentence uses.
+PLACES = {(0, 0): ("top left", "at the top left"), (0, 1): ("top", "at the top"),
+          (0, 2): ("top right", "at the top right"), (1, 0): ("left", "on the left"),
+          (1, 1): ("centre", "in the centre"), (1, 2): ("right", "on the right"),
+          (2, 0): ("bottom left", "at the bottom left"), (2, 1): ("bottom", "at the bottom"),
+          (2, 2): ("bottom right", "at the bottom right")}
+MAX_OBJECTS = len(PLACES)
+PROMPT = "Describe the image."
+
+_CELL = IMAGE_SIZE / 3
+_SIZE_RANGE = (18, 29)   # shape extent in pixels (diameter, side)
+_JITTER = 6              # centre offset from the cell's centre, pixels
+_PHRASE_TO_PLACE = {phrase: words for words, phrase in PLACES.values()}
+_SENTENCE = re.compile(r"^An? (\w+) (\w+) ((?:at|on|in) the [\w ]+)$")
+
+
+@dataclass(frozen=True)
+class SceneObject:
+    """One object: its shape and colour names, place words (e.g. "top left", "centre")
+    and box ``(x0, y0, x1, y1)`` in pixels (inclusive-exclusive)."""
+    shape: str
+    colour: str
+    position: str
+    box: Tuple[int, int, int, int]
+
+    @property
+    def sentence(self) -> str:
+        phrase = next(p for words, p in PLACES.values() if words == self.position)
+        article = "An" if self.colour[0] in "aeiou" else "A"
+        return f"{article} {self.colour} {self.shape} {phrase}."
+
+
+def _star(cx: float, cy: float, radius: float) -> List[Tuple[float, float]]:
+    points = []
+    for i in range(10):
+        r = radius if i % 2 == 0 else radius * 0.45
+        angle = -np.pi / 2 + i * np.pi / 5
+        points.append((cx + r * np.cos(angle), cy + r * np.sin(angle)))
+    return points
+
+
+def _draw(draw, shape: str, cx: float, cy: float, size: int, fill) -> Tuple[int, int, int, int]:
+    h = size / 2
+    if shape == "circle":
+        draw.ellipse([cx - h, cy - h, cx + h, cy + h], fill=fill)
+    elif shape == "square":
+        draw.rectangle([cx - h, cy - h, cx + h, cy + h], fill=fill)
+    elif shape == "triangle":
+        draw.polygon([(cx, cy - h), (cx + h, cy + h), (cx - h, cy + h)], fill=fill)
+    else:
+        draw.polygon(_star(cx, cy, h * 1.15), fill=fill)
+        h *= 1.15
+    x0, y0 = max(0, int(np.floor(cx - h))), max(0, int(np.floor(cy - h)))
+    x1 = min(IMAGE_SIZE, int(np.ceil(cx + h)) + 1)
+    y1 = min(IMAGE_SIZE, int(np.ceil(cy + h)) + 1)
+    return x0, y0, x1, y1
+
+
+def scene(seed: int, num_objects: int, noise: Optional[float] = None):
+    """A PIL image (``IMAGE_SIZE`` square, RGB) of ``num_objects`` shapes and the list of
+    its :class:`SceneObject` in description order, deterministic in ``seed``.
+
+    ``noise``: standard deviation (0-255 scale) of Gaussian noise on the background;
+    None draws it from the seed (half the images plain, half with noise up to 12)."""
+    from PIL import Image, ImageDraw
+
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"headscope.shapes.scene: argument 'seed' must be an int >= 0, "
+                         f"got {seed!r}")
+    if not isinstance(num_objects, (int, np.integer)) or not 1 <= num_objects <= MAX_OBJECTS:
+        raise ValueError(f"headscope.shapes.scene: argument 'num_objects' must be an int in "
+                         f"[1, {MAX_OBJECTS}], got {num_objects!r}")
+    rng = np.random.default_rng([int(seed), int(num_objects)])
+    grey = int(rng.integers(200, 246))
+    drawn_noise = float(rng.uniform(0, 12)) if rng.random() < 0.5 else 0.0
+    noise = drawn_noise if noise is None else float(noise)
+    background = np.full((IMAGE_SIZE, IMAGE_SIZE, 3), grey, dtype=np.float32)
+    if noise > 0:
+        background += rng.normal(0, noise, background.shape).astype(np.float32)
+    image = Image.fromarray(np.clip(background, 0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    cells = sorted(PLACES)
+    chosen = sorted(cells[i] for i in rng.choice(len(cells), num_objects, replace=False))
+    objects = []
+    for row, col in chosen:
+        shape = SHAPES[rng.integers(len(SHAPES))]
+        colour = list(COLOURS)[rng.integers(len(COLOURS))]
+        size = int(rng.integers(*_SIZE_RANGE))
+        cx = (col + 0.5) * _CELL + rng.uniform(-_JITTER, _JITTER)
+        cy = (row + 0.5) * _CELL + rng.uniform(-_JITTER, _JITTER)
+        box = _draw(draw, shape, cx, cy, size, COLOURS[colour])
+        objects.append(SceneObject(shape, colour, PLACES[(row, col)][0], box))
+    return image, objects
+
+
+def describe(objects) -> str:
+    """The true description of a scene's objects: one sentence each, in order."""
+    return " ".join(o.sentence for o in objects)
+
+
+def parse_sentence(sentence: str) -> Optional[Tuple[str, str, str]]:
+    """``(colour, shape, position words)`` of one sentence such as "A red circle at the
+    top left.", or None when it does not describe an object of the shapes world."""
+    m = _SENTENCE.match(sentence.strip().rstrip(".").strip())
+    if not m or m.group(1) not in COLOURS or m.group(2) not in SHAPES:
+        return None
+    position = _PHRASE_TO_PLACE.get(m.group(3))
+    return None if position is None else (m.group(1), m.group(2), position)
+
+
+def parse_description(text: str) -> List[Optional[Tuple[str, str, str]]]:
+    """Each sentence of a description parsed with :func:`parse_sentence`, in order."""
+    sentences = [s for s in re.split(r"(?<=\.)\s*", text.strip()) if s]
+    return [parse_sentence(s) for s in sentences]
+
+
+def match_object(parsed: Optional[Tuple[str, str, str]], objects) -> Optional[SceneObject]:
+    """The scene object a parsed sentence names (same colour, shape and place), or None:
+    a sentence that names no object of the image is a hallucination."""
+    if parsed is None:
+        return None
+    for o in objects:
+        if (o.colour, o.shape, o.position) == parsed:
+            return o
+    return None

@@ -1,0 +1,217 @@
+"""The shapes world, its processor, the embedded model, the demo and the training script."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("PIL")
+import headscope.shapes as shapes  # noqa: E402
+from headscope.shapes.model import DATA_DIR, training_batch  # noqa: E402
+from headscope.shapes.processor import build_processor  # noqa: E402
+from headscope.shapes.world import MAX_OBJECTS  # noqa: E402
+
+
+# ---- the world -----------------------------------------------------------------------------
+
+def test_scene_is_deterministic_in_its_seed():
+    a_image, a_objects = shapes.scene(7, 3)
+    b_image, b_objects = shapes.scene(7, 3)
+    assert np.array_equal(np.asarray(a_image), np.asarray(b_image))
+    assert a_objects == b_objects
+    c_image, c_objects = shapes.scene(8, 3)
+    assert not np.array_equal(np.asarray(a_image), np.asarray(c_image))
+    assert a_image.size == (shapes.IMAGE_SIZE, shapes.IMAGE_SIZE) and a_image.mode == "RGB"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_boxes_hold_their_objects_and_places_are_distinct(seed):
+    image, objects = shapes.scene(seed, 1 + seed % MAX_OBJECTS, noise=0.0)
+    pixels = np.asarray(image).astype(np.int64)
+    assert len(objects) == 1 + seed % MAX_OBJECTS
+    assert len({o.position for o in objects}) == len(objects)
+    background = pixels[0, 0]
+    in_some_box = np.zeros(pixels.shape[:2], dtype=bool)
+    for o in objects:
+        x0, y0, x1, y1 = o.box
+        assert 0 <= x0 < x1 <= shapes.IMAGE_SIZE and 0 <= y0 < y1 <= shapes.IMAGE_SIZE
+        in_some_box[y0:y1, x0:x1] = True
+        inside = pixels[y0:y1, x0:x1]
+        assert (np.abs(inside - shapes.COLOURS[o.colour]).sum(-1) == 0).sum() > 20, o
+        # the box centre lies in the cell its place words name
+        (row, col), = [cell for cell, (words, _) in shapes.PLACES.items()
+                       if words == o.position]
+        cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
+        assert int(cx // (shapes.IMAGE_SIZE / 3)) == col
+        assert int(cy // (shapes.IMAGE_SIZE / 3)) == row
+    # nothing is drawn outside the boxes
+    drawn = np.abs(pixels - background).sum(-1) > 0
+    assert not (drawn & ~in_some_box).any()
+
+
+def test_description_round_trips_through_the_parser():
+    for seed in range(20):
+        _, objects = shapes.scene(seed, 1 + seed % 4)
+        parsed = shapes.parse_description(shapes.describe(objects))
+        assert parsed == [(o.colour, o.shape, o.position) for o in objects]
+        assert [shapes.match_object(p, objects) for p in parsed] == objects
+    assert shapes.parse_sentence("A pink circle at the top.") is None
+    assert shapes.parse_sentence("A red circle at the middle.") is None
+    assert shapes.parse_sentence("An orange star on the left.") == ("orange", "star", "left")
+    _, objects = shapes.scene(0, 1)
+    wrong = "green" if objects[0].colour != "green" else "red"
+    assert shapes.match_object((wrong, objects[0].shape, objects[0].position), objects) is None
+
+
+@pytest.mark.parametrize("seed, num", [(-1, 2), (1.5, 2), (0, 0), (0, MAX_OBJECTS + 1)])
+def test_scene_refuses_bad_arguments(seed, num):
+    with pytest.raises(ValueError, match="headscope.shapes.scene: argument"):
+        shapes.scene(seed, num)
+
+
+# ---- processor and the shipped model -------------------------------------------------------
+
+def test_processor_round_trip_and_prompt(tmp_path):
+    from transformers import AutoProcessor
+    build_processor().save_pretrained(tmp_path)
+    processor = AutoProcessor.from_pretrained(tmp_path)
+    tok = processor.tokenizer
+    _, objects = shapes.scene(3, 4)
+    text = shapes.describe(objects)
+    ids = tok(text)["input_ids"]
+    assert tok.unk_token_id not in ids
+    assert tok.decode(ids) == text
+    image, _ = shapes.scene(3, 4)
+    inputs = shapes.prompt(processor, image)
+    image_token = tok.convert_tokens_to_ids("<|image_pad|>")
+    assert (inputs["input_ids"] == image_token).sum() == 36  # 96 px / 8 px patches / 2 x 2
+    assert tuple(inputs["image_grid_thw"][0].tolist()) == (1, 12, 12)
+    assert tok.decode(inputs["input_ids"][0, -4:]) == shapes.PROMPT
+    messages = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": shapes.PROMPT}]}]
+    templated = processor.apply_chat_template(messages, add_generation_prompt=True,
+                                              tokenize=False)
+    again = processor(text=[templated], images=[image], return_tensors="pt")
+    assert torch.equal(again["input_ids"], inputs["input_ids"])
+
+
+def test_training_batch_labels_only_the_answer():
+    processor = build_processor()
+    scenes = [shapes.scene(s, 1 + s) for s in range(2)]
+    answers = [shapes.describe(o) for _, o in scenes]
+    batch = training_batch(processor, [im for im, _ in scenes], answers)
+    tok = processor.tokenizer
+    for row, answer in zip(batch["labels"], answers):
+        kept = row[row != -100].tolist()
+        assert kept[-1] == tok.eos_token_id
+        assert tok.decode(kept[:-1]) == answer
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    if not (DATA_DIR / "config.json").is_file():
+        pytest.fail(f"the shapes model is missing from the package ({DATA_DIR})")
+    return shapes.load()
+
+
+def test_load_gives_the_shipped_model(shipped):
+    model, processor, head = shipped
+    assert type(model).__name__ == "Qwen2VLForConditionalGeneration" and not model.training
+    assert processor.tokenizer.convert_tokens_to_ids("<|image_pad|>") == \
+        model.config.image_token_id
+    size = sum(f.stat().st_size for f in DATA_DIR.iterdir())
+    assert size <= 20 * 2 ** 20
+    if head is not None:
+        L = model.config.text_config.num_hidden_layers
+        assert head.num_features == L * model.config.text_config.num_attention_heads
+
+
+def test_shipped_model_describes_held_out_scenes(shipped):
+    from headscope.shapes.accuracy import describe_images, held_out_scenes
+    model, processor, _ = shipped
+    scenes = held_out_scenes(4)
+    texts = describe_images(model, processor, [im for _, im, _ in scenes])
+    right = 0
+    for (_, _, objects), text in zip(scenes, texts):
+        parsed = shapes.parse_description(text)
+        assert parsed and all(p is not None for p in parsed), text
+        right += text == shapes.describe(objects)
+    assert right >= 3, texts
+
+
+def test_demo_writes_its_files(shipped, tmp_path, capsys):
+    from headscope.shapes.demo import run_demo
+    report = run_demo(tmp_path, num_images=1)
+    printed = capsys.readouterr().out
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk == json.loads(json.dumps(report))
+    image = on_disk["images"][0]
+    assert len(image["vas_features"]) == 36
+    assert image["spans"] and image["description"] == " ".join(s["text"] for s in image["spans"])
+    for s in image["spans"]:
+        assert s["text"] in printed
+        png = tmp_path / s["png"]
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+        assert len(s["scores"]) == image["num_regions"]
+        assert s["top_region"] == int(np.argmax(s["scores"]))
+        assert s["png"] in (tmp_path / "index.html").read_text()
+    assert "descriptions correct" in printed
+
+
+# ---- the training script -------------------------------------------------------------------
+
+TINY = dict(steps=4, batch=2, warmup=2, hidden=32, layers=1, intermediate=64)
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(folder / "model.safetensors")
+
+
+def test_training_resumes_to_the_same_weights(tmp_path):
+    from headscope.shapes.train import STATE_FILE, Settings, train
+    torch.set_num_threads(1)
+    settings = Settings(**TINY)
+    straight = train(tmp_path / "straight", settings, eval_scenes=2, progress=False)
+    assert train(tmp_path / "resumed", settings, stop_after=3, eval_scenes=2,
+                 progress=False) is None
+    assert (tmp_path / "resumed" / STATE_FILE).is_file()
+    assert not (tmp_path / "resumed" / "model.safetensors").exists()
+    resumed = train(tmp_path / "resumed", settings, eval_scenes=2, progress=False)
+    assert not (tmp_path / "resumed" / STATE_FILE).exists()
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert straight["held_out_accuracy"]["count"] == 2
+    assert json.loads((tmp_path / "resumed" / "training.json").read_text()) == resumed
+    model, processor, head = shapes.load(tmp_path / "resumed")
+    assert head is None and model.config.text_config.hidden_size == 32
+    train(tmp_path / "other", settings, stop_after=1, progress=False)
+    with pytest.raises(ValueError, match="written with settings"):
+        train(tmp_path / "other", replace(settings, lr=1e-4), progress=False)
+
+
+def test_training_checkpoints_on_interrupt(tmp_path, monkeypatch):
+    from headscope.shapes import train as train_module
+    settings = train_module.Settings(**TINY)
+    calls = []
+    real = train_module._batch
+
+    def interrupting(processor, step, size):
+        calls.append(step)
+        if step == 2:
+            raise KeyboardInterrupt
+        return real(processor, step, size)
+
+    monkeypatch.setattr(train_module, "_batch", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        train_module.train(tmp_path, settings, checkpoint_every=100, progress=False)
+    state = torch.load(tmp_path / train_module.STATE_FILE, weights_only=False)
+    assert state["step"] == 2
+    monkeypatch.setattr(train_module, "_batch", real)
+    assert train_module.train(tmp_path, settings, stop_after=1, progress=False) is None
+    assert torch.load(tmp_path / train_module.STATE_FILE, weights_only=False)["step"] == 3
