@@ -11,11 +11,12 @@ LIBRARY_PATH = _load()
 from .mixer import FactorMixer, kl_hvp, kl_project, thin_mix  # noqa: E402
 from .vas import (VAS_COLUMNS, VASAccumulator, vas_aggregate, vas_features,  # noqa: E402
                   vas_head_stats, vas_head_stats_qk)
+from .detector import VASDetector  # noqa: E402
 from .attribution import (AttributionHead, LDS, lds, linear_attribution, pearson,  # noqa: E402
                           region_pool, region_pool_qk, spearman, stack_layers, ward_regions)
 
 __all__ = ["FactorMixer", "kl_hvp", "kl_project", "thin_mix", "LIBRARY_PATH",
            "AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "region_pool",
            "region_pool_qk", "spearman", "stack_layers", "ward_regions",
-           "VAS_COLUMNS", "VASAccumulator", "vas_aggregate", "vas_features", "vas_head_stats",
-           "vas_head_stats_qk"]
+           "VAS_COLUMNS", "VASAccumulator", "VASDetector", "vas_aggregate", "vas_features",
+           "vas_head_stats", "vas_head_stats_qk"]

@@ -4,6 +4,8 @@
   demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
   accuracy  caption accuracy of a model on held-out scenes
   latency   per-token time of generation with streaming attribution against plain generate
+  data      write scenes as a DATA folder for python -m headscope collect|eval
+  hallucination  AUROC of VASDetector and of the mean token log-probability on hard scenes
 """
 from __future__ import annotations
 
@@ -59,6 +61,20 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=40)
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
 
+    p = sub.add_parser("data", help="scenes as a DATA folder (images + data.jsonl)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--first-seed", type=int, required=True,
+                   help="scene seeds first-seed .. first-seed + count - 1 (held out: >= "
+                        "1000000000)")
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--noise", type=float, default=None, help="background noise (default: "
+                   "drawn per scene)")
+
+    p = sub.add_parser("hallucination", help="hallucination detection from VAS (AUROC)")
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--fit", type=int, default=200, help="answers to fit the detector on")
+    p.add_argument("--test", type=int, default=200, help="answers to measure AUROC on")
+
     args = parser.parse_args(argv)
     _threads(args.threads)
     if args.command == "train":
@@ -75,6 +91,12 @@ def main(argv=None) -> int:
         from .model import load
         model, processor, _ = load(args.model, head=False)
         print(json.dumps(caption_accuracy(model, processor, held_out_scenes(args.scenes))))
+    elif args.command == "hallucination":
+        from .hallucination import measure_hallucination
+        print(json.dumps(measure_hallucination(args.fit, args.test, args.model), indent=2))
+    elif args.command == "data":
+        from .dataset import write_dataset
+        print(write_dataset(args.out, args.first_seed, args.count, args.noise))
     else:
         from .latency import format_latency, measure_latency
         result = measure_latency(args.rounds, args.tokens, args.model)

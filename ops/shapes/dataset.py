@@ -4,10 +4,10 @@ sentence (a span that says "A red circle at the top left." holds that key)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
+from ..attribution import atomic_path
 from .world import PROMPT, scene
 
 FILE = "data.jsonl"
@@ -29,7 +29,6 @@ def write_dataset(out: Path, first_seed: int, count: int, noise: Optional[float]
         image.save(out / name)
         lines.append(json.dumps({"image": name, "prompt": PROMPT,
                                  "boxes": {o.sentence: list(o.box) for o in objects}}))
-    tmp = out / (FILE + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, out / FILE)
+    with atomic_path(out / FILE) as tmp:
+        Path(tmp).write_text("\n".join(lines) + "\n")
     return out

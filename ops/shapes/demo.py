@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import html
 import json
-import os
 from pathlib import Path
 from typing import Callable, List, Optional
 
 import numpy as np
 import torch
 
+from ..attribution import atomic_path
 from ..vas import VAS_COLUMNS
 from .accuracy import HELD_OUT_SEED
 from .figures import region_centroids, span_figure
@@ -29,9 +29,8 @@ DEFAULT_REGIONS = 8
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(text)
 
 
 def _token_grid(inputs) -> tuple:

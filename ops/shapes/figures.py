@@ -7,6 +7,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..attribution import atomic_path
+
 
 def region_map(labels: np.ndarray, grid: Sequence[int], image_size: int) -> np.ndarray:
     """``(image_size, image_size)`` region label of every pixel, from the ``(rows*cols,)``
@@ -81,7 +83,6 @@ def span_figure(path: Path, image, labels: np.ndarray, grid: Sequence[int],
     fig.colorbar(shown, ax=axes[1], fraction=0.046, pad=0.03)
     fig.suptitle(title, fontsize=12)
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
-    tmp.replace(path)

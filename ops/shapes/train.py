@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ..attribution import atomic_path
 from .accuracy import HELD_OUT_SEED, caption_accuracy, held_out_scenes
 from .model import build_model, training_batch
 from .processor import build_processor
@@ -36,9 +36,9 @@ class Settings:
     hidden: int = 96
     layers: int = 3
     intermediate: int = 256
-    vision_width: int = 64
-    vision_depth: int = 2
-    vision_mlp_ratio: int = 2
+    vision_width: int = 96
+    vision_depth: int = 3
+    vision_mlp_ratio: int = 4
 
     def check(self) -> None:
         for name in ("steps", "batch"):
@@ -65,15 +65,6 @@ def _schedule(settings: Settings):
         progress = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     return factor
-
-
-def _save_atomic(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int = 100,
@@ -110,9 +101,10 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
         step, elapsed = state["step"], state["elapsed"]
 
     def checkpoint() -> None:
-        _save_atomic({"settings": asdict(settings), "step": step, "elapsed": elapsed,
-                      "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                      "scheduler": scheduler.state_dict()}, state_path)
+        with atomic_path(state_path) as tmp:
+            torch.save({"settings": asdict(settings), "step": step, "elapsed": elapsed,
+                        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict()}, tmp)
 
     model.train()
     bar = tqdm(total=settings.steps, initial=step, desc="train shapes model",
@@ -149,8 +141,7 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
               "train_scene_seeds": [0, settings.steps * settings.batch - 1],
               "held_out_scene_seeds": [HELD_OUT_SEED, HELD_OUT_SEED + eval_scenes - 1],
               "held_out_accuracy": accuracy}
-    tmp = out / (REPORT_FILE + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, out / REPORT_FILE)
+    with atomic_path(out / REPORT_FILE) as tmp:
+        Path(tmp).write_text(json.dumps(report, indent=2) + "\n")
     state_path.unlink()
     return report

@@ -30,6 +30,7 @@ PROMPT = "Describe the image."
 _CELL = IMAGE_SIZE / 3
 _SIZE_RANGE = (18, 29)   # shape extent in pixels (diameter, side)
 _JITTER = 6              # centre offset from the cell's centre, pixels
+_OUTLINE = (25, 25, 25)
 _PHRASE_TO_PLACE = {phrase: words for words, phrase in PLACES.values()}
 _SENTENCE = re.compile(r"^An? (\w+) (\w+) ((?:at|on|in) the [\w ]+)$")
 
@@ -60,15 +61,18 @@ def _star(cx: float, cy: float, radius: float) -> List[Tuple[float, float]]:
 
 
 def _draw(draw, shape: str, cx: float, cy: float, size: int, fill) -> Tuple[int, int, int, int]:
+    # A dark outline makes the silhouette the same pixels whatever the colour, which the
+    # vision tower's linear patch embedding can pick up directly.
     h = size / 2
+    style = dict(fill=fill, outline=_OUTLINE, width=2)
     if shape == "circle":
-        draw.ellipse([cx - h, cy - h, cx + h, cy + h], fill=fill)
+        draw.ellipse([cx - h, cy - h, cx + h, cy + h], **style)
     elif shape == "square":
-        draw.rectangle([cx - h, cy - h, cx + h, cy + h], fill=fill)
+        draw.rectangle([cx - h, cy - h, cx + h, cy + h], **style)
     elif shape == "triangle":
-        draw.polygon([(cx, cy - h), (cx + h, cy + h), (cx - h, cy + h)], fill=fill)
+        draw.polygon([(cx, cy - h), (cx + h, cy + h), (cx - h, cy + h)], **style)
     else:
-        draw.polygon(_star(cx, cy, h * 1.15), fill=fill)
+        draw.polygon(_star(cx, cy, h * 1.15), **style)
         h *= 1.15
     x0, y0 = max(0, int(np.floor(cx - h))), max(0, int(np.floor(cy - h)))
     x1 = min(IMAGE_SIZE, int(np.ceil(cx + h)) + 1)

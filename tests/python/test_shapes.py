@@ -215,3 +215,17 @@ def test_training_checkpoints_on_interrupt(tmp_path, monkeypatch):
     monkeypatch.setattr(train_module, "_batch", real)
     assert train_module.train(tmp_path, settings, stop_after=1, progress=False) is None
     assert torch.load(tmp_path / train_module.STATE_FILE, weights_only=False)["step"] == 3
+
+
+def test_dataset_folder_for_collect(tmp_path):
+    from PIL import Image
+    from headscope.shapes.__main__ import main
+    assert main(["data", "--out", str(tmp_path), "--first-seed", "5", "--count", "3"]) == 0
+    lines = [json.loads(x) for x in (tmp_path / "data.jsonl").read_text().splitlines()]
+    assert len(lines) == 3
+    for k, line in enumerate(lines):
+        image, objects = shapes.scene(5 + k, 1 + k % 4)
+        assert np.array_equal(np.asarray(Image.open(tmp_path / line["image"])),
+                              np.asarray(image))
+        assert line["prompt"] == shapes.PROMPT
+        assert line["boxes"] == {o.sentence: list(o.box) for o in objects}
