@@ -41,10 +41,15 @@ def describe_images(model, processor, images, max_new_tokens: int = 48,
 def caption_accuracy(model, processor, scenes: Iterable[tuple]) -> Dict[str, float]:
     """On ``scenes`` ``(seed, image, objects)``: ``exact`` (share of descriptions equal to
     the truth), ``precision`` (share of generated sentences naming an object of the image:
-    colour, shape and place), ``recall`` (share of objects named) and ``count``."""
+    colour, shape and place), ``recall`` (share of objects named), ``count``, and
+    ``colour``/``shape``/``position``: the share of sentences whose attribute equals that
+    of the object in the same place of the description order (descriptions with the
+    right number of sentences)."""
     scenes = list(scenes)
     texts = describe_images(model, processor, [image for _, image, _ in scenes])
     exact = named = sentences = found = total = 0
+    same = {"colour": 0, "shape": 0, "position": 0}
+    pairs = 0
     for (_, _, objects), text in zip(scenes, texts):
         exact += text.strip() == describe(objects)
         parsed = parse_description(text)
@@ -53,5 +58,11 @@ def caption_accuracy(model, processor, scenes: Iterable[tuple]) -> Dict[str, flo
         named += sum(match_object(p, objects) is not None for p in parsed)
         found += len(matched)
         total += len(objects)
+        if len(parsed) == len(objects):
+            for p, o in zip(parsed, objects):
+                pairs += 1
+                for i, key in enumerate(same):
+                    same[key] += p is not None and p[i] == getattr(o, key)
     return {"count": len(scenes), "exact": exact / len(scenes),
-            "precision": named / max(sentences, 1), "recall": found / total}
+            "precision": named / max(sentences, 1), "recall": found / total,
+            **{key: value / max(pairs, 1) for key, value in same.items()}}

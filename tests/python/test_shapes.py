@@ -131,17 +131,22 @@ def test_load_gives_the_shipped_model(shipped):
         assert head.num_features == L * model.config.text_config.num_attention_heads
 
 
+MIN_RECALL = 0.35
+
+
 def test_shipped_model_describes_held_out_scenes(shipped):
-    from headscope.shapes.accuracy import describe_images, held_out_scenes
+    from headscope.shapes.accuracy import caption_accuracy, describe_images, held_out_scenes
     model, processor, _ = shipped
-    scenes = held_out_scenes(4)
+    scenes = held_out_scenes(8)
     texts = describe_images(model, processor, [im for _, im, _ in scenes])
-    right = 0
-    for (_, _, objects), text in zip(scenes, texts):
+    for text in texts:
         parsed = shapes.parse_description(text)
         assert parsed and all(p is not None for p in parsed), text
-        right += text == shapes.describe(objects)
-    assert right >= 3, texts
+    # Deterministic (greedy, fixed scenes); well below the accuracy docs/shapes.md reports
+    # for 200 scenes, so that a broken model, processor or prompt fails.
+    accuracy = caption_accuracy(model, processor, scenes)
+    assert accuracy["colour"] >= 0.6 and accuracy["position"] >= 0.6, accuracy
+    assert accuracy["recall"] >= MIN_RECALL, accuracy
 
 
 def test_demo_writes_its_files(shipped, tmp_path, capsys):
