@@ -126,9 +126,8 @@ def test_load_gives_the_shipped_model(shipped):
         model.config.image_token_id
     size = sum(f.stat().st_size for f in DATA_DIR.iterdir())
     assert size <= 20 * 2 ** 20
-    if head is not None:
-        L = model.config.text_config.num_hidden_layers
-        assert head.num_features == L * model.config.text_config.num_attention_heads
+    L = model.config.text_config.num_hidden_layers
+    assert head.num_features == L * model.config.text_config.num_attention_heads
 
 
 MIN_RECALL = 0.35
