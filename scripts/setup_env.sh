@@ -13,6 +13,10 @@ command -v g++ >/dev/null || missing+=(g++)
 command -v ninja >/dev/null || missing+=(ninja-build)
 command -v ccache >/dev/null || missing+=(ccache)
 [ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
+# clang and libFuzzer's runtime, for the fuzzing harnesses (scripts/fuzz.sh)
+command -v clang++ >/dev/null || missing+=(clang)
+{ command -v clang++ >/dev/null && [ -f "$(clang++ -print-file-name=libclang_rt.fuzzer-x86_64.a)" ]; } \
+  || missing+=(libclang-rt-dev)
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"
   SUDO=$([ "$(id -u)" = 0 ] || echo sudo)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs every test: GoogleTest through ctest (also
-# under AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer), the TorchScript
-# round trip through the C++ example, and pytest.
+# under AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer), the libFuzzer
+# harnesses for a bounded time, the TorchScript round trip through the C++ example, and pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -15,6 +15,9 @@ ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)"
 
 echo "== ctest under ASan + LSan + UBSan (CPU kernels)"
 bash scripts/sanitize.sh
+
+echo "== libFuzzer harnesses, ${HEADSCOPE_FUZZ_SECONDS:-60} s per family"
+bash scripts/fuzz.sh
 
 echo "== pytest"
 export HEADSCOPE_EXAMPLE_BIN=$PWD/$BUILD/example/headscope_run_torchscript

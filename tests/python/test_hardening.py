@@ -244,27 +244,33 @@ def test_save_error_removes_temporary_file(tmp_path, monkeypatch):
 
 # ---- concurrency -------------------------------------------------------------------------------
 
-def _calls():
+def _inputs():
     gen = torch.Generator().manual_seed(8)
-    A = torch.softmax(torch.randn(2, 3, 64, 64, generator=gen), -1)
-    V = torch.randn(2, 3, 64, 16, generator=gen)
-    q, k = torch.randn(2, 4, 64, 16, generator=gen), torch.randn(2, 2, 64, 16, generator=gen)
-    lengths = torch.tensor([64, 50])
-    rid = torch.randint(-1, 6, (2, 64), generator=gen)
-    w = torch.rand(2, 64, generator=gen) + 0.1
-    lu, lv = torch.randn(3, 30, 4, generator=gen).double(), torch.randn(3, 30, 4, generator=gen).double()
-    X = torch.randn(3, 30, 5, generator=gen).double()
-    x, y = torch.randn(6, 40, generator=gen), torch.randn(6, 40, generator=gen)
-    feats = torch.randn(64, 8, generator=gen)
+    return dict(
+        A=torch.softmax(torch.randn(2, 3, 64, 64, generator=gen), -1),
+        V=torch.randn(2, 3, 64, 16, generator=gen),
+        q=torch.randn(2, 4, 64, 16, generator=gen), k=torch.randn(2, 2, 64, 16, generator=gen),
+        lengths=torch.tensor([64, 50]),
+        rid=torch.randint(-1, 6, (2, 64), generator=gen),
+        w=torch.rand(2, 64, generator=gen) + 0.1,
+        lu=torch.randn(3, 30, 4, generator=gen).double(), lv=torch.randn(3, 30, 4, generator=gen).double(),
+        X=torch.randn(3, 30, 5, generator=gen).double(),
+        x=torch.randn(6, 40, generator=gen), y=torch.randn(6, 40, generator=gen),
+        feats=torch.randn(64, 8, generator=gen),
+    )
+
+
+def _calls(inputs=None):
+    t = inputs if inputs is not None else _inputs()
     return {
-        "vas_head_stats": lambda: headscope.vas_head_stats(A, V, lengths),
-        "vas_head_stats_qk": lambda: headscope.vas_head_stats_qk(q, k, V.repeat(1, 2, 1, 1)[:, :4],
-                                                                 lengths),
-        "region_pool_qk": lambda: headscope.region_pool_qk(q, k, w, rid, 6, causal=True),
-        "kl_project": lambda: OPS.kl_project(lu, lv, 1e-11, 80)[0],
-        "thin_mix": lambda: headscope.thin_mix(*OPS.kl_project(lu, lv, 1e-11, 80)[:2], X),
-        "spearman": lambda: headscope.spearman(x, y),
-        "ward_regions": lambda: headscope.ward_regions(feats, 8, 8, 5),
+        "vas_head_stats": lambda: headscope.vas_head_stats(t["A"], t["V"], t["lengths"]),
+        "vas_head_stats_qk": lambda: headscope.vas_head_stats_qk(
+            t["q"], t["k"], t["V"].repeat(1, 2, 1, 1)[:, :4], t["lengths"]),
+        "region_pool_qk": lambda: headscope.region_pool_qk(t["q"], t["k"], t["w"], t["rid"], 6, causal=True),
+        "kl_project": lambda: OPS.kl_project(t["lu"], t["lv"], 1e-11, 80)[0],
+        "thin_mix": lambda: headscope.thin_mix(*OPS.kl_project(t["lu"], t["lv"], 1e-11, 80)[:2], t["X"]),
+        "spearman": lambda: headscope.spearman(t["x"], t["y"]),
+        "ward_regions": lambda: headscope.ward_regions(t["feats"], 8, 8, 5),
     }
 
 
@@ -299,6 +305,86 @@ def test_results_repeat_bitwise_across_runs():
         assert torch.equal(fn(), first[name]), name
 
 
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: no GPU on this machine")
+def test_cuda_ops_run_on_the_current_stream():
+    """On a side stream whose inputs are written only after a long sleep, every op must wait
+    for them: a kernel launched on another stream would read the buffers before the copies."""
+    inputs = {name: t.cuda() for name, t in _inputs().items()}
+    want = {name: fn() for name, fn in _calls(inputs).items()}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        late = {name: t.clone() for name, t in inputs.items()}
+        got = {name: fn() for name, fn in _calls(late).items()}
+    torch.cuda.current_stream().wait_stream(side)
+    for name in want:  # CUDA's float64 atomics may move the last float32 bits between runs
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+def _large_calls():
+    """Sizes where the kernels split one head, one row or one reduction among threads."""
+    gen = torch.Generator().manual_seed(9)
+    T = 300
+    A = torch.softmax(torch.randn(1, 1, T, T, generator=gen), -1)
+    V = torch.randn(1, 1, T, 64, generator=gen)
+    q, k = torch.randn(1, 2, T, 64, generator=gen), torch.randn(1, 1, T, 64, generator=gen)
+    rid, w = torch.randint(-1, 8, (1, T), generator=gen), torch.rand(1, T, generator=gen)
+    x, y = torch.randn(2, 50000, generator=gen), torch.randn(2, 50000, generator=gen)
+    f, weight = torch.randn(5000, 64, generator=gen), torch.randn(64, generator=gen)
+    lu, lv = torch.randn(1, 2048, 16, generator=gen), torch.randn(1, 2048, 16, generator=gen)
+    head_stats = torch.rand(8, 28, 16, 3, generator=gen)
+    return {
+        "vas_head_stats": lambda: headscope.vas_head_stats(A, V, torch.tensor([T])),
+        "vas_head_stats_qk": lambda: headscope.vas_head_stats_qk(q, k, V.expand(1, 2, T, 64),
+                                                                 torch.tensor([T])),
+        "vas_aggregate": lambda: headscope.vas_aggregate(head_stats),
+        "region_pool": lambda: headscope.region_pool(A, w, rid, 8),
+        "region_pool_qk": lambda: headscope.region_pool_qk(q, k, w, rid, 8, causal=True),
+        "kl_project": lambda: OPS.kl_project(lu, lv, 1e-8, 80)[0],
+        "spearman": lambda: headscope.spearman(x, y),
+        "pearson": lambda: headscope.pearson(x, y),
+        "linear_attribution": lambda: headscope.linear_attribution(f, weight, f.mean(0), f.std(0), 0.5),
+    }
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_results_bitwise_across_thread_counts(restore_threads):
+    """Every op but thin_mix gives the same bits whatever torch.set_num_threads says: work is
+    split over (batch, head) items or fixed blocks, each summed in one fixed order."""
+    calls = {**_calls(), **{f"{n} (large)": fn for n, fn in _large_calls().items()}}
+    calls.pop("thin_mix")
+    torch.set_num_threads(1)
+    single = {name: fn() for name, fn in calls.items()}
+    for threads in (2, 3, 4):
+        torch.set_num_threads(threads)
+        for name, fn in calls.items():
+            assert torch.equal(fn(), single[name]), (name, threads)
+
+
+def test_thin_mix_across_thread_counts(restore_threads):
+    """thin_mix's V^T X is a BLAS product summing over n: for long sequences the BLAS splits
+    that sum among threads, so results agree across thread counts to float32 rounding, not
+    bitwise (they do repeat bitwise for a fixed thread count)."""
+    gen = torch.Generator().manual_seed(10)
+    U, V = OPS.kl_project(torch.randn(1, 4096, 16, generator=gen), torch.randn(1, 4096, 16, generator=gen),
+                          1e-8, 80)[:2]
+    X = torch.randn(1, 4096, 128, generator=gen)
+    torch.set_num_threads(1)
+    single = headscope.thin_mix(U, V, X)
+    for threads in (2, 4):
+        torch.set_num_threads(threads)
+        got = headscope.thin_mix(U, V, X)
+        assert torch.equal(got, headscope.thin_mix(U, V, X))
+        torch.testing.assert_close(got, single, rtol=1e-6, atol=1e-6)
+
+
 # ---- inputs past 2^31 elements (64-bit indexing) -----------------------------------------------
 
 def test_attention_past_2_31_elements():
@@ -321,3 +407,30 @@ def test_attention_past_2_31_elements():
         sl = slice(h0, h0 + 300)
         assert torch.equal(stats[:, sl], headscope.vas_head_stats(A[:, sl], V[:, sl], lengths))
         assert torch.equal(pooled[:, :, sl], headscope.region_pool(A[:, sl], w, rid, 4))
+
+
+# ---- allocations that cannot be made -----------------------------------------------------------
+
+def _huge_calls():
+    """Calls whose result or scratch space needs terabytes (stride-0 inputs cost nothing)."""
+    a, w, rid = torch.rand(1, 1, 2, 3), torch.ones(1, 2), torch.zeros(1, 3, dtype=torch.long)
+    long_q = torch.rand(1, 1, 1, 1).expand(1, 1, 2 ** 40, 1)
+    q, k = torch.rand(1, 1, 2, 4), torch.rand(1, 1, 3, 4)
+    problems = torch.rand(1, 1, 1).expand(2 ** 40, 2, 2)
+    row = torch.rand(1).expand(2 ** 40)
+    return {
+        "region_pool (operator new)": ("region_pool", lambda: headscope.region_pool(a, w, rid, 2 ** 40)),
+        "region_pool (vector length)": ("region_pool", lambda: headscope.region_pool(a, w, rid, 2 ** 62)),
+        "region_pool_qk": ("region_pool_qk", lambda: headscope.region_pool_qk(q, k, w, rid, 2 ** 40)),
+        "vas_head_stats_qk": ("vas_head_stats_qk", lambda: headscope.vas_head_stats_qk(
+            long_q, long_q, long_q, torch.tensor([5]))),
+        "kl_project": ("kl_project", lambda: OPS.kl_project(problems, problems, 1e-8, 5)),
+        "spearman": ("spearman", lambda: headscope.spearman(row, row)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_huge_calls()))
+def test_failed_allocation_is_an_out_of_memory_error_naming_the_op(case):
+    op, call = _huge_calls()[case]
+    with pytest.raises(torch.OutOfMemoryError, match=rf"^headscope::{op}: out of memory"):
+        call()

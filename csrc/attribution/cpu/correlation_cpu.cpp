@@ -1,6 +1,7 @@
 // CPU kernels of spearman and pearson along one dim, in double precision.
 #include "attribution/attribution_checks.h"
 #include "attribution/cpu/correlation_cpu.h"
+#include "common/kernel.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -112,8 +113,8 @@ at::Tensor pearson_cpu(const at::Tensor& pred, const at::Tensor& target, int64_t
 }  // namespace
 
 TORCH_LIBRARY_IMPL(headscope, CPU, m) {
-  m.impl("spearman", &spearman_cpu);
-  m.impl("pearson", &pearson_cpu);
+  m.impl("spearman", HEADSCOPE_KERNEL("spearman", spearman_cpu));
+  m.impl("pearson", HEADSCOPE_KERNEL("pearson", pearson_cpu));
 }
 
 }  // namespace headscope::attribution::cpu

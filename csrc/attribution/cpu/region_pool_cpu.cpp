@@ -1,8 +1,9 @@
 // CPU kernels of region_pool (from attention probabilities) and region_pool_qk (from q
 // and k, streaming: flash-attention style tiles of keys with an online softmax).
 #include "attribution/attribution_checks.h"
-#include "common/checks.h"
 #include "attribution/cpu/region_pool_common_cpu.h"
+#include "common/checks.h"
+#include "common/kernel.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -377,8 +378,8 @@ at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k_in,
 }  // namespace
 
 TORCH_LIBRARY_IMPL(headscope, CPU, m) {
-  m.impl("region_pool", &region_pool_cpu);
-  m.impl("region_pool_qk", &region_pool_qk_cpu);
+  m.impl("region_pool", HEADSCOPE_KERNEL("region_pool", region_pool_cpu));
+  m.impl("region_pool_qk", HEADSCOPE_KERNEL("region_pool_qk", region_pool_qk_cpu));
 }
 
 }  // namespace headscope::attribution::cpu

@@ -13,6 +13,7 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 #include "attribution/cpu/ward_cpu.h"
+#include "common/kernel.h"
 
 #include "attribution/attribution_checks.h"
 #include "common/checks.h"
@@ -210,6 +211,8 @@ at::Tensor ward_regions_cpu(const at::Tensor& features, int64_t height, int64_t 
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(headscope, CPU, m) { m.impl("ward_regions", &ward_regions_cpu); }
+TORCH_LIBRARY_IMPL(headscope, CPU, m) {
+  m.impl("ward_regions", HEADSCOPE_KERNEL("ward_regions", ward_regions_cpu));
+}
 
 }  // namespace headscope::attribution::cpu

@@ -1,6 +1,7 @@
 // CUDA kernels of pearson (one block per row, double sums) and spearman (average ranks by
 // counting, O(n^2 / threads) per row, then the Pearson kernel on the ranks).
 #include "attribution/attribution_checks.h"
+#include "common/kernel.h"
 #include "common/cuda_reduce.cuh"
 
 #include <ATen/Dispatch.h>
@@ -142,8 +143,8 @@ at::Tensor pearson_cuda(const at::Tensor& pred, const at::Tensor& target, int64_
 }  // namespace
 
 TORCH_LIBRARY_IMPL(headscope, CUDA, m) {
-  m.impl("spearman", &spearman_cuda);
-  m.impl("pearson", &pearson_cuda);
+  m.impl("spearman", HEADSCOPE_KERNEL("spearman", spearman_cuda));
+  m.impl("pearson", HEADSCOPE_KERNEL("pearson", pearson_cuda));
 }
 
 }  // namespace headscope::attribution::cuda

@@ -14,6 +14,7 @@
 // Rows with zero weight are never computed (only the active rows are launched).
 #include "attribution/attribution_checks.h"
 #include "common/checks.h"
+#include "common/kernel.h"
 #include "common/cuda_launch.h"
 #include "common/cuda_reduce.cuh"
 
@@ -256,7 +257,13 @@ __global__ void qk_split_kernel(QKParams p, const scalar_t* __restrict__ q,
     const acc_t tmax = block_max(lm, red);
     const acc_t m_old = m_sh;
     const acc_t m_new = tmax > m_old ? tmax : m_old;
-    if (m_new == acc_t(-INFINITY)) continue;  // uniform across the block: all masked so far
+    if (m_new == acc_t(-INFINITY)) {  // uniform across the block: all masked so far, or NaN
+      acc_t nan_seen = 0;               // logits, which make the row's features NaN
+      for (int64_t j = threadIdx.x; j < T; j += blockDim.x) nan_seen = sc[j] != sc[j] ? 1 : nan_seen;
+      if (block_max(nan_seen, red) > 0 && threadIdx.x == 0) z_sh = NAN;
+      __syncthreads();
+      continue;
+    }
     if (m_new > m_old) {
       const acc_t f = m_old == acc_t(-INFINITY) ? acc_t(0) : exp_acc(m_old - m_new);
       for (int64_t kk = threadIdx.x; kk < p.K; kk += blockDim.x) acc[kk] *= f;
@@ -312,7 +319,15 @@ __global__ void qk_combine_kernel(QKParams p, const int64_t* __restrict__ active
       const int64_t qi = active != nullptr ? active[2 * row + 1] : 0;
       const int64_t base = (row * p.H + h) * p.nsplit;
       acc_t M = -INFINITY;
-      for (int64_t s = 0; s < p.nsplit; ++s) M = part_m[base + s] > M ? part_m[base + s] : M;
+      bool nan_logits = false;
+      for (int64_t s = 0; s < p.nsplit; ++s) {
+        M = part_m[base + s] > M ? part_m[base + s] : M;
+        nan_logits |= part_z[base + s] != part_z[base + s];
+      }
+      if (nan_logits) {  // a weighted row whose logits hold NaN or an infinity
+        total = NAN;
+        break;
+      }
       if (M == acc_t(-INFINITY)) continue;  // no visible key: the row adds nothing
       acc_t Z = 0, A = 0;
       for (int64_t s = 0; s < p.nsplit; ++s) {
@@ -426,8 +441,8 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
 }  // namespace
 
 TORCH_LIBRARY_IMPL(headscope, CUDA, m) {
-  m.impl("region_pool", &region_pool_cuda);
-  m.impl("region_pool_qk", &region_pool_qk_cuda);
+  m.impl("region_pool", HEADSCOPE_KERNEL("region_pool", region_pool_cuda));
+  m.impl("region_pool_qk", HEADSCOPE_KERNEL("region_pool_qk", region_pool_qk_cuda));
 }
 
 }  // namespace headscope::attribution::cuda

@@ -3,6 +3,7 @@
 // labels go back to the device. Same results as the CPU kernel.
 #include "attribution/attribution_checks.h"
 #include "attribution/cpu/ward_cpu.h"
+#include "common/kernel.h"
 #include "common/checks.h"
 
 #include <ATen/core/Tensor.h>
@@ -35,6 +36,8 @@ at::Tensor ward_regions_cuda(const at::Tensor& features, int64_t height, int64_t
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(headscope, CUDA, m) { m.impl("ward_regions", &ward_regions_cuda); }
+TORCH_LIBRARY_IMPL(headscope, CUDA, m) {
+  m.impl("ward_regions", HEADSCOPE_KERNEL("ward_regions", ward_regions_cuda));
+}
 
 }  // namespace headscope::attribution::cuda

@@ -1,6 +1,7 @@
 // CPU kernel of headscope::kl_project: the seed's Newton solver, one problem per
 // task of at::parallel_for, everything in double whatever the input dtype.
 #include "common/cpu_math.h"
+#include "common/kernel.h"
 #include "mixer/kl_newton.h"
 #include "mixer/kl_project_setup.h"
 
@@ -238,6 +239,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_projec
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(headscope, CPU, m) { m.impl("kl_project", &kl_project_cpu); }
+TORCH_LIBRARY_IMPL(headscope, CPU, m) {
+  m.impl("kl_project", HEADSCOPE_KERNEL("kl_project", kl_project_cpu));
+}
 
 }  // namespace headscope::mixer::cpu

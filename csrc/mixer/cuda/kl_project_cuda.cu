@@ -2,6 +2,7 @@
 // whole Newton loop (line search included) runs on the device, so a batch costs
 // one launch and no host-device synchronisation at all. Arithmetic in double.
 #include "mixer/kl_newton.h"
+#include "common/kernel.h"
 #include "mixer/kl_project_setup.h"
 
 #include <ATen/Dispatch.h>
@@ -223,6 +224,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_projec
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(headscope, CUDA, m) { m.impl("kl_project", &kl_project_cuda); }
+TORCH_LIBRARY_IMPL(headscope, CUDA, m) {
+  m.impl("kl_project", HEADSCOPE_KERNEL("kl_project", kl_project_cuda));
+}
 
 }  // namespace headscope::mixer::cuda

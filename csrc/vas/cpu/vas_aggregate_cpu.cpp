@@ -1,5 +1,6 @@
 // CPU kernel of headscope::vas_aggregate: (B, L, H, 3) head statistics to the 36
 // features, one batch row per task.
+#include "common/kernel.h"
 #include "vas/vas_checks.h"
 
 #include <ATen/Parallel.h>
@@ -66,6 +67,8 @@ at::Tensor vas_aggregate_cpu(const at::Tensor& head_stats) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(headscope, CPU, m) { m.impl("vas_aggregate", &vas_aggregate_cpu); }
+TORCH_LIBRARY_IMPL(headscope, CPU, m) {
+  m.impl("vas_aggregate", HEADSCOPE_KERNEL("vas_aggregate", vas_aggregate_cpu));
+}
 
 }  // namespace headscope::vas

@@ -3,6 +3,8 @@
 // each head split into chunks.
 #include "vas/cpu/vas_cpu.h"
 
+#include "common/kernel.h"
+
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -96,8 +98,8 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
 }  // namespace
 
 TORCH_LIBRARY_IMPL(headscope, CPU, m) {
-  m.impl("vas_head_stats", &vas_head_stats_cpu);
-  m.impl("vas_head_stats_qk", &vas_head_stats_qk_cpu);
+  m.impl("vas_head_stats", HEADSCOPE_KERNEL("vas_head_stats", vas_head_stats_cpu));
+  m.impl("vas_head_stats_qk", HEADSCOPE_KERNEL("vas_head_stats_qk", vas_head_stats_qk_cpu));
 }
 
 }  // namespace headscope::vas::cpu

@@ -17,6 +17,7 @@
 // Cross-block sums are float64 atomics, so results can differ between runs in the last
 // bits of float32.
 #include "common/cuda_launch.h"
+#include "common/kernel.h"
 #include "common/cuda_reduce.cuh"
 #include "vas/cuda/tile_mma_cuda.cuh"
 #include "vas/vas_checks.h"
@@ -993,9 +994,9 @@ at::Tensor vas_aggregate_cuda(const at::Tensor& head_stats) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(headscope, CUDA, m) {
-  m.impl("vas_head_stats", &vas_head_stats_cuda);
-  m.impl("vas_head_stats_qk", &vas_head_stats_qk_cuda);
-  m.impl("vas_aggregate", &vas_aggregate_cuda);
+  m.impl("vas_head_stats", HEADSCOPE_KERNEL("vas_head_stats", vas_head_stats_cuda));
+  m.impl("vas_head_stats_qk", HEADSCOPE_KERNEL("vas_head_stats_qk", vas_head_stats_qk_cuda));
+  m.impl("vas_aggregate", HEADSCOPE_KERNEL("vas_aggregate", vas_aggregate_cuda));
 }
 
 }  // namespace headscope::vas::cuda

@@ -1,0 +1,124 @@
+// Decoding of libFuzzer's bytes into op arguments, and the checks every harness makes.
+//
+// A harness draws sizes, dtypes, layouts and values from the bytes, then calls an op
+// through headscope's C++ API. Valid arguments must give the double-precision reference's
+// numbers; arguments the harness deliberately spoils must give a c10::Error naming the op.
+// Anything else (a crash, a sanitizer report, an error that names no op, a wrong number)
+// aborts, which libFuzzer records as a finding.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+namespace headscope::fuzz {
+
+[[noreturn]] inline void fail(const std::string& what) {
+  std::fprintf(stderr, "headscope fuzz finding: %s\n", what.c_str());
+  std::abort();
+}
+
+class Input {
+ public:
+  Input(const uint8_t* data, size_t size) : bytes_(data, size) {}
+
+  int64_t size(int64_t lo, int64_t hi) { return bytes_.ConsumeIntegralInRange<int64_t>(lo, hi); }
+  bool chance(uint8_t in_256) { return bytes_.ConsumeIntegral<uint8_t>() < in_256; }
+  double real(double lo, double hi) { return bytes_.ConsumeFloatingPointInRange(lo, hi); }
+  template <typename T, size_t N>
+  T pick(const T (&choices)[N]) { return bytes_.PickValueInArray(choices); }
+
+  // Standard normal values times a scale drawn from the bytes, from a seed in the bytes
+  // (a few bytes steer a whole tensor), in double; the caller converts.
+  at::Tensor normal(at::IntArrayRef shape) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(bytes_.ConsumeIntegral<uint32_t>());
+    return at::randn(shape, gen, at::kDouble) * pick({0.01, 0.3, 1.0, 3.0, 30.0});
+  }
+
+  // The same values in another memory layout: contiguous, a transposed copy viewed back,
+  // every other element of a wider buffer, or (values changed) the first slice broadcast
+  // with stride 0 along dimension 0.
+  at::Tensor layout(const at::Tensor& x) {
+    switch (x.dim() < 2 ? 0 : size(0, 3)) {
+      case 1: return x.transpose(0, 1).contiguous().transpose(0, 1);
+      case 2: {
+        auto wide_shape = x.sizes().vec();
+        wide_shape.back() *= 2;
+        auto wide = at::empty(wide_shape, x.options());
+        auto view = wide.slice(-1, 0, wide_shape.back(), 2);
+        view.copy_(x);
+        return view;
+      }
+      case 3: return x.narrow(0, 0, std::min<int64_t>(x.size(0), 1)).expand(x.sizes());
+      default: return x;
+    }
+  }
+
+  // Writes up to three NaN / +-Inf values at positions from the bytes (x contiguous).
+  void sprinkle(at::Tensor& x) {
+    if (x.numel() == 0) return;
+    auto flat = x.view(-1);
+    for (int64_t n = size(0, 3); n > 0; --n)
+      flat[size(0, x.numel() - 1)] = pick({double(NAN), double(INFINITY), -double(INFINITY)});
+  }
+
+  bool empty() { return bytes_.remaining_bytes() == 0; }
+
+ private:
+  FuzzedDataProvider bytes_;
+};
+
+// Runs the call; a c10::Error is fine when it names the op (headscope::<op>), anything else
+// is a finding. Returns whether the call succeeded.
+template <typename F>
+bool runs(const char* op, F&& call) {
+  try {
+    call();
+    return true;
+  } catch (const c10::Error& e) {
+    std::string msg = e.what_without_backtrace();
+    if (msg.find(std::string("headscope::") + op) == std::string::npos)
+      fail(std::string(op) + " raised an error that does not name it: " + msg);
+    return false;
+  }
+}
+
+// A tolerance no tighter than the rounding of a result stored in `dtype`.
+inline double at_least_rounding(double tol, at::ScalarType dtype) {
+  const double eps = dtype == at::kHalf ? 0x1p-11 : dtype == at::kBFloat16 ? 0x1p-8
+                   : dtype == at::kFloat ? 0x1p-24 : 0x1p-53;
+  return std::max(tol, 2 * eps);
+}
+
+// |got - want| <= atol + rtol |want| everywhere, NaN where want is NaN.
+inline void expect_close(const char* what, const at::Tensor& got, const at::Tensor& want,
+                         double rtol, double atol) {
+  auto g = got.to(at::kDouble), w = want.to(at::kDouble);
+  if (!g.sizes().equals(w.sizes()))
+    fail(std::string(what) + ": shape " + c10::str(g.sizes()) + ", expected " + c10::str(w.sizes()));
+  auto nan_ok = at::isnan(w).eq(at::isnan(g)).all().item<bool>();
+  // excess over the tolerance; 0 where equal (infinities included) or NaN in both
+  auto excess = at::where(g.eq(w) | at::isnan(w), at::zeros_like(g),
+                          (g - w).abs().sub(w.abs().mul(rtol).add(atol)));
+  auto close = excess.le(0).all().item<bool>();
+  if (!nan_ok || !close) {
+    fail(std::string(what) + ": result differs from the reference; largest excess " +
+         std::to_string(excess.nan_to_num(INFINITY).max().item<double>()) + "\n got  " + c10::str(g) + "\n want " +
+         c10::str(w));
+  }
+}
+
+// Bitwise equality of two results (NaN equal to NaN).
+inline void expect_same(const char* what, const at::Tensor& a, const at::Tensor& b) {
+  if (!a.sizes().equals(b.sizes()) ||
+      !(a.eq(b) | (at::isnan(a) & at::isnan(b))).all().item<bool>())
+    fail(std::string(what) + ": results differ between memory layouts");
+}
+
+}  // namespace headscope::fuzz
