@@ -161,7 +161,9 @@ void fuzz_linear(Input& in) {
   if (in.chance(30)) std[in.size(0, F - 1)] = in.pick({0.0, -1.0, double(NAN), double(INFINITY)});
   const double bias = in.real(-3, 3);
   at::Tensor out;
-  if (!runs("linear_attribution", [&] { out = headscope::linear_attribution(f, w, mean, std, bias); }))
+  if (!runs("linear_attribution", [&] {
+        out = headscope::linear_attribution(f, w, mean, std, at::scalar_tensor(bias, dtype));
+      }))
     fail("linear_attribution rejected valid input");
   auto sd = std.to(at::kDouble);
   auto want = at::matmul((f.to(at::kDouble) - mean.to(at::kDouble)) / sd, w.to(at::kDouble)) + bias;
