@@ -122,6 +122,11 @@ OPS = torch.ops.headscope
     (lambda: OPS.linear_attribution(torch.rand(2, 6), torch.rand(6), torch.rand(6),
                                     torch.ones(7)), "headscope::linear_attribution.*'std'"),
     (lambda: OPS.spearman(torch.rand(5), torch.rand(5).double(), -1), "headscope::spearman"),
+    # no heads to compute: the windows are still checked (found by fuzz/fuzz_vas.cpp)
+    (lambda: OPS.vas_head_stats(torch.rand(2, 0, 5, 5), torch.rand(2, 0, 5, 1), torch.tensor([-1, 2])),
+     "headscope::vas_head_stats.*'lengths'"),
+    (lambda: OPS.vas_head_stats_qk(torch.rand(2, 0, 5, 4), torch.rand(2, 1, 5, 4), torch.rand(2, 0, 5, 1),
+                                   torch.tensor([9, 1])), "headscope::vas_head_stats_qk.*'lengths'"),
 ])
 def test_op_errors_name_the_op_and_argument(call, pattern):
     with pytest.raises(RuntimeError, match=pattern):
@@ -356,34 +361,30 @@ def restore_threads():
 
 
 def test_results_bitwise_across_thread_counts(restore_threads):
-    """Every op but thin_mix gives the same bits whatever torch.set_num_threads says: work is
-    split over (batch, head) items or fixed blocks, each summed in one fixed order."""
+    """Every kernel of our own gives the same bits whatever torch.set_num_threads says: work
+    is split over (batch, head) items or fixed blocks, each summed in one fixed order. The
+    ATen composites (thin_mix, linear_attribution) are BLAS products, whose sums the BLAS
+    splits among threads: equal to float32 rounding across thread counts, bitwise for a
+    fixed count."""
     calls = {**_calls(), **{f"{n} (large)": fn for n, fn in _large_calls().items()}}
-    calls.pop("thin_mix")
-    torch.set_num_threads(1)
-    single = {name: fn() for name, fn in calls.items()}
-    for threads in (2, 3, 4):
-        torch.set_num_threads(threads)
-        for name, fn in calls.items():
-            assert torch.equal(fn(), single[name]), (name, threads)
-
-
-def test_thin_mix_across_thread_counts(restore_threads):
-    """thin_mix's V^T X is a BLAS product summing over n: for long sequences the BLAS splits
-    that sum among threads, so results agree across thread counts to float32 rounding, not
-    bitwise (they do repeat bitwise for a fixed thread count)."""
+    composites = {name: calls.pop(name) for name in ("thin_mix", "linear_attribution (large)")}
     gen = torch.Generator().manual_seed(10)
     U, V = OPS.kl_project(torch.randn(1, 4096, 16, generator=gen), torch.randn(1, 4096, 16, generator=gen),
                           1e-8, 80)[:2]
     X = torch.randn(1, 4096, 128, generator=gen)
+    composites["thin_mix (large)"] = lambda: headscope.thin_mix(U, V, X)
     torch.set_num_threads(1)
-    single = headscope.thin_mix(U, V, X)
-    for threads in (2, 4):
+    single = {name: fn() for name, fn in calls.items()}
+    single_composite = {name: fn() for name, fn in composites.items()}
+    for threads in (2, 3, 4):
         torch.set_num_threads(threads)
-        got = headscope.thin_mix(U, V, X)
-        assert torch.equal(got, headscope.thin_mix(U, V, X))
-        torch.testing.assert_close(got, single, rtol=1e-6, atol=1e-6)
-
+        for name, fn in calls.items():
+            assert torch.equal(fn(), single[name]), (name, threads)
+        for name, fn in composites.items():
+            got = fn()
+            assert torch.equal(fn(), got), (name, threads)
+            torch.testing.assert_close(got, single_composite[name], rtol=1e-6, atol=1e-6,
+                                       msg=f"{name}, {threads} threads")
 
 # ---- inputs past 2^31 elements (64-bit indexing) -----------------------------------------------
 

@@ -851,8 +851,8 @@ at::Tensor vas_head_stats_cuda(const at::Tensor& attn, const at::Tensor& head_wr
   const c10::cuda::CUDAGuard guard(attn.device());
   const int64_t B = attn.size(0), H = attn.size(1), T = attn.size(2), Dh = head_writes.size(3);
   at::Tensor out = at::empty({B, H, 3}, attn.options().dtype(at::kFloat));
-  if (B == 0 || H == 0) return out;
   const auto starts = check_windows_on_host(op, lengths, offsets, T);
+  if (B == 0 || H == 0) return out;
   Scratch sc;
   const Heads P = make_heads(B, H, T, Dh, lengths, offsets, false, sc, attn.options());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -893,8 +893,8 @@ at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in
   const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), D = q_in.size(3);
   const int64_t Hkv = k_in.size(1), Dh = head_writes.size(3);
   at::Tensor out = at::empty({B, H, 3}, q_in.options().dtype(at::kFloat));
-  if (B == 0 || H == 0) return out;
   check_windows_on_host(op, lengths, offsets, T);
+  if (B == 0 || H == 0) return out;
   // q and k in one dtype, one that holds both exactly (a copy only for mixed-dtype calls)
   const auto common = c10::promoteTypes(q_in.scalar_type(), k_in.scalar_type());
   const at::Tensor q = q_in.scalar_type() == common ? q_in : q_in.to(common);
