@@ -50,14 +50,18 @@ void fuzz_project(Input& in) {
         (~nan_residual).masked_select(finite).all().item<bool>()))
     fail("kl_project: NaN residuals do not match the problems holding NaN");
   if (!(iters.ge(1) & iters.le(max_iter)).all().item<bool>()) fail("kl_project: iters out of range");
-  auto ok = finite.view({batch, 1, 1});
-  auto keep = [&](const at::Tensor& x) { return at::where(ok, x.to(at::kDouble), 0.0); };
   if (!z.select(-1, r - 1).masked_select(finite).eq(0).all().item<bool>())
     fail("kl_project: gauge z[..., -1] != 0");
+  // z is returned rounded to the dtype, and exp(lu + z) moves by |z| times that rounding:
+  // U and V are judged against z where this stays below 1e-6 (a problem that has not
+  // converged may leave z near 1e15, where float32 z cannot say which column wins)
+  const double eps = dtype == at::kDouble ? 0x1p-53 : 0x1p-24;
+  auto z_rounding = z.to(at::kDouble).abs().amax(-1).mul(2 * eps);  // (batch,)
+  auto judged = finite & z_rounding.le(1e-6);
+  auto ok = judged.view({batch, 1, 1});
+  auto keep = [&](const at::Tensor& x) { return at::where(ok, x.to(at::kDouble), 0.0); };
   auto zd = z.to(at::kDouble).unsqueeze(-2);
-  // z is returned rounded to the dtype: exp(lu + z) moves by |z| times its rounding
-  const double z_rounding = 2 * (dtype == at::kDouble ? 0x1p-53 : 0x1p-24) * largest(z);
-  const double rtol = (dtype == at::kDouble ? 1e-12 : 2e-6) + z_rounding;
+  const double rtol = (dtype == at::kDouble ? 1e-12 : 2e-6) + 1e-6;
   const double tiny = dtype == at::kDouble ? 1e-300 : 1e-37;  // below: subnormal, few digits
   expect_close("kl_project U", keep(U), keep(at::softmax(lu.to(at::kDouble) + zd, -1)), rtol, tiny);
   expect_close("kl_project V", keep(V), keep(at::softmax(lv.to(at::kDouble) - zd, -1)), rtol, tiny);
@@ -111,8 +115,15 @@ void fuzz_hvp_and_mix(Input& in) {
   auto Ud = Ul.to(at::kDouble);
   auto want = at::matmul(at::matmul(Ud / Ud.sum(-2, true), Vl.to(at::kDouble).mT()), X.to(at::kDouble));
   const double tol = x_dtype == at::kDouble ? 1e-11 : x_dtype == at::kFloat ? 1e-4 : 1e-2;
-  expect_close("thin_mix", Y, want, tol, tol * (1 + largest(X)));
-  expect_close("thin_mix (contiguous)", Yc, want, tol, tol * (1 + largest(X)));
+  // with infinities in X, which entries come out inf and which NaN (0 * inf) depends on the
+  // order of the products; that they are not finite does not
+  auto non_finite_as_nan = [](const at::Tensor& t) {
+    auto d = t.to(at::kDouble);
+    return at::where(at::isfinite(d), d, at::full({}, NAN, d.options()));
+  };
+  want = non_finite_as_nan(want);
+  expect_close("thin_mix", non_finite_as_nan(Y), want, tol, tol * (1 + largest(X)));
+  expect_close("thin_mix (contiguous)", non_finite_as_nan(Yc), want, tol, tol * (1 + largest(X)));
 }
 
 // Spoilt shapes and dtypes: an error naming the op, never a crash or a result.

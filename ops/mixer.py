@@ -65,7 +65,7 @@ def kl_hvp(U: Tensor, V: Tensor, s: Tensor) -> Tensor:
 
 
 def thin_mix(U: Tensor, V: Tensor, X: Tensor) -> Tensor:
-    """``U @ ((V^T @ X) / g[:, None])`` with ``g = U.sum(-2)``: the dense ``W @ X``."""
+    """``(U / g) @ (V^T @ X)`` with ``g = U.sum(-2)``: the dense ``W @ X``."""
     return torch.ops.headscope.thin_mix(U, V, X)
 
 

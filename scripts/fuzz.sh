@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer harnesses (fuzz/fuzz_<family>.cpp) with clang, AddressSanitizer and
 # UndefinedBehaviorSanitizer in build-fuzz/ (CPU kernels), replays every saved input
-# (fuzz/corpus/<family>/, the seed corpus and every past finding), then fuzzes each family
-# for HEADSCOPE_FUZZ_SECONDS (default 60). New inputs go to build-fuzz/corpus/<family>/;
-# a finding is written to build-fuzz/findings/ and fails the run.
+# (fuzz/corpus/<family>/, the seed corpus and every past finding), then fuzzes each family.
+# By default (CI) a fixed seed and a fixed number of inputs per family, about a minute each
+# here, so that a run repeats exactly; HEADSCOPE_FUZZ_SECONDS=N fuzzes N seconds per family
+# from a random seed instead (looking for new findings). New inputs go to
+# build-fuzz/corpus/<family>/; a finding is written to build-fuzz/findings/<family>/ and
+# fails the run.
 #   bash scripts/fuzz.sh [family ...]       # default: every family
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 BUILD=${HEADSCOPE_FUZZ_BUILD_DIR:-build-fuzz}
-SECONDS_PER_FAMILY=${HEADSCOPE_FUZZ_SECONDS:-60}
+# inputs per family in the repeatable mode: about 60 s each on a 2-core machine
+declare -A RUNS=([vas]=5000 [attribution]=50000 [mixer]=25000)
 families=("$@")
 ((${#families[@]})) || families=(vas attribution mixer)
 export CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1
@@ -29,12 +33,19 @@ for family in "${families[@]}"; do
   fuzzer=$BUILD/headscope_fuzz_$family
   saved=fuzz/corpus/$family
   echo "== fuzz $family: replaying $(ls "$saved" | wc -l) saved inputs"
-  "$fuzzer" -runs=0 "$saved" 2>&1 | grep -E "INITED|DONE|ERROR|finding" || true
-  "$fuzzer" -runs=0 "$saved" >/dev/null 2>&1 || { "$fuzzer" -runs=0 "$saved"; exit 1; }
-  mkdir -p "$BUILD/corpus/$family" "$BUILD/findings/$family"
-  echo "== fuzz $family: ${SECONDS_PER_FAMILY} s"
-  "$fuzzer" -max_total_time="$SECONDS_PER_FAMILY" -max_len=512 -print_final_stats=1 \
-    -artifact_prefix="$BUILD/findings/$family/" "$BUILD/corpus/$family" "$saved" 2>"$BUILD/fuzz_$family.log" \
+  replay=$("$fuzzer" -runs=0 "$saved" 2>&1) || { echo "$replay" | tail -60; exit 1; }
+  if [ -n "${HEADSCOPE_FUZZ_SECONDS:-}" ]; then
+    budget=(-max_total_time="$HEADSCOPE_FUZZ_SECONDS")
+    corpus=$BUILD/corpus/$family
+  else  # repeatable: fixed seed, fresh corpus; the time cap only guards a much slower machine
+    budget=(-seed=1 -runs="${RUNS[$family]}" -max_total_time=300)
+    corpus=$BUILD/corpus-repeatable/$family
+    rm -rf "$corpus"
+  fi
+  mkdir -p "$corpus" "$BUILD/findings/$family"
+  echo "== fuzz $family: ${budget[*]}"
+  "$fuzzer" "${budget[@]}" -max_len=512 -print_final_stats=1 \
+    -artifact_prefix="$BUILD/findings/$family/" "$corpus" "$saved" 2>"$BUILD/fuzz_$family.log" \
     || { tail -60 "$BUILD/fuzz_$family.log"; exit 1; }
   grep -E "stat::number_of_executed_units|stat::peak_rss_mb" "$BUILD/fuzz_$family.log" | tr '\n' ' '
   echo
