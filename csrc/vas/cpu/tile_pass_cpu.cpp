@@ -16,7 +16,7 @@ namespace {
 // A tile of zeros in A (rows x cols, row shifts x, column shifts y): its entries of B,
 // -(x_r + y_c), into ||B||^2 (ax2) and B's column sums (colsum), in closed form. Zero tiles
 // and blocks are skipped: their KL terms, p log(p / q) with p at the clip, are under 3e-11
-// each and left out (README.md, "Deliberate differences"); <B, G> needs G (kl_pair,
+// each and left out (docs/vas.md, differences); <B, G> needs G (kl_pair,
 // zero_tile).
 inline void zero_sums(const float* x, int64_t rows, const float* y, int64_t cols, double& ax2,
                       double* colsum) {

@@ -83,7 +83,7 @@ struct Acc {
 constexpr int64_t kParts = 5;  // Acc's sums, as stored per chunk
 
 // Where A may be nonzero: for one 8-row block of the window, the 8-column groups from lo to
-// hi (none when lo > hi). Blocks outside are skipped (README.md, "Deliberate differences").
+// hi (none when lo > hi). Blocks outside are skipped (docs/vas.md, differences).
 struct Extent {
   int32_t lo, hi;
   bool hits(int64_t g) const { return lo <= g && g <= hi; }
@@ -100,7 +100,7 @@ struct Extent {
 // with a' = max(a, 1e-30), sum_j a' log2(a' / q) and sum_j a', from which
 // sum_j p log(p / q) = (ln 2 sum a' log2(a' / q) - ln(mA) sum a') / mA for p = a' / mA. This
 // is the reference's p wherever a / mA >= 1e-12; below, where the reference clips p to 1e-12, both
-// terms are under 3e-11 (README.md, "Deliberate differences").
+// terms are under 3e-11 (docs/vas.md, differences).
 struct PairArgs {
   const float* vi;   // Vn (or W) rows of I (row stride dh), readable zeros up to a multiple
                      // of 8

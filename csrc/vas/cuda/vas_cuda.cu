@@ -397,8 +397,8 @@ __device__ inline float log2_half_n(int64_t n) { return __log2f(0.5f * static_ca
 // q is clipped exactly when S <= 0: S is a multiple of 2^-25 near 0 and mS <= n, so for
 // n < 29000 any S > 0 has S / mS > eps. p is taken unclipped for a >= FLT_MIN: where
 // a / mA < eps after all, the term differs from the clipped one by < 2 eps (|ln eps| +
-// |ln q|) ~ 1e-10 (see README). ||A||^2 follows from ax2 = sum (a - 1/n)^2 (finalize), and
-// a NaN or infinity in A makes ax2 non-finite.
+// |ln q|) ~ 1e-10 (docs/vas.md, differences). ||A||^2 follows from ax2 = sum (a - 1/n)^2
+// (finalize), and a NaN or infinity in A makes ax2 non-finite.
 struct Sums {
   float kA = 0, sU = 0, sneg = 0, c1 = 0, n1 = 0, ag = 0, ax2 = 0, g2 = 0;
 };
