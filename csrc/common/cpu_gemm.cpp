@@ -66,7 +66,5 @@ void gemm_nn(int64_t m, int64_t n, int64_t k, T alpha, const T* A, int64_t lda, 
 
 template void gemm_nn<float>(int64_t, int64_t, int64_t, float, const float*, int64_t,
                              const float*, int64_t, float*, int64_t);
-template void gemm_nn<double>(int64_t, int64_t, int64_t, double, const double*, int64_t,
-                              const double*, int64_t, double*, int64_t);
 
 }  // namespace headscope

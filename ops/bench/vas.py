@@ -10,6 +10,8 @@ formulation, in one run (ratios are for reading, never assertions).
   from T = 512 to 8192;
 * on the CPU: one grouped-query layer (H = 8, Hkv = 4) at T = 512 and 2048: the qk op beside
   vas_head_stats on the layer's attention and beside one SDPA call;
+* aggregate: vas_aggregate beside the same statistics written as ATen ops (aten_aggregate),
+  the composite it would be if the kernel were not faster;
 * on CUDA: one Qwen2.5-VL-7B-sized layer (B = 1, H = 28, T = 4096, Dh = 128) against the
   roofline of the materialised-attention op, and vas_head_stats_qk against one SDPA call.
 """
@@ -200,6 +202,35 @@ def _layer_section(device, quick, results):
     results["layer"] = rows
 
 
+def aten_aggregate(head_stats: torch.Tensor) -> torch.Tensor:
+    """vas_aggregate as ATen ops (every backend): the per-layer mean, population std, max and
+    min over heads, stored as float32 as the reference does, then their mean, std and max
+    over layers, (B, 36)."""
+    x = head_stats.double()
+    std, mean = torch.std_mean(x, 2, correction=0)
+    layer = torch.stack([mean, std, x.amax(2), x.amin(2)], -1).float().double()  # (B, L, 3, 4)
+    std_l, mean_l = torch.std_mean(layer, 1, correction=0)
+    return torch.stack([mean_l, std_l, layer.amax(1)], -1).reshape(x.shape[0], 36).float()
+
+
+def _aggregate_section(device, quick, results):
+    rows = []
+    for B, L, H in ((1, 28, 28), (64, 28, 28)):
+        stats = torch.rand(B, L, H, 3, generator=torch.Generator().manual_seed(B)).to(device)
+        diff = (ops.vas_aggregate(stats) - aten_aggregate(stats)).abs().max().item()
+        times = interleaved({"kernel": lambda: ops.vas_aggregate(stats),
+                             "aten": lambda: aten_aggregate(stats)},
+                            device, rounds=3 if quick else 7, calls={"kernel": 20, "aten": 20})
+        rows.append({"B": B, "L": L, "H": H,
+                     "kernel us": statistics.median(times["kernel"]) * 1e6,
+                     "aten us": statistics.median(times["aten"]) * 1e6,
+                     "aten / kernel": round_ratios(times["aten"], times["kernel"])[0],
+                     "max abs diff": diff})
+    print_table(f"vas_aggregate: the kernel beside the same statistics as ATen ops ({device}; ratio: "
+                f"median over rounds timing both in turn)", rows, list(rows[0]))
+    results["aggregate"] = rows
+
+
 def _cuda_layer_section(device, quick, results):
     B, H, T, Dh = 1, 28, (1024 if quick else 4096), 128
     gen = torch.Generator(device=device).manual_seed(0)
@@ -242,6 +273,7 @@ def run(device: torch.device, quick: bool) -> dict:
     _seed_section(device, quick, results)
     _eager_section(device, quick, results)
     _growth_section(device, quick, results)
+    _aggregate_section(device, quick, results)
     if device.type == "cpu":
         _layer_section(device, quick, results)
     if device.type == "cuda":

@@ -3,6 +3,7 @@
 #include "attribution/attribution_checks.h"
 #include "attribution/cpu/region_pool_common_cpu.h"
 #include "common/checks.h"
+#include "common/cpu_simd.h"
 #include "common/kernel.h"
 
 #include <ATen/Dispatch.h>
@@ -15,7 +16,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 namespace headscope::attribution::cpu {
@@ -90,63 +90,15 @@ at::Tensor region_pool_cpu(const at::Tensor& attn, const at::Tensor& query_weigh
 // Register-blocked: four keys at a time (kept in L1) against every row, eight partial
 // sums per dot product, written as plain loops that GCC/Clang vectorise (AVX2/AVX-512
 // with -march=native). No BLAS call: a BLAS would start its own threads inside
-// at::parallel_for (oversubscription), and this is memory-bound on K anyway.
-// 32-byte vectors (GCC/Clang vector extensions; AVX2 with -march=native, two SSE halves
-// otherwise). Eight float or four double lanes.
-template <typename T>
-struct Vec;
-template <>
-struct Vec<float> {
-  typedef float type __attribute__((vector_size(32)));
-  static constexpr int kLanes = 8;
-};
-template <>
-struct Vec<double> {
-  typedef double type __attribute__((vector_size(32)));
-  static constexpr int kLanes = 4;
-};
-
-template <typename T>
-inline typename Vec<T>::type vload(const T* p) {
-  typename Vec<T>::type v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-template <typename T>
-inline T vsum(typename Vec<T>::type v) {
-  T r = 0;
-  for (int i = 0; i < Vec<T>::kLanes; ++i) r += v[i];
-  return r;
-}
-
-// The four dot products' partial sums reduced together: [sum c0, sum c1, sum c2, sum c3]
-// (pairwise adds across the vectors instead of four scalar chains).
-template <typename T>
-inline void vsum4(typename Vec<T>::type c0, typename Vec<T>::type c1,
-                  typename Vec<T>::type c2, typename Vec<T>::type c3, T out[4]) {
-  if constexpr (std::is_same_v<T, float>) {
-    using V = typename Vec<T>::type;
-    auto hadd = [](V x, V y) {
-      return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) +
-             __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
-    };
-    const V h = hadd(hadd(c0, c1), hadd(c2, c3));  // [c0..c3 low halves, c0..c3 high halves]
-    for (int i = 0; i < 4; ++i) out[i] = h[i] + h[i + 4];
-  } else {
-    out[0] = vsum<T>(c0);
-    out[1] = vsum<T>(c1);
-    out[2] = vsum<T>(c2);
-    out[3] = vsum<T>(c3);
-  }
-}
-
+// at::parallel_for (oversubscription), and this is memory-bound on K anyway. Nor
+// common/cpu_gemm.h's gemm_nn (the vas qk tiles' product): it takes K transposed, one more
+// pass over keys this op streams from memory once (a decode step took 1.5x as long).
 // readable: keys that may be read from Kt (>= n; past the tile: the next tiles, prefetched).
 template <typename T>
 void scores_tile(const T* Q, const T* Kt, int64_t ldk, T* S, int64_t R, int64_t n, int64_t D,
                  int64_t ldc, int64_t readable) {
-  using V = typename Vec<T>::type;
-  constexpr int W = Vec<T>::kLanes;
+  using V = Vec<T>;
+  constexpr int W = kLanes<T>;
   constexpr int64_t kAhead = 32;  // keys prefetched ahead: K streams from memory
   const int64_t DV = D / W * W;
   int64_t t = 0;
@@ -170,7 +122,7 @@ void scores_tile(const T* Q, const T* Kt, int64_t ldk, T* S, int64_t R, int64_t 
         c3 += x * vload(b3 + d);
       }
       T sums[4];
-      vsum4<T>(c0, c1, c2, c3, sums);
+      hsum4<T>(c0, c1, c2, c3, sums);
       T s0 = sums[0], s1 = sums[1], s2 = sums[2], s3 = sums[3];
       for (int64_t d = DV; d < D; ++d) {
         s0 += a[d] * b0[d];
@@ -191,7 +143,7 @@ void scores_tile(const T* Q, const T* Kt, int64_t ldk, T* S, int64_t R, int64_t 
       const T* a = Q + r * D;
       V c0 = {};
       for (int64_t d = 0; d < DV; d += W) c0 += vload(a + d) * vload(b0 + d);
-      T s0 = vsum<T>(c0);
+      T s0 = hsum(c0);
       for (int64_t d = DV; d < D; ++d) s0 += a[d] * b0[d];
       S[r * ldc + t] = s0;
     }

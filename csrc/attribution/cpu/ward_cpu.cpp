@@ -17,6 +17,7 @@
 
 #include "attribution/attribution_checks.h"
 #include "common/checks.h"
+#include "common/cpu_simd.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -78,15 +79,11 @@ void ward_grid_labels(double* X, int64_t height, int64_t width, int64_t C,
       }
       // Squares four columns at a time (vector), then added to each pair's sum one by
       // one, in column order: the additions are exactly the sequential ones.
-      typedef double v4d __attribute__((vector_size(32)));
       const int64_t C4 = C / 4 * 4;
       for (int64_t c = 0; c < C4; c += 4)
         for (int64_t j = 0; j < 8; ++j) {
-          v4d va, vb;
-          std::memcpy(&va, a[j] + c, sizeof(va));
-          std::memcpy(&vb, b[j] + c, sizeof(vb));
-          const v4d d = va - vb;
-          const v4d sq = d * d;
+          const d4 d = vload(a[j] + c) - vload(b[j] + c);
+          const d4 sq = d * d;
           pa[j] = (((pa[j] + sq[0]) + sq[1]) + sq[2]) + sq[3];
         }
       for (int64_t c = C4; c < C; ++c)

@@ -11,7 +11,7 @@
 #include <cmath>
 #include <vector>
 
-namespace headscope::vas {
+namespace headscope::vas::cpu {
 namespace {
 
 at::Tensor vas_aggregate_cpu(const at::Tensor& head_stats) {
@@ -71,4 +71,4 @@ TORCH_LIBRARY_IMPL(headscope, CPU, m) {
   m.impl("vas_aggregate", HEADSCOPE_KERNEL("vas_aggregate", vas_aggregate_cpu));
 }
 
-}  // namespace headscope::vas
+}  // namespace headscope::vas::cpu
