@@ -242,7 +242,7 @@ void fuzz_errors(Input& in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Input in(data, size);
-  at::set_num_threads(in.size(1, 2));
+  in.set_threads();
   at::manual_seed(in.size(0, 1 << 20));
   switch (in.size(0, 5)) {
     case 0: fuzz_errors(in); break;

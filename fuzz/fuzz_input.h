@@ -68,7 +68,13 @@ class Input {
       flat[size(0, x.numel() - 1)] = pick({double(NAN), double(INFINITY), -double(INFINITY)});
   }
 
-  bool empty() { return bytes_.remaining_bytes() == 0; }
+  // Sets torch's CPU thread count from the bytes (1 or 2), or to HEADSCOPE_FUZZ_THREADS when
+  // set: with one thread the coverage counts, and so a fixed-seed run, repeat exactly.
+  void set_threads() {
+    const int64_t drawn = size(1, 2);
+    const char* fixed = std::getenv("HEADSCOPE_FUZZ_THREADS");
+    at::set_num_threads(fixed != nullptr ? std::atoi(fixed) : static_cast<int>(drawn));
+  }
 
  private:
   FuzzedDataProvider bytes_;

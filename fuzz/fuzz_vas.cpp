@@ -181,7 +181,7 @@ void fuzz_errors(Input& in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Input in(data, size);
-  at::set_num_threads(in.size(1, 2));
+  in.set_threads();
   at::manual_seed(in.size(0, 1 << 20));
   if (in.chance(40)) fuzz_errors(in);
   else fuzz_head_stats(in);

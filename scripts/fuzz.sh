@@ -3,10 +3,10 @@
 # UndefinedBehaviorSanitizer in build-fuzz/ (CPU kernels), replays every saved input
 # (fuzz/corpus/<family>/, the seed corpus and every past finding), then fuzzes each family.
 # By default (CI) a fixed seed and a fixed number of inputs per family, about a minute each
-# here, so that a run repeats exactly; HEADSCOPE_FUZZ_SECONDS=N fuzzes N seconds per family
-# from a random seed instead (looking for new findings). New inputs go to
-# build-fuzz/corpus/<family>/; a finding is written to build-fuzz/findings/<family>/ and
-# fails the run.
+# here, on one thread, so that a run repeats exactly; HEADSCOPE_FUZZ_SECONDS=N fuzzes N
+# seconds per family from a random seed, on 1 or 2 threads as each input says (looking for
+# new findings). New inputs go to build-fuzz/corpus/<family>/; a finding is written to
+# build-fuzz/findings/<family>/ and fails the run.
 #   bash scripts/fuzz.sh [family ...]       # default: every family
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,8 +37,10 @@ for family in "${families[@]}"; do
   if [ -n "${HEADSCOPE_FUZZ_SECONDS:-}" ]; then
     budget=(-max_total_time="$HEADSCOPE_FUZZ_SECONDS")
     corpus=$BUILD/corpus/$family
-  else  # repeatable: fixed seed, fresh corpus; the time cap only guards a much slower machine
+  else  # repeatable: fixed seed, fresh corpus, one thread (threads racing on the coverage
+        # counters would change what the fuzzer keeps); the time cap guards a slower machine
     budget=(-seed=1 -runs="${RUNS[$family]}" -max_total_time=300)
+    export HEADSCOPE_FUZZ_THREADS=1
     corpus=$BUILD/corpus-repeatable/$family
     rm -rf "$corpus"
   fi
