@@ -69,7 +69,7 @@ class Input {
   }
 
   // Sets torch's CPU thread count from the bytes (1 or 2), or to HEADSCOPE_FUZZ_THREADS when
-  // set: with one thread the coverage counts, and so a fixed-seed run, repeat exactly.
+  // set (CI: one thread, so that threads racing on the coverage counts do not steer the run).
   void set_threads() {
     const int64_t drawn = size(1, 2);
     const char* fixed = std::getenv("HEADSCOPE_FUZZ_THREADS");

@@ -3,7 +3,8 @@
 # UndefinedBehaviorSanitizer in build-fuzz/ (CPU kernels), replays every saved input
 # (fuzz/corpus/<family>/, the seed corpus and every past finding), then fuzzes each family.
 # By default (CI) a fixed seed and a fixed number of inputs per family, about a minute each
-# here, on one thread, so that a run repeats exactly; HEADSCOPE_FUZZ_SECONDS=N fuzzes N
+# here, on one thread: a bounded cost, and runs that stay close to each other (libFuzzer's
+# choices still differ a little between processes); HEADSCOPE_FUZZ_SECONDS=N fuzzes N
 # seconds per family from a random seed, on 1 or 2 threads as each input says (looking for
 # new findings). New inputs go to build-fuzz/corpus/<family>/; a finding is written to
 # build-fuzz/findings/<family>/ and fails the run.
@@ -37,8 +38,8 @@ for family in "${families[@]}"; do
   if [ -n "${HEADSCOPE_FUZZ_SECONDS:-}" ]; then
     budget=(-max_total_time="$HEADSCOPE_FUZZ_SECONDS")
     corpus=$BUILD/corpus/$family
-  else  # repeatable: fixed seed, fresh corpus, one thread (threads racing on the coverage
-        # counters would change what the fuzzer keeps); the time cap guards a slower machine
+  else  # fixed seed, fresh corpus, one thread (threads racing on the coverage counters
+        # change what the fuzzer keeps); the time cap guards a slower machine
     budget=(-seed=1 -runs="${RUNS[$family]}" -max_total_time=300)
     export HEADSCOPE_FUZZ_THREADS=1
     corpus=$BUILD/corpus-repeatable/$family
