@@ -83,16 +83,12 @@ void fuzz_pool(Input& in) {
     expect_same("region_pool", out, headscope::region_pool(attn.contiguous(), w, rid, K, reduce));
     A = attn;
   } else {
-    const int64_t Hkv = in.pick({1, 2}), D = in.size(1, 40);
-    if (H % Hkv) return;
-    auto q = in.normal({B, H, Tq, D}).to(dtype);
-    if (in.chance(40)) in.sprinkle(q);
-    q = in.layout(q);
-    auto k = in.layout(in.normal({B, Hkv, Tk, D}).to(dtype));
-    const bool causal = in.chance(128);
-    std::optional<at::Tensor> kpm;
-    if (in.chance(64)) kpm = at::rand({B, Tk}) < in.real(0, 1);
-    const double scale = in.real(0.01, 1.0);
+    auto args = in.qk(B, H, Tq, Tk, 40, dtype);
+    if (!args) return;
+    const at::Tensor &q = args->q, &k = args->k;
+    const auto& kpm = args->key_padding_mask;
+    const bool causal = args->causal;
+    const double scale = args->scale;
     if (!runs("region_pool_qk", [&] {
           out = headscope::region_pool_qk(q, k, w, rid, K, scale, causal, kpm, reduce);
         }))

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 namespace headscope::fuzz {
@@ -66,6 +67,30 @@ class Input {
     auto flat = x.view(-1);
     for (int64_t n = size(0, 3); n > 0; --n)
       flat[size(0, x.numel() - 1)] = pick({double(NAN), double(INFINITY), -double(INFINITY)});
+  }
+
+  // The arguments of the qk ops: q (B, H, Tq, D) (sometimes holding NaN/Inf) and k
+  // (B, Hkv, Tk, D) in drawn layouts, causal, a key padding mask or none, and a scale;
+  // nothing when the drawn Hkv does not divide H.
+  struct QK {
+    at::Tensor q, k;
+    bool causal;
+    std::optional<at::Tensor> key_padding_mask;
+    double scale;
+  };
+  std::optional<QK> qk(int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t max_D,
+                       at::ScalarType dtype) {
+    const int64_t Hkv = pick({1, 2, 4}), D = size(1, max_D);
+    if (H % Hkv) return std::nullopt;
+    QK a;
+    a.q = normal({B, H, Tq, D}).to(dtype);
+    if (chance(40)) sprinkle(a.q);
+    a.q = layout(a.q);
+    a.k = layout(normal({B, Hkv, Tk, D}).to(dtype));
+    a.causal = chance(128);
+    if (chance(64)) a.key_padding_mask = at::rand({B, Tk}) < real(0, 1);
+    a.scale = real(0.01, 1.0);
+    return a;
   }
 
   // Sets torch's CPU thread count from the bytes (1 or 2), or to HEADSCOPE_FUZZ_THREADS when

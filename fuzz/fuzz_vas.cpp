@@ -123,17 +123,13 @@ void fuzz_head_stats(Input& in) {
     expect_same(op, out, headscope::vas_head_stats(A.contiguous(), V.contiguous(), lengths, offsets));
   } else {
     op = "vas_head_stats_qk";
-    const int64_t Hkv = in.pick({1, 2, 4});
-    const int64_t D = in.size(1, 70);
-    if (H % Hkv) return;
-    auto q = in.normal({B, H, T, D}).to(dtype);
-    if (in.chance(32)) in.sprinkle(q);
-    q = in.layout(q);
-    auto k = in.layout(in.normal({B, Hkv, T, D}).to(dtype));
-    const bool causal = in.chance(128);
-    std::optional<at::Tensor> kpm;
-    if (in.chance(64)) kpm = at::rand({B, T}) < in.real(0, 1);
-    const double scale = in.real(0.01, 1.0);
+    auto args = in.qk(B, H, T, T, 70, dtype);
+    if (!args) return;
+    const at::Tensor &q = args->q, &k = args->k;
+    const auto& kpm = args->key_padding_mask;
+    const bool causal = args->causal;
+    const double scale = args->scale;
+    const int64_t Hkv = k.size(1);
     if (!runs(op, [&] {
           out = headscope::vas_head_stats_qk(q, k, V, lengths, scale, causal, offsets, kpm);
         }))

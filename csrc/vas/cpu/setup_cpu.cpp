@@ -238,6 +238,12 @@ void qk_prepare_typed(Problem& P, QK& Q, const at::Tensor& q, const at::Tensor& 
 
 }  // namespace
 
+at::Tensor no_heads(const char* op, int64_t B, int64_t H, int64_t T, const at::Tensor& lengths,
+                    const std::optional<at::Tensor>& offsets, const at::TensorOptions& options) {
+  check_window_values(op, lengths, offsets.has_value() && offsets->defined() ? &*offsets : nullptr, T);
+  return at::empty({B, H, 3}, options.dtype(at::kFloat));
+}
+
 void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Tensor& lengths,
            const std::optional<at::Tensor>& offsets, const char* op) {
   const bool has_off = offsets.has_value() && offsets->defined();

@@ -262,6 +262,10 @@ struct HeldRow {
 
 // ---- setup (setup_cpu.cpp) ---------------------------------------------------------------
 
+// The (B, H, 3) result of a call with no heads (B or H is 0): nothing to compute, but
+// lengths / offsets are checked all the same.
+at::Tensor no_heads(const char* op, int64_t B, int64_t H, int64_t T, const at::Tensor& lengths,
+                    const std::optional<at::Tensor>& offsets, const at::TensorOptions& options);
 // The windows, the schedule (P, fused) and the per-call buffers; checks lengths / offsets.
 void setup(Problem& P, int64_t B, int64_t H, int64_t T, int64_t Dh, const at::Tensor& lengths,
            const std::optional<at::Tensor>& offsets, const char* op);

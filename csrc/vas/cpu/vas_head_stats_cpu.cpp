@@ -18,10 +18,7 @@ at::Tensor vas_head_stats_cpu(const at::Tensor& attn, const at::Tensor& head_wri
   const char* op = "headscope::vas_head_stats";
   check_head_stats_args(attn, head_writes, lengths, offsets);
   const int64_t B = attn.size(0), H = attn.size(1), T = attn.size(2), Dh = head_writes.size(3);
-  if (B == 0 || H == 0) {  // nothing to compute, but lengths and offsets are still checked
-    check_window_values(op, lengths, offsets.has_value() && offsets->defined() ? &*offsets : nullptr, T);
-    return at::empty({B, H, 3}, attn.options().dtype(at::kFloat));
-  }
+  if (B == 0 || H == 0) return no_heads(op, B, H, T, lengths, offsets, attn.options());
   Problem P;
   setup(P, B, H, T, Dh, lengths, offsets, op);
   alloc_scratch(P, 0);
@@ -54,10 +51,7 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
   const char* op = "headscope::vas_head_stats_qk";
   check_head_stats_qk_args(q, k, head_writes, lengths, scale, offsets, key_padding_mask);
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = head_writes.size(3);
-  if (B == 0 || H == 0) {  // nothing to compute, but lengths and offsets are still checked
-    check_window_values(op, lengths, offsets.has_value() && offsets->defined() ? &*offsets : nullptr, T);
-    return at::empty({B, H, 3}, q.options().dtype(at::kFloat));
-  }
+  if (B == 0 || H == 0) return no_heads(op, B, H, T, lengths, offsets, q.options());
   Problem P;
   setup(P, B, H, T, Dh, lengths, offsets, op);
   // a tile row of A (HeldRow) with whole heads per thread, else one key block
