@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 BUILD=${HEADSCOPE_FUZZ_BUILD_DIR:-build-fuzz}
 # inputs per family in the repeatable mode: about 60 s each on a 2-core machine
-declare -A RUNS=([vas]=5000 [attribution]=50000 [mixer]=25000)
+declare -A RUNS=([vas]=15000 [attribution]=100000 [mixer]=60000)
 families=("$@")
 ((${#families[@]})) || families=(vas attribution mixer)
 export CCACHE_BASEDIR=$PWD CCACHE_NOHASHDIR=1
