@@ -94,11 +94,13 @@ class Input {
   }
 
   // Sets torch's CPU thread count from the bytes (1 or 2), or to HEADSCOPE_FUZZ_THREADS when
-  // set (CI: one thread, so that threads racing on the coverage counts do not steer the run).
-  void set_threads() {
+  // set (CI: one thread, so that threads racing on the coverage counts do not steer the run),
+  // and seeds torch's generator from the bytes, so that the input alone decides the call.
+  void configure_torch() {
     const int64_t drawn = size(1, 2);
     const char* fixed = std::getenv("HEADSCOPE_FUZZ_THREADS");
     at::set_num_threads(fixed != nullptr ? std::atoi(fixed) : static_cast<int>(drawn));
+    at::manual_seed(size(0, 1 << 20));
   }
 
  private:

@@ -147,8 +147,7 @@ void fuzz_errors(Input& in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Input in(data, size);
-  in.set_threads();
-  at::manual_seed(in.size(0, 1 << 20));
+  in.configure_torch();
   switch (in.size(0, 3)) {
     case 0: fuzz_errors(in); break;
     case 1: fuzz_hvp_and_mix(in); break;

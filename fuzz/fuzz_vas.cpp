@@ -177,8 +177,7 @@ void fuzz_errors(Input& in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Input in(data, size);
-  in.set_threads();
-  at::manual_seed(in.size(0, 1 << 20));
+  in.configure_torch();
   if (in.chance(40)) fuzz_errors(in);
   else fuzz_head_stats(in);
   return 0;
