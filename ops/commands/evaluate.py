@@ -6,7 +6,9 @@ collection. Reported for both scorers: LDS per image and its mean (Spearman acro
 regions, per span, averaged over an image's spans), the pooled LDS over every
 span-region pair, Pearson, the subset-level LDS (predicted joint effect of each random
 region set = the sum of its regions' scores) and pointing accuracy (spans whose text holds
-a boxed phrase: is the top-scored region's centroid inside the box).
+a boxed phrase: is the top-scored region's centroid inside the box), beside the pointing
+accuracy a uniformly random region has in expectation (per span, the share of regions
+whose centroid is inside the box).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 from ..attribution import AttributionHead, atomic_path
 from . import collect as _collect
 from .errors import UsageError
-from .metrics import score
+from .metrics import random_baseline, score
 from .shards import MANIFEST, read_collection
 
 ROWS = (("lds", "LDS (mean over images)"), ("lds_pooled", "LDS (pooled)"),
@@ -51,15 +53,16 @@ def _head(path: str, manifest) -> AttributionHead:
 
 
 def table(results: dict) -> str:
-    head, attention = results["head"], results["attention"]
+    head, attention, random = results["head"], results["attention"], results["random"]
 
     def cell(v) -> str:
         return "n/a" if v is None else f"{v:.4f}"
-    lines = [f"{'':24}{'head':>10}{'attention':>11}"]
+    lines = [f"{'':24}{'head':>10}{'attention':>11}{'random':>9}"]
     for key, label in ROWS:
-        lines.append(f"{label:24}{cell(head[key]):>10}{cell(attention[key]):>11}")
+        lines.append(f"{label:24}{cell(head[key]):>10}{cell(attention[key]):>11}"
+                     f"{cell(random[key]) if key in random else '':>9}")
     lines.append(f"{'(pointing spans)':24}{head['pointing_spans']:>10}"
-                 f"{attention['pointing_spans']:>11}")
+                 f"{attention['pointing_spans']:>11}{random['pointing_spans']:>9}")
     lines.append("LDS per image (line: head / attention):")
     for line, h, a in zip(results["lines"], head["lds_per_image"],
                           attention["lds_per_image"]):
@@ -82,6 +85,7 @@ def run(args) -> int:
     with torch.no_grad():
         results = {"head": score(data, head(features)),
                    "attention": score(data, features.mean(-1)),
+                   "random": random_baseline(data),
                    "lines": data.tensors["line"].tolist(),
                    "spans": data.num_spans, "collection": str(folder),
                    "head_file": str(args.head), "manifest": data.manifest}

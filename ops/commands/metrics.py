@@ -1,5 +1,6 @@
 """Faithfulness of region scores against measured ablation effects, per span and per
-image: LDS (Spearman across regions), Pearson, subset-level LDS and pointing accuracy."""
+image: LDS (Spearman across regions), Pearson, subset-level LDS and pointing accuracy (with
+the exact expectation of pointing at a uniformly random region as its baseline)."""
 from __future__ import annotations
 
 import math
@@ -38,6 +39,18 @@ def region_centroids(labels: torch.Tensor, rows: int, cols: int, K: int) -> torc
     counts = torch.zeros(K, dtype=torch.float64).index_add_(0, labels,
                                                             torch.ones_like(r))
     return sums / counts.unsqueeze(1)
+
+
+def random_pointing(cases: List[tuple]) -> Optional[float]:
+    """Expected pointing accuracy of a uniformly random region: per case, the share of its
+    (non-empty) regions whose centroid lies in the box, averaged over the cases."""
+    shares = []
+    for _, centroids, (x0, y0, x1, y1) in cases:
+        centroids = centroids[~torch.isnan(centroids).any(1)]
+        x, y = centroids.unbind(1)
+        inside = (x0 <= x) & (x <= x1) & (y0 <= y) & (y <= y1)
+        shares.append(float(inside.double().mean()))
+    return sum(shares) / len(shares) if shares else None
 
 
 def pointing_cases(data: Collection) -> List[tuple]:
@@ -91,3 +104,9 @@ def score(data: Collection, scores: torch.Tensor) -> Dict:
     out["pointing"] = sum(hits) / len(hits) if hits else None
     out["pointing_spans"] = len(hits)
     return out
+
+
+def random_baseline(data: Collection) -> Dict:
+    """Pointing of a uniformly random region (its expectation, no sampling)."""
+    cases = pointing_cases(data)
+    return {"pointing": random_pointing(cases), "pointing_spans": len(cases)}

@@ -6,8 +6,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
+import torch
 
 from ..attribution import atomic_path
+from ..commands.metrics import region_centroids as normalised_centroids
 
 
 def region_map(labels: np.ndarray, grid: Sequence[int], image_size: int) -> np.ndarray:
@@ -21,10 +23,7 @@ def region_map(labels: np.ndarray, grid: Sequence[int], image_size: int) -> np.n
 def region_centroids(labels: np.ndarray, grid: Sequence[int], image_size: int,
                      num_regions: int) -> np.ndarray:
     """``(K, 2)`` pixel centre (x, y) of each region's tokens."""
-    rows, cols = grid
-    ys, xs = np.divmod(np.arange(rows * cols), cols)
-    centres = np.stack([(xs + 0.5) * image_size / cols, (ys + 0.5) * image_size / rows], 1)
-    return np.stack([centres[labels == k].mean(0) for k in range(num_regions)])
+    return normalised_centroids(torch.as_tensor(labels), *grid, num_regions).numpy() * image_size
 
 
 def _outline_segments(pixel_labels: np.ndarray) -> list:
