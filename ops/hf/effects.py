@@ -139,6 +139,52 @@ class _Captured(Exception):
     """Stops the model's forward at its text decoder, once the inputs are taken."""
 
 
+def decoder_inputs(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tensor) -> dict:
+    """The keyword arguments the model's text decoder gets on one forward over
+    ``sequences`` (one prompt's ``inputs`` continued by its generated answer): its
+    ``inputs_embeds`` (the image tokens' embeddings as the vision tower hands them over),
+    ``position_ids``, ``attention_mask`` and whatever else the model passes. The model's
+    forward stops at the decoder."""
+    P, N = _check_sequence(inputs, sequences)
+    full = {}
+    for name, value in inputs.items():
+        if name == "input_ids":
+            value = sequences
+        elif isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == 1 \
+                and value.shape[1] == P and not value.is_floating_point():
+            # per-position inputs (mask, token types) continue over the answer
+            value = torch.nn.functional.pad(value, (0, N),
+                                            value=1 if name == "attention_mask" else 0)
+        full[name] = value
+    mask = full.get("attention_mask")
+    if mask is not None:
+        # Holes in the mask hide keys but do not move positions (Qwen-VL's rope index
+        # takes only padding at the ends): positions come from the mask without them.
+        kept = mask[0].nonzero()
+        if len(kept):
+            full["attention_mask"] = mask.clone()
+            full["attention_mask"][0, int(kept[0]):int(kept[-1]) + 1] = 1
+    got = {}
+
+    def grab(module, args, kwargs):
+        got.update(kwargs)
+        raise _Captured()
+
+    handle = model.get_decoder().register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        model(**full, use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if mask is not None and got.get("attention_mask") is not None:
+        got["attention_mask"] = mask.to(got["attention_mask"].device)
+    if got.get("inputs_embeds") is None:
+        raise NotImplementedError(f"{WHO}: {type(model).__name__} does not hand its "
+                                  f"text decoder inputs_embeds")
+    return got
+
+
 class _Runner:
     """The text decoder's inputs for the whole sequence, the prefix's key cache, and
     batched forwards of ablations over the rest."""
@@ -147,7 +193,7 @@ class _Runner:
         self.model, self.ablation, self.P, self.N = model, ablation, P, N
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
-        got = self._capture(inputs, sequences, P, N)
+        got = decoder_inputs(model, inputs, sequences)
         unknown = sorted(k for k, v in got.items() if k not in _DECODER_KEYS | _IGNORED_KEYS
                          and v is not None and not isinstance(v, (bool, int, float, str)))
         if unknown:
@@ -175,45 +221,6 @@ class _Runner:
             self.deepstack_means = [e.mean(0) for e in self.deepstack]
         self.keymask = keymask
         self.prefix = self._prefix_cache() if self.start > 0 else None
-
-    def _capture(self, inputs, sequences, P, N) -> dict:
-        full = {}
-        for name, value in inputs.items():
-            if name == "input_ids":
-                value = sequences
-            elif isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == 1 \
-                    and value.shape[1] == P and not value.is_floating_point():
-                # per-position inputs (mask, token types) continue over the answer
-                value = torch.nn.functional.pad(value, (0, N),
-                                                value=1 if name == "attention_mask" else 0)
-            full[name] = value
-        mask = full.get("attention_mask")
-        if mask is not None:
-            # Holes in the mask hide keys but do not move positions (Qwen-VL's rope index
-            # takes only padding at the ends): positions come from the mask without them.
-            kept = mask[0].nonzero()
-            if len(kept):
-                full["attention_mask"] = mask.clone()
-                full["attention_mask"][0, int(kept[0]):int(kept[-1]) + 1] = 1
-        got = {}
-
-        def grab(module, args, kwargs):
-            got.update(kwargs)
-            raise _Captured()
-
-        handle = self.decoder.register_forward_pre_hook(grab, with_kwargs=True)
-        try:
-            self.model(**full, use_cache=False)
-        except _Captured:
-            pass
-        finally:
-            handle.remove()
-        if mask is not None and got.get("attention_mask") is not None:
-            got["attention_mask"] = mask.to(got["attention_mask"].device)
-        if got.get("inputs_embeds") is None:
-            raise NotImplementedError(f"{WHO}: {type(self.model).__name__} does not hand its "
-                                      f"text decoder inputs_embeds")
-        return got
 
     def _decode(self, embeds: torch.Tensor, start: int, cache, deepstack=None
                 ) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""python -m headscope.shapes {train,demo,accuracy,latency}: the embedded shapes model.
+"""python -m headscope.shapes {train,demo,accuracy,latency,data,hallucination,faithfulness}:
+the embedded shapes model.
 
   train     train the model from scratch into a folder (resumable: rerun the same command)
   demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
@@ -6,6 +7,7 @@
   latency   per-token time of generation with streaming attribution against plain generate
   data      write scenes as a DATA folder for python -m headscope collect|eval
   hallucination  AUROC of VASDetector and of the mean token log-probability on hard scenes
+  faithfulness   LDS and R^2 against time per token: head, raw attention, gradients, ablation
 """
 from __future__ import annotations
 
@@ -75,6 +77,15 @@ def main(argv=None) -> int:
     p.add_argument("--fit", type=int, default=200, help="answers to fit the detector on")
     p.add_argument("--test", type=int, default=200, help="answers to measure AUROC on")
 
+    p = sub.add_parser("faithfulness", help="faithfulness against time per token (figure)")
+    p.add_argument("--out", type=Path, required=True,
+                   help="folder for faithfulness.png, .md and .json")
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--scenes", type=int, default=40, help="held-out scenes (default 40)")
+    p.add_argument("--regions", type=int, default=8, help="Ward regions per image")
+    p.add_argument("--rounds", type=int, default=7, help="latency rounds")
+    p.add_argument("--tokens", type=int, default=40, help="tokens per latency round")
+
     args = parser.parse_args(argv)
     _threads(args.threads)
     if args.command == "train":
@@ -94,6 +105,14 @@ def main(argv=None) -> int:
     elif args.command == "hallucination":
         from .hallucination import measure_hallucination
         print(json.dumps(measure_hallucination(args.fit, args.test, args.model), indent=2))
+    elif args.command == "faithfulness":
+        from .faithfulness import measure_faithfulness, table
+        from .faithfulness_figure import write_faithfulness
+        result = measure_faithfulness(args.scenes, regions=args.regions,
+                                      latency_rounds=args.rounds, latency_tokens=args.tokens,
+                                      model_dir=args.model)
+        print(table(result))
+        print(json.dumps(write_faithfulness(args.out, result)))
     elif args.command == "data":
         from .dataset import write_dataset
         print(write_dataset(args.out, args.first_seed, args.count, args.noise))
