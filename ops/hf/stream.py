@@ -52,10 +52,10 @@ class _Pending:
 
 class SpanCutter:
     """The streamer ``generate`` calls once per step with the new tokens (B,): adds them
-    to each row's open span and, at a boundary, takes the span's features out of the
-    tracer's per-row accumulator."""
+    to each row's open span and, at a boundary, asks the tracer for the span's pooled
+    features."""
 
-    def __init__(self, take_features: Callable[[int, int], torch.Tensor],
+    def __init__(self, take_features: Callable[[int, int, bool], torch.Tensor],
                  spans: "SpanQueue", batch_size: int,
                  ends_span: Optional[Callable[[Sequence[int]], bool]], eos: Sequence[int],
                  inner=None):
@@ -84,7 +84,7 @@ class SpanCutter:
             ids.append(token)
             eos = token in self.eos
             if eos or (self.ends_span is not None and self.ends_span(ids)):
-                self._cut(b)
+                self._cut(b, finished=eos)
             self.done[b] = eos
 
     def end(self) -> None:
@@ -92,14 +92,15 @@ class SpanCutter:
             self.inner.end()
         for b in range(len(self.generated)):
             if not self.done[b] and len(self.generated[b]) > self.span_start[b]:
-                self._cut(b)
+                self._cut(b, finished=True)
             self.done[b] = True
 
-    def _cut(self, b: int) -> None:
+    def _cut(self, b: int, finished: bool) -> None:
+        """Ends row b's open span; ``finished``: the row generates no more."""
         start, end = self.span_start[b], len(self.generated[b])
         self.span_start[b] = end
         self.spans.put(_Pending(b, start, self.generated[b][start:end],
-                           self.take_features(b, end - start)))
+                                self.take_features(b, end - start, finished)))
 
 
 class SpanQueue:

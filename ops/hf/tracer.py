@@ -12,6 +12,7 @@ import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
+from transformers.masking_utils import causal_mask_function
 
 from .. import attribution as _attr
 from .. import vas as _vas
@@ -27,9 +28,14 @@ _UNSUPPORTED_GENERATE = {"num_beams": 1, "num_return_sequences": 1, "assistant_m
 def sentence_end(tokenizer) -> Callable[[Sequence[int]], bool]:
     """The default splitter: a span ends after a token whose text ends with '.', '!' or
     '?', or holds a newline."""
+    ends_text: Dict[int, bool] = {}  # per token id: decoding costs more than a step here
+
     def ends(ids: Sequence[int]) -> bool:
-        text = tokenizer.decode([ids[-1]])
-        return "\n" in text or text.rstrip(" ").endswith((".", "!", "?"))
+        last = ids[-1]
+        if last not in ends_text:
+            text = tokenizer.decode([last])
+            ends_text[last] = "\n" in text or text.rstrip(" ").endswith((".", "!", "?"))
+        return ends_text[last]
     return ends
 
 
@@ -37,33 +43,40 @@ class _Mask:
     """What the model's mask function was asked for in the current forward."""
 
     def __init__(self, kwargs: Dict[str, Any]):
-        from transformers.masking_utils import causal_mask_function
         self.plain = kwargs.get("mask_function", causal_mask_function) is causal_mask_function
         self.q_length = int(kwargs["q_length"])
         self.kv_length = int(kwargs["kv_length"])
         self.q_offset = int(kwargs.get("q_offset", 0))
         self.kv_offset = int(kwargs.get("kv_offset", 0))
-        mask = kwargs.get("attention_mask")
-        self.padding: Optional[torch.Tensor] = None  # (B, kv_length) True = padding key
+        self._attention_mask = kwargs.get("attention_mask")
+        self._padding: Optional[torch.Tensor] = None
         self.lengths = self.offsets = None
-        if mask is not None:
+        self.full = self.q_offset == 0 and self.kv_offset == 0 and \
+            self.q_length == self.kv_length
+
+    @property
+    def padding(self) -> Optional[torch.Tensor]:
+        """(B, kv_length) True = padding key, None: no mask (made when first asked for: a
+        decode step does not need it)."""
+        mask = self._attention_mask
+        if self._padding is None and mask is not None:
             keep = mask.to(torch.bool)
             end = self.kv_offset + self.kv_length
             if keep.shape[-1] < end:
                 keep = torch.nn.functional.pad(keep, (0, end - keep.shape[-1]))
-            self.padding = ~keep[:, self.kv_offset:end]
-        self.full = self.q_offset == 0 and self.kv_offset == 0 and \
-            self.q_length == self.kv_length
+            self._padding = ~keep[:, self.kv_offset:end]
+        return self._padding
 
     def window(self, batch: int, device) -> tuple:
         """VAS window per row of a full forward: (lengths, offsets); the kept tokens of
         each row must be one contiguous run."""
         if self.lengths is None:
-            if self.padding is None:
+            padding = self.padding
+            if padding is None:
                 self.lengths = torch.full((batch,), self.q_length, dtype=torch.int64)
                 self.offsets = torch.zeros(batch, dtype=torch.int64)
             else:
-                keep = ~self.padding.cpu()
+                keep = ~padding.cpu()
                 lengths = keep.sum(-1)
                 first = torch.where(lengths > 0, keep.to(torch.int8).argmax(-1), 0)
                 last = self.q_length - 1 - keep.flip(-1).to(torch.int8).argmax(-1)
@@ -75,6 +88,66 @@ class _Mask:
             self.lengths = self.lengths.to(device)
             self.offsets = self.offsets.to(device)
         return self.lengths, self.offsets
+
+
+class _QueryRows:
+    """Per layer, the query rows (after rotary) of each generation step since the oldest
+    open span began, and the layer's keys of the last step. A span's features are pooled
+    when it ends, by one ``region_pool_qk`` call per layer over its rows: with one key
+    added per step, the bottom-right aligned causal mask lets each row see exactly the
+    keys it saw when it ran. That is one call per layer and span instead of one per layer
+    and step, and nothing but references on the step itself."""
+
+    def __init__(self, num_layers: int, batch: int, region_ids: torch.Tensor, kmax: int):
+        self.queries: List[List[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.keys: List[Optional[torch.Tensor]] = [None] * num_layers
+        self.scales: List[float] = [1.0] * num_layers
+        self.first = 0  # step of queries[l][0]
+        self.open_from: List[Optional[int]] = [0] * batch  # None: the row has finished
+        self.region_ids = region_ids
+        self.kmax = kmax
+
+    def add(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> None:
+        row = q[:, :, -1:]
+        # a prefill's last row is copied so that its whole q is not kept alive
+        self.queries[layer].append(row if q.shape[2] == 1 else row.clone())
+        self.keys[layer] = k
+        self.scales[layer] = scale
+
+    def pool(self, b: int, steps: int, padding: Optional[torch.Tensor],
+             finished: bool) -> torch.Tensor:
+        """(kmax, L, H) float32: row b's last ``steps`` query rows' pooled attention,
+        averaged (region_pool_qk normalises the query weights)."""
+        end = self.first + len(self.queries[0])
+        if end - self.open_from[b] != steps:
+            raise RuntimeError(f"headscope.hf.Tracer: row {b}'s span has {steps} tokens but "
+                               f"{end - self.open_from[b]} forward steps ran since it began "
+                               f"(one forward per generated token is required)")
+        rows = slice(len(self.queries[0]) - steps, None)
+        pooled = []
+        for layer, queries in enumerate(self.queries):
+            k = self.keys[layer][b:b + 1]
+            q = torch.cat(queries[rows], dim=2)[b:b + 1]
+            weights = torch.ones(1, steps, dtype=torch.float32, device=q.device)
+            pooled.append(_attr.region_pool_qk(
+                q, k, weights, self._region_ids(b, k.shape[2]), self.kmax,
+                self.scales[layer], True, None if padding is None else padding[b:b + 1])[0])
+        self.open_from[b] = None if finished else end
+        self._drop_before(min((s for s in self.open_from if s is not None), default=end))
+        return torch.stack(pooled, 1)
+
+    def _region_ids(self, b: int, length: int) -> torch.Tensor:
+        rid = self.region_ids
+        if rid.shape[1] < length:  # generated tokens belong to no region
+            rid = torch.nn.functional.pad(rid, (0, max(length - rid.shape[1], 64)), value=-1)
+            self.region_ids = rid
+        return rid[b:b + 1, :length]
+
+    def _drop_before(self, step: int) -> None:
+        if step > self.first:
+            for queries in self.queries:
+                del queries[:step - self.first]
+            self.first = step
 
 
 class Tracer(backend.Binding):
@@ -148,9 +221,7 @@ class Tracer(backend.Binding):
         self._input_ids = self._image_grid_thw = None
         self._stats: Optional[torch.Tensor] = None
         self._seen: set = set()
-        self._acc: Optional[torch.Tensor] = None
-        self._rid: Optional[torch.Tensor] = None
-        self._ones: Optional[torch.Tensor] = None
+        self._rows: Optional[_QueryRows] = None
         self._final: Optional[Dict[str, torch.Tensor]] = None
         self._R: Dict[int, torch.Tensor] = {}  # layer -> R^T per head (writes="residual")
         self.attach()
@@ -219,8 +290,8 @@ class Tracer(backend.Binding):
             self._vas_now = self.vas and not generating
         else:
             self._vas_now = False
-        # _start_forward made the accumulator exactly when there is something to pool
-        self._pool_now = pooling and self._acc is not None
+        # _start_forward made the query rows exactly when there is something to pool
+        self._pool_now = pooling and self._rows is not None
         self.observing = self._vas_now or self._pool_now
 
     def _start_forward(self, embeds: torch.Tensor, pooling: bool) -> None:
@@ -235,12 +306,9 @@ class Tracer(backend.Binding):
             images = find_images(self.model.config, ids, self._image_grid_thw)
             self.region_ids, self.num_regions = _region_ids(self.regions, images, embeds)
             self._kmax = max(self.num_regions)
-        self._acc = None
+        self._rows = None
         if pooling and self._kmax > 0:
-            self._acc = torch.zeros(B, self._kmax, self.num_layers, self.num_heads,
-                                    dtype=torch.float32, device=embeds.device)
-            self._ones = torch.ones(B, 1, dtype=torch.float32, device=embeds.device)
-            self._rid = self.region_ids
+            self._rows = _QueryRows(self.num_layers, B, self.region_ids, self._kmax)
 
     def record_mask(self, kwargs: Dict[str, Any]) -> None:
         mask = _Mask(kwargs)
@@ -270,14 +338,7 @@ class Tracer(backend.Binding):
             self._stats[:, layer] = stats
             self._seen.add(layer)
         if self._pool_now:
-            rid = self._region_ids_for(k.shape[2])
-            if weights is not None:
-                pooled = _attr.region_pool(weights[:, :, -1:].float(), self._ones, rid,
-                                           self._kmax)
-            else:
-                pooled = _attr.region_pool_qk(q[:, :, -1:].float(), k.float(), self._ones, rid,
-                                              self._kmax, scale, True, mask.padding)
-            self._acc[:, :, layer].add_(pooled)
+            self._rows.add(layer, q, k, scale)
 
     def _checked_mask(self, module, kwargs, k: torch.Tensor) -> _Mask:
         if getattr(module, "sliding_window", None) or kwargs.get("sliding_window"):
@@ -298,14 +359,6 @@ class Tracer(backend.Binding):
             raise NotImplementedError(f"headscope.hf.Tracer: the key cache holds {k.shape[2]} "
                                       f"positions but the mask covers {mask.kv_length}")
         return mask
-
-    def _region_ids_for(self, length: int) -> torch.Tensor:
-        rid = self._rid
-        if rid.shape[1] < length:
-            grow = max(length - rid.shape[1], 64)
-            rid = torch.nn.functional.pad(rid, (0, grow), value=-1)
-            self._rid = rid
-        return rid[:, :length]
 
     def _residual_factor(self, layer: int, module) -> torch.Tensor:
         """R^T per head, where W_O^h = Q R: (O_h R^T)(O_h R^T)^T = O_h W_O^h^T W_O^h O_h^T."""
@@ -439,7 +492,7 @@ class Tracer(backend.Binding):
             return self.model.generate(**kwargs, streamer=cutter)
         finally:
             self._mode = "forward"
-            self._acc = None
+            self._rows = None
             self._generating = None
 
     def _end_generation(self, kwargs, sequences: torch.Tensor, P: int, eos: List[int]) -> None:
@@ -463,14 +516,12 @@ class Tracer(backend.Binding):
             thread.join()
         self._end_generation(kwargs, result["sequences"], P, eos)
 
-    def _take_features(self, b: int, steps: int) -> torch.Tensor:
-        """Row b's open span: its pooled features (K_b, L*H), then a fresh start."""
-        if self._acc is None:
+    def _take_features(self, b: int, steps: int, finished: bool) -> torch.Tensor:
+        """Row b's open span: its pooled features (K_b, L*H)."""
+        if self._rows is None:
             return torch.zeros(0, self.num_layers * self.num_heads)
-        K = self.num_regions[b]
-        features = (self._acc[b, :K].flatten(1) / steps).clone()
-        self._acc[b].zero_()
-        return features
+        features = self._rows.pool(b, steps, self._mask.padding, finished)
+        return features[:self.num_regions[b]].flatten(1)
 
     def _span(self, p: _Pending) -> Span:
         features = p.features

@@ -267,6 +267,22 @@ def test_generate_same_tokens_and_span_features_equal_region_pool(models):
     torch.testing.assert_close(final_vas, want_vas, atol=1e-4, rtol=1e-4)
 
 
+def test_generation_keeps_only_the_open_spans_query_rows():
+    """Query rows are kept for pooling until every row's span that needs them has ended:
+    memory stays bounded by the longest open span, not the answer."""
+    model = tiny_model("qwen2_vl")
+    inputs = _prompt(model, batch=2)
+    held = []
+    with Tracer(model, regions=2, vas=False) as tr:
+        def every3(ids):
+            held.append(len(tr._rows.queries[0]))
+            return len(ids) % 3 == 0
+        tr.splitter = every3
+        spans = list(tr.generate(**inputs, max_new_tokens=12, do_sample=False,
+                                 eos_token_id=None))
+    assert len(spans) == 8 and max(held) == 3 and min(held) == 1
+
+
 def test_spans_cover_every_token_with_eos_and_sentence_splitter():
     model = tiny_model("qwen2_vl")
     inputs = _prompt(model, batch=2)
