@@ -7,7 +7,7 @@ that ``AutoProcessor.from_pretrained(folder)`` and
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Union
+from typing import Dict, Sequence, Union
 
 # Words of the tiny vocabulary, ids 2.. in this order (0 = padding, 1 = unknown); the
 # remaining ids up to the special tokens are filler words w<id>.
@@ -44,31 +44,40 @@ def special_tokens(family: str) -> Dict[int, str]:
             EOS: "<|endoftext|>", EOS + 1: "<|im_start|>", EOS + 2: "<|im_end|>"}
 
 
-def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
-    """A word-level ``PreTrainedTokenizerFast`` of ``vocab`` ids for ``family``: padding 0,
-    unknown 1, :data:`WORDS`, filler words, and the family's special tokens at the ids of
-    :func:`special_tokens`. Text splits on whitespace and punctuation; decoding joins words
-    with spaces (no space before punctuation)."""
+def word_level_tokenizer(tokens: Sequence[str], special: Sequence[str], eos: str,
+                         **kwargs):
+    """A ``PreTrainedTokenizerFast`` whose ids are the positions in ``tokens`` (which hold
+    ``"<pad>"``, ``"<unk>"``, ``eos`` and every ``special`` token, never split): text
+    splits on whitespace and punctuation; decoding joins words with spaces and none before
+    punctuation ("top left."). ``kwargs`` go to the transformers tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)},
+                                         unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    backend.add_special_tokens(list(special))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                   pad_token="<pad>", eos_token=eos, **kwargs)
+
+
+def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
+    """A word-level tokenizer (:func:`word_level_tokenizer`) of ``vocab`` ids for
+    ``family``: padding 0, unknown 1, :data:`WORDS`, filler words, and the family's
+    special tokens at the ids of :func:`special_tokens`."""
     special = special_tokens(family)
     words = ["<pad>", "<unk>", *WORDS]
     names = [special.get(i, words[i] if i < len(words) else f"w{i}") for i in range(vocab)]
     if len(set(names)) != vocab or max(special) >= vocab:
         raise ValueError(f"headscope.hf.testing.tiny_tokenizer: vocab must be > {max(special)}, "
                          f"got {vocab}")
-    backend = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-    backend.add_special_tokens(list(special.values()))
     eos = special[max(i for i, n in special.items() if n in ("</s>", "<|endoftext|>"))]
     extra = {} if family == "llava" else {
         "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
         "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"}
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
-                                   pad_token="<pad>", eos_token=eos,
-                                   extra_special_tokens=extra)
+    return word_level_tokenizer(names, list(special.values()), eos,
+                                extra_special_tokens=extra)
 
 
 def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,

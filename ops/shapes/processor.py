@@ -33,16 +33,9 @@ def build_processor():
     """A ``Qwen2VLProcessor`` with the word-level tokenizer (special tokens first, then
     :func:`words`) and an image processor that keeps images at ``IMAGE_SIZE`` square."""
     import transformers as tf
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *words()])}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    # Joins words with spaces and drops the space before punctuation: "top left."
-    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL_TOKENS])
-    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>",
-                                      eos_token="<|endoftext|>", unk_token="<unk>")
+    from ..hf.checkpoint import word_level_tokenizer
+    fast = word_level_tokenizer([*SPECIAL_TOKENS, *words()], SPECIAL_TOKENS, "<|endoftext|>")
     pixels = IMAGE_SIZE * IMAGE_SIZE
     sizes = dict(min_pixels=pixels, max_pixels=pixels, patch_size=PATCH_SIZE,
                  merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE)

@@ -81,6 +81,9 @@ def test_processor_round_trip_and_prompt(tmp_path):
     build_processor().save_pretrained(tmp_path)
     processor = AutoProcessor.from_pretrained(tmp_path)
     tok = processor.tokenizer
+    shipped = AutoProcessor.from_pretrained(DATA_DIR).tokenizer  # what training builds
+    assert tok.get_vocab() == shipped.get_vocab()
+    assert tok.all_special_tokens == shipped.all_special_tokens
     _, objects = shapes.scene(3, 4)
     text = shapes.describe(objects)
     ids = tok(text)["input_ids"]
