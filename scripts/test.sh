@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs every test: GoogleTest through ctest (also
 # under AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer), the libFuzzer
-# harnesses for a bounded time, the TorchScript round trip through the C++ example, and pytest.
+# harnesses for a bounded time, the TorchScript round trip through the C++ example, pytest,
+# and the shapes demo on one image.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -22,3 +23,8 @@ bash scripts/fuzz.sh
 echo "== pytest"
 export HEADSCOPE_EXAMPLE_BIN=$PWD/$BUILD/example/headscope_run_torchscript
 "$PYTHON" -m pytest tests/python -q -rs "$@"
+
+echo "== the README's first command's demo, on one image"
+demo_out=$(mktemp -d)
+"$PYTHON" -m headscope.shapes demo --images 1 --out "$demo_out"
+rm -rf "$demo_out"

@@ -74,8 +74,8 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("hallucination", help="hallucination detection from VAS (AUROC)")
     p.add_argument("--model", type=Path, default=None)
-    p.add_argument("--fit", type=int, default=200, help="answers to fit the detector on")
-    p.add_argument("--test", type=int, default=200, help="answers to measure AUROC on")
+    p.add_argument("--fit", type=int, default=1000, help="answers to fit the detector on")
+    p.add_argument("--test", type=int, default=1000, help="answers to measure AUROC on")
 
     p = sub.add_parser("faithfulness", help="faithfulness against time per token (figure)")
     p.add_argument("--out", type=Path, required=True,

@@ -236,3 +236,31 @@ def test_dataset_folder_for_collect(tmp_path):
                               np.asarray(image))
         assert line["prompt"] == shapes.PROMPT
         assert line["boxes"] == {o.sentence: list(o.box) for o in objects}
+
+
+def test_hallucination_answers_are_labelled_by_the_scene(shipped):
+    from headscope.shapes.accuracy import HELD_OUT_SEED
+    from headscope.shapes.hallucination import OFFSET, answers, auroc
+    got = answers(4, start=1, progress=False)
+    assert got["features"].shape == (4, 36) and torch.isfinite(got["features"]).all()
+    assert (got["logprob"] < 0).all()
+    for k, text in enumerate(got["texts"]):
+        _, objects = shapes.scene(HELD_OUT_SEED + OFFSET + 1 + k, 1 + (1 + k) % 4)
+        parsed = shapes.parse_description(text)
+        wrong = not parsed or any(shapes.match_object(p, objects) is None for p in parsed)
+        assert bool(got["hallucinated"][k]) == wrong
+    # scikit-learn's documented example, and one class only
+    assert auroc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1])) == 0.75
+    assert auroc(torch.tensor([0.1, 0.4]), torch.tensor([1, 1])) is None
+
+
+def test_auroc_bootstrap_interval_holds_the_estimate_and_narrows_with_more_answers():
+    from headscope.shapes.hallucination import auroc, bootstrap_interval
+    g = torch.Generator().manual_seed(0)
+    labels = torch.rand(400, generator=g) < 0.5
+    scores = labels.double() + torch.randn(400, generator=g, dtype=torch.float64)
+    low, high = bootstrap_interval(scores, labels, rounds=300)
+    assert low < auroc(scores, labels) < high
+    low4, high4 = bootstrap_interval(scores[:100], labels[:100], rounds=300)
+    assert high4 - low4 > 1.5 * (high - low)  # width shrinks like 1 / sqrt(N)
+    assert bootstrap_interval(scores, torch.ones(400, dtype=torch.bool)) is None
