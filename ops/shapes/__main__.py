@@ -1,5 +1,5 @@
-"""python -m headscope.shapes {train,demo,accuracy,latency,data,hallucination,faithfulness}:
-the embedded shapes model.
+"""python -m headscope.shapes {train,demo,accuracy,latency,data,hallucination,faithfulness,
+reproduce}: the embedded shapes model.
 
   train     train the model from scratch into a folder (resumable: rerun the same command)
   demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
@@ -8,6 +8,7 @@ the embedded shapes model.
   data      write scenes as a DATA folder for python -m headscope collect|eval
   hallucination  AUROC of VASDetector and of the mean token log-probability on hard scenes
   faithfulness   LDS and R^2 against time per token: head, raw attention, gradients, ablation
+  reproduce      every measurement above in one resumable run (results.json, results.md)
 """
 from __future__ import annotations
 
@@ -86,6 +87,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=7, help="latency rounds")
     p.add_argument("--tokens", type=int, default=40, help="tokens per latency round")
 
+    p = sub.add_parser("reproduce", help="every measurement of docs/shapes.md, resumable")
+    p.add_argument("--out", type=Path, required=True,
+                   help="folder for results.json, results.md and each step's files")
+    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--quick", action="store_true", help="CI-sized: about a minute")
+
     args = parser.parse_args(argv)
     _threads(args.threads)
     if args.command == "train":
@@ -113,6 +120,9 @@ def main(argv=None) -> int:
                                       model_dir=args.model)
         print(table(result))
         print(json.dumps(write_faithfulness(args.out, result)))
+    elif args.command == "reproduce":
+        from .reproduce import reproduce
+        reproduce(args.out, quick=args.quick, model_dir=args.model)
     elif args.command == "data":
         from .dataset import write_dataset
         print(write_dataset(args.out, args.first_seed, args.count, args.noise))

@@ -72,6 +72,8 @@ def write_faithfulness(out: Path, result: dict) -> dict:
             "(they are not in effect units). Perturbation: the true effects themselves "
             "(faithfulness 1 by construction). Head and attention time: the tracer's added "
             f"time per token ({result['tracer_added_ms_per_token']:.3f} ms, generate_with "
-            "against plain generate, alternating rounds) plus computing the scores.\n")
+            "against plain generate, alternating rounds) plus computing the scores from the "
+            "features (\"of which scoring\"); gradients and perturbation: their whole "
+            "computation after generation, per generated token.\n")
     plot(paths["png"], result)
     return {k: str(v) for k, v in paths.items()}

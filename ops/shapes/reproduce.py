@@ -1,0 +1,124 @@
+"""``python -m headscope.shapes reproduce``: every measurement of docs/shapes.md in one
+command, in order: caption accuracy, the shipped head against raw attention and random
+pointing (``python -m headscope eval`` on the held-out scenes; the head is the shipped
+one, not refitted), latency, the faithfulness figure and hallucination detection.
+
+Each step's result goes into ``OUT/results.json`` (and ``OUT/results.md``) as soon as it
+finishes, written atomically; a rerun skips the steps already there with the same
+settings, so an interrupted run resumes where it stopped.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+from ..attribution import atomic_path
+from .accuracy import HELD_OUT_SEED
+from .faithfulness import EVAL_OFFSET
+
+RESULTS = "results.json"
+STEPS = ("accuracy", "head_eval", "latency", "faithfulness", "hallucination")
+FULL = {"accuracy": {"scenes": 200},
+        "head_eval": {"scenes": 60, "regions": 8, "max_new_tokens": 48, "subsets": 8},
+        "latency": {"rounds": 9, "tokens": 40},
+        "faithfulness": {"scenes": 40, "regions": 8},
+        "hallucination": {"fit": 100, "test": 100}}
+QUICK = {"accuracy": {"scenes": 4},
+         "head_eval": {"scenes": 2, "regions": 8, "max_new_tokens": 48, "subsets": 2},
+         "latency": {"rounds": 1, "tokens": 8},
+         "faithfulness": {"scenes": 1, "regions": 8},
+         "hallucination": {"fit": 2, "test": 2}}
+EVAL_KEYS = ("lds", "lds_pooled", "pearson", "subset_lds", "pointing", "pointing_spans")
+
+
+def _accuracy(out: Path, s: dict, done: dict, model_dir) -> dict:
+    from .accuracy import caption_accuracy, held_out_scenes
+    from .model import load
+    model, processor, _ = load(model_dir, head=False)
+    return {"seeds": [HELD_OUT_SEED, HELD_OUT_SEED + s["scenes"] - 1],
+            **caption_accuracy(model, processor, held_out_scenes(s["scenes"]))}
+
+
+def _head_eval(out: Path, s: dict, done: dict, model_dir) -> dict:
+    from ..commands import main as commands_main
+    from .dataset import write_dataset
+    from .model import DATA_DIR, HEAD_FILE
+    folder = Path(model_dir) if model_dir is not None else DATA_DIR
+    first = HELD_OUT_SEED + EVAL_OFFSET
+    data = write_dataset(out / "head-eval-data", first, s["scenes"])
+    report = out / "head-eval.json"
+    code = commands_main(["eval", "--model", str(folder), "--head", str(folder / HEAD_FILE),
+                          "--data", str(data), "--report", str(report),
+                          "--regions", str(s["regions"]), "--subsets", str(s["subsets"]),
+                          "--max-new-tokens", str(s["max_new_tokens"])])
+    if code != 0:
+        raise RuntimeError(f"headscope.shapes reproduce: python -m headscope eval exited "
+                           f"{code}")
+    results = json.loads(report.read_text())
+    return {"seeds": [first, first + s["scenes"] - 1], "spans": results["spans"],
+            **{scorer: {k: results[scorer][k] for k in EVAL_KEYS if k in results[scorer]}
+               for scorer in ("head", "attention", "random")}}
+
+
+def _latency(out: Path, s: dict, done: dict, model_dir) -> dict:
+    from .latency import measure_latency
+    return measure_latency(rounds=s["rounds"], new_tokens=s["tokens"], model_dir=model_dir)
+
+
+def _faithfulness(out: Path, s: dict, done: dict, model_dir) -> dict:
+    from .faithfulness import measure_faithfulness
+    from .faithfulness_figure import write_faithfulness
+    result = measure_faithfulness(s["scenes"], regions=s["regions"], model_dir=model_dir,
+                                  latency=done["latency"]["result"])
+    files = write_faithfulness(out / "faithfulness", result)
+    return {k: v for k, v in result.items() if k != "per_scene"} | {"files": files}
+
+
+def _hallucination(out: Path, s: dict, done: dict, model_dir) -> dict:
+    from .hallucination import measure_hallucination
+    return measure_hallucination(s["fit"], s["test"], model_dir)
+
+
+RUN: Dict[str, Callable] = {"accuracy": _accuracy, "head_eval": _head_eval,
+                            "latency": _latency, "faithfulness": _faithfulness,
+                            "hallucination": _hallucination}
+
+
+def _save(out: Path, results: dict) -> None:
+    from .reproduce_report import markdown
+    with atomic_path(out / RESULTS) as tmp:
+        Path(tmp).write_text(json.dumps(results, indent=2) + "\n")
+    with atomic_path(out / "results.md") as tmp:
+        Path(tmp).write_text(markdown(results))
+
+
+def reproduce(out: Path, quick: bool = False, model_dir: Optional[Path] = None,
+              echo: Callable[[str], None] = print) -> dict:
+    """Runs (or resumes) every step into ``out``; returns the results."""
+    import torch
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RESULTS
+    results = json.loads(path.read_text()) if path.is_file() else {"steps": {}}
+    model = str(Path(model_dir).resolve()) if model_dir is not None else "shipped"
+    results.update(quick=quick, threads=torch.get_num_threads())
+    settings = QUICK if quick else FULL
+    for i, name in enumerate(STEPS, 1):
+        step = results["steps"].get(name)
+        if step is not None and (step["settings"], step["model"]) == (settings[name], model):
+            echo(f"[{i}/{len(STEPS)}] {name}: done in an earlier run, skipped")
+            continue
+        echo(f"[{i}/{len(STEPS)}] {name} {settings[name]} ...")
+        start = time.perf_counter()
+        result = RUN[name](out, settings[name], results["steps"], model_dir)
+        seconds = time.perf_counter() - start
+        results["steps"][name] = {"settings": settings[name], "model": model,
+                                  "seconds": round(seconds, 1), "result": result}
+        _save(out, results)
+        echo(f"[{i}/{len(STEPS)}] {name}: done in {seconds:.1f} s")
+    _save(out, results)
+    echo(f"wrote {out / RESULTS} and {out / 'results.md'}")
+    return results

@@ -1,0 +1,82 @@
+"""``results.md`` of ``python -m headscope.shapes reproduce``: one section per finished
+step, its numbers as tables."""
+from __future__ import annotations
+
+from .faithfulness import table as faithfulness_table
+
+
+def _cell(v, digits: int = 3) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f}"
+
+
+def _accuracy(r: dict) -> list:
+    return [f"Caption accuracy on {r['count']} held-out scenes (seeds {r['seeds'][0]}.."
+            f"{r['seeds'][1]}):", "",
+            "| exact | precision | recall | colour | shape | place |",
+            "| --- | --- | --- | --- | --- | --- |",
+            "| " + " | ".join(f"{100 * r[k]:.1f}%" for k in
+                             ("exact", "precision", "recall", "colour", "shape", "position"))
+            + " |"]
+
+
+def _head_eval(r: dict) -> list:
+    lines = [f"The shipped head against raw attention and a random region (`python -m "
+             f"headscope eval`, seeds {r['seeds'][0]}..{r['seeds'][1]}, {r['spans']} spans, "
+             f"{r['head']['pointing_spans']} pointing cases):", "",
+             "| scores | LDS (mean over images) | LDS pooled | Pearson | subset LDS | pointing |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for scorer in ("head", "attention"):
+        m = r[scorer]
+        lines.append(f"| {scorer} | " + " | ".join(_cell(m[k]) for k in
+                                                  ("lds", "lds_pooled", "pearson",
+                                                   "subset_lds", "pointing")) + " |")
+    lines.append(f"| random region (expected) | | | | | {_cell(r['random']['pointing'])} |")
+    return lines
+
+
+def _latency(r: dict) -> list:
+    ms = r["ms_per_token"]
+    lines = [f"Per-token latency ({r['rounds']} rounds of {r['new_tokens']} tokens, "
+             f"{r['threads']} threads):", "", "| | ms per token | vs plain |",
+             "| --- | --- | --- |", f"| plain `generate` | {ms['plain']:.3f} | 1 |"]
+    for key, label, ratio in (("traced", "`Tracer.generate`", "traced_vs_plain"),
+                              ("callback", "`Tracer.generate_with`", "callback_vs_plain")):
+        mid, low, high = r[ratio]
+        lines.append(f"| {label} | {ms[key]:.3f} | {mid:.2f}x [{low:.2f}-{high:.2f}] |")
+    return lines
+
+
+def _faithfulness(r: dict) -> list:
+    return [f"Faithfulness against time per token ({r['scenes']} scenes, seeds "
+            f"{r['seeds'][0]}..{r['seeds'][1]}, {r['spans']} spans; figure "
+            f"`{r['files']['png']}`):", "", faithfulness_table(r)]
+
+
+def _hallucination(r: dict) -> list:
+    return [f"Hallucination detection ({r['fit_answers']} fitting and {r['test_answers']} "
+            f"test answers, seeds {r['seeds'][0]}..{r['seeds'][1]}; "
+            f"{100 * r['test_hallucinated']:.0f}% of the test answers hallucinated):", "",
+            "| detector | AUROC |", "| --- | --- |",
+            f"| VASDetector | {_cell(r['auroc_vas_detector'])} |",
+            f"| mean token log-probability | {_cell(r['auroc_mean_logprob'])} |"]
+
+
+SECTIONS = {"accuracy": ("Caption accuracy", _accuracy),
+            "head_eval": ("Attribution head", _head_eval),
+            "latency": ("Latency", _latency),
+            "faithfulness": ("Faithfulness against time", _faithfulness),
+            "hallucination": ("Hallucination detection", _hallucination)}
+
+
+def markdown(results: dict) -> str:
+    lines = ["# headscope shapes: measurements", "",
+             f"{'Quick (CI-sized) run' if results['quick'] else 'Full run'}, "
+             f"{results['threads']} threads."]
+    for name, (title, render) in SECTIONS.items():
+        step = results["steps"].get(name)
+        if step is None:
+            continue
+        lines += ["", f"## {title}", "", f"Settings {step['settings']}, model "
+                  f"{step['model']}, {step['seconds']} s.", ""]
+        lines += render(step["result"])
+    return "\n".join(lines) + "\n"

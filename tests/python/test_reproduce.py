@@ -1,0 +1,48 @@
+"""python -m headscope.shapes reproduce --quick: every step runs and lands in results.json
+and results.md; a rerun skips the finished steps; a run that stopped after some steps
+resumes with the rest."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("torchvision")
+from headscope.shapes.reproduce import RESULTS, STEPS, reproduce  # noqa: E402
+
+
+def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
+    said = []
+    reproduce(tmp_path, quick=True, echo=said.append)
+    results = json.loads((tmp_path / RESULTS).read_text())
+    assert results["quick"] is True and list(results["steps"]) == list(STEPS)
+    steps = results["steps"]
+    assert 0 <= steps["accuracy"]["result"]["recall"] <= 1
+    head_eval = steps["head_eval"]["result"]
+    assert head_eval["seeds"] == [1_000_500_000, 1_000_500_001]
+    assert 0 <= head_eval["random"]["pointing"] <= 1
+    assert head_eval["random"]["pointing_spans"] == head_eval["head"]["pointing_spans"]
+    assert steps["latency"]["result"]["ms_per_token"]["plain"] > 0
+    faith = steps["faithfulness"]["result"]
+    assert faith["latency"] == steps["latency"]["result"]  # one latency measurement
+    assert (tmp_path / "faithfulness" / "faithfulness.png").is_file()
+    assert steps["hallucination"]["result"]["test_answers"] == 2
+    text = (tmp_path / "results.md").read_text()
+    for title in ("Caption accuracy", "Attribution head", "Latency",
+                  "Faithfulness against time", "Hallucination detection"):
+        assert f"## {title}" in text
+    assert "random region (expected)" in text
+    assert [line.endswith("...") for line in said].count(True) == len(STEPS)
+
+    # a run stopped after the latency step: the rerun does only the last two
+    del results["steps"]["faithfulness"], results["steps"]["hallucination"]
+    (tmp_path / RESULTS).write_text(json.dumps(results))
+    said.clear()
+    again = reproduce(tmp_path, quick=True, echo=said.append)
+    skipped = [line for line in said if line.endswith("skipped")]
+    ran = [line for line in said if line.endswith("...")]
+    assert len(skipped) == 3 and len(ran) == 2
+    assert "faithfulness" in ran[0] and "hallucination" in ran[1]
+    assert again["steps"]["accuracy"] == steps["accuracy"]
+    assert json.loads((tmp_path / RESULTS).read_text())["steps"].keys() == set(STEPS)
