@@ -5,7 +5,8 @@
     inputs = headscope.shapes.prompt(processor, image)  # "Describe the image."
     ids = model.generate(**inputs, max_new_tokens=48)
 
-``python -m headscope.shapes train|demo|accuracy|latency``; see docs/shapes.md.
+``python -m headscope.shapes train|demo|accuracy|latency|data|hallucination|faithfulness|
+reproduce``; see docs/shapes.md.
 Needs ``transformers`` (``pip install headscope[hf]``).
 """
 from .model import load, prompt
