@@ -24,7 +24,7 @@ FULL = {"accuracy": {"scenes": 200},
         "head_eval": {"scenes": 60, "regions": 8, "max_new_tokens": 48, "subsets": 8},
         "latency": {"rounds": 9, "tokens": 40},
         "faithfulness": {"scenes": 40, "regions": 8},
-        "hallucination": {"fit": 100, "test": 100}}
+        "hallucination": {"fit": 1000, "test": 1000}}
 QUICK = {"accuracy": {"scenes": 4},
          "head_eval": {"scenes": 2, "regions": 8, "max_new_tokens": 48, "subsets": 2},
          "latency": {"rounds": 1, "tokens": 8},

@@ -53,12 +53,17 @@ def _faithfulness(r: dict) -> list:
 
 
 def _hallucination(r: dict) -> list:
-    return [f"Hallucination detection ({r['fit_answers']} fitting and {r['test_answers']} "
-            f"test answers, seeds {r['seeds'][0]}..{r['seeds'][1]}; "
-            f"{100 * r['test_hallucinated']:.0f}% of the test answers hallucinated):", "",
-            "| detector | AUROC |", "| --- | --- |",
-            f"| VASDetector | {_cell(r['auroc_vas_detector'])} |",
-            f"| mean token log-probability | {_cell(r['auroc_mean_logprob'])} |"]
+    lines = [f"Hallucination detection ({r['fit_answers']} fitting and {r['test_answers']} "
+             f"test answers, seeds {r['seeds'][0]}..{r['seeds'][1]}; "
+             f"{100 * r['test_hallucinated']:.1f}% of the test answers hallucinated):", "",
+             "| scores | AUROC | 95% interval |", "| --- | --- | --- |"]
+    for key, label in (("vas_detector", "VASDetector (36 VAS features)"),
+                       ("mean_logprob", "mean token log-probability (baseline)"),
+                       ("vas_and_logprob", "VAS features and log-probability")):
+        interval = r["auroc_95_interval"][key]
+        lines.append(f"| {label} | {_cell(r['auroc_' + key])} | " + (
+            "n/a" if interval is None else f"{interval[0]:.3f}-{interval[1]:.3f}") + " |")
+    return lines
 
 
 SECTIONS = {"accuracy": ("Caption accuracy", _accuracy),
