@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of a collection (shared with ``eval``, which collects first)."""
     parser.add_argument("--regions", type=int, default=8, metavar="K",
                         help="Ward regions per image (default 8)")
+    parser.add_argument("--grid", default=None, metavar="ROWSxCOLS",
+                        help="regions that cut the image's token grid into ROWS x COLS "
+                             "blocks, instead of Ward regions (e.g. 3x3; K = ROWS * COLS)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                         help="tokens generated per example, greedily (default 64)")
     parser.add_argument("--subsets", type=int, default=8, metavar="M",
@@ -48,6 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args) -> None:
+    if args.grid is not None:
+        try:
+            rows, cols = (int(n) for n in args.grid.lower().split("x"))
+        except ValueError:
+            raise UsageError(f"--grid must be ROWSxCOLS (e.g. 3x3), got {args.grid!r}") from None
+        if rows < 1 or cols < 1:
+            raise UsageError(f"--grid needs ROWS and COLS >= 1, got {args.grid!r}")
+        args.grid, args.regions = f"{rows}x{cols}", rows * cols
     for name, low in (("regions", 1), ("max_new_tokens", 1), ("subsets", 0),
                       ("batch_size", 1), ("shard_size", 1)):
         if getattr(args, name) < low:
@@ -129,15 +140,16 @@ def random_subsets(count: int, regions: int, seed: int, line: int) -> torch.Tens
 
 def collect_example(model, processor, example: Example, args) -> Dict:
     """Generation, span features and ablation effects of one example."""
-    from ..hf import Tracer, region_effects
+    from ..hf import Tracer, grid_regions, region_effects
     from ..hf.regions import find_images
     image = load_image(example)
     device = next(model.parameters()).device
     inputs = prompt_inputs(processor, example, image, device)
     K = args.regions
+    regions = K if args.grid is None else grid_regions(*map(int, args.grid.split("x")))
     spans: List = []
     t0 = time.perf_counter()
-    with torch.no_grad(), Tracer(model, regions=K, vas=False,
+    with torch.no_grad(), Tracer(model, regions=regions, vas=False,
                                  tokenizer=processor.tokenizer) as tracer:
         tracer.generate_with(spans.append, **inputs, max_new_tokens=args.max_new_tokens,
                              do_sample=False)
@@ -188,6 +200,7 @@ def collect(args) -> Path:
                              "num_layers": L, "num_heads": H,
                              "data": str(Path(args.data).resolve()),
                              "examples": len(examples), "regions": args.regions,
+                             "grid": args.grid,
                              "max_new_tokens": args.max_new_tokens, "subsets": args.subsets,
                              "ablation": args.ablation, "seed": args.seed,
                              "shard_size": args.shard_size, "dtype": args.dtype})

@@ -6,7 +6,8 @@ Needs ``transformers`` (``pip install headscope[hf]``); ``import headscope`` alo
 imports it.
 """
 from .effects import region_effects
+from .regions import grid_regions
 from .stream import Span
 from .tracer import Tracer, sentence_end
 
-__all__ = ["Span", "Tracer", "region_effects", "sentence_end"]
+__all__ = ["Span", "Tracer", "grid_regions", "region_effects", "sentence_end"]

@@ -79,6 +79,27 @@ def find_images(config, input_ids: torch.Tensor,
     return images
 
 
+def grid_regions(rows: int, cols: int) -> Callable:
+    """Regions for :class:`Tracer` (``regions=``) that cut each image's token grid into
+    ``rows x cols`` blocks of (nearly) equal size, numbered row-major: block
+    ``(i * rows // R, j * cols // C)`` holds token ``(i, j)`` of an ``R x C`` grid. For
+    images whose content is laid out on a known grid, or to compare with patch-grid
+    attributions."""
+    if not (isinstance(rows, int) and isinstance(cols, int)) or rows < 1 or cols < 1:
+        raise ValueError(f"headscope.hf.grid_regions: rows and cols must be ints >= 1, got "
+                         f"{rows!r} x {cols!r}")
+
+    def labels(features, grid) -> torch.Tensor:
+        R, C = grid
+        if rows > R or cols > C:
+            raise ValueError(f"headscope.hf.grid_regions: a {rows}x{cols} grid of regions "
+                             f"needs an image of at least that many tokens, got {R}x{C}")
+        block_row = torch.arange(R) * rows // R
+        block_col = torch.arange(C) * cols // C
+        return (block_row[:, None] * cols + block_col[None, :]).reshape(-1)
+    return labels
+
+
 def _llava_tokens(config) -> int:
     vision = config.vision_config
     return (int(vision.image_size) // int(vision.patch_size)) ** 2

@@ -197,6 +197,9 @@ def test_help_and_errors(files, tmp_path, capsys):
                                      "--out", tmp_path / "o")
     assert "other settings" in error("collect", "--model", model, "--data", data,
                                      "--out", collection, *COLLECT[:-2], "--shard-size", "2")
+    for grid in ("3", "3x", "0x2"):
+        assert "--grid" in error("collect", "--model", model, "--data", data, "--out",
+                                 tmp_path / "o", "--grid", grid)
     assert "no manifest.json" in error("train", "--data", tmp_path, "--out", tmp_path / "h")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "manifest.json").write_text(
@@ -254,3 +257,17 @@ def test_figure_centroids_are_the_metric_centroids_in_pixels():
     labels = np.array([0, 0, 1, 1, 0, 0, 2, 2])
     assert np.allclose(pixel_centroids(labels, (2, 4), 96, 3),
                        [[24, 48], [72, 24], [72, 72]])
+
+
+def test_grid_collection_has_the_grid_regions(files, tmp_path):
+    from headscope.hf import grid_regions
+    root, model, data, _ = files
+    out = tmp_path / "grid"
+    headscope("collect", "--model", model, "--data", data, "--out", out, "--grid", "2X3",
+              *COLLECT[2:])
+    got = read_collection(out)
+    assert got.manifest["grid"] == "2x3" and got.manifest["regions"] == 6
+    rows, cols = got.tensors["grid"][0].tolist()
+    labels = got.tensors["labels"].reshape(IMAGES, rows * cols)
+    assert (labels == grid_regions(2, 3)(None, (rows, cols))).all()
+    assert got.tensors["effects"].shape[1] == 6
