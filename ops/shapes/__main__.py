@@ -30,6 +30,14 @@ def _threads(n):
         torch.set_num_threads(n)
 
 
+def _grid(text: str) -> tuple:
+    try:
+        rows, cols = (int(n) for n in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"python -m headscope.shapes: --grid must be ROWSxCOLS, got {text!r}")
+    return rows, cols
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m headscope.shapes", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,7 +58,12 @@ def main(argv=None) -> int:
     p = sub.add_parser("demo", help="describe held-out scenes with span attributions")
     p.add_argument("--out", type=Path, default=Path("shapes-demo"), help="output folder")
     p.add_argument("--images", type=int, default=3)
-    p.add_argument("--regions", type=int, default=None, help="regions per image (Ward)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--grid", default="3x3", metavar="ROWSxCOLS",
+                       help="regions: a grid of blocks of the image (default 3x3, the world's "
+                            "cells)")
+    which.add_argument("--regions", type=int, default=None, metavar="K",
+                       help="regions: K Ward regions of the image instead of a grid")
     p.add_argument("--model", type=Path, default=None,
                    help="model folder (default: the one shipped with headscope)")
 
@@ -101,9 +114,9 @@ def main(argv=None) -> int:
         report = train(args.out, settings, eval_scenes=args.eval_scenes)
         print(json.dumps(report, indent=2))
     elif args.command == "demo":
-        from .demo import DEFAULT_REGIONS, run_demo
+        from .demo import run_demo
         run_demo(args.out, args.images, model_dir=args.model,
-                 regions=args.regions or DEFAULT_REGIONS)
+                 regions=args.regions if args.regions is not None else _grid(args.grid))
     elif args.command == "accuracy":
         from .accuracy import caption_accuracy, held_out_scenes
         from .model import load

@@ -4,13 +4,16 @@ summary on the terminal.
 
 Scores are the attribution head's predicted effects when the model folder has a head,
 else raw attention (each region's pooled attention mass averaged over layers and heads).
+Regions are the world's 3 x 3 cells by default (``headscope.hf.grid_regions``: each place
+of the world is a 2 x 2 block of image tokens), or K Ward regions of the image's token
+embeddings, what the tracer would use on an image whose layout nobody knows.
 """
 from __future__ import annotations
 
 import html
 import json
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -25,7 +28,8 @@ from .world import IMAGE_SIZE, describe, match_object, parse_sentence, scene
 
 # Demo scenes are held out: seeds HELD_OUT_SEED + DEMO_OFFSET + i, past the accuracy set.
 DEMO_OFFSET = 900_000
-DEFAULT_REGIONS = 8
+DEFAULT_REGIONS = 8  # Ward regions of the measurements
+WORLD_GRID = (3, 3)  # the demo's default regions: one per place of the world
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -39,12 +43,13 @@ def _token_grid(inputs) -> tuple:
 
 
 def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None,
-             regions: int = DEFAULT_REGIONS, max_new_tokens: int = 48,
+             regions: Union[int, Tuple[int, int]] = WORLD_GRID, max_new_tokens: int = 48,
              echo: Callable[[str], None] = print) -> dict:
     """Runs the demo on ``num_images`` held-out scenes (1, 2, 3, 4, 1, ... objects) and
     writes ``out/report.json``, ``out/index.html`` and ``out/image{i}_span{j}.png``.
-    Returns the report."""
-    from ..hf import Tracer
+    ``regions``: ``(rows, cols)`` for a grid of blocks, or K for Ward regions. Returns the
+    report."""
+    from ..hf import Tracer, grid_regions
 
     if num_images < 1:
         raise ValueError(f"headscope.shapes.demo: argument 'num_images' must be >= 1, got "
@@ -54,7 +59,11 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
     model, processor, head = load(model_dir)
     score_name = "head's predicted effect" if head is not None else "raw attention"
     images = []
-    with torch.no_grad(), Tracer(model, regions=regions, vas=True, head=head,
+    if isinstance(regions, int):
+        traced, regions_name = regions, f"{regions} Ward regions"
+    else:
+        traced, regions_name = grid_regions(*regions), "a {}x{} grid".format(*regions)
+    with torch.no_grad(), Tracer(model, regions=traced, vas=True, head=head,
                                  tokenizer=processor.tokenizer) as tr:
         for i in range(num_images):
             seed = HELD_OUT_SEED + DEMO_OFFSET + i
@@ -97,7 +106,7 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
                                  box=list(o.box)) for o in objects],
                 "num_regions": K, "region_grid": labels.reshape(grid).tolist(),
                 "vas_features": dict(zip(VAS_COLUMNS, vas)), "spans": spans})
-    report = {"scores": score_name, "regions": regions, "images": images,
+    report = {"scores": score_name, "regions": regions_name, "images": images,
               "summary": _summary(images)}
     _write_atomic(out / "report.json", json.dumps(report, indent=1) + "\n")
     _write_atomic(out / "index.html", _html(report))

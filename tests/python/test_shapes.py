@@ -151,13 +151,20 @@ def test_shipped_model_describes_held_out_scenes(shipped):
     assert accuracy["recall"] >= MIN_RECALL, accuracy
 
 
-def test_demo_writes_its_files(shipped, tmp_path, capsys):
+@pytest.mark.parametrize("regions", [(3, 3), 8], ids=["world-grid", "ward"])
+def test_demo_writes_its_files(shipped, tmp_path, capsys, regions):
+    from headscope.hf import grid_regions
     from headscope.shapes.demo import run_demo
-    report = run_demo(tmp_path, num_images=1)
+    report = run_demo(tmp_path, num_images=1, regions=regions)
     printed = capsys.readouterr().out
     on_disk = json.loads((tmp_path / "report.json").read_text())
     assert on_disk == json.loads(json.dumps(report))
     image = on_disk["images"][0]
+    if regions == 8:
+        assert report["regions"] == "8 Ward regions" and image["num_regions"] == 8
+    else:
+        assert report["regions"] == "a 3x3 grid"
+        assert image["region_grid"] == grid_regions(3, 3)(None, (6, 6)).reshape(6, 6).tolist()
     assert len(image["vas_features"]) == 36
     assert image["spans"] and image["description"] == " ".join(s["text"] for s in image["spans"])
     for s in image["spans"]:
