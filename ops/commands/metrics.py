@@ -41,15 +41,20 @@ def region_centroids(labels: torch.Tensor, rows: int, cols: int, K: int) -> torc
     return sums / counts.unsqueeze(1)
 
 
+def in_box(x, y, box):
+    """Whether the points (x, y) (numbers or tensors) lie in ``box`` = (x0, y0, x1, y1),
+    edges included."""
+    x0, y0, x1, y1 = box
+    return (x0 <= x) & (x <= x1) & (y0 <= y) & (y <= y1)
+
+
 def random_pointing(cases: List[tuple]) -> Optional[float]:
     """Expected pointing accuracy of a uniformly random region: per case, the share of its
     (non-empty) regions whose centroid lies in the box, averaged over the cases."""
     shares = []
-    for _, centroids, (x0, y0, x1, y1) in cases:
+    for _, centroids, box in cases:
         centroids = centroids[~torch.isnan(centroids).any(1)]
-        x, y = centroids.unbind(1)
-        inside = (x0 <= x) & (x <= x1) & (y0 <= y) & (y <= y1)
-        shares.append(float(inside.double().mean()))
+        shares.append(float(in_box(*centroids.unbind(1), box).double().mean()))
     return sum(shares) / len(shares) if shares else None
 
 
@@ -98,9 +103,8 @@ def score(data: Collection, scores: torch.Tensor) -> Dict:
         out["subset_lds"] = None
     cases = pointing_cases(data)
     hits = []
-    for span, centroids, (x0, y0, x1, y1) in cases:
-        x, y = centroids[int(scores[span].argmax())].tolist()
-        hits.append(x0 <= x <= x1 and y0 <= y <= y1)
+    for span, centroids, box in cases:
+        hits.append(bool(in_box(*centroids[int(scores[span].argmax())].tolist(), box)))
     out["pointing"] = sum(hits) / len(hits) if hits else None
     out["pointing_spans"] = len(hits)
     return out

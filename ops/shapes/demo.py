@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..attribution import atomic_path
+from ..commands.metrics import in_box
 from ..vas import VAS_COLUMNS
 from .accuracy import HELD_OUT_SEED
 from .figures import region_centroids, span_figure
@@ -126,12 +127,7 @@ def _span_record(span, text: str, objects, centroids: np.ndarray) -> dict:
             "top_region": top, "parsed": parsed is not None,
             "object": None if obj is None else f"{obj.colour} {obj.shape} ({obj.position})",
             "box": None if obj is None else list(obj.box),
-            "pointing_hit": None if obj is None else _inside(centroids[top], obj.box)}
-
-
-def _inside(point, box) -> bool:
-    x, y = point
-    return bool(box[0] <= x < box[2] and box[1] <= y < box[3])
+            "pointing_hit": None if obj is None else bool(in_box(*centroids[top], obj.box))}
 
 
 def _summary(images: List[dict]) -> dict:

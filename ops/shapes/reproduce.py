@@ -1,7 +1,8 @@
 """``python -m headscope.shapes reproduce``: every measurement of docs/shapes.md in one
 command, in order: caption accuracy, the shipped head against raw attention and random
-pointing (``python -m headscope eval`` on the held-out scenes; the head is the shipped
-one, not refitted), latency, the faithfulness figure and hallucination detection.
+pointing (``python -m headscope eval`` on the held-out scenes, with Ward regions and with
+the world's 3 x 3 cells; the head is the shipped one, not refitted), latency, the
+faithfulness figure and hallucination detection.
 
 Each step's result goes into ``OUT/results.json`` (and ``OUT/results.md``) as soon as it
 finishes, written atomically; a rerun skips the steps already there with the same
@@ -19,14 +20,17 @@ from .accuracy import HELD_OUT_SEED
 from .faithfulness import EVAL_OFFSET
 
 RESULTS = "results.json"
-STEPS = ("accuracy", "head_eval", "latency", "faithfulness", "hallucination")
+STEPS = ("accuracy", "head_eval", "head_eval_grid", "latency", "faithfulness",
+         "hallucination")
 FULL = {"accuracy": {"scenes": 200},
         "head_eval": {"scenes": 60, "regions": 8, "max_new_tokens": 48, "subsets": 8},
+        "head_eval_grid": {"scenes": 60, "grid": "3x3", "max_new_tokens": 48, "subsets": 8},
         "latency": {"rounds": 9, "tokens": 40},
         "faithfulness": {"scenes": 40, "regions": 8},
         "hallucination": {"fit": 1000, "test": 1000}}
 QUICK = {"accuracy": {"scenes": 4},
          "head_eval": {"scenes": 2, "regions": 8, "max_new_tokens": 48, "subsets": 2},
+         "head_eval_grid": {"scenes": 2, "grid": "3x3", "max_new_tokens": 48, "subsets": 2},
          "latency": {"rounds": 1, "tokens": 8},
          "faithfulness": {"scenes": 1, "regions": 8},
          "hallucination": {"fit": 2, "test": 2}}
@@ -48,10 +52,13 @@ def _head_eval(out: Path, s: dict, done: dict, model_dir) -> dict:
     folder = Path(model_dir) if model_dir is not None else DATA_DIR
     first = HELD_OUT_SEED + EVAL_OFFSET
     data = write_dataset(out / "head-eval-data", first, s["scenes"])
-    report = out / "head-eval.json"
+    if "grid" in s:
+        report, regions = out / "head-eval-grid.json", ["--grid", s["grid"]]
+    else:
+        report, regions = out / "head-eval.json", ["--regions", str(s["regions"])]
     code = commands_main(["eval", "--model", str(folder), "--head", str(folder / HEAD_FILE),
-                          "--data", str(data), "--report", str(report),
-                          "--regions", str(s["regions"]), "--subsets", str(s["subsets"]),
+                          "--data", str(data), "--report", str(report), *regions,
+                          "--subsets", str(s["subsets"]),
                           "--max-new-tokens", str(s["max_new_tokens"])])
     if code != 0:
         raise RuntimeError(f"headscope.shapes reproduce: python -m headscope eval exited "
@@ -82,6 +89,7 @@ def _hallucination(out: Path, s: dict, done: dict, model_dir) -> dict:
 
 
 RUN: Dict[str, Callable] = {"accuracy": _accuracy, "head_eval": _head_eval,
+                            "head_eval_grid": _head_eval,
                             "latency": _latency, "faithfulness": _faithfulness,
                             "hallucination": _hallucination}
 

@@ -19,10 +19,10 @@ def _accuracy(r: dict) -> list:
             + " |"]
 
 
-def _head_eval(r: dict) -> list:
+def _head_eval(r: dict, regions: str = "8 Ward regions") -> list:
     lines = [f"The shipped head against raw attention and a random region (`python -m "
-             f"headscope eval`, seeds {r['seeds'][0]}..{r['seeds'][1]}, {r['spans']} spans, "
-             f"{r['head']['pointing_spans']} pointing cases):", "",
+             f"headscope eval`, {regions}, seeds {r['seeds'][0]}..{r['seeds'][1]}, "
+             f"{r['spans']} spans, {r['head']['pointing_spans']} pointing cases):", "",
              "| scores | LDS (mean over images) | LDS pooled | Pearson | subset LDS | pointing |",
              "| --- | --- | --- | --- | --- | --- |"]
     for scorer in ("head", "attention"):
@@ -68,6 +68,8 @@ def _hallucination(r: dict) -> list:
 
 SECTIONS = {"accuracy": ("Caption accuracy", _accuracy),
             "head_eval": ("Attribution head", _head_eval),
+            "head_eval_grid": ("Attribution head on the world's cells",
+                               lambda r: _head_eval(r, "the world's 3x3 cells as regions")),
             "latency": ("Latency", _latency),
             "faithfulness": ("Faithfulness against time", _faithfulness),
             "hallucination": ("Hallucination detection", _hallucination)}

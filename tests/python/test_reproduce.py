@@ -23,13 +23,18 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     assert head_eval["seeds"] == [1_000_500_000, 1_000_500_001]
     assert 0 <= head_eval["random"]["pointing"] <= 1
     assert head_eval["random"]["pointing_spans"] == head_eval["head"]["pointing_spans"]
+    on_cells = steps["head_eval_grid"]["result"]
+    assert on_cells["seeds"] == head_eval["seeds"] and on_cells["spans"] == head_eval["spans"]
+    if on_cells["random"]["pointing_spans"]:  # one cell in nine holds a given object
+        assert abs(on_cells["random"]["pointing"] - 1 / 9) < 1e-9
     assert steps["latency"]["result"]["ms_per_token"]["plain"] > 0
     faith = steps["faithfulness"]["result"]
     assert faith["latency"] == steps["latency"]["result"]  # one latency measurement
     assert (tmp_path / "faithfulness" / "faithfulness.png").is_file()
     assert steps["hallucination"]["result"]["test_answers"] == 2
     text = (tmp_path / "results.md").read_text()
-    for title in ("Caption accuracy", "Attribution head", "Latency",
+    for title in ("Caption accuracy", "Attribution head", "Attribution head on the world's "
+                  "cells", "Latency",
                   "Faithfulness against time", "Hallucination detection"):
         assert f"## {title}" in text
     assert "random region (expected)" in text
@@ -42,7 +47,7 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     again = reproduce(tmp_path, quick=True, echo=said.append)
     skipped = [line for line in said if line.endswith("skipped")]
     ran = [line for line in said if line.endswith("...")]
-    assert len(skipped) == 3 and len(ran) == 2
+    assert len(skipped) == 4 and len(ran) == 2
     assert "faithfulness" in ran[0] and "hallucination" in ran[1]
     assert again["steps"]["accuracy"] == steps["accuracy"]
     assert json.loads((tmp_path / RESULTS).read_text())["steps"].keys() == set(STEPS)
