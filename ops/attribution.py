@@ -308,8 +308,7 @@ class AttributionHead(nn.Module):
         same number of batches per pass (the collectives run once per batch).
 
         The loss is formed from the (all-reduced) moments with plain torch ops; the
-        scores go through ``headscope.linear_attribution`` (an ATen composite: autograd
-        from ATen).
+        scores go through ``headscope.linear_attribution`` (differentiable).
         ``progress=True`` prints one line per epoch to stderr (quiet by default).
         """
         dist, group = _dist_group(group)

@@ -4,8 +4,9 @@
   formulation (grouped heads without copying K, one matmul, softmax, index_add over
   regions) and against one scaled_dot_product_attention decode call per layer;
 * region_pool (from given attention probabilities) against its eager formulation;
-* features and scores for all layers (region_pool_qk per layer + linear_attribution), and
-  linear_attribution alone against ``((f - mean) / std) @ w + b`` written out;
+* features and scores for all layers (region_pool_qk per layer + linear_attribution);
+* linear_attribution against ``((f - mean) / std) @ w + b`` written out and, on the CPU,
+  against the ATen composite that is its forward on the other backends;
 * ward_regions against scikit-learn's AgglomerativeClustering (grid connectivity).
 
 Sizes: L = 28 layers, H = 28 query heads, Hkv = 4, D = 128, Tk = 4096
@@ -90,12 +91,6 @@ def bench_decode(device, quick: bool) -> dict:
         feats = torch.stack(run_qk(), dim=-2).flatten(-2)  # (1, K, L*H)
         return ops.linear_attribution(feats, head_w, head_mu, head_sd)
 
-    feats = torch.randn(1, K, L * s["H"], device=device)
-    head_b = torch.tensor(0.5, device=device)
-    t_linear = timeit(lambda: ops.linear_attribution(feats, head_w, head_mu, head_sd, head_b),
-                      device, warmup=20, min_time=0.3, max_repeat=2000)
-    t_linear_eager = timeit(lambda: ((feats - head_mu) / head_sd) @ head_w + head_b, device,
-                            warmup=20, min_time=0.3, max_repeat=2000)
     kw = dict(warmup=2, min_time=1.0 if not quick else 0.3, max_repeat=30)
     t_qk = timeit(run_qk, device, **kw)
     t_eager = timeit(run_eager_qk, device, **kw)
@@ -125,8 +120,6 @@ def bench_decode(device, quick: bool) -> dict:
         {"what": "region_pool (given probs)", "ms_per_token": 1e3 * t_pool,
          "eager_ms": 1e3 * t_pool_eager, "vs_eager": t_pool_eager / t_pool},
         {"what": "features+scores (qk, all layers)", "ms_per_token": 1e3 * t_full},
-        {"what": f"linear_attribution (1, {K}, {L * s['H']})", "ms_per_token": 1e3 * t_linear,
-         "eager_ms": 1e3 * t_linear_eager, "vs_eager": t_linear_eager / t_linear},
     ]
     print_table(f"decode step, per generated token: L={L} layers, H={s['H']}, Hkv={s['Hkv']}, "
                 f"D={s['D']}, Tk={s['Tk']}, {s['n_img']} image tokens, K={K} "
@@ -137,9 +130,44 @@ def bench_decode(device, quick: bool) -> dict:
             "qk_vs_eager": t_eager / t_qk, "sdpa_ms": 1e3 * t_sdpa, "qk_vs_sdpa": t_sdpa / t_qk,
             "region_pool_ms": 1e3 * t_pool, "eager_pool_ms": 1e3 * t_pool_eager,
             "pool_vs_eager": t_pool_eager / t_pool, "features_and_scores_ms": 1e3 * t_full,
-            "linear_ms": 1e3 * t_linear, "linear_eager_ms": 1e3 * t_linear_eager,
-            "linear_vs_eager": t_linear_eager / t_linear,
             "qk_peak_MiB": mib(m_qk), "eager_peak_MiB": mib(m_eager), "sdpa_peak_MiB": mib(m_sdpa)}
+
+
+def bench_linear(device, quick: bool) -> list[dict]:
+    """linear_attribution on the scores of one decode step (K = 64 regions of a 28-layer,
+    28-head model) and of many rows (a fit's or an evaluation's batch), against the eager
+    formula and, on the CPU, against the ATen composite that the other backends run."""
+    F = 28 * 28
+    g = torch.Generator().manual_seed(1)
+    w, mu = torch.randn(F, generator=g).to(device), torch.randn(F, generator=g).to(device)
+    sd = (torch.rand(F, generator=g) + 0.5).to(device)
+    b = torch.tensor(0.5, device=device)
+    op = ops.linear_attribution.default
+    rows = []
+    for shape, calls in (((1, 64, F), 200), ((1, 4096, F), 10), ((8, 512, F), 10)):
+        f = torch.randn(*shape, generator=g).to(device)
+        fns = {"op": lambda: op(f, w, mu, sd, b), "eager": lambda: ((f - mu) / sd) @ w + b}
+        if device.type == "cpu":  # elsewhere the composite is the op's forward
+            fns["composite"] = lambda: op._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd,
+                                                 f, w, mu, sd, b)
+        for fn in fns.values():
+            torch.testing.assert_close(fn(), fns["op"](), rtol=1e-5, atol=1e-4)
+        times = interleaved(fns, device, rounds=3 if quick else 7,
+                            calls={name: calls for name in fns}, pause=0.05)
+        row = {"features": "x".join(map(str, shape)),
+               "ms": 1e3 * statistics.median(times["op"]),
+               "eager_ms": 1e3 * statistics.median(times["eager"]),
+               "vs_eager": round_ratios(times["eager"], times["op"])[0]}
+        if "composite" in times:
+            ratio, low, high = round_ratios(times["composite"], times["op"])
+            row.update({"composite_ms": 1e3 * statistics.median(times["composite"]),
+                        "vs_composite": ratio, "vs_composite_range": f"{low:.2f}-{high:.2f}"})
+        rows.append(row)
+    print_table(f"linear_attribution, F = {F} ({device.type}, float32; ratios: median over "
+                "alternating rounds)", rows,
+                ["features", "ms", "eager_ms", "vs_eager", "composite_ms", "vs_composite",
+                 "vs_composite_range"])
+    return rows
 
 
 def bench_ward(quick: bool) -> dict:
@@ -177,6 +205,7 @@ def bench_ward(quick: bool) -> dict:
 
 def run(device: torch.device, quick: bool) -> dict:
     t0 = time.perf_counter()
-    out = {"decode": bench_decode(device, quick), "ward": bench_ward(quick)}
+    out = {"decode": bench_decode(device, quick), "linear": bench_linear(device, quick),
+           "ward": bench_ward(quick)}
     print(f"\nattribution benchmarks: {time.perf_counter() - t0:.1f} s")
     return out

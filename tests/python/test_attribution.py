@@ -199,6 +199,35 @@ def test_linear_attribution_matches_eager(device, dtype):
     torch.testing.assert_close(outb.double(), refb, rtol=1e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_linear_attribution_cpu_kernel_matches_composite(dtype):
+    """The CPU kernel and the ATen composite that the other backends run (called here on
+    the CPU through its dispatch key) agree with each other and with float64, NaN policy
+    included."""
+    gen = torch.Generator().manual_seed(11)
+    F = 37
+    f = torch.randn(4, 9, F, generator=gen).to(dtype)
+    w, mu = torch.randn(F, generator=gen), torch.randn(F, generator=gen)
+    sd = torch.rand(F, generator=gen, dtype=torch.float64) + 0.5  # another dtype than w's
+    b = torch.tensor(0.25)
+    op = OPS.linear_attribution.default
+
+    def composite(*args):
+        return op._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args)
+
+    # float32 sums, then one rounding to the output dtype (half of its epsilon, relative)
+    low = {torch.float16: dict(rtol=1e-3, atol=1e-3), torch.bfloat16: dict(rtol=8e-3, atol=8e-3)}
+    close = low[dtype] if dtype in low else tol(dtype)
+    kernel, comp = op(f, w, mu, sd, b), composite(f, w, mu, sd, b)
+    assert kernel.dtype == comp.dtype == dtype
+    ref = ((f.double() - mu.double()) / sd) @ w.double() + 0.25
+    for out in (kernel, comp):
+        torch.testing.assert_close(out.double(), ref, **close)
+    torch.testing.assert_close(kernel, comp, **close)
+    sd[5] = 0.0
+    assert bool(op(f, w, mu, sd, b).isnan().all()) and bool(composite(f, w, mu, sd, b).isnan().all())
+
+
 def test_linear_attribution_bias(device):
     gen = torch.Generator().manual_seed(9)
     F = 5

@@ -28,6 +28,15 @@ at::Tensor region_pool_qk_meta(const at::Tensor& q, const at::Tensor& k,
                           q.options().dtype(accum_dtype(q.scalar_type())));
 }
 
+at::Tensor linear_attribution_meta(const at::Tensor& features, const at::Tensor& weight,
+                                   const at::Tensor& mean, const at::Tensor& std,
+                                   const std::optional<at::Tensor>& bias) {
+  check_linear_attribution_args(features, weight, mean, std, bias);
+  auto sizes = features.sym_sizes().vec();
+  sizes.pop_back();
+  return at::empty_symint(sizes, features.options());
+}
+
 at::Tensor correlation_meta(const char* op, const at::Tensor& pred, const at::Tensor& target,
                             int64_t dim) {
   const int64_t d = check_correlation_args(op, pred, target, dim);
@@ -54,6 +63,7 @@ at::Tensor ward_regions_meta(const at::Tensor& features, c10::SymInt height, c10
 TORCH_LIBRARY_IMPL(headscope, Meta, m) {
   m.impl("region_pool", &region_pool_meta);
   m.impl("region_pool_qk", &region_pool_qk_meta);
+  m.impl("linear_attribution", &linear_attribution_meta);
   m.impl("spearman", &spearman_meta);
   m.impl("pearson", &pearson_meta);
   m.impl("ward_regions", &ward_regions_meta);
