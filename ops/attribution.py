@@ -28,7 +28,7 @@ from torch import Tensor, nn
 FORMAT = "headscope.AttributionHead"
 FORMAT_VERSION = 1
 FEATURE_LAYOUT = "layer_major"  # feature index = layer * num_heads + head
-STD_EPS = 1e-8                   # added to the feature and target standard deviations (seed)
+STD_EPS = 1e-8                   # added to the feature and target stds (as the reference)
 
 __all__ = ["AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "region_pool",
            "region_pool_qk", "spearman", "stack_layers", "ward_regions"]
@@ -262,13 +262,15 @@ class AttributionHead(nn.Module):
 
     @torch.jit.unused
     def fit(self, features: Tensor, targets: Tensor, ridge: float = 0.0) -> "AttributionHead":
-        """Closed-form fit, the seed's estimator: least squares of the standardised targets
-        on the standardised features (optimal for Pearson correlation), in float64.
+        """Closed-form fit, the estimator of the reference implementation
+        (``vstream_synth_repro.py``, docs/attribution.md): least squares of the standardised
+        targets on the standardised features (optimal for Pearson correlation), in float64.
 
         ``features`` ``(..., F)``, ``targets`` ``(...)``. ``ridge`` > 0 adds
-        ``ridge * ||w||^2`` (standardised units); 0 gives the seed's minimum-norm
-        ``lstsq``. The stored weight and bias give predictions in the targets' units
-        (the seed's, times the targets' std, plus their mean: the same ranking and LDS).
+        ``ridge * ||w||^2`` (standardised units); 0 gives the reference implementation's
+        minimum-norm ``lstsq``. The stored weight and bias give predictions in the targets'
+        units (the reference implementation's, times the targets' std, plus their mean: the
+        same ranking and LDS).
         """
         X, y = _check_fit_data("fit", features, targets, self.num_features)
         if X.shape[0] < 2:

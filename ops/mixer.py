@@ -1,8 +1,9 @@
 """KL projection and the thin doubly-stochastic mixer.
 
 ``kl_project`` projects two positive n x r references to row-stochastic factors U, V
-with equal column sums g (the seed's joint KL projection, solved by Newton's method
-on an r-dimensional dual); ``thin_mix`` applies W = U diag(1/g) V^T to X in
+with equal column sums g (the joint KL projection of the reference implementation,
+``kl_projection_reference.py``, docs/mixer.md, solved by Newton's method on an
+r-dimensional dual); ``thin_mix`` applies W = U diag(1/g) V^T to X in
 O(n r d) without forming W; ``FactorMixer`` puts both in place of softmax attention.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ class KLProjection(NamedTuple):
     U: Tensor          # (..., n, r) row-stochastic
     V: Tensor          # (..., n, r) row-stochastic, V.sum(-2) == U.sum(-2)
     z: Tensor          # (..., r) dual variable, z[..., -1] == 0
-    iters: Tensor      # (...) int64: states examined, as the seed counts them
+    iters: Tensor      # (...) int64: states examined, as the reference counts them
     residual: Tensor   # (...) float64: max |U.sum(-2) - V.sum(-2)|
 
 
@@ -25,9 +26,10 @@ def kl_project(u_ref: Tensor, v_ref: Tensor, tol: float = 1e-11, max_iter: int =
                log_space: bool = False, check: bool = True) -> KLProjection:
     """Joint KL projection of references ``u_ref``, ``v_ref`` (both ``(..., n, r)``).
 
-    The references are positive (as in the seed) unless ``log_space=True``, in which
-    case they are log-references of any finite value. With ``check=True`` a problem
-    whose residual stays above ``tol`` raises instead of returning silently.
+    The references are positive (as in the reference implementation) unless
+    ``log_space=True``, in which case they are log-references of any finite value. With
+    ``check=True`` a problem whose residual stays above ``tol`` raises instead of
+    returning silently.
     Differentiable with respect to both references (implicit differentiation).
     """
     for name, ref in (("u_ref", u_ref), ("v_ref", v_ref)):
@@ -41,7 +43,7 @@ def kl_project(u_ref: Tensor, v_ref: Tensor, tol: float = 1e-11, max_iter: int =
             raise ValueError(f"headscope.kl_project: argument '{name}' holds NaN or Inf")
         if not log_space and not bool((ref > 0).all()):
             raise ValueError(f"headscope.kl_project: argument '{name}' must be positive "
-                             f"(references, as in the seed); pass log_space=True for "
+                             f"(as references are); pass log_space=True for "
                              f"log-references")
     if not log_space:
         u_ref, v_ref = u_ref.log(), v_ref.log()
@@ -75,10 +77,10 @@ class FactorMixer(nn.Module):
     ``forward(q, k, v)`` takes the arguments of ``scaled_dot_product_attention``
     (``(B, H, n, head_dim)``, self-attention, no mask) and returns ``(B, H, n, head_dim)``.
     Per head, queries and keys map to r-dimensional log-references
-    ``q @ W_q[h] / temperature`` and ``k @ W_k[h] / temperature`` (the seed's
-    ``exp(Q[:, :r] / 3)`` generalised to a learned projection), ``kl_project`` makes
-    them the factors U, V of a doubly-stochastic W, and ``thin_mix`` applies W to v
-    in O(n r d). Every row and column of W sums to 1; W is not causal.
+    ``q @ W_q[h] / temperature`` and ``k @ W_k[h] / temperature`` (the reference
+    implementation's ``exp(Q[:, :r] / 3)`` generalised to a learned projection),
+    ``kl_project`` makes them the factors U, V of a doubly-stochastic W, and ``thin_mix``
+    applies W to v in O(n r d). Every row and column of W sums to 1; W is not causal.
     """
 
     def __init__(self, num_heads: int, head_dim: int, rank: int, temperature: float = 3.0,
@@ -95,7 +97,7 @@ class FactorMixer(nn.Module):
         self.tol = float(tol)
         self.max_iter = int(max_iter)
         self.check = check
-        # Initialised like the seed: the first r coordinates, i.e. Q[:, :r].
+        # Initialised like the reference implementation: the first r coordinates, Q[:, :r].
         init = torch.zeros(num_heads, head_dim, rank)
         idx = torch.arange(min(rank, head_dim))
         init[:, idx, idx] = 1.0

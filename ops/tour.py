@@ -60,7 +60,8 @@ def mixer_rows(device):
 
 
 def dense_vas(A, V):
-    """The seed's d, c, r of one head, with dense float64 torch (T x T matrices)."""
+    """d, c, r of one head as the reference implementation defines them (docs/vas.md), with
+    dense float64 torch (T x T matrices)."""
     A, V = A.double(), V.double()
     Vn = V / V.norm(dim=-1, keepdim=True).clamp_min(1e-9)
     S = (Vn @ Vn.T + 1) / 2

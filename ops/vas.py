@@ -3,11 +3,13 @@
 Per layer and head, the attention matrix is compared with the Gram matrix of the head's
 row-normalised writes (d: normalised mismatch, c: CKA, r: row KL); the per-head numbers
 are aggregated over heads (mean, std, max, min) and then over layers (mean, std, max)
-into 36 features per sequence. Reference: docs/vas.md.
+into 36 features per sequence. Reference: docs/vas.md; "the reference implementation"
+below is ``extract_vas`` in ``vas_reference.py``, which docs/vas.md says where to find.
 
 - :func:`vas_head_stats` / :func:`vas_head_stats_qk`: one layer -> ``(B, H, 3)``.
 - :func:`vas_aggregate`: ``(B, L, H, 3)`` -> ``(B, 36)``.
-- :func:`vas_features`: drop-in for the seed's ``extract_vas`` on per-layer lists.
+- :func:`vas_features`: drop-in for the reference implementation's ``extract_vas`` on
+  per-layer lists.
 - :class:`VASAccumulator`: feed one layer at a time from forward hooks.
 """
 from __future__ import annotations
@@ -25,7 +27,8 @@ def _columns() -> list:
             for hagg in ("mean", "std", "max", "min") for lstat in ("mean", "std", "max")]
 
 
-#: The 36 feature names, in the order of :func:`vas_aggregate`'s columns (the seed's order).
+#: The 36 feature names, in the order of :func:`vas_aggregate`'s columns (the reference
+#: implementation's order).
 VAS_COLUMNS = _columns()
 
 
@@ -35,7 +38,8 @@ def vas_head_stats(attn: torch.Tensor, head_writes: torch.Tensor, lengths: torch
 
     attn (B, H, T, T) and head_writes (B, H, T, Dh) in float32/float16/bfloat16, any
     strides; lengths int64 (B,) valid tokens per sequence. Without offsets the window is
-    the first ``max(min(lengths[b], T), 4)`` positions (the seed's rule, right padding);
+    the first ``max(min(lengths[b], T), 4)`` positions (the reference implementation's
+    rule, right padding);
     with offsets (int64 (B,), the first valid position) it starts there (left padding).
     """
     return torch.ops.headscope.vas_head_stats(attn, head_writes, lengths, offsets)
@@ -75,12 +79,14 @@ def lengths_and_offsets(attention_mask: torch.Tensor, left_padding: bool = False
 def vas_features(attn_weights: Sequence[torch.Tensor], head_writes: Sequence[torch.Tensor],
                  attention_mask: torch.Tensor, left_padding: bool = False
                  ) -> Tuple[torch.Tensor, list]:
-    """The seed's ``extract_vas`` on per-layer lists: returns ``(features (B, 36) float32,
-    VAS_COLUMNS)``. features is a tensor on the inputs' device (``.cpu().numpy()`` gives the
-    seed's array). With no head writes it returns zeros, like the seed.
+    """The reference implementation's ``extract_vas`` on per-layer lists: returns
+    ``(features (B, 36) float32, VAS_COLUMNS)``. features is a tensor on the inputs' device
+    (``.cpu().numpy()`` gives the reference implementation's array). With no head writes
+    it returns zeros, like the reference implementation.
 
     ``left_padding=True`` takes each sequence's window from its first valid position (see
-    :func:`lengths_and_offsets`) instead of the seed's first-positions rule.
+    :func:`lengths_and_offsets`) instead of the reference implementation's first-positions
+    rule.
     """
     B = attention_mask.shape[0]
     if head_writes is None or len(head_writes) == 0:

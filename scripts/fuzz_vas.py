@@ -8,7 +8,8 @@ thread counts, windows (lengths, offsets, key padding masks), attention patterns
 softmax of varied sharpness, attention sinks, sliding windows, rows not summing to 1, zero
 head-write rows) and runs vas_head_stats or vas_head_stats_qk. d and c are judged against a
 float64 evaluation of the same (upcast) inputs, r against the project's float32 reference
-(the op forms S in float32 as the seed does, and log q near S = 0 follows those roundings).
+(the op forms S in float32 as the reference implementation does, and log q near S = 0
+follows those roundings).
 A case fails when the op misses the 1e-4 relative / 1e-6 absolute tolerance *and* is more
 than 3 times as far from float64 as the float32 reference (the arithmetic of the VAS
 reference implementation, docs/vas.md) is: ill-conditioned heads, where no float32 method

@@ -1,7 +1,8 @@
-"""Reproduces the seed kl_projection_reference.py with headscope's ops: the same random
-draws (numpy default_rng(7)), the same three predictions and mini experiment, the same
-JSON layout, plus a table. With ../shared/seeds present, the seed runs beside it and
-both columns are printed.
+"""Reproduces the reference implementation kl_projection_reference.py (docs/mixer.md says
+where it is) with headscope's ops: the same random draws (numpy default_rng(7)), the same
+three predictions and mini experiment, the same JSON layout, plus a table. With
+../shared/seeds present, the reference implementation runs beside it and both columns are
+printed.
 
     python scripts/reproduce_kl_projection.py [--json results.json]
 """
@@ -31,7 +32,8 @@ def hessian(U, V):
 
 
 def reproduce(project=project):
-    """The seed's run(), with `project` (ours by default) in place of the seed's."""
+    """The reference implementation's run(), with `project` (ours by default) in place of
+    its own."""
     rng = np.random.default_rng(7)
     rows = []
     for n in [16, 32, 64, 128]:
@@ -74,7 +76,7 @@ def reproduce(project=project):
     dense_ms = 1000 * (time.perf_counter() - t)
     U, V, _, _, res = project(np.exp(Q[:, :r] / 3), np.exp(K[:, :r] / 3))[:5]
     Ut, Vt, Xt = (torch.from_numpy(a) for a in (U, V, X))
-    ops.thin_mix(Ut, Vt, Xt)  # warm-up: the seed's numpy needs none
+    ops.thin_mix(Ut, Vt, Xt)  # warm-up: the reference's numpy needs none
     t = time.perf_counter()
     yi = ops.thin_mix(Ut, Vt, Xt).numpy()
     thin_ms = 1000 * (time.perf_counter() - t)
@@ -89,9 +91,9 @@ def reproduce(project=project):
 
 
 def print_tables(ours, seed=None):
-    print("Prediction 1: residual and iterations (headscope | seed)")
+    print("Prediction 1: residual and iterations (headscope | reference implementation)")
     print(f"{'n':>4} {'r':>2} {'residual':>10} {'iters':>5} {'row_res':>9} {'col_match':>9}"
-          + ("   | seed residual  iters" if seed else ""))
+          + ("   |  ref residual  iters" if seed else ""))
     for i, row in enumerate(ours["prediction_1_feasibility"]):
         line = (f"{row['n']:>4} {row['r']:>2} {row['residual']:>10.2e} {row['iters']:>5} "
                 f"{row['row_res']:>9.2e} {row['col_match']:>9.2e}")
@@ -111,13 +113,13 @@ def print_tables(ours, seed=None):
     print(f"\nMini experiment (n={m['n']}, r={m['rank']}): dense softmax {m['dense_ms']:.3f} ms, "
           f"thin mixer {m['thin_ms']:.3f} ms, doubly-stochastic residual {m['idea_ds_residual']:.1e}, "
           f"output difference to softmax attention {m['output_relative_difference']:.3f} "
-          f"(a different operator, as in the seed)")
+          f"(a different operator, as in the reference implementation)")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write the results (the seed's layout) here")
+    parser.add_argument("--json", help="write the results (the reference's layout) here")
     args = parser.parse_args()
     ours = reproduce()
     seed_module = load_seed("kl_projection_reference")

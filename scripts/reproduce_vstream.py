@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Reproduces the vStream seed's synthetic experiment with headscope's ops.
+"""Reproduces the synthetic experiment of vStream's reference implementation
+(vstream_synth_repro.py; docs/attribution.md says where it is) with headscope's ops.
 
-The data generator is the seed's (../shared/seeds/vstream_synth_repro.py, copied here
-call for call so the random streams are identical: numpy default_rng(0), L = 32, H = 36,
-4000 train and 2000 test samples, 100 images of K = 32 regions). The estimator is
-``headscope.AttributionHead.fit`` (the seed's standardised least squares), the metric
-``headscope.lds``. Prints the LDS overall and per image next to the seed's own numbers
-(recomputed here with NumPy/SciPy on the same data) and the time per span for K = 32
-regions: one ``linear_attribution`` call with the statistics stored, against the seed's
-``predict``, which recomputes the training mean and std on every call.
+The data generator is the reference implementation's (copied here call for call so the
+random streams are identical: numpy default_rng(0), L = 32, H = 36, 4000 train and 2000
+test samples, 100 images of K = 32 regions). The estimator is
+``headscope.AttributionHead.fit`` (the reference's standardised least squares), the metric
+``headscope.lds``. Prints the LDS overall and per image next to the reference's own
+numbers (recomputed here with NumPy/SciPy on the same data) and the time per span for
+K = 32 regions: one ``linear_attribution`` call with the statistics stored, against the
+reference's ``predict``, which recomputes the training mean and std on every call.
 
     PYTHONPATH=... python scripts/reproduce_vstream.py [--pearson-epochs N]
 """
@@ -24,7 +25,7 @@ import numpy as np
 
 def make_synthetic(L: int = 32, H: int = 36, n_train: int = 4000, n_test: int = 2000,
                    k_regions: int = 32, n_images: int = 100, n_rep: int = 200, seed: int = 0):
-    """The seed's data, generated in the seed's order (bit-identical arrays)."""
+    """The reference implementation's data, generated in its order (bit-identical arrays)."""
     rng = np.random.default_rng(seed)
     D = L * H
     w_star = rng.standard_normal(D).astype(np.float64)
@@ -46,7 +47,8 @@ def make_synthetic(L: int = 32, H: int = 36, n_train: int = 4000, n_test: int = 
 
 
 def seed_reference(data) -> dict:
-    """The seed's own estimator and metric on the same data (NumPy/SciPy)."""
+    """The reference implementation's own estimator and metric on the same data
+    (NumPy/SciPy)."""
     from scipy.stats import spearmanr
     Ftr, ytr = data["Ftr"], data["ytr"]
     Ftr_s = (Ftr - Ftr.mean(0)) / (Ftr.std(0) + 1e-8)
@@ -91,9 +93,9 @@ def main(argv=None) -> int:
     overall, per_image = float(test.overall), float(img.per_image_mean)
     print(f"[headscope] L*H = {L}*{H} = {L * H} weights")
     print(f"[headscope] LDS overall ({len(data['yte'])} test samples) = {overall:.4f}   "
-          f"seed: {ref['overall']:.4f}   |diff| = {abs(overall - ref['overall']):.2e}")
+          f"reference: {ref['overall']:.4f}   |diff| = {abs(overall - ref['overall']):.2e}")
     print(f"[headscope] LDS per image ({len(data['img_y'])} images x {K} regions) = "
-          f"{per_image:.4f} +/- {float(img.per_image.std(unbiased=False)):.4f}   seed: "
+          f"{per_image:.4f} +/- {float(img.per_image.std(unbiased=False)):.4f}   reference: "
           f"{ref['per_image']:.4f} +/- {ref['per_image_std']:.4f}")
 
     # Time per span: scores of the K = 32 regions of one span, float32 as in a model.
@@ -114,7 +116,8 @@ def main(argv=None) -> int:
         ref["predict"](s)
     t_seed = (time.perf_counter() - t0) / 20
     print(f"[headscope] time per span (K = {K} regions, {L * H} features): {t_ours * 1e6:.1f} us"
-          f"   seed's predict (recomputes mean/std of {Ftr.shape[0]}x{Ftr.shape[1]} each call):"
+          f"   reference's predict (recomputes mean/std of {Ftr.shape[0]}x{Ftr.shape[1]} "
+          f"each call):"
           f" {t_seed * 1e3:.2f} ms   ({t_seed / t_ours:.0f}x)")
 
     ok = abs(overall - 0.81) <= 0.01 and abs(per_image - 0.80) <= 0.01
@@ -139,7 +142,7 @@ def main(argv=None) -> int:
         print(f"[headscope] fit_pearson ({args.pearson_epochs} epochs, minibatches of 500, "
               f"{tp:.1f} s): LDS overall = {float(lp.overall):.4f}, per image = "
               f"{float(li.per_image_mean):.4f}")
-    print(f"[headscope] LDS within 0.01 of the seed's 0.81 overall / 0.80 per image: "
+    print(f"[headscope] LDS within 0.01 of the reference's 0.81 overall / 0.80 per image: "
           f"{'yes' if ok else 'NO'}")
     return 0 if ok else 1
 

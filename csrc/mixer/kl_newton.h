@@ -1,5 +1,6 @@
-// Pieces of the seed's Newton solver for the joint KL projection that the CPU and
-// CUDA kernels share: constants of the line search and the reduced r-1 solve.
+// Pieces of the Newton solver for the joint KL projection that the CPU and CUDA kernels
+// share, as the reference implementation (kl_projection_reference.py, docs/mixer.md) has
+// them: constants of the line search and the reduced r-1 solve.
 //
 // The dual variable z (length r, gauge z[r-1] = 0) gives
 //   U = softmax_rows(log_u_ref + z),  V = softmax_rows(log_v_ref - z),
@@ -13,11 +14,11 @@
 namespace headscope::mixer {
 
 // Backtracking: accept when |g_new|^2 < |g|^2 (1 - kArmijo * alpha); halve alpha
-// until it falls to kMinStep (the seed's constants).
+// until it falls to kMinStep (the reference implementation's constants).
 constexpr double kArmijo = 1e-4;
 constexpr double kMinStep = 1e-10;
-// Added to the diagonal when the reduced Hessian is numerically singular (the
-// seed falls back to lstsq(Hr + 1e-10 I) there).
+// Added to the diagonal when the reduced Hessian is numerically singular (the reference
+// implementation falls back to lstsq(Hr + 1e-10 I) there).
 constexpr double kSingularShift = 1e-10;
 
 // Solves Hr step = -grad[0:k] for k = r - 1, where Hr is the leading k x k block of

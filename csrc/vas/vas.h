@@ -9,10 +9,11 @@
 
 namespace headscope {
 
-// Per head of one layer: (B, H, 3) float32 = (d, c, r), the seed's normalised mismatch,
-// CKA and row KL between the attention `attn` (B, H, T, T) and the value Gram of the
-// row-normalised `head_writes` (B, H, T, Dh), over the window of n = clamp(lengths[b])
-// positions starting at 0, or at offsets[b] (left padding) when `offsets` is given.
+// Per head of one layer: (B, H, 3) float32 = (d, c, r), the normalised mismatch, CKA and
+// row KL of the reference implementation (extract_vas in vas_reference.py, docs/vas.md)
+// between the attention `attn` (B, H, T, T) and the value Gram of the row-normalised
+// `head_writes` (B, H, T, Dh), over the window of n = clamp(lengths[b]) positions starting
+// at 0, or at offsets[b] (left padding) when `offsets` is given.
 at::Tensor vas_head_stats(const at::Tensor& attn, const at::Tensor& head_writes,
                           const at::Tensor& lengths,
                           const std::optional<at::Tensor>& offsets = std::nullopt);
@@ -27,8 +28,9 @@ at::Tensor vas_head_stats_qk(const at::Tensor& q, const at::Tensor& k,
                              const std::optional<at::Tensor>& offsets = std::nullopt,
                              const std::optional<at::Tensor>& key_padding_mask = std::nullopt);
 
-// (B, L, H, 3) per-layer per-head stats -> (B, 36) float32 features in the seed's column
-// order (per layer mean/std/max/min over heads, then mean/std/max over layers).
+// (B, L, H, 3) per-layer per-head stats -> (B, 36) float32 features in the reference
+// implementation's column order (per layer mean/std/max/min over heads, then
+// mean/std/max over layers).
 at::Tensor vas_aggregate(const at::Tensor& head_stats);
 
 }  // namespace headscope

@@ -127,7 +127,8 @@ def print_table(title: str, rows: list[dict], columns: list[str]) -> None:
 
 
 def load_seed(name: str):
-    """Imports a seed module (``../shared/seeds/<name>.py``) or returns None when absent.
+    """Imports a reference implementation (``../shared/seeds/<name>.py``, see docs/vas.md
+    and docs/mixer.md) or returns None when absent.
 
     Looked up in $HEADSCOPE_SEEDS, then beside the current directory and beside the
     source tree (a clone has ``../shared`` only on the team's machines)."""
@@ -145,5 +146,5 @@ def load_seed(name: str):
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             return module
-    print(f"(seed {name}.py not found: its baseline is skipped)")
+    print(f"(reference implementation {name}.py not found: its baseline is skipped)")
     return None

@@ -15,8 +15,8 @@ ops = torch.ops.headscope
 
 
 def eager_project(a, b, tol=1e-11, max_iter=80):
-    """The seed's Newton method written in batched eager PyTorch: every problem of the
-    batch steps together, with a per-problem backtracking line search."""
+    """The reference implementation's Newton method in batched eager PyTorch: every
+    problem of the batch steps together, with a per-problem backtracking line search."""
     P, n, r = a.shape
 
     def state(z):

@@ -88,7 +88,7 @@ def _seed_section(device, quick, results):
             cache = types.SimpleNamespace(attn_weights=attn, head_writes=hw)
             ids = torch.zeros(B, T, dtype=torch.long)
             fns["seed"] = lambda: seed.extract_vas(None, ids, mask, cache)
-        # the seed and the op in alternation: a ratio of the same round compares like with like
+        # the reference and the op in alternation: a ratio of one round compares like with like
         times = interleaved(fns, device, rounds=3 if quick else 7, calls={"op": 5, "op 1-thread": 3})
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         row = {"attention": "causal" if causal else "dense", "op ms": ms["op"],

@@ -164,12 +164,13 @@ class Tracer(backend.Binding):
     labels in ``[0, K)`` for an image's M tokens (row-major), or a callable
     ``(features (M, C), (rows, cols)) -> labels (M,)``; None: no attribution. ``head``:
     an :class:`~headscope.AttributionHead` (or any callable ``(K, L*H) -> (K,)``) giving
-    ``span.scores``. ``writes``: ``"heads"`` (each head's attention output, the seed's
-    head writes) or ``"residual"`` (the head's write into the residual stream, through
-    its block of ``o_proj``). ``splitter``: a callable that gets a row's generated ids so
-    far and says whether the last one ends a span (default: sentence ends, given a
-    tokenizer; else one span per answer). ``queue_size``: spans held between the
-    generating thread and the consumer before generation waits.
+    ``span.scores``. ``writes``: ``"heads"`` (each head's attention output, the head
+    writes of the VAS reference implementation, docs/vas.md) or ``"residual"`` (the
+    head's write into the residual stream, through its block of ``o_proj``).
+    ``splitter``: a callable that gets a row's generated ids so far and says whether the
+    last one ends a span (default: sentence ends, given a tokenizer; else one span per
+    answer). ``queue_size``: spans held between the generating thread and the consumer
+    before generation waits.
     """
 
     who = "headscope.hf.Tracer"

@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: the devices every device test runs on, and the seeds folder."""
+"""Shared pytest fixtures: the devices every device test runs on, and the folder of the
+reference implementations (../shared/seeds; docs/vas.md, docs/mixer.md)."""
 from __future__ import annotations
 
 import importlib.util
@@ -30,7 +31,7 @@ def load_seed(module_name: str):
     """Imports ../shared/seeds/<module_name>.py, or skips when the folder is absent."""
     path = SEEDS / f"{module_name}.py"
     if not path.is_file():
-        pytest.skip(f"seed code not available ({path} is absent in this clone)")
+        pytest.skip(f"reference implementation not available ({path} is absent in this clone)")
     spec = importlib.util.spec_from_file_location(f"seed_{module_name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -516,12 +516,13 @@ def test_fit_matches_seed_estimator_small():
 
 
 def test_generator_and_lds_match_seed():
-    """The seed's data generator, executed from ../shared/seeds (skipped when absent): only
-    its lines before training run (the whole seed takes tens of seconds, mostly timing its
-    own predict), so the arrays it draws can be compared with make_synthetic's."""
+    """The data generator of the reference implementation (vstream_synth_repro.py, executed
+    from ../shared/seeds; skipped when absent): only its lines before training run (the
+    whole file takes tens of seconds, mostly timing its own predict), so the arrays it draws
+    can be compared with make_synthetic's."""
     path = REPO.parent / "shared" / "seeds" / "vstream_synth_repro.py"
     if not path.is_file():
-        pytest.skip(f"seed code not available ({path} is absent in this clone)")
+        pytest.skip(f"reference implementation not available ({path} is absent in this clone)")
     src = path.read_text()
     src = src[: src.index("# ---- Train linear estimator")]
     seed: dict = {}
@@ -538,7 +539,7 @@ def test_generator_and_lds_match_seed():
         per_image = head(torch.from_numpy(data["img_F"]))
     out = headscope.lds(pred, torch.from_numpy(data["yte"]))
     img = headscope.lds(per_image, torch.from_numpy(data["img_y"]))
-    # the seed's figures: 0.81 overall, 0.80 per image (README of ../shared)
+    # the reference implementation's figures: 0.81 overall, 0.80 per image (README of ../shared)
     assert abs(float(out.overall) - 0.81) < 0.01
     assert abs(float(img.per_image_mean) - 0.80) < 0.01
     assert abs(float(out.overall) - scipy_stats.spearmanr(pred.numpy(), data["yte"])[0]) < 1e-12

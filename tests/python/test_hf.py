@@ -1,8 +1,9 @@
 """The transformers integration (headscope.hf.Tracer) on tiny randomly initialised VLMs of
-every supported family: the model's outputs are unchanged, VAS features equal the seed's
-extract_vas (or vas_features) on eager attentions and per-head writes, span features equal
-region_pool on eager attentions of the teacher-forced sequence, batches with left padding
-equal their rows alone, and the span stream neither drops, hangs nor leaks."""
+every supported family: the model's outputs are unchanged, VAS features equal the
+reference implementation's extract_vas (or vas_features) on eager attentions and per-head
+writes, span features equal region_pool on eager attentions of the teacher-forced sequence,
+batches with left padding equal their rows alone, and the span stream neither drops, hangs
+nor leaks."""
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,6 @@
-"""KL projection (kl_project, kl_hvp) and the thin mixer (thin_mix, FactorMixer)."""
+"""KL projection (kl_project, kl_hvp) and the thin mixer (thin_mix, FactorMixer), against
+plain formulations and the reference implementation (kl_projection_reference.py,
+docs/mixer.md; those tests skip without it)."""
 from __future__ import annotations
 
 import math
@@ -14,7 +16,7 @@ ops = torch.ops.headscope
 
 
 def dense_mix(U, V, X):
-    """The seed's dense_apply: W = (U / g) V^T, then W @ X (float64)."""
+    """The reference implementation's dense_apply: W = (U / g) V^T, then W @ X (float64)."""
     g = U.sum(-2, keepdim=True)
     return (U / g) @ V.mT @ X
 
@@ -175,7 +177,8 @@ def test_kl_project_batched_equals_looped(device):
 
 
 def test_kl_project_log_references_beyond_exp_range(device):
-    # exp() of these overflows or underflows in the seed; in log space they are fine.
+    # exp() of these overflows or underflows in the reference implementation; in log space they
+    # are fine.
     a, b = random_problem((2, 40, 4), seed=6, scale=300.0)
     a = a + 1000.0
     out = ops.kl_project(a.to(device), b.to(device), 1e-11, 200)
@@ -318,7 +321,7 @@ def test_kl_hvp_opcheck():
     torch.library.opcheck(ops.kl_hvp.default, (U, U, torch.randn(2, 3)))
 
 
-# ---------------------------------------------------------------- seed's prediction 3
+# ------------------------------------------------ the reference implementation's prediction 3
 
 def test_thin_apply_matches_seed_prediction_3():
     seed = load_seed("kl_projection_reference")

@@ -1,6 +1,7 @@
-"""VAS feature ops: exactness against the seed and the project's own reference, dtypes,
-strides, left padding, the NaN/Inf policy, bad inputs, and the torch.compile / export /
-TorchScript paths."""
+"""VAS feature ops: exactness against the reference implementation (``extract_vas`` of
+vas_reference.py, docs/vas.md) and the project's own reference (vas_reference_impl.py),
+dtypes, strides, left padding, the NaN/Inf policy, bad inputs, and the torch.compile /
+export / TorchScript paths."""
 from __future__ import annotations
 
 import contextlib
@@ -60,7 +61,7 @@ def rand_case(B, H, T, Dh, causal, gen, lengths=None, device="cpu", zero_rows=0)
     return A, V.to(device), lengths.to(device)
 
 
-# ---- exactness against the seed ----------------------------------------------------------
+# ---- exactness against the reference implementation ----------------------------------------
 
 SEED_CASES = [
     # (B, L, H, T, Dh, causal, lengths, zero_rows)
@@ -111,9 +112,9 @@ def test_features_match_seed(case, device):
 
 
 def sharp_case(causal):
-    """Entries the seed clips (a / max row sum < 1e-12), subnormal ones and exact zeros from
-    underflow, rows summing to 5 (so the max-row-sum normalisation matters); Dh = 2 puts
-    many q near their clip as well."""
+    """Entries the reference implementation clips (a / max row sum < 1e-12), subnormal ones
+    and exact zeros from underflow, rows summing to 5 (so the max-row-sum normalisation
+    matters); Dh = 2 puts many q near their clip as well."""
     gen = torch.Generator().manual_seed(11)
     B, H, T, Dh = 2, 3, 300, 2
     lengths = torch.tensor([300, 177])
@@ -126,9 +127,9 @@ def sharp_case(causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_sharp_attention_with_clipped_and_subnormal_entries(causal, device):
-    # The kernels sum the KL before the max row sum mA is known and keep p = a / mA where
-    # the seed clips it (docs/vas.md, "Differences from the reference"): still within the tolerance of
-    # the reference, which clips like the seed.
+    # The kernels sum the KL before the max row sum mA is known and keep p = a / mA where the
+    # reference implementation clips it (docs/vas.md, "Differences from the reference"): still
+    # within the tolerance of the reference, which clips like the reference implementation.
     A, V, lengths = sharp_case(causal)
     out = headscope.vas_head_stats(A.to(device), V.to(device), lengths.to(device))
     assert_close(out, ref.head_stats(A, V, lengths), what="sharp attention")
@@ -145,8 +146,9 @@ def test_sharp_attention_features_match_seed(causal, device):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_inputs_match_seed_on_upcast_values(dtype, device):
-    # The op reads float16/bfloat16 and converts each value exactly to float32, the seed
-    # upcasts with .float(): both see the same float32 numbers, so the float32 tolerance holds.
+    # The op reads float16/bfloat16 and converts each value exactly to float32, the reference
+    # implementation upcasts with .float(): both see the same float32 numbers, so the float32
+    # tolerance holds.
     seed = load_seed("vas_reference")
     gen = torch.Generator().manual_seed(7)
     B, L, H, T, Dh = 2, 2, 3, 50, 32
@@ -286,10 +288,10 @@ def xfail_on_cuda(request, device):
 @pytest.mark.parametrize("T, bonus", [(16, 12.0), (64, 12.0), (300, 12.0), (16, 16.0), (64, 16.0)])
 def test_attention_sink_keeps_centred_statistics_exact(T, bonus, causal, device, request):
     """With an attention sink ||Ac|| is 1e-2 (bonus 12, T = 300) down to 1e-6 (bonus 16) of
-    ||A||. The centred sums must not be differences of sums of A's size (they were: c off
-    by up to 100% of itself at T = 16, 100x the tolerance at T = 300), nor B's row sums
-    differences of float row sums (0.5% in c at 2e-5), whether threads take whole heads
-    (1 thread) or chunks (12 threads). Against the reference in float64: the seed's float32
+    ||A||. The centred sums must not be differences of sums of A's size (they were: c off by up
+    to 100% of itself at T = 16, 100x the tolerance at T = 300), nor B's row sums differences of
+    float row sums (0.5% in c at 2e-5), whether threads take whole heads (1 thread) or chunks
+    (12 threads). Against the reference in float64: the reference implementation's float32
     centring is itself off by up to 1.2e-4 (bonus 12) and 40x the tolerance (bonus 16)."""
     xfail_on_cuda(request, device)
     gen = torch.Generator().manual_seed(T)
@@ -307,13 +309,12 @@ def test_attention_sink_keeps_centred_statistics_exact(T, bonus, causal, device,
 @pytest.mark.parametrize("scale", [1.0, 3.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sink_below_float64_resolution_matches_exact_cka(scale, dtype, device, request):
-    """Rows that put all but 1e-16 to 1e-37 of their weight on the first key (the fuzzer's
-    cases 95536818 and, rows scaled by 3, 1063366221): ||Ac|| is 1e-17 of ||A||, below what
-    float64 centring resolves (it gives c = 0, as the seed does), and c = <Ac, Sc> / 1e-12
-    (the CKA's floor) is a few 1e-6. The op's c is within the tolerance of the exact value
-    (the reference's exact_cka; a plain float64 row sum of A left it 10x off), whether
-    threads take whole heads or chunks; and exact_cka agrees with float64 where float64
-    resolves c."""
+    """Rows that put all but 1e-16 to 1e-37 of their weight on the first key (the fuzzer's cases
+    95536818 and, rows scaled by 3, 1063366221): ||Ac|| is 1e-17 of ||A||, below what float64
+    centring resolves (it gives c = 0, as the reference implementation does), and
+    c = <Ac, Sc> / 1e-12 (the CKA's floor) is a few 1e-6. The op's c is within the tolerance of the exact value
+    (the reference's exact_cka; a plain float64 row sum of A left it 10x off), whether threads
+    take whole heads or chunks; and exact_cka agrees with float64 where float64 resolves c."""
     if device.type == "cuda":  # the pass's row shift 1/n and 22-bit tensor-core Gram
         request.applymarker(pytest.mark.xfail(strict=True,
                                               reason="CUDA: c below float64's resolution"))
@@ -386,11 +387,11 @@ def test_banded_attention_with_tiles_and_blocks_of_zeros(causal, device):
 
 
 def test_random_cases_match_float64():
-    """300 fixed cases of scripts/fuzz_vas.py (shapes, dtypes, layouts, thread counts,
-    windows, masks, both ops, attention sinks, sliding windows, rows not summing to 1):
-    every statistic within the tolerance of a float64 evaluation, or no farther from it than
-    3 times the seed's float32 arithmetic is. Windows of 2 or 3 positions are left out
-    (degenerate: c is a ratio of rounding noise there, the seed's too)."""
+    """300 fixed cases of scripts/fuzz_vas.py (shapes, dtypes, layouts, thread counts, windows,
+    masks, both ops, attention sinks, sliding windows, rows not summing to 1): every statistic
+    within the tolerance of a float64 evaluation, or no farther from it than 3 times the
+    reference implementation's float32 arithmetic is. Windows of 2 or 3 positions are left out
+    (degenerate: c is a ratio of rounding noise there, the reference implementation's too)."""
     failures = []
     with num_threads(torch.get_num_threads()):  # the cases set their own
         for case in range(300):
@@ -403,7 +404,8 @@ def test_random_cases_match_float64():
 def test_near_parallel_random_cases_match_float64():
     """100 fixed cases whose head writes are nearly parallel (cosines about 0.99 to
     0.9999999, with the fuzzer's sinks, sliding windows, dtypes and both ops): c within
-    1e-4 of float64, not merely as close as the seed's float32 Gram (which loses it)."""
+    1e-4 of float64, not merely as close as the reference implementation's float32 Gram (which
+    loses it)."""
     failures = []
     with num_threads(torch.get_num_threads()):
         for case in range(100):
@@ -566,7 +568,8 @@ def test_left_padding_with_offsets_equals_right_padding(device):
     left = headscope.vas_head_stats(A_l.to(device), V_l.to(device), lengths.to(device),
                                     offsets.to(device))
     assert_close(left, right, rtol=1e-6, atol=1e-7, what="left vs right padding")
-    # without offsets the op keeps the seed's first-positions rule: it reads the padding
+    # without offsets the op keeps the reference implementation's first-positions rule: it reads
+    # the padding
     seed_rule = headscope.vas_head_stats(A_l.to(device), V_l.to(device), lengths.to(device))
     assert_close(seed_rule, ref.head_stats(A_l, V_l, lengths), what="first-T rule")
     assert not torch.allclose(seed_rule[1:].cpu(), right[1:].cpu(), rtol=1e-3)
@@ -762,7 +765,8 @@ def test_bad_aggregate_inputs():
 
 
 def test_short_sequences_and_empty_batch(device):
-    # T_max < 4: the window is the whole T_max (the seed's slicing), lengths 0 allowed
+    # T_max < 4: the window is the whole T_max (the reference implementation's slicing),
+    # lengths 0 allowed
     A, V, _ = _good(T=3)
     out = headscope.vas_head_stats(A.to(device), V.to(device), torch.tensor([0, 3], device=device))
     assert_close(out, ref.head_stats(A, V, [0, 3]), what="T_max < 4")

@@ -14,7 +14,7 @@ OPS = torch.ops.headscope
 T_CHOICES = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 127, 128, 129, 130, 200, 256, 257,
              300]  # 256: a row stride of a multiple of 256 floats (the CPU copies A_JI tiles)
 # windows of 2 or 3 positions: centred 2 x 2 or 3 x 3 matrices, where c is a ratio of rounding
-# noise for the seed and the op alike
+# noise for the reference implementation and the op alike
 DEGENERATE_T = 3
 
 
@@ -82,8 +82,9 @@ def run_case(case: int, near_parallel: float = 0.0, min_T: int = 1):
     f32 = ref.head_stats(A, V, lengths, offsets)
     # (c exact, in integers, for heads whose centred A float64 cannot resolve: ref.exact_cka)
     f64 = ref.head_stats(A, V, lengths, offsets, dtype=np.float64)
-    # r is judged against the float32 reference: the op forms S in float32 as the seed does
-    # (docs/vas.md, "Differences from the reference"), and log q near S = 0 follows those roundings
+    # r is judged against the float32 reference: the op forms S in float32 as the reference
+    # implementation does (docs/vas.md, "Differences from the reference"), and log q near S = 0
+    # follows those roundings
     f64[..., 2] = f32[..., 2]
     what = (f"case {case}: {mode} B={B} H={H} T={T} Dh={Dh} {str(dtype)[6:]} "
             f"{'causal' if causal else 'dense'} threads={threads} lengths={lengths.tolist()}"
@@ -93,8 +94,8 @@ def run_case(case: int, near_parallel: float = 0.0, min_T: int = 1):
 
 def judge(out, f32, f64, strict_c: bool = False):
     """err/tol of each statistic, 0 where the op is within 3x the float32 reference's miss;
-    with strict_c (nearly parallel writes, where the seed's float32 Gram loses c's digits)
-    c is judged against float64 alone."""
+    with strict_c (nearly parallel writes, where the reference implementation's float32 Gram
+    loses c's digits) c is judged against float64 alone."""
     tol = lambda x: np.abs(x - f64) / (1e-6 + 1e-4 * np.abs(f64))  # noqa: E731
     mine, seeds = tol(out), np.nan_to_num(tol(f32))
     if strict_c:

@@ -1,8 +1,10 @@
 """The project's own dense reference for the vas ops (tests run it without ../shared).
 
-A direct NumPy transcription of the VAS definitions, in float32 like the seed: per head
-it forms both T x T matrices, centres them and takes norms, CKA and the row KL with the
-seed's normalisation (each matrix divided by its largest row sum, clipped at 1e-12).
+A direct NumPy transcription of the VAS definitions, in float32 like the reference
+implementation (``extract_vas`` of vas_reference.py, docs/vas.md): per head it forms both
+T x T matrices, centres them and takes norms, CKA and the row KL with the reference
+implementation's normalisation (each matrix divided by its largest row sum, clipped at
+1e-12).
 It adds the window options of the ops (``offsets`` for left padding).
 """
 from __future__ import annotations
@@ -37,8 +39,8 @@ def _as_ints(M: np.ndarray, bits: int) -> np.ndarray:
 
 
 def exact_cka(A: np.ndarray, S: np.ndarray) -> float:
-    """The seed's CKA of A and S (n x n float64 arrays, their values taken as exact), in
-    integer arithmetic: n^2 <Ac, Sc> = n^2 <A, S> - n <rA, rS> - n <cA, cS> + sum(A) sum(S)
+    """The reference implementation's CKA of A and S (n x n float64 arrays, their values
+    taken as exact), in integer arithmetic: n^2 <Ac, Sc> = n^2 <A, S> - n <rA, rS> - n <cA, cS> + sum(A) sum(S)
     (r, c: row and column sums), and the same for the norms. For heads whose centred A is
     below float64's resolution (an attention sink taking all but 1e-15 of every row), where
     a float64 evaluation of c is off by more than the tolerance."""
@@ -50,14 +52,15 @@ def exact_cka(A: np.ndarray, S: np.ndarray) -> float:
                 - n * (x.sum(0) * y.sum(0)).sum() + x.sum() * y.sum())
 
     num, den = centred_dot(a, s), math.isqrt(centred_dot(a, a) * centred_dot(s, s))
-    floor = Fraction(1e-12) * n * n * (1 << 2148)  # the seed's max(sqrt(d1 d2), 1e-12)
+    # the reference implementation's max(sqrt(d1 d2), 1e-12)
+    floor = Fraction(1e-12) * n * n * (1 << 2148)
     return float(Fraction(num) / max(Fraction(den), floor))
 
 
 def head_stats_dense(A: np.ndarray, V: np.ndarray, dtype=np.float32) -> tuple[float, float, float]:
-    """(d, c, r) of one head from A (n, n) and V (n, Dh), in float32 arithmetic like the seed
-    (or float64: for inputs where float32 centring itself loses digits; c then exact where
-    even float64 centring loses it, see exact_cka)."""
+    """(d, c, r) of one head from A (n, n) and V (n, Dh), in float32 arithmetic like the
+    reference implementation (or float64: for inputs where float32 centring itself loses
+    digits; c then exact where even float64 centring loses it, see exact_cka)."""
     A = A.astype(dtype)
     V = V.astype(dtype)
     nrm = np.linalg.norm(V, axis=-1, keepdims=True)  # float32: NumPy's pairwise sum

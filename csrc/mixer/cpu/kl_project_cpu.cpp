@@ -1,5 +1,6 @@
-// CPU kernel of headscope::kl_project: the seed's Newton solver, one problem per
-// task of at::parallel_for, everything in double whatever the input dtype.
+// CPU kernel of headscope::kl_project: the Newton solver of the reference implementation
+// (kl_projection_reference.py, docs/mixer.md), one problem per task of at::parallel_for,
+// everything in double whatever the input dtype.
 #include "common/cpu_math.h"
 #include "common/kernel.h"
 #include "mixer/kl_newton.h"
@@ -37,8 +38,8 @@ double max_abs_diff(const double* a, const double* b, int r) {  // NaN-propagati
 // softmax(L + sign z)_ij = exp(L_ij - rowmax_i - c_j) exp(c_j + sign z_j - M) / row sum, with
 // c_j the column max of the row-centred L. The first factor, E, does not depend on z: computed
 // once, it turns each Newton evaluation into n*r multiplications instead of n*r exponentials.
-// When a factor could underflow (extreme inputs or z), evaluation falls back to the seed's
-// direct form, exp(L_ij + sign z_j - max_j(...)).
+// When a factor could underflow (extreme inputs or z), evaluation falls back to the
+// reference implementation's direct form, exp(L_ij + sign z_j - max_j(...)).
 template <typename scalar_t>
 class SoftmaxRows {
  public:
@@ -193,7 +194,8 @@ Solution solve_one(const scalar_t* a, const scalar_t* b, int64_t n, int r, doubl
     rows_at_z = accepted;
     if (!accepted) break;
   }
-  // The seed reports it + 1 (the number of states it examined), capped at max_iter.
+  // The reference implementation reports it + 1 (the number of states it examined),
+  // capped at max_iter.
   const int64_t iters = std::min(it + 1, max_iter);
 
   if (!rows_at_z) evaluate(z, state);  // the line search stalled: rows hold a rejected trial

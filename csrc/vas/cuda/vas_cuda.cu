@@ -55,7 +55,7 @@ constexpr int kPrepRows = 16;       // rows per prep block
 constexpr int kAccs = 8;            // per-head float64 sums, see Sums
 constexpr int kSlots = 32;          // a head's sums and ticket are spread over 32 slots, so
                                     // that thousands of blocks do not queue on one address
-constexpr float kEps = 1e-12f;      // the seed's clip of p and q
+constexpr float kEps = 1e-12f;      // the reference implementation's clip of p and q
 constexpr float kLog2Eps = -39.863137138648348f;  // log2(1e-12)
 // Shared memory of a pass block: the Vn panels (dead after the Gram, then reused for the
 // reductions), then the A tiles or the q / k panels.
@@ -97,10 +97,10 @@ __device__ inline float ldf(const T* p) {
 // ---- 1. prep ------------------------------------------------------------------------------
 
 // Sum of squares of row[0 .. n) (shared memory) in NumPy's pairwise order over float32
-// squares (np.linalg.norm): the seed's norms bit for bit. Called by a whole warp; every lane
-// gets the result. NumPy sums blocks of up to 128 with 8 interleaved accumulators (lanes
-// 0..7 here, each in NumPy's order), combines them as a fixed tree, adds the tail, and
-// splits longer rows in two at a multiple of 8.
+// squares (np.linalg.norm): the reference implementation's norms bit for bit. Called by a
+// whole warp; every lane gets the result. NumPy sums blocks of up to 128 with 8
+// interleaved accumulators (lanes 0..7 here, each in NumPy's order), combines them as a
+// fixed tree, adds the tail, and splits longer rows in two at a multiple of 8.
 __device__ float numpy_pairwise_sumsq(const float* row, int n) {
   auto sqr = [&](int i) { return __fmul_rn(row[i], row[i]); };  // never fused into an add
   if (n > 128) {
@@ -126,8 +126,8 @@ __device__ float numpy_pairwise_sumsq(const float* row, int n) {
 }
 
 // Each warp takes kPrepRows / 4 rows: loads them all (the loads in flight together), then
-// normalises each: Vn_i = V_i / max(||V_i||, 1e-9) (a division, as the seed). Rows from n
-// to T64 and columns from Dh to Dh16 are zero.
+// normalises each: Vn_i = V_i / max(||V_i||, 1e-9) (a division, as the reference
+// implementation). Rows from n to T64 and columns from Dh to Dh16 are zero.
 template <typename V_t, bool kExact>
 __global__ void __launch_bounds__(kThreads) prep_kernel(Heads P, const V_t* __restrict__ hw,
                                                         Strides4 sv) {
@@ -336,8 +336,9 @@ __device__ void issue_v_chunk(const Heads& P, int64_t bh, int64_t i0, int64_t j0
 // G_IJ into g (fragment layout). Before the call the caller has issued Dh chunk 0
 // (issue_v_chunk, committed) and then committed exactly one more group (its A tiles, or an
 // empty group): chunk 0 is awaited without waiting for that group.
-// Dh <= kExactDh: float32 FMA in index order, as the seed's float32 product, which keeps
-// entries of S near 0 (antiparallel writes, common for tiny Dh) equal to the seed's.
+// Dh <= kExactDh: float32 FMA in index order, as the reference implementation's float32
+// product, which keeps entries of S near 0 (antiparallel writes, common for tiny Dh) equal
+// to its.
 template <bool kExact>
 __device__ __forceinline__ void gram_tile(const Heads& P, int64_t bh, int64_t i0, int64_t j0, void* sv,
                           float* g, const Lane& L) {
@@ -958,7 +959,8 @@ __global__ void aggregate_kernel(const double* __restrict__ st, float* __restric
     for (int64_t h = 0; h < H; ++h) var += (v[h * 3] - mean) * (v[h * 3] - mean);
     double r = a == 0 ? mean : a == 1 ? sqrt(var / static_cast<double>(H)) : a == 2 ? mx : mn;
     if (has_nan) r = NAN;
-    return static_cast<double>(static_cast<float>(r));  // the seed stores float32
+    // the reference implementation stores float32
+    return static_cast<double>(static_cast<float>(r));
   };
   for (int64_t l = 0; l < L; ++l) {
     const double x = layer_stat(l);
