@@ -1,7 +1,7 @@
 // CPU kernels of headscope::vas_head_stats and headscope::vas_head_stats_qk: each call
-// runs the phases of vas_cpu.h, over whole heads per thread (fused) or over all heads with
-// each head split into chunks.
-#include "vas/cpu/vas_cpu.h"
+// runs the phases of vas_head_stats_cpu.h, over whole heads per thread (fused) or over all
+// heads with each head split into chunks.
+#include "vas/cpu/vas_head_stats_cpu.h"
 
 #include "common/kernel.h"
 

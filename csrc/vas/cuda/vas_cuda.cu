@@ -19,7 +19,7 @@
 #include "common/cuda_launch.h"
 #include "common/kernel.h"
 #include "common/cuda_reduce.cuh"
-#include "vas/cuda/tile_mma_cuda.cuh"
+#include "vas/cuda/vas_head_stats_tile_mma_cuda.cuh"
 #include "vas/vas_checks.h"
 #include "vas/vas_math.h"
 

@@ -12,7 +12,7 @@
 #elif defined(__GNUC__)
 #pragma GCC optimize("fp-contract=off")
 #endif
-#include "attribution/cpu/ward_cpu.h"
+#include "attribution/cpu/ward_regions_cpu.h"
 #include "common/kernel.h"
 
 #include "attribution/attribution_checks.h"

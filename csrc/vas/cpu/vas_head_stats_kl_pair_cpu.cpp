@@ -1,7 +1,7 @@
 // The tile pass's kernel: one pair of tiles (A_IJ, A_JI) of a head against the value Gram
 // G_IJ (PairArgs), in 8 x 8 blocks of float lanes. Sums run in float within an 8-row strip
 // (short enough to keep the 1e-4 target with room to spare) and in double across strips.
-#include "vas/cpu/vas_cpu.h"
+#include "vas/cpu/vas_head_stats_cpu.h"
 
 #include <algorithm>
 #include <cstring>

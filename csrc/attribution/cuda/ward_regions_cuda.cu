@@ -2,7 +2,7 @@
 // a host copy of the features (M x C, small next to a model's activations) and the
 // labels go back to the device. Same results as the CPU kernel.
 #include "attribution/attribution_checks.h"
-#include "attribution/cpu/ward_cpu.h"
+#include "attribution/cpu/ward_regions_cpu.h"
 #include "common/kernel.h"
 #include "common/checks.h"
 

@@ -2,7 +2,7 @@
 // column sums of the row's diagonal tile and where its rows are nonzero (Extent), read from
 // the attention (attn_*) or recomputed from q and k with an online softmax (qk_*); and from
 // them the row and column shifts of the tile pass (set_shifts).
-#include "vas/cpu/vas_cpu.h"
+#include "vas/cpu/vas_head_stats_cpu.h"
 
 #include <ATen/Dispatch.h>
 

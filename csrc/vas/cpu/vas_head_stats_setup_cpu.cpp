@@ -1,6 +1,6 @@
 // Setup of a vas CPU call: the windows, the schedule and buffers (setup, alloc_scratch), the
 // value side of every head (prepare_values) and the qk op's inputs as float (qk_prepare).
-#include "vas/cpu/vas_cpu.h"
+#include "vas/cpu/vas_head_stats_cpu.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>

@@ -2,7 +2,7 @@
 // (I >= J), the live ones through kl_pair and the ones the extents show all zero in closed
 // form; the tiles of A read from the attention (attn_tiles_phase) or recomputed from q and
 // k and the first pass's softmax statistics (qk_tiles_phase).
-#include "vas/cpu/vas_cpu.h"
+#include "vas/cpu/vas_head_stats_cpu.h"
 
 #include <ATen/Dispatch.h>
 

@@ -1,6 +1,6 @@
 // The finalisation of a vas CPU call: each head's chunk sums combined and turned into
 // (d, c, r) by vas_math.h's head_stats.
-#include "vas/cpu/vas_cpu.h"
+#include "vas/cpu/vas_head_stats_cpu.h"
 
 #include <ATen/ops/empty.h>
 

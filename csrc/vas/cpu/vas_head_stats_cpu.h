@@ -4,21 +4,21 @@
 // Per head (b, h) over the window of n positions (vas_math.h), with Vn the row-normalised
 // head writes, G = Vn Vn^T, S = (G + 1) / 2 and A the attention (given, or recomputed from
 // q and k by the qk op), a call runs
-//   setup (setup_cpu.cpp): the window of each batch row, the scratch, and per head Vn (or
-//     W = Vn - mean(Vn) where the writes are nearly parallel, see prepare_values), ||S||^2,
-//     ||Sc||^2 and S's largest row sum from C = W^T W (Dh x Dh): the value Gram is never
-//     formed whole;
-//   first pass (first_pass_cpu.cpp): A's row sums, its diagonal tiles' column sums and
-//     where its rows are nonzero (an Extent per 8 rows), one tile row at a time, and from
-//     them row and column shifts (set_shifts);
-//   tile pass (tile_pass_cpu.cpp, kl_pair_cpu.cpp): the tile pairs (I, J), (J, I) of A
-//     with the Gram formed a 24-row panel at a time, each 8 x 8 Gram block serving both
-//     tiles (G is symmetric): ||B||^2, <B, G> and the column sums of B = A less the shifts,
-//     ||A||^2 and the row KL's sums. Tiles and 8 x 8 blocks where A is all zero (causal
-//     masks) are skipped (their sums of B are added in closed form);
-//   finalisation (finalize_cpu.cpp): ||Ac||^2, <Ac, Sc> and the KL's normalisation in
-//     float64 (vas_math.h), A's row sums taken again as hi + lo pairs where ||Ac|| is below
-//     1e-8 ||A||.
+//   setup (vas_head_stats_setup_cpu.cpp): the window of each batch row, the scratch, and
+//     per head Vn (or W = Vn - mean(Vn) where the writes are nearly parallel, see
+//     prepare_values), ||S||^2, ||Sc||^2 and S's largest row sum from C = W^T W (Dh x Dh):
+//     the value Gram is never formed whole;
+//   first pass (vas_head_stats_first_pass_cpu.cpp): A's row sums, its diagonal tiles'
+//     column sums and where its rows are nonzero (an Extent per 8 rows), one tile row at a
+//     time, and from them row and column shifts (set_shifts);
+//   tile pass (vas_head_stats_tile_pass_cpu.cpp, vas_head_stats_kl_pair_cpu.cpp): the tile
+//     pairs (I, J), (J, I) of A with the Gram formed a 24-row panel at a time, each 8 x 8
+//     Gram block serving both tiles (G is symmetric): ||B||^2, <B, G> and the column sums
+//     of B = A less the shifts, ||A||^2 and the row KL's sums. Tiles and 8 x 8 blocks where
+//     A is all zero (causal masks) are skipped (their sums of B are added in closed form);
+//   finalisation (vas_head_stats_finalize_cpu.cpp): ||Ac||^2, <Ac, Sc> and the KL's
+//     normalisation in float64 (vas_math.h), A's row sums taken again as hi + lo pairs
+//     where ||Ac|| is below 1e-8 ||A||.
 // Two schedules (setup picks one): each thread takes whole heads through every phase
 // (`fused`: a tile row's first pass runs just before its pairs, while its rows are in
 // cache), or, with too few heads to keep the threads busy, every phase runs over all heads
@@ -260,7 +260,7 @@ struct HeldRow {
   int64_t mld;
 };
 
-// ---- setup (setup_cpu.cpp) ---------------------------------------------------------------
+// ---- setup (vas_head_stats_setup_cpu.cpp) -------------------------------------------------
 
 // The (B, H, 3) result of a call with no heads (B or H is 0): nothing to compute, but
 // lengths / offsets are checked all the same.
@@ -277,7 +277,7 @@ void prepare_values(Problem& P, const at::Tensor& head_writes, const Range* only
 // The qk op's inputs as float: q's window rows and the keys in use, transposed.
 void qk_prepare(Problem& P, QK& Q, const at::Tensor& q, const at::Tensor& k);
 
-// ---- first pass (first_pass_cpu.cpp) -------------------------------------------------------
+// ---- first pass (vas_head_stats_first_pass_cpu.cpp) ---------------------------------------
 
 // The shifts of tile row I (see PairArgs) from its row sums and diagonal column sums.
 void set_shifts(Problem& P, int64_t bh, int64_t I);
@@ -304,7 +304,7 @@ void qk_row_phase(Problem& P, const QK& Q);
 // Where the recomputed A may be nonzero: everywhere, or on and below the diagonal if causal.
 void qk_extents(Problem& P, const QK& Q);
 
-// ---- tile pass (tile_pass_cpu.cpp, kl_pair_cpu.cpp) ----------------------------------------
+// ---- tile pass (vas_head_stats_tile_pass_cpu.cpp, vas_head_stats_kl_pair_cpu.cpp) ---------
 
 // One tile pair's sums into acc (gp: kPanel x TB floats of scratch for the Gram panel).
 void kl_pair(const PairArgs& a, float* gp, Acc& acc);
@@ -316,7 +316,7 @@ void attn_tiles_phase(Problem& P, const at::Tensor& attn, const Range* only = nu
 // pairs).
 void qk_tiles_phase(Problem& P, const QK& Q, const Range* only = nullptr, bool rows_too = false);
 
-// ---- finalisation (finalize_cpu.cpp) -------------------------------------------------------
+// ---- finalisation (vas_head_stats_finalize_cpu.cpp) ---------------------------------------
 
 // Recomputes head bh's row sums of A as hi + lo pairs (rsum, rlo).
 using Refine = std::function<void(int64_t bh)>;
