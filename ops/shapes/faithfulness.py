@@ -108,8 +108,8 @@ def _summary(records: List[dict], latency: dict) -> dict:
             "lds": lds(scores, effects, span_scene, len(records)),
             "r2": r_squared(scores, effects) if name in ("head", "perturbation")
             else affine_r_squared(scores, effects),
-            "r2_of": "predictions as they are" if name in ("head", "perturbation")
-            else "best affine fit",
+            "r2_of": {"head": "predictions as they are",
+                      "perturbation": "by construction"}.get(name, "best affine fit"),
             # streamed scores: the tracer's added time (a negative median difference is
             # noise, counted as 0) and the scores computed from its features
             "ms_per_token": max(tracer_added, 0.0) + own if streamed else own,
