@@ -52,12 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args) -> None:
     if args.grid is not None:
+        from ..hf.regions import parse_grid
         try:
-            rows, cols = (int(n) for n in args.grid.lower().split("x"))
-        except ValueError:
-            raise UsageError(f"--grid must be ROWSxCOLS (e.g. 3x3), got {args.grid!r}") from None
-        if rows < 1 or cols < 1:
-            raise UsageError(f"--grid needs ROWS and COLS >= 1, got {args.grid!r}")
+            rows, cols = parse_grid(args.grid)
+        except ValueError as e:
+            raise UsageError(f"--grid: {e}") from None
         args.grid, args.regions = f"{rows}x{cols}", rows * cols
     for name, low in (("regions", 1), ("max_new_tokens", 1), ("subsets", 0),
                       ("batch_size", 1), ("shard_size", 1)):
@@ -141,12 +140,12 @@ def random_subsets(count: int, regions: int, seed: int, line: int) -> torch.Tens
 def collect_example(model, processor, example: Example, args) -> Dict:
     """Generation, span features and ablation effects of one example."""
     from ..hf import Tracer, grid_regions, region_effects
-    from ..hf.regions import find_images
+    from ..hf.regions import find_images, parse_grid
     image = load_image(example)
     device = next(model.parameters()).device
     inputs = prompt_inputs(processor, example, image, device)
     K = args.regions
-    regions = K if args.grid is None else grid_regions(*map(int, args.grid.split("x")))
+    regions = K if args.grid is None else grid_regions(*parse_grid(args.grid))
     spans: List = []
     t0 = time.perf_counter()
     with torch.no_grad(), Tracer(model, regions=regions, vas=False,

@@ -100,6 +100,17 @@ def grid_regions(rows: int, cols: int) -> Callable:
     return labels
 
 
+def parse_grid(text: str) -> tuple:
+    """``"ROWSxCOLS"`` (e.g. ``"3x3"``, any case) as ``(rows, cols)``, both >= 1."""
+    try:
+        rows, cols = (int(n) for n in str(text).lower().split("x"))
+    except ValueError:
+        raise ValueError(f"a grid is ROWSxCOLS (e.g. 3x3), got {text!r}") from None
+    if rows < 1 or cols < 1:
+        raise ValueError(f"a grid needs ROWS and COLS >= 1, got {text!r}")
+    return rows, cols
+
+
 def _llava_tokens(config) -> int:
     vision = config.vision_config
     return (int(vision.image_size) // int(vision.patch_size)) ** 2

@@ -31,11 +31,11 @@ def _threads(n):
 
 
 def _grid(text: str) -> tuple:
+    from ..hf.regions import parse_grid
     try:
-        rows, cols = (int(n) for n in text.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"python -m headscope.shapes: --grid must be ROWSxCOLS, got {text!r}")
-    return rows, cols
+        return parse_grid(text)
+    except ValueError as e:
+        raise SystemExit(f"python -m headscope.shapes: --grid: {e}") from None
 
 
 def main(argv=None) -> int:
