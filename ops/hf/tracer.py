@@ -124,14 +124,14 @@ class _QueryRows:
                                f"{end - self.open_from[b]} forward steps ran since it began "
                                f"(one forward per generated token is required)")
         rows = slice(len(self.queries[0]) - steps, None)
-        pooled = []
-        for layer, queries in enumerate(self.queries):
-            k = self.keys[layer][b:b + 1]
-            q = torch.cat(queries[rows], dim=2)[b:b + 1]
-            weights = torch.ones(1, steps, dtype=torch.float32, device=q.device)
-            pooled.append(_attr.region_pool_qk(
-                q, k, weights, self._region_ids(b, k.shape[2]), self.kmax,
-                self.scales[layer], True, None if padding is None else padding[b:b + 1])[0])
+        row = slice(b, b + 1)
+        length = self.keys[0].shape[2]  # every layer's cache holds the same positions
+        region_ids = self._region_ids(b, length)
+        padding = None if padding is None else padding[row]
+        weights = torch.ones(1, steps, dtype=torch.float32, device=region_ids.device)
+        pooled = [_attr.region_pool_qk(torch.cat(queries[rows], dim=2)[row], keys[row], weights,
+                                       region_ids, self.kmax, scale, True, padding)[0]
+                  for queries, keys, scale in zip(self.queries, self.keys, self.scales)]
         self.open_from[b] = None if finished else end
         self._drop_before(min((s for s in self.open_from if s is not None), default=end))
         return torch.stack(pooled, 1)
