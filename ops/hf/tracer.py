@@ -108,9 +108,8 @@ class _QueryRows:
         self.kmax = kmax
 
     def add(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> None:
-        row = q[:, :, -1:]
         # a prefill's last row is copied so that its whole q is not kept alive
-        self.queries[layer].append(row if q.shape[2] == 1 else row.clone())
+        self.queries[layer].append(q if q.shape[2] == 1 else q[:, :, -1:].clone())
         self.keys[layer] = k
         self.scales[layer] = scale
 
