@@ -52,9 +52,9 @@ def region_effects(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
                          f"{ablation!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"{WHO}: argument 'batch_size' must be an int >= 1, got {batch_size!r}")
-    P, N = _check_sequence(inputs, sequences)
-    bounds = _span_bounds(spans, N)
-    rid = _check_region_ids(region_ids, P)
+    P, N = check_sequence(inputs, sequences)
+    bounds = span_bounds(spans, N)
+    rid = check_region_ids(region_ids, P)
     K = int(rid.max()) + 1
     if subsets is not None:
         if not isinstance(subsets, torch.Tensor) or subsets.dtype != torch.bool \
@@ -87,22 +87,26 @@ def _describe(x) -> str:
     return type(x).__name__
 
 
-def _check_sequence(inputs, sequences) -> Tuple[int, int]:
+def check_sequence(inputs, sequences, who: str = WHO) -> Tuple[int, int]:
+    """(P, N): the prompt's and the answer's lengths, after checking ``sequences``
+    continues the one prompt of ``inputs``."""
     ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
-        raise ValueError(f"{WHO}: argument 'inputs' must hold the input_ids of one prompt "
+        raise ValueError(f"{who}: argument 'inputs' must hold the input_ids of one prompt "
                          f"(1, P), got {_describe(ids)}")
     P = ids.shape[1]
     if not isinstance(sequences, torch.Tensor) or sequences.dim() != 2 \
             or sequences.shape[0] != 1 or sequences.shape[1] <= P:
-        raise ValueError(f"{WHO}: argument 'sequences' must be generate's output (1, P + N) "
+        raise ValueError(f"{who}: argument 'sequences' must be generate's output (1, P + N) "
                          f"with P = {P} and N >= 1, got {_describe(sequences)}")
     if not torch.equal(sequences[0, :P].to(ids.device), ids[0]):
-        raise ValueError(f"{WHO}: argument 'sequences' must start with the prompt's input_ids")
+        raise ValueError(f"{who}: argument 'sequences' must start with the prompt's input_ids")
     return P, sequences.shape[1] - P
 
 
-def _span_bounds(spans, N: int) -> torch.Tensor:
+def span_bounds(spans, N: int, who: str = WHO) -> torch.Tensor:
+    """(S, 2) int64 [start, end) of each span (objects with start and end, or pairs),
+    checked against the answer's N tokens."""
     bounds = []
     for i, span in enumerate(spans):
         if hasattr(span, "start") and hasattr(span, "end"):
@@ -111,26 +115,28 @@ def _span_bounds(spans, N: int) -> torch.Tensor:
             try:
                 start, end = span
             except (TypeError, ValueError):
-                raise ValueError(f"{WHO}: argument 'spans'[{i}] must have start and end or be "
+                raise ValueError(f"{who}: argument 'spans'[{i}] must have start and end or be "
                                  f"a (start, end) pair, got {span!r:.80}") from None
         if not (0 <= int(start) < int(end) <= N):
-            raise ValueError(f"{WHO}: argument 'spans'[{i}] = [{start}, {end}) must satisfy "
+            raise ValueError(f"{who}: argument 'spans'[{i}] = [{start}, {end}) must satisfy "
                              f"0 <= start < end <= {N} (the answer's tokens)")
         bounds.append((int(start), int(end)))
     if not bounds:
-        raise ValueError(f"{WHO}: argument 'spans' is empty")
+        raise ValueError(f"{who}: argument 'spans' is empty")
     return torch.tensor(bounds, dtype=torch.int64)
 
 
-def _check_region_ids(region_ids, P: int) -> torch.Tensor:
+def check_region_ids(region_ids, P: int, who: str = WHO) -> torch.Tensor:
+    """The prompt's (P,) region ids on the CPU, checked: -1 off the image, at least one
+    region."""
     if not isinstance(region_ids, torch.Tensor) or region_ids.dtype != torch.int64 \
             or region_ids.numel() != P or region_ids.dim() not in (1, 2) \
             or (region_ids.dim() == 2 and region_ids.shape[0] != 1):
-        raise ValueError(f"{WHO}: argument 'region_ids' must be an int64 tensor (1, {P}) or "
+        raise ValueError(f"{who}: argument 'region_ids' must be an int64 tensor (1, {P}) or "
                          f"({P},), got {_describe(region_ids)}")
     rid = region_ids.reshape(-1).cpu()
     if int(rid.min()) < -1 or int(rid.max()) < 0:
-        raise ValueError(f"{WHO}: argument 'region_ids' must hold -1 (not an image token) or "
+        raise ValueError(f"{who}: argument 'region_ids' must hold -1 (not an image token) or "
                          f"regions >= 0, and at least one region")
     return rid
 
@@ -139,13 +145,14 @@ class _Captured(Exception):
     """Stops the model's forward at its text decoder, once the inputs are taken."""
 
 
-def decoder_inputs(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tensor) -> dict:
+def decoder_inputs(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tensor,
+                   who: str = WHO) -> dict:
     """The keyword arguments the model's text decoder gets on one forward over
     ``sequences`` (one prompt's ``inputs`` continued by its generated answer): its
     ``inputs_embeds`` (the image tokens' embeddings as the vision tower hands them over),
     ``position_ids``, ``attention_mask`` and whatever else the model passes. The model's
     forward stops at the decoder."""
-    P, N = _check_sequence(inputs, sequences)
+    P, N = check_sequence(inputs, sequences, who)
     full = {}
     for name, value in inputs.items():
         if name == "input_ids":
@@ -180,7 +187,7 @@ def decoder_inputs(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
     if mask is not None and got.get("attention_mask") is not None:
         got["attention_mask"] = mask.to(got["attention_mask"].device)
     if got.get("inputs_embeds") is None:
-        raise NotImplementedError(f"{WHO}: {type(model).__name__} does not hand its "
+        raise NotImplementedError(f"{who}: {type(model).__name__} does not hand its "
                                   f"text decoder inputs_embeds")
     return got
 

@@ -9,7 +9,7 @@ from typing import Dict, Sequence, Tuple
 
 import torch
 
-from ..hf.effects import _check_region_ids, _span_bounds, decoder_inputs
+from ..hf.effects import check_region_ids, decoder_inputs, span_bounds
 
 WHO = "headscope.shapes.gradient_scores"
 _PASSED = ("attention_mask", "position_ids", "visual_pos_masks", "deepstack_visual_embeds")
@@ -47,10 +47,10 @@ def gradient_scores(model, inputs: Dict[str, torch.Tensor], sequences: torch.Ten
     it) and the L2 norm of the gradient over k's tokens. Arguments as for
     :func:`~headscope.hf.region_effects`; one forward and one backward pass per span.
     Returns two ``(num_spans, K)`` float32 tensors."""
-    got = decoder_inputs(model, inputs, sequences)
+    got = decoder_inputs(model, inputs, sequences, WHO)
     P = inputs["input_ids"].shape[1]
-    bounds = _span_bounds(spans, sequences.shape[1] - P)
-    rid = _check_region_ids(region_ids, P)
+    bounds = span_bounds(spans, sequences.shape[1] - P, WHO)
+    rid = check_region_ids(region_ids, P, WHO)
     K = int(rid.max()) + 1
     image = (rid >= 0).nonzero().squeeze(1)
     regions = rid[image]

@@ -106,6 +106,19 @@ def test_gradient_matches_the_models_own_forward(case):
     assert all(p.requires_grad for p in model.parameters())
 
 
+def test_gradient_scores_errors_name_it(case):
+    model, inputs, sequences, rid = case
+    with pytest.raises(ValueError, match=r"^headscope\.shapes\.gradient_scores: argument "
+                                         r"'region_ids'"):
+        gradient_scores(model, inputs, sequences, SPANS, rid[:-1])
+    with pytest.raises(ValueError, match=r"^headscope\.shapes\.gradient_scores: argument "
+                                         r"'spans'\[0\]"):
+        gradient_scores(model, inputs, sequences, [(0, 99)], rid)
+    with pytest.raises(ValueError, match=r"^headscope\.shapes\.gradient_scores: argument "
+                                         r"'sequences'"):
+        gradient_scores(model, inputs, inputs["input_ids"], SPANS, rid)
+
+
 def test_r_squared_and_lds_helpers_by_hand():
     true = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     # mean 3.5, SS_tot = 17.5; residuals all 1: SS_res = 6
