@@ -12,10 +12,17 @@ from ..attribution import pearson, spearman
 from .shards import Collection
 
 
-def _mean(values: torch.Tensor) -> Optional[float]:
+def defined_mean(values: torch.Tensor) -> Optional[float]:
     """Mean over the defined (not NaN) values; None when there is none."""
     values = values[~torch.isnan(values)]
     return float(values.mean()) if values.numel() else None
+
+
+def lds_per_image(scores: torch.Tensor, effects: torch.Tensor, span_example: torch.Tensor,
+                  examples: int) -> torch.Tensor:
+    """Per image, the mean over its spans of the Spearman correlation of ``scores`` and
+    ``effects`` (S, K) across regions (NaN for an image with none defined)."""
+    return per_image(spearman(scores.double(), effects.double(), -1), span_example, examples)
 
 
 def per_image(values: torch.Tensor, span_example: torch.Tensor, examples: int) -> torch.Tensor:
@@ -23,7 +30,7 @@ def per_image(values: torch.Tensor, span_example: torch.Tensor, examples: int) -
     out = torch.full((examples,), math.nan, dtype=torch.float64)
     for e in range(examples):
         mine = values[span_example == e]
-        mean = _mean(mine)
+        mean = defined_mean(mine)
         if mean is not None:
             out[e] = mean
     return out
@@ -87,18 +94,18 @@ def score(data: Collection, scores: torch.Tensor) -> Dict:
     effects = t["effects"].double()
     scores = scores.double()
     examples = t["line"].shape[0]
-    rho = spearman(scores, effects, -1)
-    lds_image = per_image(rho, t["span_example"], examples)
-    out = {"lds": _mean(lds_image), "lds_per_image": [None if math.isnan(v) else v
-                                                      for v in lds_image.tolist()],
+    span_example = t["span_example"]
+    lds_image = lds_per_image(scores, effects, span_example, examples)
+    out = {"lds": defined_mean(lds_image),
+           "lds_per_image": [None if math.isnan(v) else v for v in lds_image.tolist()],
            "lds_pooled": float(spearman(scores.flatten(), effects.flatten(), -1)),
-           "pearson": _mean(per_image(pearson(scores, effects, -1), t["span_example"],
-                                      examples))}
-    subsets = t["subsets"][t["span_example"]].double()  # (S, M, K)
+           "pearson": defined_mean(per_image(pearson(scores, effects, -1), span_example,
+                                             examples))}
+    subsets = t["subsets"][span_example].double()  # (S, M, K)
     if subsets.shape[1] >= 2:
         predicted = torch.einsum("sk,smk->sm", scores, subsets)
-        out["subset_lds"] = _mean(per_image(spearman(predicted, t["subset_effects"].double(), -1),
-                                            t["span_example"], examples))
+        out["subset_lds"] = defined_mean(lds_per_image(predicted, t["subset_effects"],
+                                                       span_example, examples))
     else:
         out["subset_lds"] = None
     cases = pointing_cases(data)

@@ -16,8 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..attribution import spearman
-from ..commands.metrics import _mean, per_image
+from ..commands.metrics import defined_mean, lds_per_image
 from ..hf.effects import region_effects
 from .accuracy import HELD_OUT_SEED
 from .demo import DEFAULT_REGIONS
@@ -52,8 +51,7 @@ def affine_r_squared(scores: torch.Tensor, true: torch.Tensor) -> float:
 def lds(scores: torch.Tensor, effects: torch.Tensor, span_scene: torch.Tensor,
         scenes: int) -> Optional[float]:
     """Spearman across regions per span, averaged per scene, then over scenes."""
-    rho = spearman(scores.double(), effects.double(), -1)
-    return _mean(per_image(rho, span_scene, scenes))
+    return defined_mean(lds_per_image(scores, effects, span_scene, scenes))
 
 
 def scene_record(model, processor, head, seed: int, num_objects: int, regions: int,
