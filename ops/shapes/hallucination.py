@@ -36,15 +36,17 @@ def answers(count: int, start: int = 0, model_dir=None, max_new_tokens: int = 64
         inputs = prompt(processor, image)
         P = inputs["input_ids"].shape[1]
         with torch.no_grad():
-            with Tracer(model, regions=None, vas=True) as tr:
-                sequences = tr.generate_with(lambda span: None, **inputs,
-                                             max_new_tokens=max_new_tokens, do_sample=False)
-                features.append(tr.vas_features()[0])  # the prompt and the whole answer
+            sequences = model.generate(**inputs, max_new_tokens=max_new_tokens,
+                                       do_sample=False)
+            # one forward over the prompt and the answer gives both its VAS and its logits
             types = torch.zeros_like(sequences, dtype=inputs["mm_token_type_ids"].dtype)
             types[:, :P] = inputs["mm_token_type_ids"]
-            logits = model(input_ids=sequences, pixel_values=inputs["pixel_values"],
-                           image_grid_thw=inputs["image_grid_thw"],
-                           mm_token_type_ids=types).logits[0, P - 1:-1]
+            with Tracer(model, regions=None, vas=True) as tr:
+                logits = model(input_ids=sequences, attention_mask=torch.ones_like(sequences),
+                               pixel_values=inputs["pixel_values"],
+                               image_grid_thw=inputs["image_grid_thw"],
+                               mm_token_type_ids=types, use_cache=False).logits[0, P - 1:-1]
+                features.append(tr.vas_features()[0])
         answer = sequences[0, P:]
         lp = torch.log_softmax(logits.float(), -1).gather(1, answer[:, None])[:, 0]
         keep = torch.cumsum((answer == eos).long(), 0) - (answer == eos).long() == 0
