@@ -27,6 +27,9 @@ TORCH_LIBRARY(headscope, m) {
   m.def("region_pool_qk(Tensor q, Tensor k, Tensor query_weights, Tensor region_ids,"
         " SymInt num_regions, float? scale=None, bool causal=True, Tensor? key_padding_mask=None,"
         " str reduce=\"sum\") -> Tensor", pt2);
+  m.def("region_pool_qk_layers(Tensor[] q, Tensor[] k, Tensor query_weights, Tensor region_ids,"
+        " SymInt num_regions, float[]? scale=None, bool causal=True, Tensor? key_padding_mask=None,"
+        " str reduce=\"sum\") -> Tensor", pt2);
   m.def("linear_attribution(Tensor features, Tensor weight, Tensor mean, Tensor std,"
         " Tensor? bias=None) -> Tensor", pt2);
   m.def("spearman(Tensor pred, Tensor target, int dim=-1) -> Tensor", pt2);

@@ -13,10 +13,12 @@ from .vas import (VAS_COLUMNS, VASAccumulator, vas_aggregate, vas_features,  # n
                   vas_head_stats, vas_head_stats_qk)
 from .detector import VASDetector  # noqa: E402
 from .attribution import (AttributionHead, LDS, lds, linear_attribution, pearson,  # noqa: E402
-                          region_pool, region_pool_qk, spearman, stack_layers, ward_regions)
+                          region_pool, region_pool_qk, region_pool_qk_layers, spearman,
+                          stack_layers, ward_regions)
 
 __all__ = ["FactorMixer", "kl_hvp", "kl_project", "thin_mix", "LIBRARY_PATH",
            "AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "region_pool",
-           "region_pool_qk", "spearman", "stack_layers", "ward_regions",
+           "region_pool_qk", "region_pool_qk_layers", "spearman", "stack_layers",
+           "ward_regions",
            "VAS_COLUMNS", "VASAccumulator", "VASDetector", "vas_aggregate", "vas_features",
            "vas_head_stats", "vas_head_stats_qk"]

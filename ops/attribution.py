@@ -7,7 +7,8 @@ correlation with measured ablation effects, scored by LDS (Spearman correlation)
 
 * ``region_pool`` / ``region_pool_qk``: one layer's features ``(B, K, H)`` from attention
   probabilities, or streamed from ``q`` and ``k`` without storing the attention matrix;
-  ``stack_layers`` joins the layers into ``(B, K, L*H)`` (layer-major).
+  ``stack_layers`` joins the layers into ``(B, K, L*H)`` (layer-major), and
+  ``region_pool_qk_layers`` pools every layer from ``q`` and ``k`` in one call.
 * ``AttributionHead``: the estimator (``forward``, ``predict_subsets``, ``fit``,
   ``fit_pearson``, ``save``/``load``).
 * ``lds``, ``spearman``, ``pearson``: the paper's metric and the correlations.
@@ -20,7 +21,7 @@ import math
 import os
 import sys
 import tempfile
-from typing import Iterable, NamedTuple, Optional, Tuple, Union
+from typing import Iterable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +32,8 @@ FEATURE_LAYOUT = "layer_major"  # feature index = layer * num_heads + head
 STD_EPS = 1e-8                   # added to the feature and target stds (as the reference)
 
 __all__ = ["AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "region_pool",
-           "region_pool_qk", "spearman", "stack_layers", "ward_regions"]
+           "region_pool_qk", "region_pool_qk_layers", "spearman", "stack_layers",
+           "ward_regions"]
 
 
 # ---- thin wrappers over torch.ops.headscope.* -------------------------------------------
@@ -62,6 +64,23 @@ def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tens
     """
     return torch.ops.headscope.region_pool_qk(q, k, query_weights, region_ids, num_regions,
                                               scale, causal, key_padding_mask, reduce)
+
+
+def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weights: Tensor,
+                          region_ids: Tensor, num_regions: int,
+                          scale: Optional[Sequence[float]] = None, causal: bool = True,
+                          key_padding_mask: Optional[Tensor] = None,
+                          reduce: str = "sum") -> Tensor:
+    """:func:`region_pool_qk` of every layer in one call: ``q[l]`` ``(B, H, Tq, D)`` and
+    ``k[l]`` ``(B, Hkv, Tk, D)`` (every layer of the first one's sizes), ``scale`` one per
+    layer (default ``D ** -0.5``) -> ``(B, K, L*H)``, column ``l*H + h``: the features of an
+    :class:`AttributionHead`, as ``stack_layers`` orders them. One call per span for a
+    streaming tracer; the CPU kernel pools every layer in one pass.
+    """
+    return torch.ops.headscope.region_pool_qk_layers(list(q), list(k), query_weights,
+                                                     region_ids, num_regions,
+                                                     None if scale is None else list(scale),
+                                                     causal, key_padding_mask, reduce)
 
 
 def linear_attribution(features: Tensor, weight: Tensor, mean: Tensor, std: Tensor,

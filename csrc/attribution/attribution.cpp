@@ -21,6 +21,16 @@ at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
                  key_padding_mask, reduce);
 }
 
+at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
+                                 const at::Tensor& query_weights, const at::Tensor& region_ids,
+                                 c10::SymInt num_regions, std::optional<at::ArrayRef<double>> scale,
+                                 bool causal, const std::optional<at::Tensor>& key_padding_mask,
+                                 c10::string_view reduce) {
+  static const auto op = HEADSCOPE_TYPED_OP(region_pool_qk_layers);
+  return op.call(q, k, query_weights, region_ids, std::move(num_regions), scale, causal,
+                 key_padding_mask, reduce);
+}
+
 at::Tensor linear_attribution(const at::Tensor& features, const at::Tensor& weight,
                               const at::Tensor& mean, const at::Tensor& std,
                               const std::optional<at::Tensor>& bias) {

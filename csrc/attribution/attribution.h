@@ -30,6 +30,17 @@ at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
                           const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
                           c10::string_view reduce = "sum");
 
+// region_pool_qk of L layers in one call: q[l] (B, H, Tq, D), k[l] (B, Hkv, Tk, D), every
+// layer of the first one's sizes; scale none (D ** -0.5) or one per layer. Returns
+// (B, K, L * H), column l * H + h (the layer-major order of an attribution head's features).
+at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
+                                 const at::Tensor& query_weights, const at::Tensor& region_ids,
+                                 c10::SymInt num_regions,
+                                 std::optional<at::ArrayRef<double>> scale = std::nullopt,
+                                 bool causal = true,
+                                 const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
+                                 c10::string_view reduce = "sum");
+
 // features (..., F) -> (...): ((features - mean) / std) . weight + bias, bias a 0-dim
 // tensor (none: 0). A std entry that is not finite and positive makes the scores NaN.
 at::Tensor linear_attribution(const at::Tensor& features, const at::Tensor& weight,

@@ -15,6 +15,7 @@
 #include <ATen/ops/sum.h>
 
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 namespace headscope::attribution {
@@ -79,6 +80,36 @@ void check_region_pool_args(const at::Tensor& attn, const at::Tensor& query_weig
   parse_reduce(op, reduce);
 }
 
+// One layer of region_pool_qk / region_pool_qk_layers (its q and k named q_name, k_name).
+static void check_qk_layer(const char* op, const at::Tensor& q, const char* q_name,
+                           const at::Tensor& k, const char* k_name,
+                           const at::Tensor& query_weights, const at::Tensor& region_ids,
+                           const c10::SymInt& num_regions,
+                           const std::optional<at::Tensor>& key_padding_mask) {
+  check_dim(op, q_name, q, 4);
+  check_dtype_in(op, q_name, q, kFloat);
+  check_dim(op, k_name, k, 4);
+  HEADSCOPE_CHECK_ARG(k.scalar_type() == q.scalar_type(), op, k_name, "must have the dtype of '",
+                      q_name, "' (", c10::toString(q.scalar_type()), "), got ", describe(k));
+  check_same_device(op, q_name, q, k_name, k);
+  check_same_size(op, q_name, q, 0, k_name, k, 0);
+  check_same_size(op, q_name, q, 3, k_name, k, 3);
+  const auto H = q.sym_size(1), Hkv = k.sym_size(1);
+  HEADSCOPE_CHECK_ARG(Hkv >= 1 && H % Hkv == 0, op, k_name,
+                      "must have a number of heads (dimension 1) >= 1 that divides the ", H,
+                      " heads of '", q_name, "', got ", describe(k));
+  check_weights_and_regions(op, q, q_name, query_weights, region_ids, num_regions, 2, k, k_name,
+                            2);
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    const auto& m = *key_padding_mask;
+    check_dim(op, "key_padding_mask", m, 2);
+    check_dtype_in(op, "key_padding_mask", m, {at::kBool});
+    check_same_device(op, q_name, q, "key_padding_mask", m);
+    check_same_size(op, q_name, q, 0, "key_padding_mask", m, 0);
+    check_same_size(op, k_name, k, 2, "key_padding_mask", m, 1);
+  }
+}
+
 void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& query_weights, const at::Tensor& region_ids,
                                const c10::SymInt& num_regions,
@@ -86,28 +117,45 @@ void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
                                const std::optional<at::Tensor>& key_padding_mask,
                                c10::string_view reduce) {
   const char* op = "headscope::region_pool_qk";
-  check_dim(op, "q", q, 4);
-  check_dtype_in(op, "q", q, kFloat);
-  check_dim(op, "k", k, 4);
-  HEADSCOPE_CHECK_ARG(k.scalar_type() == q.scalar_type(), op, "k",
-                      "must have the dtype of 'q' (", c10::toString(q.scalar_type()), "), got ",
-                      describe(k));
-  check_same_device(op, "q", q, "k", k);
-  check_same_size(op, "q", q, 0, "k", k, 0);
-  check_same_size(op, "q", q, 3, "k", k, 3);
-  const auto H = q.sym_size(1), Hkv = k.sym_size(1);
-  HEADSCOPE_CHECK_ARG(Hkv >= 1 && H % Hkv == 0, op, "k",
-                      "must have a number of heads (dimension 1) >= 1 that divides the ", H,
-                      " heads of 'q', got ", describe(k));
+  check_qk_layer(op, q, "q", k, "k", query_weights, region_ids, num_regions, key_padding_mask);
   check_scale(op, scale);
-  check_weights_and_regions(op, q, "q", query_weights, region_ids, num_regions, 2, k, "k", 2);
-  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
-    const auto& m = *key_padding_mask;
-    check_dim(op, "key_padding_mask", m, 2);
-    check_dtype_in(op, "key_padding_mask", m, {at::kBool});
-    check_same_device(op, "q", q, "key_padding_mask", m);
-    check_same_size(op, "q", q, 0, "key_padding_mask", m, 0);
-    check_same_size(op, "k", k, 2, "key_padding_mask", m, 1);
+  parse_reduce(op, reduce);
+}
+
+void check_region_pool_qk_layers_args(at::TensorList q, at::TensorList k,
+                                      const at::Tensor& query_weights,
+                                      const at::Tensor& region_ids,
+                                      const c10::SymInt& num_regions,
+                                      const std::optional<at::ArrayRef<double>>& scale,
+                                      const std::optional<at::Tensor>& key_padding_mask,
+                                      c10::string_view reduce) {
+  const char* op = "headscope::region_pool_qk_layers";
+  const size_t L = q.size();
+  HEADSCOPE_CHECK_ARG(L >= 1, op, "q", "must hold at least one layer, got none");
+  HEADSCOPE_CHECK_ARG(k.size() == L, op, "k", "must hold one tensor per layer of 'q' (", L,
+                      "), got ", k.size());
+  for (size_t l = 0; l < L; ++l) {
+    const std::string q_name = "q[" + std::to_string(l) + "]";
+    const std::string k_name = "k[" + std::to_string(l) + "]";
+    check_qk_layer(op, q[l], q_name.c_str(), k[l], k_name.c_str(), query_weights, region_ids,
+                   num_regions, key_padding_mask);
+    // one kernel and one output column block per layer: every layer of the first one's
+    // dtype, device and sizes
+    HEADSCOPE_CHECK_ARG(q[l].scalar_type() == q[0].scalar_type(), op, q_name.c_str(),
+                        "must have the dtype of 'q[0]' (", c10::toString(q[0].scalar_type()),
+                        "), got ", describe(q[l]));
+    check_same_device(op, "q[0]", q[0], q_name.c_str(), q[l]);
+    HEADSCOPE_CHECK_ARG(q[l].sym_sizes() == q[0].sym_sizes(), op, q_name.c_str(),
+                        "must have the sizes of 'q[0]' (", q[0].sym_sizes(), "), got ",
+                        describe(q[l]));
+    HEADSCOPE_CHECK_ARG(k[l].sym_sizes() == k[0].sym_sizes(), op, k_name.c_str(),
+                        "must have the sizes of 'k[0]' (", k[0].sym_sizes(), "), got ",
+                        describe(k[l]));
+  }
+  if (scale.has_value()) {
+    HEADSCOPE_CHECK_ARG(scale->size() == L, op, "scale", "must hold one value per layer (", L,
+                        "), got ", scale->size());
+    for (double s : *scale) check_scale(op, s);
   }
   parse_reduce(op, reduce);
 }

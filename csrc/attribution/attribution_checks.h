@@ -28,6 +28,16 @@ void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
                                const std::optional<at::Tensor>& key_padding_mask,
                                c10::string_view reduce);
 
+// Every layer's q[l], k[l] as region_pool_qk's q, k (named "q[l]", "k[l]"), all layers of
+// the first one's sizes, scale (when given) one finite value per layer.
+void check_region_pool_qk_layers_args(at::TensorList q, at::TensorList k,
+                                      const at::Tensor& query_weights,
+                                      const at::Tensor& region_ids,
+                                      const c10::SymInt& num_regions,
+                                      const std::optional<at::ArrayRef<double>>& scale,
+                                      const std::optional<at::Tensor>& key_padding_mask,
+                                      c10::string_view reduce);
+
 void check_linear_attribution_args(const at::Tensor& features, const at::Tensor& weight,
                                    const at::Tensor& mean, const at::Tensor& std,
                                    const std::optional<at::Tensor>& bias);

@@ -76,6 +76,11 @@ def bench_decode(device, quick: bool) -> dict:
         return [ops.region_pool_qk(qs[i], ks[i], w, rid, K, scale, False, None, "sum")
                 for i in range(L)]
 
+    def run_layers():
+        return ops.region_pool_qk_layers(qs, ks, w, rid, K, [scale] * L, False, None, "sum")
+
+    assert torch.equal(run_layers(), torch.cat(run_qk(), 2))
+
     def run_eager_qk():
         return [eager_pool_qk(qs[i], ks[i], img_pos, img_reg, K, scale) for i in range(L)]
 
@@ -88,11 +93,11 @@ def bench_decode(device, quick: bool) -> dict:
     head_sd = torch.ones(L * s["H"], device=device)
 
     def run_features_and_scores():
-        feats = torch.stack(run_qk(), dim=-2).flatten(-2)  # (1, K, L*H)
-        return ops.linear_attribution(feats, head_w, head_mu, head_sd)
+        return ops.linear_attribution(run_layers(), head_w, head_mu, head_sd)  # (1, K)
 
     kw = dict(warmup=2, min_time=1.0 if not quick else 0.3, max_repeat=30)
     t_qk = timeit(run_qk, device, **kw)
+    t_layers = timeit(run_layers, device, **kw)
     t_eager = timeit(run_eager_qk, device, **kw)
     t_sdpa = timeit(run_sdpa, device, **kw)
     t_full = timeit(run_features_and_scores, device, **kw)
@@ -117,6 +122,9 @@ def bench_decode(device, quick: bool) -> dict:
          "vs_eager": t_eager / t_qk, "sdpa_ms": 1e3 * t_sdpa, "vs_sdpa": t_sdpa / t_qk,
          "peak_MiB_1_layer": mib(m_qk), "eager_peak_MiB": mib(m_eager),
          "sdpa_peak_MiB": mib(m_sdpa)},
+        {"what": "region_pool_qk_layers (one call)", "ms_per_token": 1e3 * t_layers,
+         "eager_ms": 1e3 * t_eager, "vs_eager": t_eager / t_layers, "sdpa_ms": 1e3 * t_sdpa,
+         "vs_sdpa": t_sdpa / t_layers},
         {"what": "region_pool (given probs)", "ms_per_token": 1e3 * t_pool,
          "eager_ms": 1e3 * t_pool_eager, "vs_eager": t_pool_eager / t_pool},
         {"what": "features+scores (qk, all layers)", "ms_per_token": 1e3 * t_full},
@@ -128,6 +136,7 @@ def bench_decode(device, quick: bool) -> dict:
                  "peak_MiB_1_layer", "eager_peak_MiB", "sdpa_peak_MiB"])
     return {"layers": L, "region_pool_qk_ms": 1e3 * t_qk, "eager_qk_ms": 1e3 * t_eager,
             "qk_vs_eager": t_eager / t_qk, "sdpa_ms": 1e3 * t_sdpa, "qk_vs_sdpa": t_sdpa / t_qk,
+            "region_pool_qk_layers_ms": 1e3 * t_layers, "layers_vs_per_layer": t_qk / t_layers,
             "region_pool_ms": 1e3 * t_pool, "eager_pool_ms": 1e3 * t_pool_eager,
             "pool_vs_eager": t_pool_eager / t_pool, "features_and_scores_ms": 1e3 * t_full,
             "qk_peak_MiB": mib(m_qk), "eager_peak_MiB": mib(m_eager), "sdpa_peak_MiB": mib(m_sdpa)}

@@ -112,6 +112,23 @@ TEST(Attribution, RegionPoolQKMatchesSoftmaxPath) {
   EXPECT_TRUE(at::equal(headscope::region_pool_qk(q, k, w, rid, K), out));
 }
 
+TEST(Attribution, RegionPoolQKLayersIsEveryLayersRegionPoolQK) {
+  at::manual_seed(2);
+  const int64_t B = 2, H = 4, Hkv = 2, Tq = 3, Tk = 50, D = 8, K = 5;
+  const auto w = at::rand({B, Tq}) + 0.1;
+  const auto rid = random_regions(B, Tk, K);
+  const std::vector<double> scales = {0.2, 0.3};
+  std::vector<at::Tensor> q, k, per_layer;
+  for (int64_t l = 0; l < 2; ++l) {
+    q.push_back(at::randn({B, H, Tq, D}));
+    k.push_back(at::randn({B, Hkv, Tk, D}));
+    per_layer.push_back(headscope::region_pool_qk(q[l], k[l], w, rid, K, scales[l]));
+  }
+  // (B, K, L * H), column l * H + h
+  EXPECT_TRUE(at::equal(headscope::region_pool_qk_layers(q, k, w, rid, K, scales),
+                        at::cat(per_layer, 2)));
+}
+
 TEST(Attribution, LinearAttribution) {
   at::manual_seed(2);
   const int64_t F = 11;

@@ -76,6 +76,22 @@ VALID: Dict[str, Tuple] = {
                        {"region id >= K": (3, torch.full((2, 20), 4)),
                         "num_regions -1": (4, -1), "scale nan": (5, float("nan")),
                         "reduce max": (8, "max")}),
+    # tensor lists: the bad inputs go to their first tensor ("q[0]", "k[0]")
+    "region_pool_qk_layers": (["q", "k", "query_weights", "region_ids", "num_regions", "scale",
+                               "causal", "key_padding_mask", "reduce"],
+                              [[rand(2, 4, 5, 8), rand(2, 4, 5, 8)],
+                               [rand(2, 2, 20, 8), rand(2, 2, 20, 8)],
+                               torch.rand(2, 5, generator=g) + .1,
+                               torch.randint(-1, 4, (2, 20), generator=g), 4, [0.35, 0.3], True,
+                               None, "sum"],
+                              {"q[0]", "k[0]", "query_weights"},
+                              {"one layer of k": (1, [rand(2, 2, 20, 8)]),
+                               "layers of two dtypes": (0, [rand(2, 4, 5, 8),
+                                                            rand(2, 4, 5, 8).double()]),
+                               "no layer": (0, []),
+                               "one scale": (5, [0.35]), "scale nan": (5, [0.35, float("nan")]),
+                               "region id >= K": (3, torch.full((2, 20), 4)),
+                               "reduce max": (8, "max")}),
     "linear_attribution": (["features", "weight", "mean", "std", "bias"],
                            [rand(3, 5, 8), rand(8), rand(8), torch.rand(8, generator=g) + 0.5,
                             torch.tensor(0.1)], {"features", "weight", "mean", "std", "bias"},
@@ -133,12 +149,19 @@ def cases() -> List[Tuple[str, str, str, Callable[[], object], str]]:
             "error_or_nonfinite") for v in (0.0, -1.0)]
     for op, (names, valid, valued, extra) in VALID.items():
         for i, (name, v) in enumerate(zip(names, valid)):
+            listed = isinstance(v, list)
+            if listed:
+                name, v = f"{name}[0]", v[0]
             if not isinstance(v, torch.Tensor):
                 continue
 
-            def with_arg(x, i=i, op=op, valid=valid):
+            def replaced(x, i=i, valid=valid, listed=listed):
                 args = list(valid)
-                args[i] = x
+                args[i] = [x] + valid[i][1:] if listed else x
+                return args
+
+            def with_arg(x, op=op, replaced=replaced):
+                args = replaced(x)
                 return lambda: call(op, args)
 
             rank_case = "error_or_result" if (op, name) in ANY_RANK else "error"
@@ -168,8 +191,7 @@ def cases() -> List[Tuple[str, str, str, Callable[[], object], str]]:
                 out.append((op, "transposed layout", name, with_arg(t), "same"))
             if v.dim() >= 1 and v.shape[0] > 1:
                 rows = v[:1].expand_as(v)  # stride 0: every row the first
-                args = list(valid)
-                args[i] = rows.contiguous()
+                args = replaced(rows.contiguous())
                 ref = (lambda args=args, op=op: call(op, args))
                 out.append((op, "expanded (stride 0)", name, with_arg(rows),
                             ("same_as", ref)))
@@ -209,7 +231,7 @@ def run() -> int:
             elif f"headscope::{op}" not in msg:
                 ok, why = False, f"error does not name the op: {msg[:160]}"
             elif expect == "error" and f"'{arg}'" not in msg and not any(
-                    f"'{n}'" in msg for n in names):
+                    f"'{n}'" in msg or f"'{n}[" in msg for n in names):  # [: a list's tensor
                 ok, why = False, f"error names no argument: {msg[:160]}"
         else:
             if expect == "error":

@@ -176,6 +176,48 @@ def test_region_pool_qk_low_precision(device):
         torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("case", QK_CASES[1:4], ids=lambda c: "B{}H{}kv{}q{}k{}".format(*c[:5]))
+def test_region_pool_qk_layers_is_every_layers_region_pool_qk(device, dtype, case):
+    B, H, Hkv, Tq, Tk, D, causal, padding = case
+    gen = torch.Generator().manual_seed(16)
+    L, K = 3, 5
+    q = [torch.randn(B, H, Tq, D, generator=gen).to(device, dtype) for _ in range(L)]
+    k = [torch.randn(B, Hkv, Tk, D, generator=gen).to(device, dtype) for _ in range(L)]
+    k[1] = torch.randn(B, Hkv, Tk + 7, D, generator=gen).to(device, dtype)[:, :, :Tk]  # a cache view
+    w = (torch.rand(B, Tq, generator=gen) + 0.1).to(device)
+    rid = random_regions(B, Tk, K, gen, device=device)
+    pad = (torch.rand(B, Tk, generator=gen) < 0.2).to(device) if padding else None
+    for scale in (None, [0.2, 0.3, 0.4]):
+        for reduce in ("sum", "mean"):
+            out = headscope.region_pool_qk_layers(q, k, w, rid, K, scale, causal, pad, reduce)
+            per_layer = [headscope.region_pool_qk(q[l], k[l], w, rid, K,
+                                                  None if scale is None else scale[l],
+                                                  causal, pad, reduce) for l in range(L)]
+            assert out.shape == (B, K, L * H)
+            # column l*H + h: the layer-major order of stack_layers and AttributionHead
+            assert torch.equal(out, headscope.stack_layers(per_layer))
+
+
+def test_bad_inputs_region_pool_qk_layers():
+    a = _qk_args()
+    q, k = a["q"], a["k"]
+    rest = dict(query_weights=a["query_weights"], region_ids=a["region_ids"], num_regions=3)
+    cases = [
+        (dict(q=[], k=[]), r"'q' must hold at least one layer"),
+        (dict(q=[q, q], k=[k]), r"'k' must hold one tensor per layer of 'q' \(2\), got 1"),
+        (dict(q=[q, q[:, :, :, :4]], k=[k, k]), r"'k\[1\]' must have size 4 in dimension 3"),
+        (dict(q=[q, q], k=[k, k[:, :1]]), r"'k\[1\]' must have the sizes of 'k\[0\]'"),
+        (dict(q=[q, q.double()], k=[k, k.double()]), r"'q\[1\]' must have the dtype of 'q\[0\]'"),
+        (dict(q=[q, q], k=[k, k], scale=[0.3]), r"'scale' must hold one value per layer \(2\)"),
+        (dict(q=[q, q], k=[k, k], scale=[0.3, float("inf")]), r"'scale' must be finite"),
+    ]
+    for over, msg in cases:
+        with pytest.raises(RuntimeError,
+                           match=r"headscope::region_pool_qk_layers: argument " + msg):
+            OPS.region_pool_qk_layers(**{**rest, **over})
+
+
 # ---- linear_attribution ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -741,6 +783,9 @@ def _op_samples(device):
         (OPS.region_pool.default, (attn, w, rid, K, "mean")),
         (OPS.region_pool_qk.default, (q, k, w, rid, K, 0.3, True, pad, "sum")),
         (OPS.region_pool_qk.default, (q, k, w, rid, K, 0.3, False, None, "mean")),
+        (OPS.region_pool_qk_layers.default, ([q, q * 2], [k, k + 1], w, rid, K, [0.3, 0.2], True,
+                                             pad, "sum")),
+        (OPS.region_pool_qk_layers.default, ([q], [k], w, rid, K, None, False, None, "mean")),
         (OPS.linear_attribution.default,
          (f.requires_grad_(), wt.requires_grad_(), mu.requires_grad_(), sd.requires_grad_(),
           torch.tensor(0.5, dtype=torch.float64, device=device, requires_grad=True))),

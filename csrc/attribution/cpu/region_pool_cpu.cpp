@@ -1,5 +1,6 @@
 // CPU kernels of region_pool (from attention probabilities) and region_pool_qk (from q
-// and k, streaming: flash-attention style tiles of keys with an online softmax).
+// and k, streaming: flash-attention style tiles of keys with an online softmax), with
+// region_pool_qk_layers: every layer's region_pool_qk in one call.
 #include "attribution/attribution_checks.h"
 #include "attribution/cpu/region_pool_common_cpu.h"
 #include "common/checks.h"
@@ -150,26 +151,27 @@ void scores_tile(const T* Q, const T* Kt, int64_t ldk, T* S, int64_t R, int64_t 
   }
 }
 
-at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k_in,
-                              const at::Tensor& query_weights, const at::Tensor& region_ids,
-                              int64_t num_regions, std::optional<double> scale_arg,
-                              bool causal, const std::optional<at::Tensor>& key_padding_mask,
-                              c10::string_view reduce) {
-  const char* op = "headscope::region_pool_qk";
-  check_region_pool_qk_args(q, k_in, query_weights, region_ids, num_regions, scale_arg,
-                            key_padding_mask, reduce);
-  const bool mean = parse_reduce(op, reduce);
-  const int64_t B = q.size(0), H = q.size(1), Tq = q.size(2), D = q.size(3);
-  const double scale = scale_or_default(scale_arg, D);
-  const int64_t Hkv = k_in.size(1), Tk = k_in.size(2), K = num_regions, G = H / Hkv;
+// region_pool_qk of layers l = 0..L-1 (q[l], k[l], scales[l]; every layer of q[0]'s and
+// k[0]'s sizes) into out[b, k, l * H + h], in one pass over every layer's work items.
+at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
+                          const at::Tensor& query_weights, const at::Tensor& region_ids,
+                          int64_t num_regions, const std::vector<double>& scales, bool causal,
+                          const std::optional<at::Tensor>& key_padding_mask, bool mean) {
+  const int64_t L = static_cast<int64_t>(q.size());
+  const int64_t B = q[0].size(0), H = q[0].size(1), Tq = q[0].size(2), D = q[0].size(3);
+  const int64_t Hkv = k_in[0].size(1), Tk = k_in[0].size(2), K = num_regions, G = H / Hkv;
+  const int64_t LH = L * H;
   const RegionLists regions = build_region_lists(op, region_ids, K);
   const SpanWeights span = build_span_weights(op, query_weights);
-  auto out = at::zeros({B, K, H}, q.options().dtype(accum_dtype(q.scalar_type())));
-  if (out.numel() == 0 || Tk == 0) return out;  // no key: every region gets 0
+  const auto out_options = q[0].options().dtype(accum_dtype(q[0].scalar_type()));
+  if (B * K * LH == 0 || Tk == 0) return at::zeros({B, K, LH}, out_options);  // no key: 0
   // Keys must be contiguous along D (any stride between keys is fine: cache views).
-  at::Tensor k = k_in;
-  if (k.stride(3) != 1 || (Tk > 1 && k.stride(2) < D)) k = k.contiguous();
-  const int64_t ldk = Tk > 1 ? k.stride(2) : std::max<int64_t>(D, 1);
+  std::vector<at::Tensor> k(k_in.begin(), k_in.end());
+  std::vector<int64_t> ldk(L);
+  for (int64_t l = 0; l < L; ++l) {
+    if (k[l].stride(3) != 1 || (Tk > 1 && k[l].stride(2) < D)) k[l] = k[l].contiguous();
+    ldk[l] = Tk > 1 ? k[l].stride(2) : std::max<int64_t>(D, 1);
+  }
   const bool* pad = nullptr;
   int64_t pad_s0 = 0, pad_s1 = 0;
   at::Tensor pad_t;
@@ -180,41 +182,44 @@ at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k_in,
     pad_s1 = pad_t.stride(1);
   }
 
-  // Work items: (b, kv head, block of QB active queries); the G query heads of a kv head
-  // share each K tile, so K is read once per item and never copied or repeated.
+  // Work items: (layer, b, kv head, block of QB active queries); the G query heads of a kv
+  // head share each K tile, so K is read once per item and never copied or repeated.
   const int64_t QB = std::max<int64_t>(1, 64 / G);
   int64_t max_active = 0;
   for (const auto& a : span.active) max_active = std::max<int64_t>(max_active, a.size());
   const int64_t NQB = (max_active + QB - 1) / QB;
-  const int64_t items = B * Hkv * NQB;
-  if (items == 0) return out;
+  const int64_t per_layer = B * Hkv * NQB;
+  const int64_t items = L * per_layer;
+  if (items == 0) return at::zeros({B, K, LH}, out_options);
+  auto out = at::empty({B, K, LH}, out_options);  // every entry written below
   constexpr int64_t TT = 256;  // keys per tile
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(),
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q[0].scalar_type(),
                                   "headscope_region_pool_qk_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     constexpr bool direct = std::is_same_v<scalar_t, acc_t>;
     // partial[item][g][qi][k] would be large for long prefill spans; instead each item
     // reduces its queries into part[item][g][k] (already weighted) and a serial pass adds
-    // the items of one (b, kv head) in a fixed order (deterministic).
-    auto part = at::zeros({items, G, K}, out.options());
-    acc_t* part_p = part.mutable_data_ptr<acc_t>();
-    const scalar_t* qp = q.const_data_ptr<scalar_t>();
-    const scalar_t* kp = k.const_data_ptr<scalar_t>();
-    const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2), qs3 = q.stride(3);
-    const int64_t ks0 = k.stride(0), ks1 = k.stride(1);
-    const acc_t sc = static_cast<acc_t>(scale);
+    // the items of one (layer, b, kv head) in a fixed order (deterministic).
+    std::vector<acc_t> part(items * G * K, acc_t(0));  // not an ATen op: a cold call's cost
+    acc_t* part_p = part.data();
 
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> Qb, S, Kbuf, acc, m, z;
       std::vector<int64_t> lim, tile_pos, tile_reg;
       for (int64_t it = begin; it < end; ++it) {
-        const int64_t b = it / (Hkv * NQB), hk = (it / NQB) % Hkv, qb = it % NQB;
+        const int64_t l = it / per_layer, rest = it % per_layer;
+        const int64_t b = rest / (Hkv * NQB), hk = (rest / NQB) % Hkv, qb = rest % NQB;
         const auto& act = span.active[b];
         const int64_t q0 = qb * QB;
         if (q0 >= static_cast<int64_t>(act.size())) continue;
         const int64_t nq = std::min<int64_t>(QB, act.size() - q0);
         const int64_t R = G * nq;  // row r = g * nq + j
+        const at::Tensor& ql = q[l];
+        const scalar_t* qp = ql.const_data_ptr<scalar_t>();
+        const int64_t qs0 = ql.stride(0), qs1 = ql.stride(1), qs2 = ql.stride(2),
+                      qs3 = ql.stride(3);
+        const acc_t sc = static_cast<acc_t>(scales[l]);
         Qb.assign(R * D, acc_t(0));
         lim.assign(R, 0);
         int64_t max_lim = -1;
@@ -225,28 +230,29 @@ at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k_in,
             acc_t* dst = Qb.data() + (g * nq + j) * D;
             for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<acc_t>(src[d * qs3]) * sc;
             // last visible key (bottom-right aligned causal mask), -1: none
-            const int64_t l = causal ? std::min<int64_t>(Tk - 1, qi + Tk - Tq) : Tk - 1;
-            lim[g * nq + j] = l;
-            max_lim = std::max(max_lim, l);
+            const int64_t lm = causal ? std::min<int64_t>(Tk - 1, qi + Tk - Tq) : Tk - 1;
+            lim[g * nq + j] = lm;
+            max_lim = std::max(max_lim, lm);
           }
         S.resize(R * TT);
         acc.assign(R * K, acc_t(0));
         m.assign(R, -INFINITY);
         z.assign(R, acc_t(0));
         if (!direct) Kbuf.resize(TT * std::max<int64_t>(D, 1));
-        const scalar_t* kbase = kp + b * ks0 + hk * ks1;
+        const scalar_t* kbase =
+            k[l].const_data_ptr<scalar_t>() + b * k[l].stride(0) + hk * k[l].stride(1);
         for (int64_t t0 = 0; t0 <= max_lim; t0 += TT) {
           const int64_t T = std::min<int64_t>(TT, max_lim + 1 - t0);
           const acc_t* Kt;
           int64_t ld, readable = T;
           if constexpr (direct) {
-            Kt = reinterpret_cast<const acc_t*>(kbase + t0 * ldk);
-            ld = ldk;
+            Kt = reinterpret_cast<const acc_t*>(kbase + t0 * ldk[l]);
+            ld = ldk[l];
             readable = max_lim + 1 - t0;
           } else {
             for (int64_t t = 0; t < T; ++t)
               for (int64_t d = 0; d < D; ++d)
-                Kbuf[t * D + d] = static_cast<acc_t>(kbase[(t0 + t) * ldk + d]);
+                Kbuf[t * D + d] = static_cast<acc_t>(kbase[(t0 + t) * ldk[l] + d]);
             Kt = Kbuf.data();
             ld = std::max<int64_t>(D, 1);
           }
@@ -308,23 +314,52 @@ at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k_in,
     });
 
     acc_t* o = out.mutable_data_ptr<acc_t>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t hk = 0; hk < Hkv; ++hk)
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t h = hk * G + g;
-          for (int64_t kk = 0; kk < K; ++kk) {
-            acc_t v = 0;
-            for (int64_t qb = 0; qb < NQB; ++qb)
-              v += part_p[((b * Hkv + hk) * NQB + qb) * G * K + g * K + kk];
-            if (mean) {
-              const int64_t c = regions.count[b * K + kk];
-              v = c > 0 ? v / static_cast<acc_t>(c) : acc_t(0);
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t hk = 0; hk < Hkv; ++hk)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = hk * G + g;
+            for (int64_t kk = 0; kk < K; ++kk) {
+              acc_t v = 0;
+              for (int64_t qb = 0; qb < NQB; ++qb)
+                v += part_p[(((l * B + b) * Hkv + hk) * NQB + qb) * G * K + g * K + kk];
+              if (mean) {
+                const int64_t c = regions.count[b * K + kk];
+                v = c > 0 ? v / static_cast<acc_t>(c) : acc_t(0);
+              }
+              o[(b * K + kk) * LH + l * H + h] = v;
             }
-            o[(b * K + kk) * H + h] = v;
           }
-        }
   });
   return out;
+}
+
+at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& query_weights, const at::Tensor& region_ids,
+                              int64_t num_regions, std::optional<double> scale, bool causal,
+                              const std::optional<at::Tensor>& key_padding_mask,
+                              c10::string_view reduce) {
+  const char* op = "headscope::region_pool_qk";
+  check_region_pool_qk_args(q, k, query_weights, region_ids, num_regions, scale,
+                            key_padding_mask, reduce);
+  return pool_qk_layers(op, {q}, {k}, query_weights, region_ids, num_regions,
+                        {scale_or_default(scale, q.size(3))}, causal, key_padding_mask,
+                        parse_reduce(op, reduce));
+}
+
+at::Tensor region_pool_qk_layers_cpu(at::TensorList q, at::TensorList k,
+                                     const at::Tensor& query_weights,
+                                     const at::Tensor& region_ids, int64_t num_regions,
+                                     std::optional<at::ArrayRef<double>> scale, bool causal,
+                                     const std::optional<at::Tensor>& key_padding_mask,
+                                     c10::string_view reduce) {
+  const char* op = "headscope::region_pool_qk_layers";
+  check_region_pool_qk_layers_args(q, k, query_weights, region_ids, num_regions, scale,
+                                   key_padding_mask, reduce);
+  std::vector<double> scales(q.size(), scale_or_default(std::nullopt, q[0].size(3)));
+  if (scale.has_value()) scales.assign(scale->begin(), scale->end());
+  return pool_qk_layers(op, q, k, query_weights, region_ids, num_regions, scales, causal,
+                        key_padding_mask, parse_reduce(op, reduce));
 }
 
 }  // namespace
@@ -332,6 +367,8 @@ at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k_in,
 TORCH_LIBRARY_IMPL(headscope, CPU, m) {
   m.impl("region_pool", HEADSCOPE_KERNEL("region_pool", region_pool_cpu));
   m.impl("region_pool_qk", HEADSCOPE_KERNEL("region_pool_qk", region_pool_qk_cpu));
+  m.impl("region_pool_qk_layers",
+         HEADSCOPE_KERNEL("region_pool_qk_layers", region_pool_qk_layers_cpu));
 }
 
 }  // namespace headscope::attribution::cpu
