@@ -6,12 +6,11 @@ o_proj inputs), in one process, alternating:
   prefill), plain sdpa vs the tracer (VAS of every layer + Ward regions) vs eager with
   output_attentions + hooks + ``headscope.vas_features``; time and extra peak memory, and
   how the peak grows with the prompt's length;
-* decode: time per generated token (median interval between streamer calls) of plain
-  ``generate`` vs ``Tracer.generate`` streaming span attribution (which generates on a
-  second thread; plain generate on a second thread is timed too, to tell the two costs
-  apart), vs ``Tracer.generate_with`` (generate on the caller's thread, spans to a
-  callback on a worker) vs eager ``generate`` with ``output_attentions=True``; the cost of
-  the answer's VAS (one extra forward); peak memory of each generation.
+* decode: time per generated token (the decode's time over its steps) of plain
+  ``generate`` vs ``Tracer.generate`` streaming span attribution to a loop vs
+  ``Tracer.generate_with`` (spans to a callback) vs eager ``generate`` with
+  ``output_attentions=True``; the cost of the answer's VAS (one extra forward); peak
+  memory of each generation.
 
 * effects: ``region_effects`` of K = 8 regions on a 16-token answer after a 256-token
   image (two layers of the model below; ``--quick``: the tiny test model) batched (8 ablations per forward, the prompt's
@@ -28,7 +27,6 @@ one image of 1024 tokens and 64 text tokens (``--quick``: 256 image tokens, 2 la
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 
 import torch
@@ -66,8 +64,13 @@ class _Clock:
         pass
 
     def per_token(self) -> float:
-        gaps = [b - a for a, b in zip(self.times[1:], self.times[2:])]  # after the prefill
+        """The median interval between decode steps (after the prefill)."""
+        gaps = [b - a for a, b in zip(self.times[1:], self.times[2:])]
         return statistics.median(gaps)
+
+    def mean_per_token(self) -> float:
+        """The decode's time over its steps: every step counted, the slow ones too."""
+        return (self.times[-1] - self.times[1]) / (len(self.times) - 2)
 
 
 def _eager_today(model_eager, inputs):
@@ -146,21 +149,13 @@ def bench_decode(device, quick: bool) -> dict:
     gen = dict(max_new_tokens=new, do_sample=False, eos_token_id=None)
     tracer = Tracer(model, regions=K_REGIONS, vas=True)
     tracer.detach()
-    per_token = {"plain": [], "threaded": [], "traced": [], "callback": [], "eager": []}
+    per_token = {"plain": [], "traced": [], "callback": [], "eager": []}
     spans = []
 
     def plain():
         clock = _Clock()
         model.generate(**inputs, **gen, streamer=clock)
-        per_token["plain"].append(clock.per_token())
-
-    def threaded():
-        """Plain generate on a second thread, as Tracer.generate runs it."""
-        clock = _Clock()
-        thread = threading.Thread(target=lambda: model.generate(**inputs, **gen, streamer=clock))
-        thread.start()
-        thread.join()
-        per_token["threaded"].append(clock.per_token())
+        per_token["plain"].append(clock.mean_per_token())
 
     def traced():
         clock = _Clock()
@@ -169,7 +164,7 @@ def bench_decode(device, quick: bool) -> dict:
             spans[:] = list(tracer.generate(**inputs, **gen, streamer=clock))
         finally:
             tracer.detach()
-        per_token["traced"].append(clock.per_token())
+        per_token["traced"].append(clock.mean_per_token())
 
     def callback():
         clock = _Clock()
@@ -180,21 +175,19 @@ def bench_decode(device, quick: bool) -> dict:
         finally:
             tracer.detach()
         assert len(got) == 1 and got[0].end == new
-        per_token["callback"].append(clock.per_token())
+        per_token["callback"].append(clock.mean_per_token())
 
     def today():
         clock = _Clock()
         eager.generate(**inputs, **gen, streamer=clock, output_attentions=True,
                        return_dict_in_generate=True)
-        per_token["eager"].append(clock.per_token())
+        per_token["eager"].append(clock.mean_per_token())
 
     for _ in range(2 if quick else 3):
-        for fn in (plain, threaded, traced, callback, today):
+        for fn in (plain, traced, callback, today):
             fn()
     assert len(spans) == 1 and spans[0].end == new
     ratio = round_ratios(per_token["traced"], per_token["plain"])
-    ratio_thread = round_ratios(per_token["threaded"], per_token["plain"])
-    ratio_own = round_ratios(per_token["traced"], per_token["threaded"])
     ratio_cb = round_ratios(per_token["callback"], per_token["plain"])
     ratio_eager = round_ratios(per_token["eager"], per_token["plain"])
 
@@ -214,13 +207,9 @@ def bench_decode(device, quick: bool) -> dict:
         {"p": lambda: model(**inputs, logits_to_keep=1)}, device, rounds=3)["p"])
     rows = [{"what": "plain generate", "ms_per_token": 1e3 * statistics.median(per_token["plain"]),
              "vs_plain": 1.0, "peak_MiB": mib(peak_bytes(plain, device))},
-            {"what": "plain generate, own thread",
-             "ms_per_token": 1e3 * statistics.median(per_token["threaded"]),
-             "vs_plain": ratio_thread[0], "range": f"{ratio_thread[1]:.3f}-{ratio_thread[2]:.3f}"},
             {"what": "Tracer.generate (spans)",
              "ms_per_token": 1e3 * statistics.median(per_token["traced"]), "vs_plain": ratio[0],
-             "range": f"{ratio[1]:.3f}-{ratio[2]:.3f}", "peak_MiB": mib(peak_bytes(traced, device)),
-             "vs_threaded": ratio_own[0]},
+             "range": f"{ratio[1]:.3f}-{ratio[2]:.3f}", "peak_MiB": mib(peak_bytes(traced, device))},
             {"what": "Tracer.generate_with (callback)",
              "ms_per_token": 1e3 * statistics.median(per_token["callback"]),
              "vs_plain": ratio_cb[0], "range": f"{ratio_cb[1]:.3f}-{ratio_cb[2]:.3f}",
@@ -233,7 +222,7 @@ def bench_decode(device, quick: bool) -> dict:
              "vs_prefill": t_vas / t_prefill}]
     print_table(f"decode, {new} new tokens after a {inputs['input_ids'].shape[1]}-token prompt "
                 f"({device.type}, float32)", rows,
-                ["what", "ms_per_token", "vs_plain", "range", "vs_threaded", "peak_MiB", "ms",
+                ["what", "ms_per_token", "vs_plain", "range", "peak_MiB", "ms",
                  "vs_prefill"])
     return {"rows": rows}
 

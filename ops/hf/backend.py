@@ -20,24 +20,26 @@ NAME = "headscope"
 _BOUND: Dict[int, "Binding"] = {}  # id(text config) -> binding
 
 
-def _binding(config) -> "Binding":
-    binding = _BOUND.get(id(config))
-    if binding is None:
-        raise RuntimeError(
-            f"headscope.hf: the model's attention implementation is {NAME!r} but no Tracer is "
-            f"attached to it (a copy of a traced model?); set `config._attn_implementation` "
-            f"back to the one it was loaded with")
-    return binding
+def _unbound() -> RuntimeError:
+    return RuntimeError(
+        f"headscope.hf: the model's attention implementation is {NAME!r} but no Tracer is "
+        f"attached to it (a copy of a traced model?); set `config._attn_implementation` "
+        f"back to the one it was loaded with")
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask, **kwargs):
-    return _binding(module.config).attention(module, query, key, value, attention_mask,
-                                             **kwargs)
+    binding = _BOUND.get(id(module.config))  # inline: once per layer and step
+    if binding is None:
+        raise _unbound()
+    return binding.attention(module, query, key, value, attention_mask, **kwargs)
 
 
 def mask_interface(*args, **kwargs):
-    return _binding(kwargs.get("config")).mask(*args, **kwargs)
+    binding = _BOUND.get(id(kwargs.get("config")))
+    if binding is None:
+        raise _unbound()
+    return binding.mask(*args, **kwargs)
 
 
 def base_functions(name: str, who: str) -> tuple:

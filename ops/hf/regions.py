@@ -31,7 +31,8 @@ def image_token_id(config) -> int:
 
 
 def _token_grids(config, image_grid_thw: Optional[torch.Tensor], count: int) -> List[tuple]:
-    """(rows, cols) of each of the ``count`` images of the batch, in sequence order."""
+    """(rows, cols) of each image of the batch, in sequence order; ``count``: the batch's
+    image tokens."""
     vision = config.vision_config
     if image_grid_thw is not None:
         merge = int(getattr(vision, "spatial_merge_size", 1))
@@ -42,12 +43,17 @@ def _token_grids(config, image_grid_thw: Optional[torch.Tensor], count: int) -> 
                                  f"grid 1), got image_grid_thw row {[t, h, w]}")
             grids.append((h // merge, w // merge))
         return grids
+    if not hasattr(vision, "image_size"):  # grids per image (Qwen-VL): need image_grid_thw
+        raise ValueError(f"headscope.hf.Tracer: regions of a {config.model_type} model need the "
+                         f"image_grid_thw of its inputs, and model.generate does not pass it to "
+                         f"the model's forward; generate with tr.generate(**inputs, ...) or "
+                         f"tr.generate_with(on_span, **inputs, ...)")
     if getattr(config, "vision_feature_select_strategy", "default") != "default":
         raise ValueError("headscope.hf.Tracer: regions need the image's patch grid; with "
                          "vision_feature_select_strategy='full' the CLS token has no place "
                          "on it")
     side = int(vision.image_size) // int(vision.patch_size)
-    return [(side, side)] * count
+    return [(side, side)] * (count // (side * side))
 
 
 def find_images(config, input_ids: torch.Tensor,
@@ -56,8 +62,7 @@ def find_images(config, input_ids: torch.Tensor,
     is_image = input_ids == image_token_id(config)
     per_row = [row.nonzero().flatten() for row in is_image.cpu()]
     count = sum(len(p) for p in per_row)
-    grids = _token_grids(config, image_grid_thw,
-                         None if image_grid_thw is not None else count // _llava_tokens(config))
+    grids = _token_grids(config, image_grid_thw, count)
     images, g = [], 0
     for b, positions in enumerate(per_row):
         row, used = [], 0
@@ -109,11 +114,6 @@ def parse_grid(text: str) -> tuple:
     if rows < 1 or cols < 1:
         raise ValueError(f"a grid needs ROWS and COLS >= 1, got {text!r}")
     return rows, cols
-
-
-def _llava_tokens(config) -> int:
-    vision = config.vision_config
-    return (int(vision.image_size) // int(vision.patch_size)) ** 2
 
 
 def _labels(regions: Regions, image: Image, features: Optional[torch.Tensor]) -> torch.Tensor:

@@ -1,21 +1,21 @@
-"""Spans out of a running ``generate``: the generating thread cuts the answer into spans
-and queues each span's pooled features; the caller's thread takes them in order, applies
-the attribution head and hands out :class:`Span` objects.
+"""Spans out of a running ``generate``: the streamer cuts each row's answer into spans and,
+as a span ends, has it made (pooled features, head scores, text) and hands it on, all on
+the thread that runs the model.
 
-The queue is bounded (a slow consumer holds generation back instead of growing memory),
-never drops a span, carries the generating thread's exception to the caller, and either
-side stopping (end of generation, an error, ``break``, KeyboardInterrupt) ends both.
+:func:`iterate_spans` turns such a run into an iterator without a second thread: the run
+goes in a greenlet on the caller's thread and pauses at each span until the loop asks for
+the next one, so the model and the loop take turns. A second thread would compete with
+generation for the GIL at every span (a hand-off costs more than a span's own work on a
+small model) and, on the CPU, for the intra-op threads.
 """
 from __future__ import annotations
 
-import queue
-import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Callable, Generator, List, Optional, Sequence, TypeVar
 
 import torch
 
-_POLL_S = 0.05  # how often a blocked side looks whether the other has stopped
+T = TypeVar("T")
 
 
 @dataclass
@@ -38,29 +38,17 @@ class Span:
     text: Optional[str] = None
 
 
-class Stopped(Exception):
-    """Raised inside ``generate`` (from the streamer) when the consumer has gone."""
-
-
-@dataclass
-class _Pending:
-    batch_index: int
-    start: int
-    token_ids: List[int]
-    features: torch.Tensor  # (K, L*H) on the model's device
-
-
 class SpanCutter:
     """The streamer ``generate`` calls once per step with the new tokens (B,): adds them
-    to each row's open span and, at a boundary, asks the tracer for the span's pooled
-    features."""
+    to each row's open span and, at a boundary, makes the span
+    (``make_span(batch_index, start, token_ids, finished)``) and hands it to ``emit``."""
 
-    def __init__(self, take_features: Callable[[int, int, bool], torch.Tensor],
-                 spans: "SpanQueue", batch_size: int,
+    def __init__(self, make_span: Callable[[int, int, List[int], bool], Span],
+                 emit: Callable[[Span], None], batch_size: int,
                  ends_span: Optional[Callable[[Sequence[int]], bool]], eos: Sequence[int],
                  inner=None):
-        self.take_features = take_features
-        self.spans = spans
+        self.make_span = make_span
+        self.emit = emit
         self.ends_span = ends_span
         self.eos = set(int(e) for e in eos)
         self.inner = inner
@@ -70,8 +58,6 @@ class SpanCutter:
         self.done = [False] * batch_size
 
     def put(self, value: torch.Tensor) -> None:
-        if self.spans.stop.is_set():  # the consumer left: end generate now
-            raise Stopped()
         if self.inner is not None:
             self.inner.put(value)
         if not self.prompt_seen:  # generate's first call hands over the prompt
@@ -99,66 +85,38 @@ class SpanCutter:
         """Ends row b's open span; ``finished``: the row generates no more."""
         start, end = self.span_start[b], len(self.generated[b])
         self.span_start[b] = end
-        self.spans.put(_Pending(b, start, self.generated[b][start:end],
-                                self.take_features(b, end - start, finished)))
+        self.emit(self.make_span(b, start, self.generated[b][start:end], finished))
 
 
-class SpanQueue:
-    """Bounded hand-over from the generating thread to the caller."""
+def iterate_spans(run: Callable[[Callable[[Span], None]], T]) -> Generator[Span, None, T]:
+    """Yields the spans ``run(emit)`` hands to ``emit``, in order, and returns ``run``'s
+    result. ``run`` runs in a greenlet on this thread, paused in ``emit`` until the loop
+    asks for the next span. Leaving the loop early (``break``, an exception,
+    KeyboardInterrupt, ``close()``) raises GreenletExit in the paused ``emit``, which ends
+    ``run``; an exception in ``run`` is raised in the loop. Each side keeps its own grad
+    mode (torch keeps it per thread, and the greenlet shares the thread)."""
+    import greenlet
 
-    _DONE = object()
+    loop = greenlet.getcurrent()
 
-    def __init__(self, maxsize: int):
-        self.q: "queue.Queue" = queue.Queue(maxsize)
-        self.stop = threading.Event()
-
-    def put(self, item) -> None:
-        """Blocks while the queue is full; raises :class:`Stopped` once the consumer left."""
-        while True:
-            if self.stop.is_set():
-                raise Stopped()
-            try:
-                self.q.put(item, timeout=_POLL_S)
-                return
-            except queue.Full:
-                continue
-
-    def finish(self, error: Optional[BaseException]) -> None:
-        """The generating thread's last word: its error, or done."""
-        item = error if error is not None else self._DONE
-        while not self.stop.is_set():
-            try:
-                self.q.put(item, timeout=_POLL_S)
-                return
-            except queue.Full:
-                continue
-
-    def __iter__(self) -> Iterator[_Pending]:
-        while True:
-            try:
-                item = self.q.get(timeout=_POLL_S)
-            except queue.Empty:
-                if self.stop.is_set():  # the other side has gone without a last word
-                    return
-                continue
-            if item is self._DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-
-def run_in_thread(target: Callable[[], None], spans: SpanQueue) -> threading.Thread:
-    def main():
-        error = None
+    def emit(span: Span) -> None:
+        grad = torch.is_grad_enabled()
         try:
-            target()
-        except Stopped:
-            pass
-        except BaseException as e:  # noqa: BLE001 - handed to the caller to re-raise
-            error = e
-        spans.finish(error)
+            loop.switch(span)
+        finally:
+            torch.set_grad_enabled(grad)
 
-    thread = threading.Thread(target=main, name="headscope-generate", daemon=True)
-    thread.start()
-    return thread
+    worker = greenlet.greenlet(lambda: run(emit))
+    try:
+        while True:
+            grad = torch.is_grad_enabled()
+            try:
+                item = worker.switch()
+            finally:
+                torch.set_grad_enabled(grad)
+            if worker.dead:
+                return item
+            yield item
+    finally:
+        if not worker.dead:
+            worker.throw()  # GreenletExit in the paused emit: generate unwinds

@@ -18,7 +18,7 @@ from .. import attribution as _attr
 from .. import vas as _vas
 from . import backend
 from .regions import Regions, find_images, region_ids as _region_ids
-from .stream import Span, SpanCutter, SpanQueue, Stopped, _Pending, run_in_thread
+from .stream import Span, SpanCutter, iterate_spans
 
 _WRITES = ("heads", "residual")
 _UNSUPPORTED_GENERATE = {"num_beams": 1, "num_return_sequences": 1, "assistant_model": None,
@@ -93,10 +93,10 @@ class _Mask:
 class _QueryRows:
     """Per layer, the query rows (after rotary) of each generation step since the oldest
     open span began, and the layer's keys of the last step. A span's features are pooled
-    when it ends, by one ``region_pool_qk`` call per layer over its rows: with one key
-    added per step, the bottom-right aligned causal mask lets each row see exactly the
-    keys it saw when it ran. That is one call per layer and span instead of one per layer
-    and step, and nothing but references on the step itself."""
+    when it ends, by one ``region_pool_qk_layers`` call over its rows: with one key added
+    per step, the bottom-right aligned causal mask lets each row see exactly the keys it
+    saw when it ran. That is one call per span instead of one per layer and step, and
+    nothing but references on the step itself."""
 
     def __init__(self, num_layers: int, batch: int, region_ids: torch.Tensor, kmax: int):
         self.queries: List[List[torch.Tensor]] = [[] for _ in range(num_layers)]
@@ -106,34 +106,51 @@ class _QueryRows:
         self.open_from: List[Optional[int]] = [0] * batch  # None: the row has finished
         self.region_ids = region_ids
         self.kmax = kmax
+        # The prompt's padding keys (B, P), None: none. generate extends the 2-D mask with
+        # ones, so no generated key is ever padding.
+        self.padding: Optional[torch.Tensor] = None
+        self._ones: Dict[int, torch.Tensor] = {}  # steps -> query weights (1, steps)
 
-    def add(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> None:
-        # a prefill's last row is copied so that its whole q is not kept alive
-        self.queries[layer].append(q if q.shape[2] == 1 else q[:, :, -1:].clone())
+    def start(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float,
+              padding: Optional[torch.Tensor]) -> None:
+        """The prefill's call of one layer: its last query row (copied, so that the whole
+        q is not kept alive), keys, scale and the prompt's padding. Each decode step then
+        appends its row to ``queries[layer]`` and sets ``keys[layer]``
+        (``Tracer.attention``)."""
+        self.queries[layer].append(q[:, :, -1:].clone())
         self.keys[layer] = k
         self.scales[layer] = scale
+        self.padding = padding if padding is not None and bool(padding.any()) else None
 
-    def pool(self, b: int, steps: int, padding: Optional[torch.Tensor],
-             finished: bool) -> torch.Tensor:
-        """(kmax, L, H) float32: row b's last ``steps`` query rows' pooled attention,
-        averaged (region_pool_qk normalises the query weights)."""
-        end = self.first + len(self.queries[0])
+    def pool(self, b: int, steps: int, finished: bool) -> torch.Tensor:
+        """(kmax, L*H) float32 (column l*H + h): row b's last ``steps`` query rows' pooled
+        attention, averaged (region_pool_qk normalises the query weights)."""
+        held = len(self.queries[0])
+        end = self.first + held
         if end - self.open_from[b] != steps:
             raise RuntimeError(f"headscope.hf.Tracer: row {b}'s span has {steps} tokens but "
                                f"{end - self.open_from[b]} forward steps ran since it began "
                                f"(one forward per generated token is required)")
-        rows = slice(len(self.queries[0]) - steps, None)
-        row = slice(b, b + 1)
         length = self.keys[0].shape[2]  # every layer's cache holds the same positions
         region_ids = self._region_ids(b, length)
-        padding = None if padding is None else padding[row]
-        weights = torch.ones(1, steps, dtype=torch.float32, device=region_ids.device)
-        pooled = [_attr.region_pool_qk(torch.cat(queries[rows], dim=2)[row], keys[row], weights,
-                                       region_ids, self.kmax, scale, True, padding)[0]
-                  for queries, keys, scale in zip(self.queries, self.keys, self.scales)]
+        one_row = len(self.open_from) == 1  # else row b is cut out of the batch
+        padding = self.padding
+        if padding is not None:
+            padding = torch.nn.functional.pad(padding[b:b + 1], (0, length - padding.shape[1]),
+                                              value=False)
+        weights = self._ones.get(steps)
+        if weights is None:
+            weights = self._ones[steps] = torch.ones(1, steps, device=region_ids.device)
+        q = [torch.cat(rows[held - steps:], dim=2) if steps > 1 else rows[-1]
+             for rows in self.queries]
+        k = self.keys
+        if not one_row:
+            q, k = [x[b:b + 1] for x in q], [x[b:b + 1] for x in k]
+        pooled = torch.ops.headscope.region_pool_qk_layers(q, k, weights, region_ids, self.kmax,
+                                                           self.scales, True, padding)
         self.open_from[b] = None if finished else end
         self._drop_before(min((s for s in self.open_from if s is not None), default=end))
-        return torch.stack(pooled, 1)
+        return pooled[0]
 
     def _region_ids(self, b: int, length: int) -> torch.Tensor:
         rid = self.region_ids
@@ -168,22 +185,17 @@ class Tracer(backend.Binding):
     head's write into the residual stream, through its block of ``o_proj``).
     ``splitter``: a callable that gets a row's generated ids so far and says whether the
     last one ends a span (default: sentence ends, given a tokenizer; else one span per
-    answer). ``queue_size``: spans held between the generating thread and the consumer
-    before generation waits.
+    answer).
     """
 
     who = "headscope.hf.Tracer"
 
     def __init__(self, model, regions: Optional[Regions] = None, vas: bool = True,
                  head: Optional[Callable] = None, tokenizer=None, *, writes: str = "heads",
-                 splitter: Optional[Callable[[Sequence[int]], bool]] = None,
-                 queue_size: int = 8):
+                 splitter: Optional[Callable[[Sequence[int]], bool]] = None):
         if writes not in _WRITES:
             raise ValueError(f"headscope.hf.Tracer: argument 'writes' must be one of {_WRITES}, "
                              f"got {writes!r}")
-        if queue_size < 1:
-            raise ValueError(f"headscope.hf.Tracer: argument 'queue_size' must be >= 1, got "
-                             f"{queue_size}")
         if regions is not None and not (isinstance(regions, (int, torch.Tensor))
                                         or callable(regions)) or isinstance(regions, bool):
             raise TypeError(f"headscope.hf.Tracer: argument 'regions' must be an int, an int64 "
@@ -208,11 +220,12 @@ class Tracer(backend.Binding):
         self.writes = writes
         self.splitter = splitter if splitter is not None else (
             sentence_end(tokenizer) if tokenizer is not None else None)
-        self.queue_size = queue_size
         self.sequences: Optional[torch.Tensor] = None
         self.region_ids: Optional[torch.Tensor] = None
         self.num_regions: Optional[List[int]] = None
         self.observing = False
+        self._decoding = False  # a decode step of tr.generate with regions: keep q rows
+        self._paused = False  # generation is paused at a span (its consumer runs)
         self._attached = False
         self._mode = "forward"
         self._generating: Optional[int] = None  # thread ident of a running tr.generate
@@ -224,6 +237,7 @@ class Tracer(backend.Binding):
         self._rows: Optional[_QueryRows] = None
         self._final: Optional[Dict[str, torch.Tensor]] = None
         self._R: Dict[int, torch.Tensor] = {}  # layer -> R^T per head (writes="residual")
+        self._head_device = None
         self.attach()
 
     # ---- attaching ----------------------------------------------------------------------
@@ -232,20 +246,24 @@ class Tracer(backend.Binding):
         if self._attached:
             return self
         self.bind(self.config)
-        self._hooks = [
-            self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True),
-            self.decoder.register_forward_pre_hook(self._on_decoder_forward, with_kwargs=True)]
+        self._model_hook = self._hook_model()
+        self._decoder_hook = self.decoder.register_forward_pre_hook(self._on_decoder_forward,
+                                                                    with_kwargs=True)
         self._attached = True
         return self
+
+    def _hook_model(self):
+        return self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True)
 
     def detach(self) -> None:
         """Puts the model back as it was: its attention implementation, no hooks."""
         if not self._attached:
             return
-        for h in self._hooks:
-            h.remove()
+        self._model_hook.remove()
+        self._decoder_hook.remove()
         self.unbind(self.config)
         self.observing = False
+        self._decoding = False
         self._attached = False
 
     def __enter__(self) -> "Tracer":
@@ -255,14 +273,25 @@ class Tracer(backend.Binding):
         self.detach()
 
     def attention(self, module, query, key, value, attention_mask, **kwargs):
-        out, weights = self.base_attention(module)(module, query, key, value, attention_mask,
-                                                   **kwargs)
-        if self.observing:
+        base = self._base_attention or self.base_attention(module)
+        out, weights = base(module, query, key, value, attention_mask, **kwargs)
+        if self._decoding:  # inline: the only work of a decode step, once per layer
+            mask = self._mask
+            if mask is None or key.shape[2] != mask.kv_length or query.shape[2] != 1:
+                self._check_decode_step(module, query, key, kwargs)
+            layer = self._layers[id(module)]
+            self._rows.queries[layer].append(query)
+            self._rows.keys[layer] = key
+        elif self.observing:
             self.observe(module, query, key, out, weights, kwargs)
         return out, weights
 
     def mask(self, *args, **kwargs):
-        self.record_mask(kwargs)
+        mask = _Mask(kwargs)
+        if mask.plain:
+            self._mask = mask
+        else:
+            self._mask_other = getattr(kwargs.get("mask_function"), "__name__", "custom")
         return self.base_mask(*args, **kwargs)
 
     # ---- what the model shows us ----------------------------------------------------------
@@ -273,9 +302,11 @@ class Tracer(backend.Binding):
             self._image_grid_thw = kwargs.get("image_grid_thw")
 
     def _on_decoder_forward(self, module, args, kwargs):
-        if self._generating is not None and threading.get_ident() != self._generating:
-            raise RuntimeError("headscope.hf.Tracer: the model was called while tr.generate "
-                               "is running on it; finish or close that iterator first")
+        if self._generating is not None and (threading.get_ident() != self._generating
+                                             or self._paused):
+            raise RuntimeError("headscope.hf.Tracer: the model was called while a generation "
+                               "of this tracer is running on it (from another thread, or while "
+                               "it is paused at a span); finish or close that generation first")
         self._mask, self._mask_other = None, None
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         past = cache.get_seq_length() if cache is not None else 0
@@ -292,6 +323,7 @@ class Tracer(backend.Binding):
             self._vas_now = False
         # _start_forward made the query rows exactly when there is something to pool
         self._pool_now = pooling and self._rows is not None
+        self._decoding = self._pool_now and past > 0
         self.observing = self._vas_now or self._pool_now
 
     def _start_forward(self, embeds: torch.Tensor, pooling: bool) -> None:
@@ -309,13 +341,6 @@ class Tracer(backend.Binding):
         self._rows = None
         if pooling and self._kmax > 0:
             self._rows = _QueryRows(self.num_layers, B, self.region_ids, self._kmax)
-
-    def record_mask(self, kwargs: Dict[str, Any]) -> None:
-        mask = _Mask(kwargs)
-        if mask.plain:
-            self._mask = mask
-        else:
-            self._mask_other = getattr(kwargs.get("mask_function"), "__name__", "custom")
 
     def observe(self, module, q: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
                 weights: Optional[torch.Tensor], kwargs: Dict[str, Any]) -> None:
@@ -338,7 +363,14 @@ class Tracer(backend.Binding):
             self._stats[:, layer] = stats
             self._seen.add(layer)
         if self._pool_now:
-            self._rows.add(layer, q, k, scale)
+            self._rows.start(layer, q, k, scale, mask.padding)
+
+    def _check_decode_step(self, module, q: torch.Tensor, k: torch.Tensor, kwargs) -> None:
+        """Raises for a decode step that does not fit (the prefill checked the rest)."""
+        self._checked_mask(module, kwargs, k)
+        if q.shape[2] != 1:
+            raise NotImplementedError(f"headscope.hf.Tracer: a decode step ran {q.shape[2]} "
+                                      f"query rows; one token per step is supported")
 
     def _checked_mask(self, module, kwargs, k: torch.Tensor) -> _Mask:
         if getattr(module, "sliding_window", None) or kwargs.get("sliding_window"):
@@ -406,46 +438,21 @@ class Tracer(backend.Binding):
     # ---- generation ---------------------------------------------------------------------
 
     def generate(self, **kwargs) -> Iterator[Span]:
-        """Runs ``model.generate(**kwargs)`` on a second thread and yields each row's spans
-        as they end, in order. ``tr.sequences`` holds generate's output once the iterator
-        is exhausted; breaking out of the loop stops generation."""
+        """Runs ``model.generate(**kwargs)`` and yields each row's spans as they end, in
+        order. The model runs on the caller's thread and pauses at each span while the loop
+        body runs (no second thread). ``tr.sequences`` holds generate's output once the
+        iterator is exhausted; leaving the loop early stops generation."""
         self._check_generate(kwargs)
         return self._generate(kwargs)
 
     def generate_with(self, on_span: Callable[[Span], None], **kwargs) -> torch.Tensor:
-        """Runs ``model.generate(**kwargs)`` on the calling thread and hands each span, in
-        order, to ``on_span`` on a background worker (which also applies the head); returns
-        generate's output (also ``tr.sequences``). An exception in ``on_span`` stops
-        generation and is raised here. Unlike :meth:`generate`, the model runs on the
-        caller's thread: on a CPU whose intra-op threads the caller's thread already owns,
-        that saves the cost of a second thread's (see docs/hf.md, "Cost")."""
+        """Runs ``model.generate(**kwargs)`` and calls ``on_span`` with each span, in order,
+        as it ends (between two decode steps: generation waits for it); returns generate's
+        output (also ``tr.sequences``). An exception in ``on_span`` stops generation and
+        propagates."""
         self._check_generate(kwargs)
-        spans, cutter, P, eos = self._start_generation(kwargs)
-
-        worker_error: List[BaseException] = []
-
-        def worker():
-            try:
-                for pending in spans:
-                    on_span(self._span(pending))
-            except BaseException as e:  # noqa: BLE001 - raised in the caller below
-                worker_error.append(e)
-                spans.stop.set()
-
-        thread = threading.Thread(target=worker, name="headscope-spans", daemon=True)
-        thread.start()
-        try:
-            sequences = self._run_generate(kwargs, cutter)
-        except Stopped:
-            sequences = None
-        except BaseException:
-            spans.stop.set()
-            thread.join()
-            raise
-        spans.finish(None)
-        thread.join()
-        if worker_error:
-            raise worker_error[0]
+        cutter, P, eos = self._start_generation(kwargs, on_span)
+        sequences = self._run_generate(kwargs, cutter)
         self._end_generation(kwargs, sequences, P, eos)
         return sequences
 
@@ -471,29 +478,45 @@ class Tracer(backend.Binding):
         return [int(e) for e in (eos.tolist() if isinstance(eos, torch.Tensor) else
                                  eos if isinstance(eos, (list, tuple)) else [eos])]
 
-    def _start_generation(self, kwargs) -> tuple:
-        """The span queue and the streamer that cuts spans into it."""
+    def _start_generation(self, kwargs, emit: Callable[[Span], None]) -> tuple:
+        """The streamer that cuts spans and hands them to ``emit``, during which the model
+        must not be called."""
         ids = kwargs.get("input_ids")
         if ids is None:
             raise ValueError("headscope.hf.Tracer.generate: pass the prompt's input_ids")
         B, P = ids.shape
-        spans = SpanQueue(self.queue_size)
         eos = self._eos_ids(kwargs)
-        cutter = SpanCutter(self._take_features, spans, B, self.splitter, eos,
+
+        def paused_emit(span: Span) -> None:
+            self._paused = True
+            try:
+                emit(span)
+            finally:
+                self._paused = False
+
+        cutter = SpanCutter(self._make_span, paused_emit, B, self.splitter, eos,
                             inner=kwargs.pop("streamer", None))
         self.sequences, self._final = None, None
         self._image_grid_thw = kwargs.get("image_grid_thw")
-        return spans, cutter, P, eos
+        self._head_device = self._find_head_device()
+        return cutter, P, eos
 
     def _run_generate(self, kwargs, cutter) -> torch.Tensor:
         self._generating = threading.get_ident()
         self._mode = "generate"
+        # The model hook only notes a forward's input ids, here the prompt's: off for the
+        # generation, it costs nothing per step.
+        self._input_ids = kwargs["input_ids"]
+        self._model_hook.remove()
         try:
             return self.model.generate(**kwargs, streamer=cutter)
         finally:
             self._mode = "forward"
             self._rows = None
+            self._decoding = False
             self._generating = None
+            if self._attached:  # (a callback may have detached the tracer)
+                self._model_hook = self._hook_model()
 
     def _end_generation(self, kwargs, sequences: torch.Tensor, P: int, eos: List[int]) -> None:
         self.sequences = sequences
@@ -501,40 +524,29 @@ class Tracer(backend.Binding):
             self._final = self._final_inputs(kwargs, sequences, P, eos)
 
     def _generate(self, kwargs) -> Iterator[Span]:
-        spans, cutter, P, eos = self._start_generation(kwargs)
-        result: Dict[str, torch.Tensor] = {}
+        def run(emit: Callable[[Span], None]) -> tuple:
+            cutter, P, eos = self._start_generation(kwargs, emit)
+            return self._run_generate(kwargs, cutter), P, eos
 
-        def target():
-            result["sequences"] = self._run_generate(kwargs, cutter)
+        sequences, P, eos = yield from iterate_spans(run)
+        self._end_generation(kwargs, sequences, P, eos)
 
-        thread = run_in_thread(target, spans)
-        try:
-            for pending in spans:
-                yield self._span(pending)
-        finally:
-            spans.stop.set()
-            thread.join()
-        self._end_generation(kwargs, result["sequences"], P, eos)
-
-    def _take_features(self, b: int, steps: int, finished: bool) -> torch.Tensor:
-        """Row b's open span: its pooled features (K_b, L*H)."""
+    def _make_span(self, b: int, start: int, token_ids: List[int], finished: bool) -> Span:
+        """Row b's open span, on the generating thread: its pooled features (K_b, L*H), the
+        head's scores and its text."""
         if self._rows is None:
-            return torch.zeros(0, self.num_layers * self.num_heads)
-        features = self._rows.pool(b, steps, self._mask.padding, finished)
-        return features[:self.num_regions[b]].flatten(1)
-
-    def _span(self, p: _Pending) -> Span:
-        features = p.features
+            features = torch.zeros(0, self.num_layers * self.num_heads)
+        else:
+            features = self._rows.pool(b, len(token_ids), finished)
+            features = features[:self.num_regions[b]]
         scores = None
         if self.head is not None and features.shape[0] > 0:
-            with torch.no_grad():
-                scores = self.head(features.to(self._head_device())).float().cpu()
-        text = self.tokenizer.decode(p.token_ids) if self.tokenizer is not None else None
-        return Span(p.batch_index, p.start, p.start + len(p.token_ids),
-                    torch.tensor(p.token_ids, dtype=torch.int64), features.float().cpu(),
-                    scores, text)
+            scores = self.head(features.to(self._head_device)).float().cpu()
+        text = self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
+        return Span(b, start, start + len(token_ids), torch.tensor(token_ids, dtype=torch.int64),
+                    features.float().cpu(), scores, text)
 
-    def _head_device(self):
+    def _find_head_device(self):
         for t in getattr(self.head, "parameters", lambda: iter(()))():
             return t.device
         return self.model.device

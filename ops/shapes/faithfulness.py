@@ -108,7 +108,7 @@ def _summary(records: List[dict], latency: dict) -> dict:
             else affine_r_squared(scores, effects),
             "r2_of": {"head": "predictions as they are",
                       "perturbation": "by construction"}.get(name, "best affine fit"),
-            # streamed scores: the tracer's added time (a negative median difference is
+            # streamed scores: the tracer's added time (a negative difference is
             # noise, counted as 0) and the scores computed from its features
             "ms_per_token": max(tracer_added, 0.0) + own if streamed else own,
             "score_ms_per_token": own}
@@ -129,7 +129,7 @@ def measure_faithfulness(scenes: int = 40, *, regions: int = DEFAULT_REGIONS,
 
     Time per token: the head and raw attention stream from the tracer's pooled features,
     so theirs is the tracer's added time over plain ``generate`` (``latency``, a result of
-    :func:`~headscope.shapes.latency.measure_latency`, measured here when None: median
+    :func:`~headscope.shapes.latency.measure_latency`, measured here when None:
     per-token time of ``generate_with`` minus plain ``generate``, alternating rounds in
     this process) plus the time to compute the scores from the features. The gradient
     methods: one forward over the whole sequence and one backward per span, per generated

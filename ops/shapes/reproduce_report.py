@@ -3,6 +3,7 @@ step, its numbers as tables."""
 from __future__ import annotations
 
 from .faithfulness import table as faithfulness_table
+from .latency import LABELS as LATENCY_LABELS
 
 
 def _cell(v, digits: int = 3) -> str:
@@ -35,14 +36,17 @@ def _head_eval(r: dict, regions: str = "8 Ward regions") -> list:
 
 
 def _latency(r: dict) -> list:
-    ms = r["ms_per_token"]
+    ms, step = r["ms_per_token"], r["median_step_ms"]
     lines = [f"Per-token latency ({r['rounds']} rounds of {r['new_tokens']} tokens, "
-             f"{r['threads']} threads):", "", "| | ms per token | vs plain |",
-             "| --- | --- | --- |", f"| plain `generate` | {ms['plain']:.3f} | 1 |"]
-    for key, label, ratio in (("traced", "`Tracer.generate`", "traced_vs_plain"),
-                              ("callback", "`Tracer.generate_with`", "callback_vs_plain")):
-        mid, low, high = r[ratio]
-        lines.append(f"| {label} | {ms[key]:.3f} | {mid:.2f}x [{low:.2f}-{high:.2f}] |")
+             f"{r['threads']} threads; ms per token: the decode's time over its steps, span "
+             f"ends included):", "",
+             "| | ms per token | vs plain | median step (ms) | vs plain |",
+             "| --- | --- | --- | --- | --- |",
+             f"| plain `generate` | {ms['plain']:.3f} | 1 | {step['plain']:.3f} | 1 |"]
+    for key, label in LATENCY_LABELS:
+        mid, low, high = r[f"{key}_vs_plain"]
+        lines.append(f"| `{label}` | {ms[key]:.3f} | {mid:.2f}x [{low:.2f}-{high:.2f}] | "
+                     f"{step[key]:.3f} | {r[f'{key}_step_vs_plain'][0]:.2f}x |")
     return lines
 
 

@@ -339,26 +339,54 @@ def test_bfloat16_model():
     assert len(spans) == 2 and all(torch.isfinite(s.features).all() for s in spans)
 
 
-# ---- the span stream: backpressure, errors, interruption ------------------------------------
+# ---- the span stream: pausing, errors, interruption -----------------------------------------
 
-def _threads():
-    return [t for t in threading.enumerate()
-            if t.name in ("headscope-generate", "headscope-spans")]
-
-
-def test_slow_consumer_gets_every_span_with_bounded_queue():
+def test_generation_pauses_while_the_loop_body_runs():
     model = _no_eos(tiny_model("qwen2_vl"))
-    every = lambda ids: True  # noqa: E731  one span per token
-    with Tracer(model, regions=2, vas=False, splitter=every, queue_size=1) as tr:
-        got = []
+    steps = []
+    with Tracer(model, regions=2, vas=False, splitter=_counting_splitter(steps)) as tr:
+        got, grad_in_body = [], []
         for span in tr.generate(**_prompt(model), max_new_tokens=6, do_sample=False):
-            time.sleep(0.05)
+            assert len(steps) == span.end  # generation did not run ahead of the loop
+            grad_in_body.append(torch.is_grad_enabled())
             got.append((span.start, span.end))
-    assert got == [(i, i + 1) for i in range(6)]
-    assert not _threads()
+        assert got == [(i, i + 1) for i in range(6)]
+        # the loop keeps its own grad mode although generate runs under no_grad
+        assert grad_in_body == [True] * 6 and torch.is_grad_enabled()
+        with torch.no_grad():
+            for span in tr.generate(**_prompt(model), max_new_tokens=2, do_sample=False):
+                assert not torch.is_grad_enabled()
+        assert torch.is_grad_enabled()
 
 
-def test_error_in_generation_is_reraised_and_thread_ends():
+def test_model_hook_is_off_during_generation_and_back_after():
+    model = _no_eos(tiny_model("qwen2_vl"))
+    inputs = _prompt(model)
+    with Tracer(model, regions=2, vas=False, splitter=lambda ids: True) as tr:
+        hooks = []
+        tr.generate_with(lambda span: hooks.append(len(model._forward_pre_hooks)), **inputs,
+                         max_new_tokens=3)
+        assert hooks == [0, 0, 0] and len(model._forward_pre_hooks) == 1
+        spans = list(tr.generate(**inputs, max_new_tokens=2))
+        assert len(spans) == 2 and len(model._forward_pre_hooks) == 1
+        tr.generate_with(lambda span: tr.detach(), **inputs, max_new_tokens=1)
+        assert not model._forward_pre_hooks  # a callback detached it: not hooked again
+    assert not model._forward_pre_hooks and not model.get_decoder()._forward_pre_hooks
+
+
+def test_generation_starts_no_thread(monkeypatch):
+    model = _no_eos(tiny_model("qwen2_vl"))
+    started = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start",
+                        lambda self: (started.append(self.name), real_start(self)))
+    with Tracer(model, regions=2, vas=False, splitter=lambda ids: True) as tr:
+        assert len(list(tr.generate(**_prompt(model), max_new_tokens=3))) == 3
+        tr.generate_with(lambda span: None, **_prompt(model), max_new_tokens=3)
+    assert started == []
+
+
+def test_error_in_generation_is_reraised():
     model = _no_eos(tiny_model("qwen2_vl"))
 
     def broken(ids):
@@ -369,7 +397,6 @@ def test_error_in_generation_is_reraised_and_thread_ends():
     with Tracer(model, regions=2, vas=False, splitter=broken) as tr:
         with pytest.raises(ZeroDivisionError, match="splitter failed"):
             list(tr.generate(**_prompt(model), max_new_tokens=6))
-        assert not _threads()
         # the tracer is usable again
         assert len(list(tr.generate(**_prompt(model), max_new_tokens=2))) == 1
 
@@ -387,17 +414,16 @@ def test_keyboard_interrupt_and_break_stop_generation():
     steps = []
     counting = _counting_splitter(steps)
 
-    with Tracer(model, regions=2, vas=False, splitter=counting, queue_size=1) as tr:
+    with Tracer(model, regions=2, vas=False, splitter=counting) as tr:
         with pytest.raises(KeyboardInterrupt):
             for span in tr.generate(**_prompt(model), max_new_tokens=200):
                 raise KeyboardInterrupt
-        assert not _threads()
         assert len(steps) < 10  # generation stopped long before 200 tokens
         steps.clear()
         it = tr.generate(**_prompt(model), max_new_tokens=200)
         next(it)
         it.close()
-        assert not _threads() and len(steps) < 10
+        assert len(steps) < 10
         assert tr.sequences is None
 
 
@@ -410,7 +436,6 @@ def test_interrupt_while_waiting_for_a_span():
         timer.start()
         with pytest.raises(KeyboardInterrupt):
             list(tr.generate(**_prompt(model), max_new_tokens=100000))
-        assert not _threads()
         assert time.monotonic() - start < 30  # generation stopped, not run to its end
     timer.cancel()
 
@@ -435,13 +460,12 @@ def test_generate_with_callback_equals_iterator():
         sequences = tr.generate_with(on_span, **inputs, **gen)
         assert torch.equal(sequences, seq_iter) and torch.equal(tr.sequences, seq_iter)
         torch.testing.assert_close(tr.vas_features(), vas_iter)
-    assert threads_seen == {"headscope-spans"}
+    assert threads_seen == {threading.current_thread().name}  # no second thread
     assert [(s.batch_index, s.start, s.end) for s in got] == \
         [(s.batch_index, s.start, s.end) for s in iterated]
     for a, b in zip(got, iterated):
         assert torch.equal(a.token_ids, b.token_ids)
         assert torch.equal(a.features, b.features) and torch.equal(a.scores, b.scores)
-    assert not _threads()
 
 
 def test_generate_with_callback_error_and_interrupt_stop_generation():
@@ -453,10 +477,10 @@ def test_generate_with_callback_error_and_interrupt_stop_generation():
         if span.start == 1:
             raise ValueError("callback failed")
 
-    with Tracer(model, regions=2, vas=False, splitter=counting, queue_size=1) as tr:
+    with Tracer(model, regions=2, vas=False, splitter=counting) as tr:
         with pytest.raises(ValueError, match="callback failed"):
             tr.generate_with(broken, **_prompt(model), max_new_tokens=200)
-        assert not _threads() and len(steps) < 10 and tr.sequences is None
+        assert len(steps) < 10 and tr.sequences is None
 
         def interrupting(ids):
             if len(ids) == 3:
@@ -466,7 +490,6 @@ def test_generate_with_callback_error_and_interrupt_stop_generation():
         tr.splitter = interrupting
         with pytest.raises(KeyboardInterrupt):
             tr.generate_with(lambda span: None, **_prompt(model), max_new_tokens=200)
-        assert not _threads()
         tr.splitter = None
         assert tr.generate_with(lambda span: None, **_prompt(model),
                                 max_new_tokens=2).shape[1] == _prompt(model)["input_ids"].shape[1] + 2
@@ -475,13 +498,21 @@ def test_generate_with_callback_error_and_interrupt_stop_generation():
 def test_model_called_while_generating_raises():
     model = _no_eos(tiny_model("qwen2_vl"))
     inputs = _prompt(model)
-    with Tracer(model, regions=2, vas=False, splitter=lambda ids: True, queue_size=1) as tr:
+    with Tracer(model, regions=2, vas=False, splitter=lambda ids: True) as tr:
         it = tr.generate(**inputs, max_new_tokens=50)
         next(it)
-        with pytest.raises(RuntimeError, match="while tr.generate is running"):
+        with pytest.raises(RuntimeError, match="while a generation of this tracer is running"):
             with torch.no_grad():
                 model(**inputs)
         it.close()
+
+        def calls_model(span):  # on the generating thread, between two decode steps
+            model(**inputs)
+
+        with pytest.raises(RuntimeError, match="while it is paused at a span"), torch.no_grad():
+            tr.generate_with(calls_model, **inputs, max_new_tokens=5)
+        assert tr.generate_with(lambda span: None, **inputs, max_new_tokens=2).shape[1] == \
+            inputs["input_ids"].shape[1] + 2  # the tracer is usable again
 
 
 def test_import_headscope_does_not_import_transformers():
@@ -502,6 +533,11 @@ def test_misuse_errors():
             Tracer(model)
         with pytest.raises(NotImplementedError, match="num_beams"):
             tr.generate(**inputs, num_beams=2)
+    with Tracer(model, regions=2, vas=False) as tr, torch.no_grad():
+        # plain generate hands the vision output over without image_grid_thw
+        with pytest.raises(ValueError, match=r"generate with tr\.generate\(\*\*inputs"):
+            model.generate(**inputs, max_new_tokens=2)
+        assert len(list(tr.generate(**inputs, max_new_tokens=2))) >= 1
     with pytest.raises(ValueError, match="writes"):
         Tracer(model, writes="values")
     with Tracer(model, vas=False) as tr:
