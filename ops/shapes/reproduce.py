@@ -6,7 +6,9 @@ faithfulness figure and hallucination detection.
 
 Each step's result goes into ``OUT/results.json`` (and ``OUT/results.md``) as soon as it
 finishes, written atomically; a rerun skips the steps already there with the same
-settings, so an interrupted run resumes where it stopped.
+settings, model and format, so an interrupted run resumes where it stopped. A step whose
+measurement has changed since (its ``FORMATS`` number) runs again, and so does a step that
+reuses one that ran again (``USES``).
 """
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ QUICK = {"accuracy": {"scenes": 4},
          "latency": {"rounds": 1, "tokens": 8},
          "faithfulness": {"scenes": 1, "regions": 8},
          "hallucination": {"fit": 2, "test": 2}}
+# A step's format: raised when what it measures changes (latency 2: time per token is the
+# decode's time over its steps, span ends included).
+FORMATS = {"accuracy": 1, "head_eval": 1, "head_eval_grid": 1, "latency": 2,
+           "faithfulness": 2, "hallucination": 1}
+USES = {"faithfulness": ("latency",)}  # steps whose result this one takes in
 EVAL_KEYS = ("lds", "lds_pooled", "pearson", "subset_lds", "pointing", "pointing_spans")
 
 
@@ -114,17 +121,22 @@ def reproduce(out: Path, quick: bool = False, model_dir: Optional[Path] = None,
     model = str(Path(model_dir).resolve()) if model_dir is not None else "shipped"
     results.update(quick=quick, threads=torch.get_num_threads())
     settings = QUICK if quick else FULL
+    ran = set()
     for i, name in enumerate(STEPS, 1):
         step = results["steps"].get(name)
-        if step is not None and (step["settings"], step["model"]) == (settings[name], model):
+        if step is not None and not ran.intersection(USES.get(name, ())) and \
+                (step["settings"], step["model"], step.get("format", 1)) == \
+                (settings[name], model, FORMATS[name]):
             echo(f"[{i}/{len(STEPS)}] {name}: done in an earlier run, skipped")
             continue
+        ran.add(name)
         echo(f"[{i}/{len(STEPS)}] {name} {settings[name]} ...")
         start = time.perf_counter()
         result = RUN[name](out, settings[name], results["steps"], model_dir)
         seconds = time.perf_counter() - start
         results["steps"][name] = {"settings": settings[name], "model": model,
-                                  "seconds": round(seconds, 1), "result": result}
+                                  "format": FORMATS[name], "seconds": round(seconds, 1),
+                                  "result": result}
         _save(out, results)
         echo(f"[{i}/{len(STEPS)}] {name}: done in {seconds:.1f} s")
     _save(out, results)

@@ -51,3 +51,14 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     assert "faithfulness" in ran[0] and "hallucination" in ran[1]
     assert again["steps"]["accuracy"] == steps["accuracy"]
     assert json.loads((tmp_path / RESULTS).read_text())["steps"].keys() == set(STEPS)
+
+    # a latency step of an older format runs again, and so does faithfulness, which uses it
+    results = json.loads((tmp_path / RESULTS).read_text())
+    del results["steps"]["latency"]["format"]
+    (tmp_path / RESULTS).write_text(json.dumps(results))
+    said.clear()
+    again = reproduce(tmp_path, quick=True, echo=said.append)
+    ran = [line for line in said if line.endswith("...")]
+    assert len(ran) == 2 and "latency" in ran[0] and "faithfulness" in ran[1]
+    assert again["steps"]["faithfulness"]["result"]["latency"] == \
+        again["steps"]["latency"]["result"]
