@@ -97,12 +97,10 @@ def iterate_spans(run: Callable[[Callable[[Span], None]], T]) -> Generator[Span,
     mode (torch keeps it per thread, and the greenlet shares the thread)."""
     import greenlet
 
-    loop = greenlet.getcurrent()
-
     def emit(span: Span) -> None:
         grad = torch.is_grad_enabled()
         try:
-            loop.switch(span)
+            greenlet.getcurrent().parent.switch(span)  # to the loop that asked for it
         finally:
             torch.set_grad_enabled(grad)
 
@@ -110,6 +108,7 @@ def iterate_spans(run: Callable[[Callable[[Span], None]], T]) -> Generator[Span,
     try:
         while True:
             grad = torch.is_grad_enabled()
+            worker.parent = greenlet.getcurrent()  # the loop may run in another greenlet
             try:
                 item = worker.switch()
             finally:

@@ -374,6 +374,22 @@ def test_model_hook_is_off_during_generation_and_back_after():
     assert not model._forward_pre_hooks and not model.get_decoder()._forward_pre_hooks
 
 
+def test_iterator_may_be_advanced_from_another_greenlet():
+    greenlet = pytest.importorskip("greenlet")
+    model = _no_eos(tiny_model("qwen2_vl"))
+    main = greenlet.getcurrent()
+
+    def take_one_and_wait(it):
+        main.switch(next(it))  # and stays suspended, alive
+
+    with Tracer(model, regions=2, vas=False, splitter=lambda ids: True) as tr:
+        it = tr.generate(**_prompt(model), max_new_tokens=3)
+        other = greenlet.greenlet(take_one_and_wait)
+        first = other.switch(it)
+        rest = list(it)  # the next spans come here, not to the greenlet that took the first
+    assert [s.start for s in [first] + rest] == [0, 1, 2] and not other.dead
+
+
 def test_generation_starts_no_thread(monkeypatch):
     model = _no_eos(tiny_model("qwen2_vl"))
     started = []
