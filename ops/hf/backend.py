@@ -20,8 +20,8 @@ NAME = "headscope"
 _BOUND: Dict[int, "Binding"] = {}  # id(text config) -> binding
 
 
-def _unbound() -> RuntimeError:
-    return RuntimeError(
+def _unbound():
+    raise RuntimeError(
         f"headscope.hf: the model's attention implementation is {NAME!r} but no Tracer is "
         f"attached to it (a copy of a traced model?); set `config._attn_implementation` "
         f"back to the one it was loaded with")
@@ -29,16 +29,13 @@ def _unbound() -> RuntimeError:
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask, **kwargs):
-    binding = _BOUND.get(id(module.config))  # inline: once per layer and step
-    if binding is None:
-        raise _unbound()
+    # the lookup inline: this runs once per layer and step
+    binding = _BOUND.get(id(module.config)) or _unbound()
     return binding.attention(module, query, key, value, attention_mask, **kwargs)
 
 
 def mask_interface(*args, **kwargs):
-    binding = _BOUND.get(id(kwargs.get("config")))
-    if binding is None:
-        raise _unbound()
+    binding = _BOUND.get(id(kwargs.get("config"))) or _unbound()
     return binding.mask(*args, **kwargs)
 
 

@@ -298,8 +298,7 @@ class Tracer(backend.Binding):
 
     def _on_model_forward(self, module, args, kwargs):
         self._input_ids = kwargs.get("input_ids", args[0] if args else None)
-        if self._mode != "generate":  # generate hands the vision output over, not the grid
-            self._image_grid_thw = kwargs.get("image_grid_thw")
+        self._image_grid_thw = kwargs.get("image_grid_thw")
 
     def _on_decoder_forward(self, module, args, kwargs):
         if self._generating is not None and (threading.get_ident() != self._generating
@@ -497,16 +496,15 @@ class Tracer(backend.Binding):
         cutter = SpanCutter(self._make_span, paused_emit, B, self.splitter, eos,
                             inner=kwargs.pop("streamer", None))
         self.sequences, self._final = None, None
-        self._image_grid_thw = kwargs.get("image_grid_thw")
         self._head_device = self._find_head_device()
         return cutter, P, eos
 
     def _run_generate(self, kwargs, cutter) -> torch.Tensor:
         self._generating = threading.get_ident()
         self._mode = "generate"
-        # The model hook only notes a forward's input ids, here the prompt's: off for the
-        # generation, it costs nothing per step.
-        self._input_ids = kwargs["input_ids"]
+        # What the model hook would note, from generate's inputs (its forwards get the
+        # vision output, not the grid); off for the generation, it costs nothing per step.
+        self._input_ids, self._image_grid_thw = kwargs["input_ids"], kwargs.get("image_grid_thw")
         self._model_hook.remove()
         try:
             return self.model.generate(**kwargs, streamer=cutter)
