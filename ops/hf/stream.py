@@ -10,6 +10,8 @@ small model) and, on the CPU, for the intra-op threads.
 """
 from __future__ import annotations
 
+import signal
+import threading
 from dataclasses import dataclass
 from typing import Callable, Generator, List, Optional, Sequence, TypeVar
 
@@ -38,15 +40,54 @@ class Span:
     text: Optional[str] = None
 
 
+class InterruptLatch:
+    """Ctrl-C stops a generation whatever the timing. While entered on the main thread
+    (with Python's default SIGINT handler in place), SIGINT raises KeyboardInterrupt as
+    usual and also sets :attr:`pending`; :meth:`check`, called once per step, raises it
+    again when the first one was swallowed, and leaving the latch without an exception
+    raises it too. A KeyboardInterrupt raised inside a finaliser, a GC callback, or C code
+    that clears errors is lost to the code that runs: without the latch, a generation that
+    should have stopped would run on."""
+
+    def __init__(self):
+        self.pending = False
+        self._previous = None
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.pending = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.pending:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> "InterruptLatch":
+        self.pending = False
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+        if exc_type is None:
+            self.check()
+
+
 class SpanCutter:
     """The streamer ``generate`` calls once per step with the new tokens (B,): adds them
     to each row's open span and, at a boundary, makes the span
-    (``make_span(batch_index, start, token_ids, finished)``) and hands it to ``emit``."""
+    (``make_span(batch_index, start, token_ids, finished)``) and hands it to ``emit``.
+    Each step first checks ``interrupts``, so an interrupt that was swallowed still stops
+    the generation at the next step."""
 
     def __init__(self, make_span: Callable[[int, int, List[int], bool], Span],
                  emit: Callable[[Span], None], batch_size: int,
                  ends_span: Optional[Callable[[Sequence[int]], bool]], eos: Sequence[int],
                  inner=None):
+        self.interrupts = InterruptLatch()  # entered around generate by its caller
         self.make_span = make_span
         self.emit = emit
         self.ends_span = ends_span
@@ -58,6 +99,7 @@ class SpanCutter:
         self.done = [False] * batch_size
 
     def put(self, value: torch.Tensor) -> None:
+        self.interrupts.check()
         if self.inner is not None:
             self.inner.put(value)
         if not self.prompt_seen:  # generate's first call hands over the prompt

@@ -90,19 +90,74 @@ class _Mask:
         return self.lengths, self.offsets
 
 
+class _LayerRows:
+    """One layer's query rows, one per step, in a ``(B, H, capacity, D)`` buffer that
+    doubles when full; the last few steps' rows wait as references and are copied in
+    together, so a decode step only appends to a list. No small tensor outlives a few
+    steps: long-lived small blocks between the key cache's ever larger reallocations
+    fragment the allocator's heap, and the process then grows with the square of a long
+    span."""
+
+    _BATCH = 32  # rows copied in at once
+
+    def __init__(self):
+        self.buffer: Optional[torch.Tensor] = None
+        self.count = 0  # rows in the buffer
+        self.recent: List[torch.Tensor] = []
+
+    def __len__(self) -> int:
+        return self.count + len(self.recent)
+
+    def append(self, row: torch.Tensor) -> None:
+        self.recent.append(row)
+        if len(self.recent) == self._BATCH:
+            self._copy_in()
+
+    def last(self, steps: int) -> torch.Tensor:
+        """The last ``steps`` rows, ``(B, H, steps, D)`` (a view of the buffer)."""
+        self._copy_in()
+        return self.buffer[:, :, self.count - steps:self.count]
+
+    def drop_first(self, rows: int) -> None:
+        self._copy_in()
+        if rows >= self.count:
+            self.count = 0
+        elif rows > 0:
+            kept = self.buffer[:, :, rows:self.count].clone()
+            self.count = kept.shape[2]
+            self.buffer[:, :, :self.count] = kept
+
+    def _copy_in(self) -> None:
+        if not self.recent:
+            return
+        new = torch.cat(self.recent, dim=2) if len(self.recent) > 1 else self.recent[0]
+        self.recent.clear()
+        end = self.count + new.shape[2]
+        if self.buffer is None or end > self.buffer.shape[2]:
+            B, H, _, D = new.shape
+            capacity = max(end, 2 * (0 if self.buffer is None else self.buffer.shape[2]), 64)
+            grown = new.new_empty(B, H, capacity, D)
+            if self.count:
+                grown[:, :, :self.count] = self.buffer[:, :, :self.count]
+            self.buffer = grown
+        self.buffer[:, :, self.count:end] = new
+        self.count = end
+
+
 class _QueryRows:
     """Per layer, the query rows (after rotary) of each generation step since the oldest
     open span began, and the layer's keys of the last step. A span's features are pooled
     when it ends, by one ``region_pool_qk_layers`` call over its rows: with one key added
     per step, the bottom-right aligned causal mask lets each row see exactly the keys it
     saw when it ran. That is one call per span instead of one per layer and step, and
-    nothing but references on the step itself."""
+    nothing but references on the step itself. What is held for open spans is their
+    rows, O(tokens x layers x heads x head size), besides the key cache."""
 
     def __init__(self, num_layers: int, batch: int, region_ids: torch.Tensor, kmax: int):
-        self.queries: List[List[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self.queries: List[_LayerRows] = [_LayerRows() for _ in range(num_layers)]
         self.keys: List[Optional[torch.Tensor]] = [None] * num_layers
         self.scales: List[float] = [1.0] * num_layers
-        self.first = 0  # step of queries[l][0]
+        self.first = 0  # step of the oldest row held
         self.open_from: List[Optional[int]] = [0] * batch  # None: the row has finished
         self.region_ids = region_ids
         self.kmax = kmax
@@ -125,8 +180,7 @@ class _QueryRows:
     def pool(self, b: int, steps: int, finished: bool) -> torch.Tensor:
         """(kmax, L*H) float32 (column l*H + h): row b's last ``steps`` query rows' pooled
         attention, averaged (region_pool_qk normalises the query weights)."""
-        held = len(self.queries[0])
-        end = self.first + held
+        end = self.first + len(self.queries[0])
         if end - self.open_from[b] != steps:
             raise RuntimeError(f"headscope.hf.Tracer: row {b}'s span has {steps} tokens but "
                                f"{end - self.open_from[b]} forward steps ran since it began "
@@ -141,8 +195,7 @@ class _QueryRows:
         weights = self._ones.get(steps)
         if weights is None:
             weights = self._ones[steps] = torch.ones(1, steps, device=region_ids.device)
-        q = [torch.cat(rows[held - steps:], dim=2) if steps > 1 else rows[-1]
-             for rows in self.queries]
+        q = [rows.last(steps) for rows in self.queries]
         k = self.keys
         if not one_row:
             q, k = [x[b:b + 1] for x in q], [x[b:b + 1] for x in k]
@@ -161,8 +214,8 @@ class _QueryRows:
 
     def _drop_before(self, step: int) -> None:
         if step > self.first:
-            for queries in self.queries:
-                del queries[:step - self.first]
+            for rows in self.queries:
+                rows.drop_first(step - self.first)
             self.first = step
 
 
@@ -507,7 +560,8 @@ class Tracer(backend.Binding):
         self._input_ids, self._image_grid_thw = kwargs["input_ids"], kwargs.get("image_grid_thw")
         self._model_hook.remove()
         try:
-            return self.model.generate(**kwargs, streamer=cutter)
+            with cutter.interrupts:
+                return self.model.generate(**kwargs, streamer=cutter)
         finally:
             self._mode = "forward"
             self._rows = None

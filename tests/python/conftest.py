@@ -1,9 +1,15 @@
-"""Shared pytest fixtures: the devices every device test runs on, and the folder of the
-reference implementations (../shared/seeds; docs/vas.md, docs/mixer.md)."""
+"""Shared pytest fixtures and guards: the devices every device test runs on, the folder of
+the reference implementations (../shared/seeds; docs/vas.md, docs/mixer.md), tests that
+run in a process of their own, and a memory limit on the suite's process."""
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
+import os
+import resource
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,6 +27,12 @@ DEVICES = [
         not torch.cuda.is_available(), reason="CUDA: no GPU on this machine")),
 ]
 
+# A test process (the suite's, or an isolated test's own) that holds more than this is
+# stopped with every thread's traceback: a runaway test fails in seconds, not by taking the
+# machine. HEADSCOPE_TEST_MAX_RSS_GIB overrides it.
+MAX_RSS_GIB = float(os.environ.get("HEADSCOPE_TEST_MAX_RSS_GIB", "6"))
+_ISOLATED_CHILD = "HEADSCOPE_ISOLATED_TEST"
+
 
 @pytest.fixture(params=DEVICES)
 def device(request):
@@ -37,3 +49,68 @@ def load_seed(module_name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+# ---- tests in a process of their own ---------------------------------------------------------
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "isolated(max_rss_gib): run in a fresh Python process of its own (a test "
+        "that needs many GiB: the suite's process never holds them), under that memory limit")
+    _watch_memory(MAX_RSS_GIB)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    marker = pyfuncitem.get_closest_marker("isolated")
+    if marker is None or os.environ.get(_ISOLATED_CHILD):
+        return None
+    limit = marker.kwargs.get("max_rss_gib", MAX_RSS_GIB)
+    env = dict(os.environ, **{_ISOLATED_CHILD: "1", "HEADSCOPE_TEST_MAX_RSS_GIB": str(limit)})
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--rootdir", str(REPO), pyfuncitem.nodeid],
+                         cwd=REPO, env=env, capture_output=True, text=True)
+    if run.returncode != 0:
+        pytest.fail(f"{pyfuncitem.nodeid} failed in its own process (exit {run.returncode}):\n"
+                    f"{run.stdout[-6000:]}\n{run.stderr[-3000:]}", pytrace=False)
+    return True
+
+
+# ---- the memory guard ------------------------------------------------------------------------
+
+_current_test = ["(collection)"]
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _current_test[0] = nodeid
+
+
+def _rss_gib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 30
+
+
+def _watch_memory(limit_gib: float) -> None:
+    if not os.path.exists("/proc/self/statm"):
+        return
+
+    def watch():
+        while True:
+            rss = _rss_gib()
+            if rss > limit_gib:
+                sys.stderr.write(f"\nheadscope tests: the test process holds {rss:.1f} GiB, over "
+                                 f"its limit of {limit_gib:g} GiB, in {_current_test[0]}; "
+                                 f"stopping it. Every thread:\n")
+                faulthandler.dump_traceback(sys.stderr, all_threads=True)
+                sys.stderr.flush()
+                os._exit(3)
+            threading.Event().wait(0.25)
+
+    threading.Thread(target=watch, name="headscope-memory-guard", daemon=True).start()
+
+
+def pytest_terminal_summary(terminalreporter):
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20
+    terminalreporter.write_line(f"peak memory: this process {own:.2f} GiB, its largest child "
+                                f"process {children:.2f} GiB")

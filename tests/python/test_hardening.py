@@ -387,10 +387,12 @@ def test_results_bitwise_across_thread_counts(restore_threads):
 
 # ---- inputs past 2^31 elements (64-bit indexing) -----------------------------------------------
 
+@pytest.mark.isolated(max_rss_gib=10)
 def test_attention_past_2_31_elements():
     """vas_head_stats and region_pool on a (1, H, 64, 64) attention of 2^31 + 2^20 elements
-    (8 GiB): every head's result equals the same op on a slice of heads far below 2^31, so
-    no offset (head * T * T, ...) wrapped around in 32 bits."""
+    (8 GiB, in a process of its own that returns them): every head's result equals the same
+    op on a slice of heads far below 2^31, so no offset (head * T * T, ...) wrapped around
+    in 32 bits."""
     T, Dh = 64, 4
     H = (1 << 31) // (T * T) + 256
     gen = torch.Generator().manual_seed(31)
