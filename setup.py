@@ -49,7 +49,7 @@ setup(
     description="Attention introspection ops for PyTorch: VAS features, vStream attribution, "
                 "KL projection and thin mixer",
     packages=["headscope", "headscope.bench", "headscope.commands", "headscope.hf",
-              "headscope.shapes"],
+              "headscope.hf.families", "headscope.shapes"],
     package_data={"headscope.shapes": ["data/*"]},
     package_dir={"headscope": "ops"},
     # The library is a plain shared object loaded with torch.ops.load_library, not a

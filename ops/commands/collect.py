@@ -140,7 +140,7 @@ def random_subsets(count: int, regions: int, seed: int, line: int) -> torch.Tens
 def collect_example(model, processor, example: Example, args) -> Dict:
     """Generation, span features and ablation effects of one example."""
     from ..hf import Tracer, grid_regions, region_effects
-    from ..hf.regions import find_images, parse_grid
+    from ..hf.regions import parse_grid
     image = load_image(example)
     device = next(model.parameters()).device
     inputs = prompt_inputs(processor, example, image, device)
@@ -162,12 +162,12 @@ def collect_example(model, processor, example: Example, args) -> Dict:
         model, inputs, tracer.sequences, spans, region_ids, subsets=subsets,
         ablation=args.ablation, batch_size=args.batch_size, progress=False)
     t2 = time.perf_counter()
-    (img,) = find_images(model.config, inputs["input_ids"], inputs.get("image_grid_thw"))[0]
+    (img,) = tracer.images[0]
     return {"features": torch.stack([s.features for s in spans]),
             "effects": effects.cpu(), "subset_effects": subset_effects.cpu(),
             "span_bounds": torch.tensor([[s.start, s.end] for s in spans]),
             "subsets": subsets, "grid": torch.tensor([img.rows, img.cols]),
-            "labels": region_ids[0, img.positions.to(region_ids.device)].cpu(),
+            "labels": region_ids[0, img.grid.positions.to(region_ids.device)].cpu(),
             "image_size": torch.tensor(image.size), "seconds": torch.tensor([t1 - t0, t2 - t1],
                                                                             dtype=torch.float64),
             "texts": [s.text for s in spans], "boxes": example.boxes, "line": example.line}

@@ -15,6 +15,7 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .families import family_of
 from .keymask import KeyMask
 
 ABLATIONS = ("mask", "mean", "zero")
@@ -69,7 +70,8 @@ def region_effects(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
     in_region = rid.unsqueeze(0) == torch.arange(K).unsqueeze(1)  # (K, P)
     removed = (ablated.to(torch.int64) @ in_region.to(torch.int64)) > 0  # (A, P)
 
-    with torch.no_grad(), KeyMask(model.get_decoder().config) as keymask:
+    decoder = family_of(model, WHO).decoder(model)
+    with torch.no_grad(), KeyMask(decoder.config) as keymask:
         runner = _Runner(model, keymask, inputs, sequences, rid, ablation, P, N)
         logp = runner.log_probs(removed, batch_size, progress)  # (A, N) float64
     drop = logp[:1] - logp[1:]
@@ -177,7 +179,8 @@ def decoder_inputs(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
         got.update(kwargs)
         raise _Captured()
 
-    handle = model.get_decoder().register_forward_pre_hook(grab, with_kwargs=True)
+    decoder = family_of(model, who).decoder(model)
+    handle = decoder.register_forward_pre_hook(grab, with_kwargs=True)
     try:
         model(**full, use_cache=False)
     except _Captured:
@@ -198,7 +201,7 @@ class _Runner:
 
     def __init__(self, model, keymask: KeyMask, inputs, sequences, rid, ablation, P, N):
         self.model, self.ablation, self.P, self.N = model, ablation, P, N
-        self.decoder = model.get_decoder()
+        self.decoder = family_of(model, WHO).decoder(model)
         self.head = model.get_output_embeddings()
         got = decoder_inputs(model, inputs, sequences)
         unknown = sorted(k for k, v in got.items() if k not in _DECODER_KEYS | _IGNORED_KEYS

@@ -17,7 +17,8 @@ from transformers.masking_utils import causal_mask_function
 from .. import attribution as _attr
 from .. import vas as _vas
 from . import backend
-from .regions import Regions, find_images, region_ids as _region_ids
+from .families import ImageTokens, family_of
+from .regions import Regions, region_ids as _region_ids
 from .stream import Span, SpanCutter, iterate_spans
 
 _WRITES = ("heads", "residual")
@@ -253,8 +254,12 @@ class Tracer(backend.Binding):
                                         or callable(regions)) or isinstance(regions, bool):
             raise TypeError(f"headscope.hf.Tracer: argument 'regions' must be an int, an int64 "
                             f"tensor of labels or a callable, got {type(regions).__name__}")
+        if isinstance(regions, int) and regions < 1:
+            raise ValueError(f"headscope.hf.Tracer: argument 'regions' must be a number of "
+                             f"regions >= 1 per image, got {regions}")
         self.model = model
-        self.decoder = model.get_decoder()
+        self.family = family_of(model, self.who)
+        self.decoder = self.family.decoder(model)
         self.config = self.decoder.config
         self.num_layers = int(self.config.num_hidden_layers)
         self.num_heads = int(self.config.num_attention_heads)
@@ -273,7 +278,9 @@ class Tracer(backend.Binding):
         self.writes = writes
         self.splitter = splitter if splitter is not None else (
             sentence_end(tokenizer) if tokenizer is not None else None)
+        self._check_head(head)
         self.sequences: Optional[torch.Tensor] = None
+        self.images: Optional[List[List[ImageTokens]]] = None
         self.region_ids: Optional[torch.Tensor] = None
         self.num_regions: Optional[List[int]] = None
         self.observing = False
@@ -284,7 +291,7 @@ class Tracer(backend.Binding):
         self._generating: Optional[int] = None  # thread ident of a running tr.generate
         self._mask: Optional[_Mask] = None
         self._mask_other: Optional[str] = None
-        self._input_ids = self._image_grid_thw = None
+        self._inputs: Dict[str, Any] = {}  # input_ids and the family's input_keys
         self._stats: Optional[torch.Tensor] = None
         self._seen: set = set()
         self._rows: Optional[_QueryRows] = None
@@ -350,8 +357,11 @@ class Tracer(backend.Binding):
     # ---- what the model shows us ----------------------------------------------------------
 
     def _on_model_forward(self, module, args, kwargs):
-        self._input_ids = kwargs.get("input_ids", args[0] if args else None)
-        self._image_grid_thw = kwargs.get("image_grid_thw")
+        self._note_inputs(kwargs, args)
+
+    def _note_inputs(self, kwargs, args=()) -> None:
+        self._inputs = {key: kwargs.get(key) for key in self.family.input_keys}
+        self._inputs["input_ids"] = kwargs.get("input_ids", args[0] if args else None)
 
     def _on_decoder_forward(self, module, args, kwargs):
         if self._generating is not None and (threading.get_ident() != self._generating
@@ -383,12 +393,12 @@ class Tracer(backend.Binding):
         self._stats, self._seen = None, set()
         self._kmax = 0
         if self._mode != "vas" and self.regions is not None:
-            ids = self._input_ids
+            ids = self._inputs.get("input_ids")
             if ids is None or tuple(ids.shape) != (B, T):
                 raise ValueError("headscope.hf.Tracer: regions need the model's input_ids "
                                  f"(B, T) = ({B}, {T}) to find the image tokens")
-            images = find_images(self.model.config, ids, self._image_grid_thw)
-            self.region_ids, self.num_regions = _region_ids(self.regions, images, embeds)
+            self.images = self.family.images(self.model.config, self._inputs)
+            self.region_ids, self.num_regions = _region_ids(self.regions, self.images, embeds)
             self._kmax = max(self.num_regions)
         self._rows = None
         if pooling and self._kmax > 0:
@@ -555,9 +565,10 @@ class Tracer(backend.Binding):
     def _run_generate(self, kwargs, cutter) -> torch.Tensor:
         self._generating = threading.get_ident()
         self._mode = "generate"
-        # What the model hook would note, from generate's inputs (its forwards get the
-        # vision output, not the grid); off for the generation, it costs nothing per step.
-        self._input_ids, self._image_grid_thw = kwargs["input_ids"], kwargs.get("image_grid_thw")
+        # What the model hook would note, from generate's inputs (its forwards may not get
+        # them all: Qwen's get the vision output, not the grid); off for the generation, it
+        # costs nothing per step.
+        self._note_inputs(kwargs)
         self._model_hook.remove()
         try:
             with cutter.interrupts:
@@ -598,8 +609,31 @@ class Tracer(backend.Binding):
         return Span(b, start, start + len(token_ids), torch.tensor(token_ids, dtype=torch.int64),
                     features.float().cpu(), scores, text)
 
-    def _find_head_device(self):
-        for t in getattr(self.head, "parameters", lambda: iter(()))():
+    def _check_head(self, head) -> None:
+        """A head must map a span's (K, L*H) features to (K,) scores: tried once here on
+        zeros, so that a head that does not fit fails now, not inside generation."""
+        if head is None:
+            return
+        if not callable(head):
+            raise TypeError(f"headscope.hf.Tracer: argument 'head' must be an AttributionHead "
+                            f"or a callable (K, L*H) -> (K,), got {type(head).__name__}")
+        LH = self.num_layers * self.num_heads
+        probe = torch.zeros(2, LH, device=self._find_head_device(head))
+        try:
+            with torch.no_grad():
+                scores = head(probe)
+        except Exception as e:
+            raise ValueError(f"headscope.hf.Tracer: argument 'head' must map features (K, L*H = "
+                             f"{LH}) to scores (K,); on (2, {LH}) zeros it raised "
+                             f"{type(e).__name__}: {e}") from e
+        if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != (2,):
+            raise ValueError(f"headscope.hf.Tracer: argument 'head' must map features (K, L*H = "
+                             f"{LH}) to scores (K,); on (2, {LH}) zeros it returned "
+                             f"{tuple(getattr(scores, 'shape', ())) or type(scores).__name__}")
+
+    def _find_head_device(self, head=None):
+        for t in getattr(head if head is not None else self.head, "parameters",
+                         lambda: iter(()))():
             return t.device
         return self.model.device
 

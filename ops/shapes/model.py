@@ -7,7 +7,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from ..hf.testing import _mrope_section
+from ..hf.families.qwen_vl import _mrope_section
 from .processor import IMAGE_TEXT, MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE
 from .world import PROMPT
 

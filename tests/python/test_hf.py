@@ -672,12 +672,13 @@ def test_misuse_errors():
             clone(**inputs)
 
 
-def test_grid_regions_cut_the_token_grid_into_blocks():
+def test_grid_regions_cut_the_picture_into_blocks_by_token_centres():
     from headscope.hf import grid_regions
     assert grid_regions(3, 3)(None, (6, 6)).reshape(6, 6).tolist() == \
         [[3 * (i // 2) + j // 2 for j in range(6)] for i in range(6)]
+    # a token belongs to the block holding its centre: row i's centre is (i + 0.5) / 5
     uneven = grid_regions(2, 3)(None, (5, 7)).reshape(5, 7)
-    assert uneven[:, 0].tolist() == [0, 0, 0, 3, 3] and uneven[0].tolist() == [0, 0, 0, 1, 1, 2, 2]
+    assert uneven[:, 0].tolist() == [0, 0, 3, 3, 3] and uneven[0].tolist() == [0, 0, 1, 1, 1, 2, 2]
     assert sorted(uneven.unique().tolist()) == list(range(6))
     with pytest.raises(ValueError, match="at least that many tokens"):
         grid_regions(4, 1)(None, (3, 3))

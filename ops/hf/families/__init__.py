@@ -1,0 +1,35 @@
+"""One module per family of VLMs behind one interface (:class:`Family`): the Tracer,
+``region_effects`` and the commands ask :func:`family_of` and know no family by name.
+Adding a family: a module here with a :class:`Family` subclass, its line in
+:data:`FAMILIES`, and its model types in the tests' parametrisation
+(``headscope.hf.testing.FAMILIES``); see docs/DEVELOPING.md."""
+from __future__ import annotations
+
+from typing import Tuple
+
+from .base import Family
+from .layout import WHOLE, ImageTokens, View
+from .llava import Llava
+from .qwen_vl import QwenVL
+
+FAMILIES: Tuple[Family, ...] = (QwenVL(), Llava())
+
+
+def supported_model_types() -> Tuple[str, ...]:
+    return tuple(t for f in FAMILIES for t in f.model_types)
+
+
+def family_of(model_or_config, who: str = "headscope.hf") -> Family:
+    """The family of a model (or its config); a clear error for any other model."""
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    raise ValueError(f"{who}: {type(model_or_config).__name__} (model_type {model_type!r}) is "
+                     f"not a supported VLM; supported model types: "
+                     f"{', '.join(supported_model_types())}")
+
+
+__all__ = ["FAMILIES", "Family", "ImageTokens", "View", "WHOLE", "family_of",
+           "supported_model_types"]

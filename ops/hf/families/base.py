@@ -1,0 +1,89 @@
+"""The interface every family module implements (one module per family of VLMs)."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from .layout import ImageTokens
+
+
+class Family:
+    """How headscope reads one family of transformers VLMs: where its text decoder is,
+    which tokens are image tokens, and where each lies on its picture. The Tracer,
+    ``region_effects`` and the commands ask the family and know no family by name.
+
+    A subclass sets :attr:`name`, :attr:`model_types` (the ``config.model_type`` values it
+    reads), :attr:`layout` (one line for the families table), :attr:`input_keys` (the
+    model inputs :meth:`images` needs besides ``input_ids``; the Tracer takes them from the
+    model's forward or from ``generate``'s arguments) and implements :meth:`images`;
+    :meth:`tiny_config` and :meth:`tiny_image` build the tiny random models and prompts of
+    the tests (``headscope.hf.testing``)."""
+
+    name: str = ""
+    model_types: Tuple[str, ...] = ()
+    layout: str = ""
+    input_keys: Tuple[str, ...] = ()
+
+    def decoder(self, model) -> torch.nn.Module:
+        """The text decoder: its attention layers are the traced ones."""
+        return model.get_decoder()
+
+    def image_token_ids(self, config) -> Tuple[int, ...]:
+        """The ids of the tokens that stand for image features in ``input_ids``."""
+        for name in ("image_token_id", "image_token_index"):
+            value = getattr(config, name, None)
+            if value is not None:
+                return (int(value),)
+        raise ValueError(f"headscope.hf: the config of this {self.name} model names no "
+                         f"image token (image_token_id)")
+
+    def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
+        """Per batch row, its pictures in sequence order, from ``inputs`` (``input_ids``
+        ``(B, T)`` and :attr:`input_keys`)."""
+        raise NotImplementedError
+
+    # ---- tiny models for the tests ------------------------------------------------------
+
+    def tiny_config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
+                    ids: Dict[str, int]):
+        """``(config, model class)`` of a tiny ``model_type`` model with text config
+        ``text``, a vision tower of width ``vision_hidden`` and the special token ids
+        ``ids`` (image_token_id, video_token_id, vision_start_token_id, ...)."""
+        raise NotImplementedError
+
+    def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
+                   ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """One picture's prompt tokens (markers included) and its model inputs (each a
+        tensor to concatenate over the batch's pictures along dim 0), ``grid`` a size hint
+        the family may ignore."""
+        raise NotImplementedError
+
+
+def image_positions(input_ids: torch.Tensor, token_ids: Sequence[int]) -> List[torch.Tensor]:
+    """Per batch row, the sequence positions of its image tokens (on the CPU)."""
+    is_image = torch.isin(input_ids.cpu(), torch.tensor(list(token_ids)))
+    return [row.nonzero().flatten() for row in is_image]
+
+
+def split_images(who: str, per_row: List[torch.Tensor], sizes: Sequence[int]
+                 ) -> List[List[torch.Tensor]]:
+    """Cuts each row's image positions into consecutive pictures of ``sizes`` tokens (the
+    batch's pictures in order), checking that the counts add up."""
+    images, i = [], 0
+    for b, positions in enumerate(per_row):
+        row, used = [], 0
+        while used < len(positions):
+            if i >= len(sizes):
+                raise ValueError(f"{who}: row {b} has more image tokens than its pictures "
+                                 f"account for")
+            row.append(positions[used:used + sizes[i]])
+            used += sizes[i]
+            i += 1
+        if used != len(positions):
+            raise ValueError(f"{who}: row {b}'s {len(positions)} image tokens do not split "
+                             f"into whole pictures")
+        images.append(row)
+    if i != len(sizes):
+        raise ValueError(f"{who}: {len(sizes)} pictures in the inputs but {i} in input_ids")
+    return images

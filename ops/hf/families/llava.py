@@ -1,0 +1,53 @@
+"""LLaVA (1.5): one square grid of patch tokens per picture (the vision tower's fixed
+input size); the picture is the processor's centre crop (the inputs keep no original
+size)."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from .base import Family, image_positions, split_images
+from .layout import ImageTokens, View
+
+WHO = "headscope.hf.Tracer"
+
+
+class Llava(Family):
+    name = "llava"
+    model_types = ("llava",)
+    layout = "one square patch grid per picture (the centre crop)"
+
+    def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
+        if getattr(config, "vision_feature_select_strategy", "default") != "default":
+            raise ValueError(f"{WHO}: regions need the image's patch grid; with "
+                             f"vision_feature_select_strategy='full' the CLS token has no "
+                             f"place on it")
+        vision = config.vision_config
+        side = int(vision.image_size) // int(vision.patch_size)
+        per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
+        count = sum(len(p) for p in per_row)
+        pictures = split_images(WHO, per_row, [side * side] * (count // (side * side)))
+        return [[ImageTokens((View("base", p, side, side),)) for p in row]
+                for row in pictures]
+
+    def tiny_config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
+                    ids: Dict[str, int]):
+        import transformers as tf
+        return tf.LlavaConfig(
+            text_config=dict(text, model_type="llama"),
+            vision_config=dict(model_type="clip_vision_model", hidden_size=vision_hidden,
+                               intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=2, image_size=16, patch_size=4,
+                               projection_dim=vision_hidden),
+            image_token_index=ids["image_token_id"], image_seq_length=16,
+            vision_feature_layer=-1, vision_feature_select_strategy="default"), \
+            tf.LlavaForConditionalGeneration
+
+    def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
+                   ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        from ..testing import IMAGE_TOKEN
+        vc = model.config.vision_config
+        side = vc.image_size // vc.patch_size
+        pixels = torch.randn(1, 3, vc.image_size, vc.image_size, generator=generator)
+        return torch.full((side * side,), IMAGE_TOKEN), {"pixel_values": pixels}

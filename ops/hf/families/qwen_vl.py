@@ -1,0 +1,95 @@
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: each picture is one grid of tokens
+(patches merged ``spatial_merge_size`` squared to one token) between
+``<|vision_start|>`` and ``<|vision_end|>``; ``image_grid_thw`` gives each picture's
+patch grid."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from .base import Family, image_positions, split_images
+from .layout import ImageTokens, View
+
+WHO = "headscope.hf.Tracer"
+
+
+class QwenVL(Family):
+    name = "qwen_vl"
+    model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+    layout = "one grid per picture (patches merged 2x2), between vision start and end"
+    input_keys = ("image_grid_thw",)
+
+    def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
+        thw = inputs.get("image_grid_thw")
+        if thw is None:
+            raise ValueError(f"{WHO}: regions of a {config.model_type} model need the "
+                             f"image_grid_thw of its inputs, and model.generate does not pass "
+                             f"it to the model's forward; generate with "
+                             f"tr.generate(**inputs, ...) or tr.generate_with(on_span, "
+                             f"**inputs, ...)")
+        merge = int(getattr(config.vision_config, "spatial_merge_size", 1))
+        grids = []
+        for t, h, w in thw.tolist():
+            if t != 1:
+                raise ValueError(f"{WHO}: regions need still images (temporal grid 1), got "
+                                 f"image_grid_thw row {[t, h, w]}")
+            grids.append((h // merge, w // merge))
+        per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
+        pictures = split_images(WHO, per_row, [r * c for r, c in grids])
+        grid = iter(grids)
+        return [[ImageTokens((View("base", p, *next(grid)),)) for p in row]
+                for row in pictures]
+
+    # ---- tiny models ----------------------------------------------------------------------
+
+    def tiny_config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
+                    ids: Dict[str, int]):
+        import transformers as tf
+        head_dim = text["head_dim"]
+        rope = dict(rope_type="default", rope_theta=10000.0,
+                    mrope_section=_mrope_section(head_dim))
+        merge = dict(patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+        if model_type == "qwen2_vl":
+            return tf.Qwen2VLConfig(
+                text_config=dict(text, rope_parameters=rope),
+                vision_config=dict(depth=1, embed_dim=vision_hidden, hidden_size=text["hidden_size"],
+                                   num_heads=2, **merge), **ids), \
+                tf.Qwen2VLForConditionalGeneration
+        if model_type == "qwen2_5_vl":
+            return tf.Qwen2_5_VLConfig(
+                text_config=dict(text, rope_parameters=rope),
+                vision_config=dict(depth=2, hidden_size=vision_hidden, intermediate_size=64,
+                                   num_heads=2, out_hidden_size=text["hidden_size"],
+                                   window_size=16, fullatt_block_indexes=[1], **merge),
+                **ids), tf.Qwen2_5_VLForConditionalGeneration
+        rope["mrope_interleaved"] = True
+        vision = dict(depth=2, hidden_size=vision_hidden, intermediate_size=64, num_heads=2,
+                      out_hidden_size=text["hidden_size"], num_position_embeddings=64,
+                      deepstack_visual_indexes=[0], **merge)
+        if model_type == "qwen3_vl":
+            return tf.Qwen3VLConfig(text_config=dict(text, rope_parameters=rope),
+                                    vision_config=vision, **ids), \
+                tf.Qwen3VLForConditionalGeneration
+        moe = dict(text, rope_parameters=rope, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=text["intermediate_size"] // 2, decoder_sparse_step=1)
+        return tf.Qwen3VLMoeConfig(text_config=moe, vision_config=vision, **ids), \
+            tf.Qwen3VLMoeForConditionalGeneration
+
+    def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
+                   ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        from ..testing import IMAGE_TOKEN, VISION_END, VISION_START
+        vc = model.config.vision_config
+        m = vc.spatial_merge_size
+        tokens = torch.full(((grid[0] // m) * (grid[1] // m),), IMAGE_TOKEN)
+        ids = torch.cat([torch.tensor([VISION_START]), tokens, torch.tensor([VISION_END])])
+        patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        pixels = torch.randn(grid[0] * grid[1], patch, generator=generator)
+        return ids, {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, *grid]])}
+
+
+def _mrope_section(head_dim: int) -> list:
+    half = head_dim // 2
+    t = half // 4
+    h = (half - t) // 2
+    return [t, h, half - t - h]
