@@ -629,7 +629,8 @@ class Tracer(backend.Binding):
         if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != (2,):
             raise ValueError(f"headscope.hf.Tracer: argument 'head' must map features (K, L*H = "
                              f"{LH}) to scores (K,); on (2, {LH}) zeros it returned "
-                             f"{tuple(getattr(scores, 'shape', ())) or type(scores).__name__}")
+                             + (f"shape {tuple(scores.shape)}" if isinstance(scores, torch.Tensor)
+                                else type(scores).__name__))
 
     def _find_head_device(self, head=None):
         for t in getattr(head if head is not None else self.head, "parameters",

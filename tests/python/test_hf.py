@@ -684,3 +684,75 @@ def test_grid_regions_cut_the_picture_into_blocks_by_token_centres():
         grid_regions(4, 1)(None, (3, 3))
     with pytest.raises(ValueError, match="ints >= 1"):
         grid_regions(0, 2)
+
+
+# ---- construction errors and the image plane ---------------------------------------------------
+
+def test_unsupported_models_regions_and_heads_fail_at_construction():
+    import transformers as tf
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64,
+                                                   bos_token_id=0, eos_token_id=0))
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=1, num_attention_heads=2,
+                                               hidden_size=16, intermediate_size=32,
+                                               vocab_size=64))
+    for model, name in ((gpt2, "gpt2"), (llama, "llama")):
+        with pytest.raises(ValueError, match=rf"model_type '{name}'\) is not a supported VLM; "
+                                             r"supported model types: qwen2_vl, .*llava"):
+            Tracer(model)
+        assert model.config._attn_implementation != "headscope"  # nothing was bound
+    model = tiny_model("qwen2_vl")
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=rf"'regions' must be a number of regions >= 1 "
+                                             rf"per image, got {bad}"):
+            Tracer(model, regions=bad)
+    L, H = 2, 4
+    with pytest.raises(ValueError, match=r"'head' must map features \(K, L\*H = 8\) to scores "
+                                         r"\(K,\); on \(2, 8\) zeros it returned shape \(\)"):
+        Tracer(model, regions=2, head=lambda f: f.sum())
+    with pytest.raises(ValueError, match=r"'head' must map .* it raised RuntimeError"):
+        Tracer(model, regions=2, head=torch.nn.Linear(12, 1))
+    with pytest.raises(TypeError, match="'head' must be an AttributionHead or a callable"):
+        Tracer(model, regions=2, head="head.safetensors")
+    assert model.config.text_config._attn_implementation == "sdpa"  # none stayed bound
+    linear = torch.nn.Linear(L * H, 1)
+    with Tracer(model, regions=2, head=lambda f: linear(f)[:, 0]) as tr:
+        spans = list(tr.generate(**_prompt(model), max_new_tokens=2, do_sample=False))
+    assert spans and all(s.scores.shape == (2,) for s in spans)
+    with Tracer(model, regions=1000) as tr, pytest.raises(ValueError, match=r"'regions' must be "
+                                                                         r"in \[1, 16\]"):
+        tr.generate_with(lambda s: None, **_prompt(model), max_new_tokens=1)
+
+
+def test_images_give_every_image_tokens_place_on_the_picture(family):
+    """tr.images: per row, each picture's views; every image token is in exactly one view,
+    every other position has region -1, each token's box lies in its view's box and the
+    views' boxes tile the picture's area; grid_regions(2, 2) puts each token in the
+    quarter holding its box's centre."""
+    from headscope.hf import grid_regions
+    model = tiny_model(family)
+    inputs = _prompt(model, batch=2 if family != "llava" else 1)
+    with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
+        model(**inputs)
+    from headscope.hf.families import family_of
+    image_ids = family_of(model).image_token_ids(model.config)
+    is_image = torch.isin(inputs["input_ids"], torch.tensor(image_ids))
+    assert len(tr.images) == inputs["input_ids"].shape[0]
+    for b, pictures in enumerate(tr.images):
+        seen = torch.cat([p.positions for p in pictures])
+        assert sorted(seen.tolist()) == is_image[b].nonzero().flatten().tolist()
+        assert (tr.region_ids[b][~is_image[b]] == -1).all()
+        for picture in pictures:
+            area = 0.0
+            for view in picture.views:
+                x0, y0, x1, y1 = view.box
+                boxes = view.boxes
+                assert boxes.shape == (view.rows * view.cols, 4)
+                assert (boxes[:, 0] >= x0 - 1e-12).all() and (boxes[:, 2] <= x1 + 1e-12).all()
+                assert (boxes[:, 1] >= y0 - 1e-12).all() and (boxes[:, 3] <= y1 + 1e-12).all()
+                assert (boxes[:, 2] > boxes[:, 0]).all() and (boxes[:, 3] > boxes[:, 1]).all()
+                area += float(((boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])).sum())
+            assert area >= 1 - 1e-9  # at least one covering of the whole picture
+            centre = (picture.boxes[:, :2] + picture.boxes[:, 2:]) / 2
+            quarter = (centre[:, 1] >= 0.5).long() * 2 + (centre[:, 0] >= 0.5).long()
+            got = tr.region_ids[b, picture.positions] - tr.region_ids[b, picture.positions].min()
+            assert torch.equal(got.cpu(), quarter)
