@@ -57,7 +57,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "isolated(max_rss_gib): run in a fresh Python process of its own (a test "
         "that needs many GiB: the suite's process never holds them), under that memory limit")
-    _watch_memory(MAX_RSS_GIB)
+    _watch_memory(MAX_RSS_GIB, config)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -90,7 +90,7 @@ def _rss_gib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 30
 
 
-def _watch_memory(limit_gib: float) -> None:
+def _watch_memory(limit_gib: float, config) -> None:
     if not os.path.exists("/proc/self/statm"):
         return
 
@@ -98,9 +98,14 @@ def _watch_memory(limit_gib: float) -> None:
         while True:
             rss = _rss_gib()
             if rss > limit_gib:
+                # what pytest captures would be lost with the process: write past it
+                capture = config.pluginmanager.getplugin("capturemanager")
+                if capture is not None:
+                    capture.suspend_global_capture(in_=True)
                 sys.stderr.write(f"\nheadscope tests: the test process holds {rss:.1f} GiB, over "
                                  f"its limit of {limit_gib:g} GiB, in {_current_test[0]}; "
                                  f"stopping it. Every thread:\n")
+                sys.stderr.flush()
                 faulthandler.dump_traceback(sys.stderr, all_threads=True)
                 sys.stderr.flush()
                 os._exit(3)

@@ -387,7 +387,7 @@ def test_results_bitwise_across_thread_counts(restore_threads):
 
 # ---- inputs past 2^31 elements (64-bit indexing) -----------------------------------------------
 
-@pytest.mark.isolated(max_rss_gib=10)
+@pytest.mark.isolated(max_rss_gib=12)  # 10.7 GiB measured
 def test_attention_past_2_31_elements():
     """vas_head_stats and region_pool on a (1, H, 64, 64) attention of 2^31 + 2^20 elements
     (8 GiB, in a process of its own that returns them): every head's result equals the same
