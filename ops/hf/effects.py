@@ -11,6 +11,7 @@ answer go through the output layer.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -92,7 +93,10 @@ def _describe(x) -> str:
 def check_sequence(inputs, sequences, who: str = WHO) -> Tuple[int, int]:
     """(P, N): the prompt's and the answer's lengths, after checking ``sequences``
     continues the one prompt of ``inputs``."""
-    ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+    if not isinstance(inputs, Mapping):  # a dict, or a processor's BatchFeature
+        raise ValueError(f"{who}: argument 'inputs' must be a mapping of model inputs (what a "
+                         f"processor returns), got {type(inputs).__name__}")
+    ids = inputs.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError(f"{who}: argument 'inputs' must hold the input_ids of one prompt "
                          f"(1, P), got {_describe(ids)}")

@@ -7,7 +7,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from ..hf.families.qwen_vl import _mrope_section
+from ..hf.families.qwen_vl import mrope_section
 from .processor import IMAGE_TEXT, MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE
 from .world import PROMPT
 
@@ -38,7 +38,7 @@ def build_model(processor, seed: int, *, hidden: int = 96, layers: int = 3,
                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                 bos_token_id=None,
                 rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                     mrope_section=_mrope_section(head_dim)))
+                                     mrope_section=mrope_section(head_dim)))
     vision = dict(depth=vision_depth, embed_dim=vision_width, hidden_size=hidden, num_heads=4,
                   mlp_ratio=vision_mlp_ratio,
                   patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE,

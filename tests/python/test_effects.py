@@ -195,6 +195,12 @@ def test_spans_objects_and_model_restored(qwen):
     pairs = region_effects(model, inputs, sequences, [(s.start, s.end) for s in spans], rid,
                            progress=False)
     assert torch.equal(from_spans, pairs)
+    from transformers import BatchFeature  # what processors (and shapes.prompt) return
+    batch = region_effects(model, BatchFeature(dict(inputs)), sequences, spans, rid,
+                           progress=False)
+    assert torch.equal(batch, pairs)
+    with pytest.raises(ValueError, match="'inputs' must be a mapping of model inputs"):
+        region_effects(model, list(inputs.values()), sequences, spans, rid, progress=False)
     assert model.config.text_config._attn_implementation == impl
     assert not model.get_decoder()._forward_pre_hooks
 

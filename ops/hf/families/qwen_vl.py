@@ -48,7 +48,7 @@ class QwenVL(Family):
         import transformers as tf
         head_dim = text["head_dim"]
         rope = dict(rope_type="default", rope_theta=10000.0,
-                    mrope_section=_mrope_section(head_dim))
+                    mrope_section=mrope_section(head_dim))
         merge = dict(patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
         if model_type == "qwen2_vl":
             return tf.Qwen2VLConfig(
@@ -88,7 +88,8 @@ class QwenVL(Family):
         return ids, {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, *grid]])}
 
 
-def _mrope_section(head_dim: int) -> list:
+def mrope_section(head_dim: int) -> list:
+    """Qwen-VL's rotary sections (temporal, height, width) of a head of ``head_dim``."""
     half = head_dim // 2
     t = half // 4
     h = (half - t) // 2
