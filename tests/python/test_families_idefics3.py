@@ -203,6 +203,20 @@ def test_quarters_are_one_region_in_every_view(model, monkeypatch, how):
     assert tr.num_regions == [4 * len(row) for row in tr.images]
 
 
+def test_plain_generate_needs_no_other_input(model, monkeypatch):
+    """The layout comes from input_ids alone: plain model.generate (which hands the
+    decoder no pixel inputs after the prompt) gives the same regions as a forward."""
+    inputs, _, _ = _batch(model, monkeypatch)
+    with torch.no_grad():
+        with Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
+            model(**inputs)
+        with Tracer(model, regions=grid_regions(2, 2), vas=False) as by_generate:
+            out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 2
+    assert by_generate.region_ids is not None
+    assert torch.equal(by_generate.region_ids, tr.region_ids)
+
+
 def _layout(rows: int, cols: int, newline=(NEWLINE,)):
     seq = [IMAGE_TOKEN] * 4
     ids = [7]

@@ -3,7 +3,7 @@ picture downscaled to one tile), each a square grid of ``image_seq_len`` tokens 
 pixel-shuffled ``scale_factor`` squared to one token), with ``<fake_token_around_image>
 <row_i_col_j>`` before each tile, a newline after each row of tiles and
 ``<fake_token_around_image><global-img>`` before the global image (only the global image
-when the picture is not split).
+when the picture is not split; each frame of a SmolVLM video is such a picture).
 
 The processor drops each picture's rows and cols; they are read back from the layout of
 its prompt string (``get_image_prompt_string``): each tile or global image is one run of
