@@ -17,7 +17,8 @@ from typing import Dict, Sequence, Tuple
 
 import torch
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava")  # model types
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "idefics3",
+            "smolvlm")  # model types
 
 # Token ids of the tiny vocabulary (random weights: only their roles matter).
 VOCAB = 512
@@ -94,12 +95,24 @@ def image_prompt(model, grids: Sequence[Tuple[int, int]] = ((8, 8),),
         attention_mask[b, T - len(r):] = 1
     out = dict(input_ids=input_ids, attention_mask=attention_mask)
     for key in extras[0]:
-        out[key] = torch.cat([e[key] for e in extras])
+        out[key] = _cat_padded([e[key] for e in extras])
     out["pixel_values"] = out["pixel_values"].to(model.dtype)
     if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
         is_image = torch.isin(input_ids, torch.tensor(family.image_token_ids(model.config)))
         out["mm_token_type_ids"] = is_image.to(torch.int32)
     return out
+
+
+def _cat_padded(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` concatenated along dim 0, each zero-padded at the end of its other
+    dims to the largest size (as processors pad a batch's pictures to the most tiles:
+    all-zero tiles, which the models drop)."""
+    size = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+    padded = []
+    for t in tensors:
+        pad = [n for d in reversed(range(1, t.dim())) for n in (0, size[d - 1] - t.shape[d])]
+        padded.append(torch.nn.functional.pad(t, pad) if any(pad) else t)
+    return torch.cat(padded)
 
 
 def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwargs):

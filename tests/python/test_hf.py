@@ -21,6 +21,7 @@ from headscope.hf.testing import (EOS, FAMILIES, eager_reference, image_prompt, 
                                   tiny_model)
 
 GRIDS = {"llava": ((8, 8), (8, 8))}  # LLaVA's grid is fixed by its vision tower
+GRIDS.update({t: ((2, 2), (1, 3)) for t in ("idefics3", "smolvlm")})  # rows x cols tiles
 
 
 def _prompt(model, batch=1, seed=0):

@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import Tuple
 
 from .base import Family
+from .idefics3 import Idefics3
 from .layout import WHOLE, ImageTokens, View
 from .llava import Llava
 from .qwen_vl import QwenVL
 
-FAMILIES: Tuple[Family, ...] = (QwenVL(), Llava())
+FAMILIES: Tuple[Family, ...] = (QwenVL(), Llava(), Idefics3())
 
 
 def supported_model_types() -> Tuple[str, ...]:

@@ -55,8 +55,9 @@ class Family:
     def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """One picture's prompt tokens (markers included) and its model inputs (each a
-        tensor to concatenate over the batch's pictures along dim 0), ``grid`` a size hint
-        the family may ignore."""
+        tensor to concatenate over the batch's pictures along dim 0, zero-padded in its
+        other dims to the batch's largest, as processors pad pictures of fewer tiles),
+        ``grid`` a size hint the family may ignore."""
         raise NotImplementedError
 
 

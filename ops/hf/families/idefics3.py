@@ -1,0 +1,145 @@
+"""Idefics3 and SmolVLM: a picture is rows x cols tiles plus a global image (the whole
+picture downscaled to one tile), each a square grid of ``image_seq_len`` tokens (patches
+pixel-shuffled ``scale_factor`` squared to one token), with ``<fake_token_around_image>
+<row_i_col_j>`` before each tile, a newline after each row of tiles and
+``<fake_token_around_image><global-img>`` before the global image (only the global image
+when the picture is not split; each frame of a SmolVLM video is such a picture).
+
+The processor drops each picture's rows and cols; they are read back from the layout of
+its prompt string (``get_image_prompt_string``): each tile or global image is one run of
+``image_seq_len`` image tokens, two tiles of one row are two marker tokens apart, a new
+row of tiles follows a newline, and every picture ends with its global image, whose
+``<global-img>`` marker is the token before the last run of image tokens in a row. This
+needs a tokenizer that keeps each marker one token and gives the newline a token, as the
+models' own tokenizers do; a prompt that does not fit raises."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from .base import Family, image_positions
+from .layout import WHOLE, ImageTokens, View
+
+WHO = "headscope.hf.Tracer"
+
+# Marker ids of the tiny vocabulary (headscope.hf.testing): special tokens at free ids
+# above EOS, the 6 x 6 ``<row_i_col_j>`` markers as ordinary text ids below the image token.
+FAKE_TOKEN = 507       # <fake_token_around_image>
+GLOBAL_TOKEN = 508     # <global-img>
+NEWLINE = 509          # "\n"
+END_OF_UTTERANCE = 510  # <end_of_utterance>
+ROW_COL_BASE = 464     # <row_{i+1}_col_{j+1}> is ROW_COL_BASE + 6 * i + j
+
+
+def tiny_tokens() -> Dict[int, str]:
+    """The tiny vocabulary's Idefics3/SmolVLM tokens by id (besides the image token)."""
+    tokens = {FAKE_TOKEN: "<fake_token_around_image>", GLOBAL_TOKEN: "<global-img>",
+              NEWLINE: "\n", END_OF_UTTERANCE: "<end_of_utterance>"}
+    tokens.update({ROW_COL_BASE + 6 * i + j: f"<row_{i + 1}_col_{j + 1}>"
+                   for i in range(6) for j in range(6)})
+    return tokens
+
+
+def tile_side(config) -> int:
+    """Tokens along each side of one tile (and of the global image)."""
+    vision = config.vision_config
+    return int(vision.image_size) // int(vision.patch_size) // int(config.scale_factor)
+
+
+class Idefics3(Family):
+    name = "idefics3"
+    model_types = ("idefics3", "smolvlm")
+    layout = ("rows x cols tiles plus a global image, each a square token grid (pixel "
+              "shuffle), with <row_i_col_j>, newline and <global-img> markers")
+
+    def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
+        side = tile_side(config)
+        ids = inputs["input_ids"].cpu()
+        per_row = image_positions(ids, self.image_token_ids(config))
+        return [self._row(ids[b], positions, side) for b, positions in enumerate(per_row)]
+
+    def _row(self, ids: torch.Tensor, positions: torch.Tensor, side: int
+             ) -> List[ImageTokens]:
+        if not len(positions):
+            return []
+        breaks = (positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1
+        runs = list(torch.tensor_split(positions, breaks.tolist()))
+        for run in runs:
+            if len(run) != side * side:
+                raise ValueError(f"{WHO}: a run of {len(run)} image tokens at position "
+                                 f"{int(run[0])}; each tile and global image of this model is "
+                                 f"{side * side} tokens (image_seq_len)")
+        global_marker = int(ids[runs[-1][0] - 1])  # every picture ends with its global image
+        pictures, rows = [], []
+        for run in runs:
+            start = int(run[0])
+            if int(ids[start - 1]) == global_marker:
+                pictures.append(_picture(rows, run, side, start))
+                rows = []
+            elif rows and start - int(rows[-1][-1][-1]) == 3:  # <fake><row_i_col_j> apart
+                rows[-1].append(run)
+            else:
+                rows.append([run])
+        if rows:
+            raise ValueError(f"{WHO}: tiles at positions {int(rows[0][0][0])}.. are not "
+                             f"followed by their picture's global image")
+        return pictures
+
+    # ---- tiny models ----------------------------------------------------------------------
+
+    def tiny_config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
+                    ids: Dict[str, int]):
+        import transformers as tf
+        # intermediate_size 48: the random weights (drawn vision tower first) whose greedy
+        # answers to the tests' prompts hold no image token, which would make prompt plus
+        # answer invalid input for the model itself
+        common = dict(text_config=dict(text, model_type="llama"),
+                      vision_config=dict(hidden_size=vision_hidden, intermediate_size=48,
+                                         num_hidden_layers=2, num_attention_heads=2,
+                                         image_size=16, patch_size=4),
+                      scale_factor=2, image_token_id=ids["image_token_id"])
+        if model_type == "idefics3":
+            return tf.Idefics3Config(**common), tf.Idefics3ForConditionalGeneration
+        return tf.SmolVLMConfig(**common), tf.SmolVLMForConditionalGeneration
+
+    def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
+                   ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """``grid``: the picture's rows x cols tiles ((0, 0): not split), laid out as
+        ``get_image_prompt_string`` does, with a tokenizer that gives "\\n" one token."""
+        from ..testing import IMAGE_TOKEN
+        rows, cols = grid
+        seq = [IMAGE_TOKEN] * tile_side(model.config) ** 2
+        ids = []
+        for i in range(rows):
+            for j in range(cols):
+                ids += [FAKE_TOKEN, ROW_COL_BASE + 6 * i + j] + seq
+            ids.append(NEWLINE)
+        ids += ([NEWLINE] if rows else []) + [FAKE_TOKEN, GLOBAL_TOKEN] + seq + [FAKE_TOKEN]
+        size = model.config.vision_config.image_size
+        count = rows * cols + 1
+        pixels = torch.randn(1, count, 3, size, size, generator=generator)
+        mask = torch.ones(1, count, size, size, dtype=torch.int64)
+        return torch.tensor(ids), {"pixel_values": pixels, "pixel_attention_mask": mask}
+
+
+def _picture(rows: List[List[torch.Tensor]], global_run: torch.Tensor, side: int,
+             start: int) -> ImageTokens:
+    """One picture from its tiles' runs (by row) and its global image's run."""
+    whole = View("global", global_run, side, side, WHOLE)
+    if not rows:
+        return ImageTokens((whole,))
+    R, C = len(rows), len(rows[0])
+    if any(len(r) != C for r in rows) or R * C < 2:
+        raise ValueError(f"{WHO}: the tiles before the global image at position {start} do "
+                         f"not form a grid of rows x cols >= 2 tiles (tiles per row: "
+                         f"{[len(r) for r in rows]})")
+    if start - int(rows[-1][-1][-1]) <= 3:
+        raise ValueError(f"{WHO}: no newline token between the last tile and the global "
+                         f"image at position {start}: the rows of tiles cannot be told apart "
+                         f"(a tokenizer that drops newlines?)")
+    tiles = tuple(View("tile", run, side, side, (j / C, i / R, (j + 1) / C, (i + 1) / R))
+                  for i, row in enumerate(rows) for j, run in enumerate(row))
+    stitched = torch.stack([torch.stack(row) for row in rows])  # (R, C, side * side)
+    stitched = stitched.reshape(R, C, side, side).permute(0, 2, 1, 3).reshape(-1)
+    return ImageTokens(tiles + (whole,), View("tiles", stitched, R * side, C * side, WHOLE))
