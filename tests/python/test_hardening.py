@@ -247,6 +247,14 @@ def test_save_error_removes_temporary_file(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_save_into_a_missing_folder_names_the_path_given(tmp_path):
+    path = tmp_path / "nodir" / "head.safetensors"
+    with pytest.raises(FileNotFoundError) as e:
+        headscope.AttributionHead(2, 4).save(path)
+    assert str(path) in str(e.value) and ".tmp" not in str(e.value)
+    assert e.value.filename == str(path)
+
+
 # ---- concurrency -------------------------------------------------------------------------------
 
 def _inputs():
