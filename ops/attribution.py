@@ -187,8 +187,11 @@ def atomic_path(path):
     the file is flushed to disk, given the permissions a plain ``open`` would give it, and
     renamed to ``path`` (atomic on POSIX), else removed."""
     folder = os.path.dirname(os.path.abspath(str(path)))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(str(path)) + ".", suffix=".tmp",
-                               dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(str(path)) + ".",
+                                   suffix=".tmp", dir=folder)
+    except OSError as e:  # the error names ``path``, not the temporary file
+        raise OSError(e.errno, e.strerror, str(path)) from None
     os.close(fd)
     try:
         yield tmp

@@ -6,7 +6,8 @@ head on a user's own VLM.
     python -m headscope eval --model MODEL --head head.safetensors --data DATA_TEST
 
 Exit codes: 0 success, 1 the run failed, 2 bad arguments or a missing or malformed input
-file (the message names the file and the line).
+file (one line naming the argument or the file and line; checked before any work, so
+nothing was computed or created), 130 interrupted (Ctrl-C).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import os
 import sys
 import traceback
 
-from .errors import FAILURE, USAGE, UsageError
+from .errors import FAILURE, INTERRUPTED, USAGE, Parser, UsageError
 
 COMMANDS = {
     "collect": "generate, cut spans, record span features and region ablation effects",
@@ -26,7 +27,7 @@ COMMANDS = {
 
 def parser() -> argparse.ArgumentParser:
     from . import collect, evaluate, train
-    top = argparse.ArgumentParser(prog="python -m headscope", description=__doc__.replace("``", ""),
+    top = Parser(prog="python -m headscope", description=__doc__.replace("``", ""),
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = top.add_subparsers(dest="command", required=True, metavar="{collect,train,eval}")
     for name, module in (("collect", collect), ("train", train), ("eval", evaluate)):
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
         return USAGE
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except Exception as e:  # noqa: BLE001 - reported with its traceback, exit 1
         traceback.print_exc()
         print(f"{prog}: failed: {type(e).__name__}: {e}", file=sys.stderr)

@@ -15,56 +15,100 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
-from .data import Example, load_image, read_examples
-from .errors import UsageError
-from .shards import remove_temporaries, shard_path, write_manifest, write_shard
+from .data import Example, image_size, load_image, read_examples
+from .errors import UsageError, check_output, given, grid, integer, refuse_ignored
+from .shards import (record_missing_checksums, remove_temporaries, shard_path,
+                     write_manifest, write_shard)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of a collection (shared with ``eval``, which collects first)."""
-    parser.add_argument("--regions", type=int, default=8, metavar="K",
-                        help="Ward regions per image (default 8)")
-    parser.add_argument("--grid", default=None, metavar="ROWSxCOLS",
-                        help="regions that cut the image's token grid into ROWS x COLS "
-                             "blocks, instead of Ward regions (e.g. 3x3; K = ROWS * COLS)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
-                        help="tokens generated per example, greedily (default 64)")
-    parser.add_argument("--subsets", type=int, default=8, metavar="M",
-                        help="random sets of K/2 regions per example whose joint effect is "
-                             "measured, for the subset-level LDS (default 8; 0: none)")
-    parser.add_argument("--ablation", choices=("mask", "mean", "zero"), default="mask",
-                        help="how a region is ablated (default mask: its tokens are removed "
-                             "from every query's attention in every layer)")
-    parser.add_argument("--batch-size", type=int, default=8,
-                        help="ablations per forward (default 8)")
-    parser.add_argument("--shard-size", type=int, default=8,
-                        help="examples per shard file (default 8)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random region sets")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        default="float32", help="model dtype (default float32)")
-    parser.add_argument("--device", default=None,
-                        help="cpu, cuda, cuda:N (default: the process's GPU if any, else cpu)")
+def add_arguments(parser: argparse.ArgumentParser) -> List[str]:
+    """The options of a collection (shared with ``eval``, which collects first); returns
+    their destinations."""
+    return [a.dest for a in (
+        parser.add_argument("--regions", type=integer(1), default=8, metavar="K",
+                            help="Ward regions per image (default 8; at most the image's "
+                                 "tokens)"),
+        parser.add_argument("--grid", type=grid(), default=None, metavar="ROWSxCOLS",
+                            help="regions that cut the image's token grid into ROWS x COLS "
+                                 "blocks, instead of Ward regions (e.g. 3x3; K = ROWS * COLS; "
+                                 "not with --regions)"),
+        parser.add_argument("--max-new-tokens", type=integer(1), default=64, metavar="N",
+                            help="tokens generated per example, greedily (default 64)"),
+        parser.add_argument("--subsets", type=integer(0), default=8, metavar="M",
+                            help="random sets of K/2 regions per example whose joint effect "
+                                 "is measured, for the subset-level LDS (default 8; 0: none)"),
+        parser.add_argument("--ablation", choices=("mask", "mean", "zero"), default="mask",
+                            help="how a region is ablated (default mask: its tokens are "
+                                 "removed from every query's attention in every layer)"),
+        parser.add_argument("--batch-size", type=integer(1), default=8,
+                            help="ablations per forward (default 8)"),
+        parser.add_argument("--shard-size", type=integer(1), default=8,
+                            help="examples per shard file (default 8)"),
+        parser.add_argument("--seed", type=int, default=0,
+                            help="seed of the random region sets"),
+        parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                            default="float32", help="model dtype (default float32)"),
+        parser.add_argument("--device", default=None,
+                            help="cpu, cuda, cuda:N (default: the process's GPU if any, "
+                                 "else cpu)"))]
 
 
 def check_arguments(args) -> None:
+    """Options that conflict or would have no effect; sets ``args.regions`` to K."""
     if args.grid is not None:
+        if "regions" in given(args):
+            raise UsageError(f"--regions {args.regions}: conflicts with --grid {args.grid} "
+                             f"(which gives its blocks as regions); give one of them")
         from ..hf.regions import parse_grid
-        try:
-            rows, cols = parse_grid(args.grid)
-        except ValueError as e:
-            raise UsageError(f"--grid: {e}") from None
-        args.grid, args.regions = f"{rows}x{cols}", rows * cols
-    for name, low in (("regions", 1), ("max_new_tokens", 1), ("subsets", 0),
-                      ("batch_size", 1), ("shard_size", 1)):
-        if getattr(args, name) < low:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= {low}, got "
-                             f"{getattr(args, name)}")
+        rows, cols = parse_grid(args.grid)
+        args.regions = rows * cols
     if args.subsets and args.regions < 2:
-        raise UsageError("--subsets needs --regions >= 2 (sets of K/2 regions)")
+        raise UsageError(f"--subsets {args.subsets}: needs K >= 2 regions (sets of K/2), got "
+                         f"K = {args.regions}; allowed with K = 1: --subsets 0")
+    if not args.subsets:
+        refuse_ignored(args, ["seed"], "with --subsets 0 (it draws the random region sets)")
+
+
+def check_regions(args, examples: List[Example], config, processor) -> None:
+    """The regions asked for fit every image's token grid: K Ward regions at most its
+    tokens, a grid at most its rows and columns. Images of one size share a grid, so the
+    processor sees one blank image per size."""
+    from PIL import Image
+
+    from ..hf.families import family_of
+    from ..hf.regions import parse_grid
+    sizes: Dict[tuple, Example] = {}
+    for example in examples:
+        sizes.setdefault(image_size(example), example)
+    grids = []
+    for size, example in sizes.items():
+        inputs = prompt_inputs(processor, example, Image.new("RGB", size), "cpu")
+        try:
+            found = family_of(config, "headscope collect").images(config, inputs)[0]
+        except ValueError as e:
+            raise UsageError(f"--model {args.model}: {e}") from e
+        if len(found) != 1:
+            raise UsageError(f"--model {args.model}: its processor gives {len(found)} images "
+                             f"for a prompt of one; allowed: a VLM whose chat template places "
+                             f"the image")
+        grids.append((found[0].rows, found[0].cols, example))
+    if args.grid is None:
+        rows, cols, example = min(grids, key=lambda g: g[0] * g[1])
+        if args.regions > rows * cols:
+            raise UsageError(f"--regions {args.regions}: more regions than the {rows}x{cols} "
+                             f"image tokens of {example.image.name} (line {example.line}); "
+                             f"allowed: 1 to {rows * cols}")
+        return
+    R, C = parse_grid(args.grid)
+    for rows, cols, example in grids:
+        if R > rows or C > cols:
+            raise UsageError(f"--grid {args.grid}: more blocks than the {rows}x{cols} image "
+                             f"tokens of {example.image.name} (line {example.line}); allowed: "
+                             f"at most {min(g[0] for g in grids)}x{min(g[1] for g in grids)}")
 
 
 def _world() -> tuple:
@@ -93,28 +137,43 @@ def _model_folder(folder: str) -> Path:
     return Path(folder)
 
 
+def load_config(folder: str):
+    """The config of a local transformers model folder."""
+    import transformers as tf
+    try:
+        return tf.AutoConfig.from_pretrained(_model_folder(folder), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--model {folder}: no readable config.json: {e}") from e
+
+
+def load_processor(folder: str):
+    """The processor of a local transformers model folder; it must have a chat template."""
+    import transformers as tf
+    try:
+        processor = tf.AutoProcessor.from_pretrained(_model_folder(folder),
+                                                     local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--model {folder}: its processor cannot be loaded with "
+                         f"from_pretrained: {e}") from e
+    if getattr(processor, "chat_template", None) is None:
+        raise UsageError(f"--model {folder}: its processor has no chat template")
+    return processor
+
+
 def load_model(folder: str, dtype: str, device: torch.device):
     """Model and processor of a local transformers folder (no network)."""
     import transformers as tf
-    path = _model_folder(folder)
+    processor = load_processor(folder)
     try:
-        processor = tf.AutoProcessor.from_pretrained(path, local_files_only=True)
         model = tf.AutoModelForImageTextToText.from_pretrained(
-            path, dtype=getattr(torch, dtype), local_files_only=True)
+            _model_folder(folder), dtype=getattr(torch, dtype), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"--model {folder}: cannot be loaded with from_pretrained: {e}") from e
-    if getattr(processor, "chat_template", None) is None:
-        raise UsageError(f"--model {folder}: its processor has no chat template")
     return model.to(device).eval(), processor
 
 
-def text_sizes(folder: str) -> tuple:
-    """(layers, attention heads) of the model's text decoder, from its config."""
-    import transformers as tf
-    try:
-        config = tf.AutoConfig.from_pretrained(_model_folder(folder), local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise UsageError(f"--model {folder}: no readable config.json: {e}") from e
+def text_sizes(config) -> tuple:
+    """(layers, attention heads) of the model's text decoder."""
     text = config.get_text_config(decoder=True)
     return int(text.num_hidden_layers), int(text.num_attention_heads)
 
@@ -184,15 +243,26 @@ def _shard_tensors(records: List[Dict]) -> Dict[str, torch.Tensor]:
                ("subsets", "grid", "image_size", "seconds")}}
 
 
-def collect(args) -> Path:
-    """Runs (or resumes) the collection of ``args.data`` into ``args.out``; returns it."""
+def _examples_of(examples: List[Example], shard: int, size: int) -> List[Example]:
+    return examples[shard * size:(shard + 1) * size]
+
+
+def collect(args) -> Tuple[Path, int]:
+    """Runs (or resumes) the collection of ``args.data`` into ``args.out``; returns the
+    folder and how many examples this run collected (on rank 0: in every process).
+    Everything is checked before the folder is created."""
     from tqdm.auto import tqdm
     check_arguments(args)
+    check_output(args.out, "--out", folder=True)
     examples = read_examples(Path(args.data))
+    config = load_config(args.model)
+    check_regions(args, examples, config, load_processor(args.model))
+    L, H = text_sizes(config)
     out = Path(args.out)
+    shards = math.ceil(len(examples) / args.shard_size)
     rank, world, dist = _world()
+    collected_before = 0
     if rank == 0:
-        L, H = text_sizes(args.model)
         out.mkdir(parents=True, exist_ok=True)
         remove_temporaries(out)
         write_manifest(out, {"model": str(Path(args.model).resolve()),
@@ -203,37 +273,39 @@ def collect(args) -> Path:
                              "max_new_tokens": args.max_new_tokens, "subsets": args.subsets,
                              "ablation": args.ablation, "seed": args.seed,
                              "shard_size": args.shard_size, "dtype": args.dtype})
+        record_missing_checksums(out, shards)
+        collected_before = sum(len(_examples_of(examples, s, args.shard_size))
+                               for s in range(shards) if shard_path(out, s).exists())
     if dist is not None:
         dist.barrier()
-    shards = math.ceil(len(examples) / args.shard_size)
     todo = [s for s in range(rank, shards, world) if not shard_path(out, s).exists()]
     if todo:
         model, processor = load_model(args.model, args.dtype, _device(args))
-        total = sum(len(examples[s * args.shard_size:(s + 1) * args.shard_size]) for s in todo)
+        total = sum(len(_examples_of(examples, s, args.shard_size)) for s in todo)
         with tqdm(total=total, desc=f"collect (rank {rank})" if world > 1 else "collect",
                   unit="example", position=rank) as bar:
             for s in todo:
                 records = []
-                for example in examples[s * args.shard_size:(s + 1) * args.shard_size]:
+                for example in _examples_of(examples, s, args.shard_size):
                     records.append(collect_example(model, processor, example, args))
                     bar.update(1)
-                write_shard(shard_path(out, s), _shard_tensors(records),
+                write_shard(out, s, _shard_tensors(records),
                             [t for r in records for t in r["texts"]],
                             [r["boxes"] for r in records])
     if dist is not None:
         dist.barrier()
-    return out
+    return out, len(examples) - collected_before
 
 
 def run(args) -> int:
-    out = collect(args)
+    out, now = collect(args)
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         from .shards import read_collection
         data = read_collection(out)
         seconds = data.tensors["seconds"]
         n = seconds.shape[0]
-        print(f"collected {n} examples, {data.num_spans} spans into {out}; per example: "
-              f"generation with features {seconds[:, 0].mean():.3f} s, ablations "
-              f"{seconds[:, 1].mean():.3f} s")
+        print(f"collected {now} examples now, {n} in total ({n - now} were there), "
+              f"{data.num_spans} spans into {out}; per example: generation with features "
+              f"{seconds[:, 0].mean():.3f} s, ablations {seconds[:, 1].mean():.3f} s")
     return 0

@@ -91,12 +91,23 @@ def _boxes(boxes, where: str) -> Dict[str, Box]:
     return out
 
 
-def load_image(example: Example):
-    """The example's image as RGB (PIL)."""
+def _open_image(example: Example, use):
+    """``use(image)`` of the example's opened image; an unreadable image is a UsageError
+    naming it."""
     from PIL import Image, UnidentifiedImageError
     try:
         with Image.open(example.image) as image:
-            return image.convert("RGB")
+            return use(image)
     except (OSError, UnidentifiedImageError) as e:
         raise UsageError(f"{example.image} (line {example.line}): not a readable image: "
                          f"{e}") from e
+
+
+def load_image(example: Example):
+    """The example's image as RGB (PIL)."""
+    return _open_image(example, lambda image: image.convert("RGB"))
+
+
+def image_size(example: Example) -> tuple:
+    """(width, height) of the example's image, from its header (checks it opens)."""
+    return _open_image(example, lambda image: image.size)

@@ -21,9 +21,9 @@ import torch
 
 from ..attribution import AttributionHead, atomic_path
 from . import collect as _collect
-from .errors import UsageError
+from .errors import UsageError, check_output, given, option, refuse_ignored
 from .metrics import random_baseline, score
-from .shards import MANIFEST, read_collection
+from .shards import MANIFEST, read_collection, read_manifest
 
 ROWS = (("lds", "LDS (mean over images)"), ("lds_pooled", "LDS (pooled)"),
         ("pearson", "Pearson"), ("subset_lds", "subset LDS"), ("pointing", "pointing accuracy"))
@@ -38,18 +38,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the JSON report (default eval_report.json)")
     parser.add_argument("--work", default=None,
                         help="where DATA is collected (default: <report>.collect/; reused "
-                             "and resumed when it exists)")
-    _collect.add_arguments(parser)
+                             "and resumed when it exists; not with a collection as --data)")
+    parser.set_defaults(collect_options=_collect.add_arguments(parser))
 
 
-def _head(path: str, manifest) -> AttributionHead:
+def _head(path: str, num_layers: int, num_heads: int) -> AttributionHead:
     if not Path(path).is_file():
-        raise UsageError(f"--head {path}: no such file")
+        raise UsageError(f"--head {path}: no such file; allowed: a head written by "
+                         f"`python -m headscope train`")
     try:
-        return AttributionHead.load(path, num_layers=int(manifest["num_layers"]),
-                                    num_heads=int(manifest["num_heads"]))
+        return AttributionHead.load(path, num_layers=num_layers, num_heads=num_heads)
     except ValueError as e:
-        raise UsageError(str(e)) from e
+        raise UsageError(f"--head {path}: {e}") from e
+
+
+def _regions(regions: int, grid) -> str:
+    return f"--regions {regions}" if grid is None else f"--grid {grid}"
+
+
+def check_collection_options(args, folder: Path, manifest) -> None:
+    """With a collection as DATA, the collection options would have no effect: each one
+    given must say what the collection was made with, and --model must be its model."""
+    refuse_ignored(args, ["work"], "when --data is a collection (nothing is collected)")
+    _collect.check_arguments(args)
+    if str(Path(args.model).resolve()) != manifest["model"]:
+        raise UsageError(f"--model {args.model}: the collection {folder} was made with the "
+                         f"model {manifest['model']}; allowed: that model, or DATA (images and "
+                         f"a .jsonl file) to collect with this one")
+    for name in sorted(given(args) & set(args.collect_options)):
+        if name in ("regions", "grid"):
+            ours, theirs = (_regions(args.regions, args.grid),
+                            _regions(manifest["regions"], manifest["grid"]))
+        else:
+            ours = f"{option(name)} {getattr(args, name)}"
+            theirs = f"{option(name)} {manifest[name]}" if name in manifest else None
+        if ours != theirs:
+            made = "" if theirs is None else f" (it was made with {theirs})"
+            raise UsageError(f"{ours}: has no effect when --data is a collection{made}; "
+                             f"allowed: leave it out, or give DATA to collect again")
 
 
 def table(results: dict) -> str:
@@ -71,16 +97,23 @@ def table(results: dict) -> str:
 
 
 def run(args) -> int:
-    data_path = Path(args.data)
-    if (data_path / MANIFEST).is_file():
-        folder = data_path
+    check_output(args.report, "--report")
+    folder = Path(args.data)
+    is_collection = (folder / MANIFEST).is_file()
+    if is_collection:
+        manifest = read_manifest(folder)
+        check_collection_options(args, folder, manifest)
+        sizes = int(manifest["num_layers"]), int(manifest["num_heads"])
     else:
         args.out = args.work or str(Path(args.report).with_suffix("")) + ".collect"
-        folder = _collect.collect(args)
+        check_output(args.out, "--work", folder=True)
+        sizes = _collect.text_sizes(_collect.load_config(args.model))
+    head = _head(args.head, *sizes)
+    if not is_collection:
+        folder, _ = _collect.collect(args)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     data = read_collection(folder)
-    head = _head(args.head, data.manifest)
     features = data.tensors["features"]
     with torch.no_grad():
         results = {"head": score(data, head(features)),

@@ -1,8 +1,10 @@
 """The folder ``collect`` writes: ``manifest.json`` (what was asked for, checked on
-resumption) and shards ``shard-NNNNN.safetensors``, shard s holding examples
-``[s * shard_size, (s + 1) * shard_size)`` of the DATA file in order. Every file is
-written atomically (a temporary file in the folder, then a rename), so a shard is either
-complete or absent: an interrupted collection loses at most the shard it was writing.
+resumption, and the SHA-256 of each shard written) and shards ``shard-NNNNN.safetensors``,
+shard s holding examples ``[s * shard_size, (s + 1) * shard_size)`` of the DATA file in
+order. Every file is written atomically (a temporary file in the folder, then a rename),
+so a shard is either complete or absent: an interrupted collection loses at most the shard
+it was writing. Reading a collection checks each shard against its recorded SHA-256, so
+bytes damaged after the write are an error naming the shard.
 
 A shard's tensors (E examples, S spans, K regions, F = L*H features, M subsets):
 
@@ -25,7 +27,10 @@ example's boxes).
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List
@@ -36,7 +41,7 @@ from ..attribution import atomic_path
 from .errors import UsageError
 
 FORMAT = "headscope.collect"
-VERSION = 1
+VERSION = 2  # 2: the manifest holds each shard's SHA-256
 MANIFEST = "manifest.json"
 TENSORS = ("line", "span_example", "span_bounds", "features", "effects", "subsets",
            "subset_effects", "grid", "labels", "image_size", "seconds")
@@ -58,8 +63,12 @@ def write_manifest(folder: Path, settings: Dict) -> None:
                              f"({', '.join(f'{k}: {old.get(k)!r}, now {settings[k]!r}' for k in differ)}); "
                              f"use another --out, or the same settings to resume")
         return
+    _write_json(path, {**settings, "checksums": {}})
+
+
+def _write_json(path: Path, value) -> None:
     with atomic_path(path) as tmp:
-        Path(tmp).write_text(json.dumps(settings, indent=2) + "\n")
+        Path(tmp).write_text(json.dumps(value, indent=2) + "\n")
 
 
 def read_manifest(folder: Path) -> Dict:
@@ -72,24 +81,62 @@ def read_manifest(folder: Path) -> Dict:
     except (OSError, json.JSONDecodeError) as e:
         raise UsageError(f"{path}: not a readable manifest: {e}") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
-            or manifest.get("version") != VERSION:
-        raise UsageError(f"{path}: not a {FORMAT} manifest of version {VERSION}")
+            or manifest.get("version") != VERSION \
+            or not isinstance(manifest.get("checksums"), dict):
+        raise UsageError(f"{path}: not a {FORMAT} manifest of version {VERSION} (a "
+                         f"collection of an older headscope: collect it again)")
     return manifest
 
 
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _record_checksums(folder: Path, checksums: Dict[str, str]) -> None:
+    """Adds shards' SHA-256 to the manifest. The folder is locked while the manifest is
+    read and replaced: under torchrun every process records the shards it writes."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        manifest = read_manifest(folder)
+        manifest["checksums"].update(checksums)
+        _write_json(folder / MANIFEST, manifest)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def record_missing_checksums(folder: Path, shards: int) -> None:
+    """Records the SHA-256 of the complete shards that have none: a run stopped between
+    writing a shard and recording it."""
+    recorded = read_manifest(folder)["checksums"]
+    missing = {p.name: sha256(p) for p in (shard_path(folder, s) for s in range(shards))
+               if p.is_file() and p.name not in recorded}
+    if missing:
+        _record_checksums(folder, missing)
+
+
 def remove_temporaries(folder: Path) -> None:
-    """Temporary files an interrupted run left behind (never a complete shard)."""
-    for tmp in folder.glob(".shard-*.tmp"):
-        tmp.unlink(missing_ok=True)
+    """Temporary files an interrupted run left behind (never a complete shard or
+    manifest: those are renamed into place)."""
+    for pattern in (".shard-*.tmp", f".{MANIFEST}.*.tmp"):
+        for tmp in folder.glob(pattern):
+            tmp.unlink(missing_ok=True)
 
 
-def write_shard(path: Path, tensors: Dict[str, torch.Tensor], texts: List[str],
-                boxes: List[Dict]) -> None:
-    from safetensors.torch import save_file
-    with atomic_path(path) as tmp:
-        save_file({k: tensors[k].contiguous() for k in TENSORS}, tmp,
-                  metadata={"format": FORMAT, "texts": json.dumps(texts),
-                            "boxes": json.dumps(boxes)})
+def write_shard(folder: Path, index: int, tensors: Dict[str, torch.Tensor],
+                texts: List[str], boxes: List[Dict]) -> None:
+    """Writes shard ``index`` and records the SHA-256 of the bytes written."""
+    from safetensors.torch import save
+    data = save({k: tensors[k].contiguous() for k in TENSORS},
+                metadata={"format": FORMAT, "texts": json.dumps(texts),
+                          "boxes": json.dumps(boxes)})
+    with atomic_path(shard_path(folder, index)) as tmp:
+        Path(tmp).write_bytes(data)
+    _record_checksums(folder, {shard_path(folder, index).name: hashlib.sha256(data).hexdigest()})
 
 
 @dataclass
@@ -106,8 +153,8 @@ class Collection:
 
 
 def read_collection(folder: Path) -> Collection:
-    """Joins the shards of ``folder``; a missing shard or a damaged file is an error
-    naming it."""
+    """Joins the shards of ``folder``; a missing shard or a damaged file (its SHA-256 not
+    the recorded one) is an error naming it."""
     from safetensors import safe_open
     manifest = read_manifest(folder)
     count = -(-int(manifest["examples"]) // int(manifest["shard_size"]))
@@ -119,6 +166,14 @@ def read_collection(folder: Path) -> Collection:
         if not path.is_file():
             raise UsageError(f"{path}: missing (the collection is incomplete: rerun "
                              f"`python -m headscope collect` with the same --out to finish it)")
+        recorded = manifest["checksums"].get(path.name)
+        if recorded is None:
+            raise UsageError(f"{path}: no SHA-256 recorded in {MANIFEST} (rerun `python -m "
+                             f"headscope collect` with the same --out to record it)")
+        if sha256(path) != recorded:
+            raise UsageError(f"{path}: damaged (its SHA-256 is not the one recorded when it "
+                             f"was written); delete it and rerun `python -m headscope collect` "
+                             f"with the same --out to collect it again")
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}

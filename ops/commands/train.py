@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..attribution import AttributionHead
-from .errors import UsageError
+from .errors import UsageError, check_output, integer, number, refuse_ignored
 from .metrics import score
 from .shards import Collection, read_collection
 
@@ -20,15 +20,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss", choices=("lstsq", "pearson"), default="lstsq",
                         help="lstsq: closed-form least squares on standardised features and "
                              "targets (default); pearson: minibatch Adam on -Pearson")
-    parser.add_argument("--epochs", type=int, default=20, help="pearson: passes (default 20)")
-    parser.add_argument("--lr", type=float, default=1e-2, help="pearson: Adam step (default 0.01)")
-    parser.add_argument("--batch-spans", type=int, default=256,
+    parser.add_argument("--epochs", type=integer(1), default=20,
+                        help="pearson: passes (default 20)")
+    parser.add_argument("--lr", type=number(0, above=True), default=1e-2,
+                        help="pearson: Adam step (default 0.01)")
+    parser.add_argument("--batch-spans", type=integer(1), default=256,
                         help="pearson: spans per minibatch (default 256)")
-    parser.add_argument("--ridge", type=float, default=0.0,
+    parser.add_argument("--ridge", type=number(0), default=0.0,
                         help="lstsq: ridge penalty in standardised units (default 0)")
-    parser.add_argument("--val-fraction", type=float, default=0.0,
+    parser.add_argument("--val-fraction", type=number(0, below=1), default=0.0,
                         help="share of images held out; their LDS is reported (default 0)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the held-out choice")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the held-out choice (with --val-fraction)")
+
+
+PEARSON_ONLY = ("epochs", "lr", "batch_spans")
+
+
+def check_arguments(args) -> None:
+    """Options that would have no effect, and the head's file (before any work)."""
+    if args.loss == "lstsq":
+        refuse_ignored(args, PEARSON_ONLY, "with --loss lstsq (the closed form)")
+    else:
+        refuse_ignored(args, ["ridge"], "with --loss pearson")
+    if not args.val_fraction:
+        refuse_ignored(args, ["seed"], "without --val-fraction (it picks the held-out images)")
+    check_output(args.out, "--out")
 
 
 class _Batches:
@@ -78,8 +95,6 @@ def fit(data: Collection, args) -> AttributionHead:
     head = AttributionHead(L, F // L)
     if args.loss == "lstsq":
         return head.fit(t["features"], t["effects"], ridge=args.ridge)
-    if args.epochs < 1 or args.batch_spans < 1:
-        raise UsageError("--epochs and --batch-spans must be >= 1")
     batches = -(-S // args.batch_spans)
     with tqdm(total=batches * (args.epochs + 2), desc="train (pearson)", unit="batch") as bar:
         loader = _Batches(t["features"], t["effects"], args.batch_spans, bar)
@@ -87,8 +102,7 @@ def fit(data: Collection, args) -> AttributionHead:
 
 
 def run(args) -> int:
-    if not 0 <= args.val_fraction < 1:
-        raise UsageError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    check_arguments(args)
     data = read_collection(Path(args.data))
     train_spans, val_spans = split(data, args.val_fraction, args.seed)
     train = subset(data, train_spans)

@@ -20,29 +20,31 @@ from pathlib import Path
 
 SIZES = ("steps", "batch", "seed", "hidden", "layers", "intermediate", "vision_width",
          "vision_depth", "vision_mlp_ratio", "warmup")
+PROG = "python -m headscope.shapes"
 
 
-def _threads(n):
-    import torch
-    if n is not None:
-        if n < 1:
-            raise SystemExit(f"python -m headscope.shapes: --threads must be >= 1, got {n}")
-        torch.set_num_threads(n)
-
-
-def _grid(text: str) -> tuple:
-    from ..hf.regions import parse_grid
-    try:
-        return parse_grid(text)
-    except ValueError as e:
-        raise SystemExit(f"python -m headscope.shapes: --grid: {e}") from None
+def _model_folder(text: str) -> Path:
+    """An argparse type: a folder holding a shapes model (its config.json)."""
+    if not (Path(text) / "config.json").is_file():
+        raise argparse.ArgumentTypeError(
+            f"must be a model folder (with config.json, as `{PROG} train --out` writes), "
+            f"got {text!r}")
+    return Path(text)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m headscope.shapes", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    from ..commands.errors import (INTERRUPTED, USAGE, Parser, UsageError, check_output, grid,
+                                   integer, number)
+    from .processor import TOKEN_GRID
+    parser = Parser(prog=PROG, description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=integer(1), default=None,
+                        help="torch intra-op threads")
     sub = parser.add_subparsers(dest="command", required=True)
+    count = integer(1)
+    model = dict(type=_model_folder, default=None,
+                 help="model folder (default: the one shipped with headscope)")
+    image_tokens = f" (the images' {TOKEN_GRID}x{TOKEN_GRID} tokens)"
 
     from .train import Settings
     defaults = Settings()
@@ -50,31 +52,33 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True,
                    help="folder for the checkpoint and the trained model (from_pretrained)")
     for name in SIZES:
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--eval-scenes", type=int, default=200,
+        kind = int if name == "seed" else integer(0 if name == "warmup" else 1)
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults, name))
+    p.add_argument("--lr", type=number(0, above=True), default=defaults.lr)
+    p.add_argument("--eval-scenes", type=count, default=200,
                    help="held-out scenes for the caption accuracy at the end")
 
     p = sub.add_parser("demo", help="describe held-out scenes with span attributions")
     p.add_argument("--out", type=Path, default=Path("shapes-demo"), help="output folder")
-    p.add_argument("--images", type=int, default=3)
+    p.add_argument("--images", type=count, default=3)
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--grid", default="3x3", metavar="ROWSxCOLS",
+    which.add_argument("--grid", type=grid(TOKEN_GRID, TOKEN_GRID, image_tokens), default="3x3",
+                       metavar="ROWSxCOLS",
                        help="regions: a grid of blocks of the image (default 3x3, the world's "
                             "cells)")
-    which.add_argument("--regions", type=int, default=None, metavar="K",
+    which.add_argument("--regions", type=integer(1, TOKEN_GRID ** 2, image_tokens),
+                       default=None, metavar="K",
                        help="regions: K Ward regions of the image instead of a grid")
-    p.add_argument("--model", type=Path, default=None,
-                   help="model folder (default: the one shipped with headscope)")
+    p.add_argument("--model", **model)
 
     p = sub.add_parser("accuracy", help="caption accuracy on held-out scenes")
-    p.add_argument("--model", type=Path, default=None)
-    p.add_argument("--scenes", type=int, default=200)
+    p.add_argument("--model", **model)
+    p.add_argument("--scenes", type=count, default=200)
 
     p = sub.add_parser("latency", help="per-token latency with streaming attribution")
-    p.add_argument("--model", type=Path, default=None)
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--tokens", type=int, default=40)
+    p.add_argument("--model", **model)
+    p.add_argument("--rounds", type=count, default=7)
+    p.add_argument("--tokens", type=count, default=40)
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
 
     p = sub.add_parser("data", help="scenes as a DATA folder (images + data.jsonl)")
@@ -82,41 +86,61 @@ def main(argv=None) -> int:
     p.add_argument("--first-seed", type=int, required=True,
                    help="scene seeds first-seed .. first-seed + count - 1 (held out: >= "
                         "1000000000)")
-    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--count", type=count, required=True)
     p.add_argument("--noise", type=float, default=None, help="background noise (default: "
                    "drawn per scene)")
 
     p = sub.add_parser("hallucination", help="hallucination detection from VAS (AUROC)")
-    p.add_argument("--model", type=Path, default=None)
-    p.add_argument("--fit", type=int, default=1000, help="answers to fit the detector on")
-    p.add_argument("--test", type=int, default=1000, help="answers to measure AUROC on")
+    p.add_argument("--model", **model)
+    p.add_argument("--fit", type=count, default=1000, help="answers to fit the detector on")
+    p.add_argument("--test", type=count, default=1000, help="answers to measure AUROC on")
 
     p = sub.add_parser("faithfulness", help="faithfulness against time per token (figure)")
     p.add_argument("--out", type=Path, required=True,
                    help="folder for faithfulness.png, .md and .json")
-    p.add_argument("--model", type=Path, default=None)
-    p.add_argument("--scenes", type=int, default=40, help="held-out scenes (default 40)")
-    p.add_argument("--regions", type=int, default=8, help="Ward regions per image")
-    p.add_argument("--rounds", type=int, default=7, help="latency rounds")
-    p.add_argument("--tokens", type=int, default=40, help="tokens per latency round")
+    p.add_argument("--model", **model)
+    p.add_argument("--scenes", type=count, default=40, help="held-out scenes (default 40)")
+    p.add_argument("--regions", type=integer(1, TOKEN_GRID ** 2, image_tokens), default=8,
+                   help="Ward regions per image")
+    p.add_argument("--rounds", type=count, default=7, help="latency rounds")
+    p.add_argument("--tokens", type=count, default=40, help="tokens per latency round")
 
     p = sub.add_parser("reproduce", help="every measurement of docs/shapes.md, resumable")
     p.add_argument("--out", type=Path, required=True,
                    help="folder for results.json, results.md and each step's files")
-    p.add_argument("--model", type=Path, default=None)
+    p.add_argument("--model", **model)
     p.add_argument("--quick", action="store_true", help="CI-sized: about a minute")
 
-    args = parser.parse_args(argv)
-    _threads(args.threads)
+    args = parser.parse_args(argv)  # exits 2 on a bad argument
+    prog = f"{PROG} {args.command}"
+    try:
+        for name in ("out", "json"):  # before any work
+            if getattr(args, name, None) is not None:
+                check_output(getattr(args, name), f"--{name}", folder=name == "out")
+        if args.threads is not None:
+            import torch
+            torch.set_num_threads(args.threads)
+        _run(args)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return USAGE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    return 0
+
+
+def _run(args) -> None:
     if args.command == "train":
-        from .train import train
+        from .train import Settings, train
         settings = Settings(lr=args.lr, **{k: getattr(args, k) for k in SIZES})
         report = train(args.out, settings, eval_scenes=args.eval_scenes)
         print(json.dumps(report, indent=2))
     elif args.command == "demo":
+        from ..hf.regions import parse_grid
         from .demo import run_demo
         run_demo(args.out, args.images, model_dir=args.model,
-                 regions=args.regions if args.regions is not None else _grid(args.grid))
+                 regions=args.regions if args.regions is not None else parse_grid(args.grid))
     elif args.command == "accuracy":
         from .accuracy import caption_accuracy, held_out_scenes
         from .model import load
@@ -144,8 +168,9 @@ def main(argv=None) -> int:
         result = measure_latency(args.rounds, args.tokens, args.model)
         format_latency(result)
         if args.json is not None:
-            args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+            from ..attribution import atomic_path
+            with atomic_path(args.json) as tmp:
+                Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

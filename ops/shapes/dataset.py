@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..attribution import atomic_path
+from .figures import save_png
 from .world import PROMPT, scene
 
 FILE = "data.jsonl"
@@ -26,7 +27,7 @@ def write_dataset(out: Path, first_seed: int, count: int, noise: Optional[float]
         seed = first_seed + k
         image, objects = scene(seed, 1 + k % 4, noise=noise)
         name = f"scene{seed}.png"
-        image.save(out / name)
+        save_png(image, out / name)
         lines.append(json.dumps({"image": name, "prompt": PROMPT,
                                  "boxes": {o.sentence: list(o.box) for o in objects}}))
     with atomic_path(out / FILE) as tmp:

@@ -22,7 +22,7 @@ from ..attribution import atomic_path
 from ..commands.metrics import in_box
 from ..vas import VAS_COLUMNS
 from .accuracy import HELD_OUT_SEED
-from .figures import region_centroids, span_figure
+from .figures import region_centroids, save_png, span_figure
 from .model import load, prompt
 from .processor import MERGE_SIZE
 from .world import IMAGE_SIZE, describe, match_object, parse_sentence, scene
@@ -95,7 +95,7 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
                 span_figure(out / s["png"], image, labels, grid, centroids,
                             np.array(s["scores"]), title, score_name, s["box"], s["top_region"])
             image_file = f"image{i}.png"
-            image.save(out / image_file)
+            save_png(image, out / image_file)
             text = " ".join(s["text"] for s in spans)
             vas = tr.vas_features()[0].tolist()
             echo(f"  {'correct' if text == describe(objects) else 'truth: ' + describe(objects)}"

@@ -38,6 +38,12 @@ def _outline_segments(pixel_labels: np.ndarray) -> list:
     return segments
 
 
+def save_png(image, path: Path) -> None:
+    """Writes a PIL image as a PNG, atomically (never a partial file at ``path``)."""
+    with atomic_path(path) as tmp:
+        image.save(tmp, format="PNG")
+
+
 def span_figure(path: Path, image, labels: np.ndarray, grid: Sequence[int],
                 centroids: np.ndarray, scores: np.ndarray, title: str, score_name: str,
                 box: Optional[Sequence[int]], top_region: int) -> None:

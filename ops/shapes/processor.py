@@ -8,6 +8,9 @@ from .world import COLOURS, IMAGE_SIZE, PLACES, PROMPT, SHAPES
 PATCH_SIZE = 8
 MERGE_SIZE = 2
 TEMPORAL_PATCH_SIZE = 2
+# Every image is IMAGE_SIZE square and kept at that size: a grid of TOKEN_GRID x TOKEN_GRID
+# image tokens (after merging MERGE_SIZE x MERGE_SIZE patches).
+TOKEN_GRID = IMAGE_SIZE // (PATCH_SIZE * MERGE_SIZE)
 SPECIAL_TOKENS = ("<pad>", "<|endoftext|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>", "<unk>")
 IMAGE_TEXT = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -150,7 +150,8 @@ def test_resume_after_kill_equals_straight_run(files, tmp_path):
         proc.wait()
     done = sorted(p.name for p in out.glob("shard-*.safetensors"))
     assert 1 <= len(done) < IMAGES, done
-    headscope("collect", "--model", model, "--data", data, "--out", out, *COLLECT)
+    rerun = headscope("collect", "--model", model, "--data", data, "--out", out, *COLLECT)
+    assert f"collected {IMAGES - len(done)} examples now, {IMAGES} in total" in rerun.stdout
     assert not list(out.glob(".*.tmp"))
     _same(read_collection(out), read_collection(collection))
 
@@ -178,8 +179,7 @@ def test_help_and_errors(files, tmp_path, capsys):
     assert e.value.code == 2
 
     def error(*argv) -> str:
-        assert main([str(a) for a in argv]) == 2
-        return capsys.readouterr().err
+        return _usage_error(capsys, *argv)
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -198,8 +198,8 @@ def test_help_and_errors(files, tmp_path, capsys):
     assert "other settings" in error("collect", "--model", model, "--data", data,
                                      "--out", collection, *COLLECT[:-2], "--shard-size", "2")
     for grid in ("3", "3x", "0x2"):
-        assert "--grid" in error("collect", "--model", model, "--data", data, "--out",
-                                 tmp_path / "o", "--grid", grid)
+        assert "--grid: a grid" in error("collect", "--model", model, "--data", data,
+                                        "--out", tmp_path / "o", "--grid", grid)
     assert "no manifest.json" in error("train", "--data", tmp_path, "--out", tmp_path / "h")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "manifest.json").write_text(
@@ -210,7 +210,157 @@ def test_help_and_errors(files, tmp_path, capsys):
     AttributionHead(3, 4).save(tmp_path / "wrong.safetensors")
     assert "num_layers=3, expected 2" in error(
         "eval", "--model", model, "--head", tmp_path / "wrong.safetensors", "--data",
-        collection)
+        collection, "--report", tmp_path / "r.json")
+
+
+def _usage_error(capsys, *argv) -> str:
+    """Runs a command that must refuse its arguments: exit 2 and one line on stderr."""
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's own checks
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2, (code, out, err)
+    assert len(err.strip().splitlines()) == 1 and not out, (out, err)
+    return err
+
+
+def _files_under(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+# Bad arguments, each refused before any work. DATA's images are 48x40 pixels (width x
+# height): 5 rows and 6 columns of image tokens. ``p``: the paths of _bad_argument_paths.
+BAD_ARGUMENTS = {
+    "collect-regions-over-tokens": (lambda p: p.collect + ["--regions", "500"],
+                                    ["--regions 500", "5x6 image tokens", "allowed: 1 to 30"]),
+    "collect-grid-over-tokens": (lambda p: p.collect + ["--grid", "100x100"],
+                                 ["--grid 100x100", "at most 5x6"]),
+    "collect-grid-and-regions": (lambda p: p.collect + ["--grid", "3x3", "--regions", "4"],
+                                 ["--regions 4", "--grid 3x3"]),
+    "collect-regions-0": (lambda p: p.collect + ["--regions", "0"],
+                          ["--regions", "'0'", ">= 1"]),
+    "collect-seed-without-subsets": (lambda p: p.collect + ["--subsets", "0", "--seed", "3"],
+                                     ["--seed 3", "--subsets 0"]),
+    "eval-head-typo": (lambda p: ["eval", "--model", p.model, "--head", p.tmp / "typo.st",
+                                  "--data", p.data, "--report", p.report],
+                       ["--head", "typo.st", "no such file"]),
+    "eval-head-wrong-size": (lambda p: p.evaluate + ["--data", p.data],
+                             ["--head", "num_layers=3, expected 2"]),
+    "eval-regions-on-collection": (lambda p: p.evaluate + ["--data", p.collection,
+                                                           "--regions", "3"],
+                                   ["--regions 3", "--regions 4"]),
+    "eval-regions-and-grid": (lambda p: p.evaluate + ["--data", p.collection, "--regions", "3",
+                                                      "--grid", "2x2"],
+                              ["--regions 3", "--grid 2x2"]),
+    "eval-grid-on-collection": (lambda p: p.evaluate + ["--data", p.collection, "--grid", "2x2"],
+                                ["--grid 2x2", "--regions 4"]),
+    "eval-batch-size-on-collection": (lambda p: p.evaluate + ["--data", p.collection,
+                                                              "--batch-size", "2"],
+                                      ["--batch-size 2", "collection"]),
+    "eval-work-on-collection": (lambda p: p.evaluate + ["--data", p.collection,
+                                                        "--work", p.tmp / "w"], ["--work"]),
+    "eval-other-model-on-collection": (
+        lambda p: ["eval", "--model", p.other, "--head", p.wrong, "--data", p.collection,
+                   "--report", p.report], ["--model", "other-model", "loop"]),
+    "eval-report-no-folder": (lambda p: p.evaluate + ["--data", p.data, "--report",
+                                                      p.tmp / "nodir" / "r.json"],
+                              ["nodir/r.json", "does not exist"]),
+    "eval-report-folder-is-file": (lambda p: p.evaluate + ["--data", p.data, "--report",
+                                                           p.tmp / "file" / "r.json"],
+                                   ["file/r.json", "not a folder"]),
+    "train-out-no-folder": (lambda p: p.train + ["--out", p.tmp / "nodir" / "h.safetensors"],
+                            ["nodir/h.safetensors", "does not exist"]),
+    "train-ridge-negative": (lambda p: p.train + ["--out", p.tmp / "h", "--ridge", "-1"],
+                             ["--ridge", "'-1'", ">= 0"]),
+    "train-ridge-nan": (lambda p: p.train + ["--out", p.tmp / "h", "--ridge", "nan"],
+                        ["--ridge", "'nan'", "finite"]),
+    "train-epochs-with-lstsq": (lambda p: p.train + ["--out", p.tmp / "h", "--epochs", "3"],
+                                ["--epochs 3", "--loss lstsq"]),
+    "train-ridge-with-pearson": (lambda p: p.train + ["--out", p.tmp / "h", "--loss",
+                                                      "pearson", "--ridge", "1"],
+                                 ["--ridge 1.0", "--loss pearson"]),
+    "train-seed-without-val": (lambda p: p.train + ["--out", p.tmp / "h", "--seed", "1"],
+                               ["--seed 1", "--val-fraction"]),
+    "train-val-fraction-1": (lambda p: p.train + ["--out", p.tmp / "h", "--val-fraction", "1"],
+                             ["--val-fraction", "'1'", "< 1"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARGUMENTS))
+def test_bad_arguments_fail_before_any_work(files, tmp_path, capsys, case):
+    """One line naming the argument, the value given and what is allowed, exit 2, and
+    nothing created (no collection folder, report or head)."""
+    import shutil
+    from types import SimpleNamespace
+    from headscope import AttributionHead
+    root, model, data, collection = files
+    p = SimpleNamespace(model=model, data=data, collection=collection, tmp=tmp_path,
+                        other=tmp_path / "other-model", wrong=tmp_path / "wrong.safetensors",
+                        report=tmp_path / "r.json")
+    shutil.copytree(model, p.other)
+    AttributionHead(3, 4).save(p.wrong)
+    (tmp_path / "file").write_text("")
+    p.collect = ["collect", "--model", model, "--data", data, "--out", tmp_path / "out"]
+    p.evaluate = ["eval", "--model", model, "--head", p.wrong, "--report", p.report]
+    p.train = ["train", "--data", collection]
+    before = _files_under(tmp_path)
+    argv, words = BAD_ARGUMENTS[case]
+    err = _usage_error(capsys, *argv(p))
+    assert ".tmp" not in err and "Traceback" not in err, err
+    for word in words:
+        assert word in err, (word, err)
+    assert _files_under(tmp_path) == before, err
+
+
+def test_refused_collection_leaves_nothing_that_blocks_a_rerun(files, tmp_path, capsys):
+    root, model, data, collection = files
+    out = tmp_path / "out"
+    _usage_error(capsys, "collect", "--model", model, "--data", data, "--out", out,
+                 "--regions", "500")
+    headscope("collect", "--model", model, "--data", data, "--out", out, "--regions", "2",
+              "--max-new-tokens", "2", "--subsets", "0", "--shard-size", "4")
+    assert read_collection(out).manifest["regions"] == 2
+
+
+def test_damaged_shard_is_found_by_its_checksum(files, tmp_path, capsys):
+    import shutil
+    from headscope.commands.errors import UsageError
+    root, model, data, collection = files
+    copy = tmp_path / "copy"
+    shutil.copytree(collection, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    assert sorted(manifest["checksums"]) == [shard_path(copy, s).name for s in range(IMAGES)]
+    shard = shard_path(copy, 1)
+    data_bytes = bytearray(shard.read_bytes())
+    data_bytes[-1] ^= 0x01  # the last tensor's last byte: the header still parses
+    shard.write_bytes(bytes(data_bytes))
+    with pytest.raises(UsageError, match="shard-00001.safetensors: damaged"):
+        read_collection(copy)
+    err = _usage_error(capsys, "train", "--data", copy, "--out", tmp_path / "h.safetensors")
+    assert "shard-00001.safetensors: damaged" in err
+    assert not (tmp_path / "h.safetensors").exists()
+
+
+def test_resume_records_the_checksum_of_a_shard_written_just_before_a_kill(files, tmp_path):
+    """A kill between a shard's rename and the manifest's update leaves a complete shard
+    without a checksum (and maybe the manifest's temporary file): the rerun records it."""
+    import shutil
+    from headscope.commands.errors import UsageError
+    root, model, data, collection = files
+    copy = tmp_path / "copy"
+    shutil.copytree(collection, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["checksums"][shard_path(copy, 2).name]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    (copy / ".manifest.json.abc123.tmp").write_text("{")
+    with pytest.raises(UsageError, match="shard-00002.safetensors: no SHA-256 recorded"):
+        read_collection(copy)
+    out = headscope("collect", "--model", model, "--data", data, "--out", copy, *COLLECT)
+    assert f"collected 0 examples now, {IMAGES} in total" in out.stdout
+    assert not list(copy.glob(".*.tmp"))
+    _same(read_collection(copy), read_collection(collection))
 
 
 def test_readme_loop_commands_parse():

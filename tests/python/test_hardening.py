@@ -247,6 +247,31 @@ def test_save_error_removes_temporary_file(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_save_into_a_missing_folder_names_the_path_given(tmp_path):
+    path = tmp_path / "nodir" / "head.safetensors"
+    with pytest.raises(FileNotFoundError) as e:
+        headscope.AttributionHead(2, 4).save(path)
+    assert str(path) in str(e.value) and ".tmp" not in str(e.value)
+    assert e.value.filename == str(path)
+
+
+def test_newest_torch_check_refuses_to_test_the_pin_again(tmp_path):
+    """scripts/test_newest_torch.sh fails, before installing anything, when the torch it
+    would test is not newer than the pin of requirements.txt."""
+    from conftest import REPO
+    pin = next(line.split("==")[1].strip() for line in
+               (REPO / "requirements.txt").read_text().splitlines()
+               if line.startswith("torch=="))
+    for version in (pin, pin + "+cu130", "2.0.0"):
+        env = dict(os.environ, HEADSCOPE_NEWEST_TORCH=version,
+                   HEADSCOPE_NEWEST_DIR=str(tmp_path / "env"))
+        result = subprocess.run(["bash", str(REPO / "scripts" / "test_newest_torch.sh")],
+                                capture_output=True, text=True, env=env, timeout=60)
+        assert result.returncode == 1, result.stderr
+        assert f"torch {version} is not newer than the pin torch=={pin}" in result.stderr
+        assert not (tmp_path / "env").exists()
+
+
 # ---- concurrency -------------------------------------------------------------------------------
 
 def _inputs():

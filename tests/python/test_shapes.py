@@ -177,6 +177,91 @@ def test_demo_writes_its_files(shipped, tmp_path, capsys, regions):
     assert "descriptions correct" in printed
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--images", "0"], ["--images", "'0'", ">= 1"]),
+    (["--regions", "0"], ["--regions", "'0'", "from 1 to 36"]),
+    (["--regions", "37"], ["--regions", "'37'", "6x6 tokens"]),
+    (["--grid", "7x2"], ["--grid", "'7x2'", "at most 6x6"]),
+    (["--grid", "3x3", "--regions", "4"], ["--regions", "--grid"]),
+    (["--model", "no-such-model"], ["--model", "'no-such-model'", "config.json"]),
+])
+def test_demo_refuses_bad_arguments_before_any_work(tmp_path, capsys, argv, words):
+    from headscope.shapes.__main__ import main
+    out = tmp_path / "demo"
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--out", str(out), *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    for word in words:
+        assert word in err, (word, err)
+    assert not out.exists()
+
+
+def test_demo_output_folder_is_checked_first(tmp_path, capsys):
+    from headscope.shapes.__main__ import main
+    (tmp_path / "file").write_text("")
+    assert main(["demo", "--out", str(tmp_path / "file" / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "file/demo" in err and "not a folder" in err
+
+
+def test_demo_interrupted_leaves_only_complete_files(shipped, tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the scene's image is being written: one line, exit 130, and every file
+    in the folder complete (an interrupted write leaves nothing at its path)."""
+    from PIL import Image
+    from headscope.shapes.__main__ import main
+    real_save = Image.Image.save
+
+    def interrupted(self, fp, *args, **kwargs):
+        if "image0.png" in str(fp):
+            with open(fp, "wb") as f:
+                f.write(b"\x89PNG\r\n\x1a\n" + bytes(25))  # a partial file
+            raise KeyboardInterrupt
+        return real_save(self, fp, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", interrupted)
+    out = tmp_path / "demo"
+    try:
+        code = main(["demo", "--out", str(out), "--images", "1"])
+    except KeyboardInterrupt:  # not handled: would end the test session
+        code = "KeyboardInterrupt escaped"
+    assert code == 130
+    err = capsys.readouterr().err  # transformers' loading bar, then one line
+    assert err.strip().splitlines()[-1] == "python -m headscope.shapes demo: interrupted"
+    assert "Traceback" not in err
+    monkeypatch.setattr(Image.Image, "save", real_save)
+    left = sorted(p.name for p in out.iterdir())
+    assert left and all(name.endswith(".png") for name in left), left  # the span figures
+    for name in left:
+        with Image.open(out / name) as image:
+            image.verify()  # complete PNGs only
+    assert "image0.png" not in left
+
+
+def test_ctrl_c_during_the_demo_is_one_line_and_exit_130(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "headscope.shapes", "demo", "--out",
+                             str(tmp_path), "--images", "4"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:  # the model is loaded and generating
+            if "span 0:" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "python -m headscope.shapes demo: interrupted"
+    assert "Traceback" not in err
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
 # ---- the training script -------------------------------------------------------------------
 
 TINY = dict(steps=4, batch=2, warmup=2, hidden=32, layers=1, intermediate=64)
