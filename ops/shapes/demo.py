@@ -24,7 +24,6 @@ from ..vas import VAS_COLUMNS
 from .accuracy import HELD_OUT_SEED
 from .figures import region_centroids, save_png, span_figure
 from .model import load, prompt
-from .processor import MERGE_SIZE
 from .world import IMAGE_SIZE, describe, match_object, parse_sentence, scene
 
 # Demo scenes are held out: seeds HELD_OUT_SEED + DEMO_OFFSET + i, past the accuracy set.
@@ -36,11 +35,6 @@ WORLD_GRID = (3, 3)  # the demo's default regions: one per place of the world
 def _write_atomic(path: Path, text: str) -> None:
     with atomic_path(path) as tmp:
         Path(tmp).write_text(text)
-
-
-def _token_grid(inputs) -> tuple:
-    t, h, w = (int(v) for v in inputs["image_grid_thw"][0])
-    return h // MERGE_SIZE, w // MERGE_SIZE
 
 
 def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None,
@@ -70,12 +64,13 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
             seed = HELD_OUT_SEED + DEMO_OFFSET + i
             image, objects = scene(seed, 1 + i % 4)
             inputs = prompt(processor, image)
-            grid = _token_grid(inputs)
             echo(f"image {i} (seed {seed}, {len(objects)} objects)")
             spans = []
             for span in tr.generate(**inputs, max_new_tokens=max_new_tokens):
-                if not spans:  # the prefill has set this prompt's regions
-                    labels = tr.region_ids[0][tr.region_ids[0] >= 0].numpy()
+                if not spans:  # the prefill has set this prompt's regions and images
+                    (picture,) = tr.images[0]
+                    grid = (picture.rows, picture.cols)
+                    labels = tr.region_ids[0, picture.grid.positions].cpu().numpy()
                     K = tr.num_regions[0]
                     centroids = region_centroids(labels, grid, IMAGE_SIZE, K)
                 text = processor.tokenizer.decode(span.token_ids, skip_special_tokens=True)
