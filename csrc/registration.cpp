@@ -18,7 +18,8 @@ TORCH_LIBRARY(headscope, m) {
   m.def("vas_head_stats(Tensor attn, Tensor head_writes, Tensor lengths, Tensor? offsets=None)"
         " -> Tensor", pt2);
   m.def("vas_head_stats_qk(Tensor q, Tensor k, Tensor head_writes, Tensor lengths, float? scale=None,"
-        " bool causal=True, Tensor? offsets=None, Tensor? key_padding_mask=None) -> Tensor", pt2);
+        " bool causal=True, Tensor? offsets=None, Tensor? key_padding_mask=None, int? window=None,"
+        " int? chunk=None, Tensor? block_ids=None, float? softcap=None) -> Tensor", pt2);
   m.def("vas_aggregate(Tensor head_stats) -> Tensor", pt2);
 
   // ---- attribution: vStream region pooling, linear head, correlations, regions ----
@@ -26,10 +27,12 @@ TORCH_LIBRARY(headscope, m) {
         " str reduce=\"sum\") -> Tensor", pt2);
   m.def("region_pool_qk(Tensor q, Tensor k, Tensor query_weights, Tensor region_ids,"
         " SymInt num_regions, float? scale=None, bool causal=True, Tensor? key_padding_mask=None,"
-        " str reduce=\"sum\") -> Tensor", pt2);
+        " str reduce=\"sum\", int? window=None, int? chunk=None, Tensor? block_ids=None,"
+        " float? softcap=None) -> Tensor", pt2);
   m.def("region_pool_qk_layers(Tensor[] q, Tensor[] k, Tensor query_weights, Tensor region_ids,"
         " SymInt num_regions, float[]? scale=None, bool causal=True, Tensor? key_padding_mask=None,"
-        " str reduce=\"sum\") -> Tensor", pt2);
+        " str reduce=\"sum\", int[]? window=None, int[]? chunk=None, Tensor? block_ids=None,"
+        " float? softcap=None) -> Tensor", pt2);
   m.def("linear_attribution(Tensor features, Tensor weight, Tensor mean, Tensor std,"
         " Tensor? bias=None) -> Tensor", pt2);
   m.def("spearman(Tensor pred, Tensor target, int dim=-1) -> Tensor", pt2);

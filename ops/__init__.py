@@ -12,6 +12,7 @@ from .mixer import FactorMixer, kl_hvp, kl_project, thin_mix  # noqa: E402
 from .vas import (VAS_COLUMNS, VASAccumulator, vas_aggregate, vas_features,  # noqa: E402
                   vas_head_stats, vas_head_stats_qk)
 from .detector import VASDetector  # noqa: E402
+from .patterns import pattern_mask  # noqa: E402
 from .attribution import (AttributionHead, LDS, lds, linear_attribution, pearson,  # noqa: E402
                           region_pool, region_pool_qk, region_pool_qk_layers, spearman,
                           stack_layers, ward_regions)
@@ -19,6 +20,6 @@ from .attribution import (AttributionHead, LDS, lds, linear_attribution, pearson
 __all__ = ["FactorMixer", "kl_hvp", "kl_project", "thin_mix", "LIBRARY_PATH",
            "AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "region_pool",
            "region_pool_qk", "region_pool_qk_layers", "spearman", "stack_layers",
-           "ward_regions",
+           "ward_regions", "pattern_mask",
            "VAS_COLUMNS", "VASAccumulator", "VASDetector", "vas_aggregate", "vas_features",
            "vas_head_stats", "vas_head_stats_qk"]

@@ -52,7 +52,10 @@ def region_pool(attn: Tensor, query_weights: Tensor, region_ids: Tensor, num_reg
 
 def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tensor,
                    num_regions: int, scale: Optional[float] = None, causal: bool = True,
-                   key_padding_mask: Optional[Tensor] = None, reduce: str = "sum") -> Tensor:
+                   key_padding_mask: Optional[Tensor] = None, reduce: str = "sum",
+                   window: Optional[int] = None, chunk: Optional[int] = None,
+                   block_ids: Optional[Tensor] = None,
+                   softcap: Optional[float] = None) -> Tensor:
     """``region_pool(softmax(scale * q k^T))`` without storing the attention matrix.
 
     ``q`` ``(B, H, Tq, D)``, ``k`` ``(B, Hkv, Tk, D)`` with ``Hkv`` dividing ``H`` (grouped
@@ -61,26 +64,50 @@ def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tens
     ``t <= i + Tk - Tq`` (a decode step with a key cache sees all keys).
     ``key_padding_mask`` ``(B, Tk)`` bool, True = padding (ignored), as in
     ``nn.MultiheadAttention``. A query row with no visible key contributes nothing.
+
+    The attention pattern, as :func:`headscope.pattern_mask` materialises it (positions
+    aligned as ``causal``): ``window`` (None or 0: none; the ``window`` most recent keys up
+    to the query), ``chunk`` (None or 0: none; only keys of the query's chunk), ``block_ids``
+    ``(B, Tk)`` int64 (a query whose position has block b >= 0 also sees every key of b),
+    ``softcap`` (logits become ``softcap * tanh(logits / softcap)``).
     """
     return torch.ops.headscope.region_pool_qk(q, k, query_weights, region_ids, num_regions,
-                                              scale, causal, key_padding_mask, reduce)
+                                              scale, causal, key_padding_mask, reduce, window,
+                                              chunk, block_ids, softcap)
 
 
 def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weights: Tensor,
                           region_ids: Tensor, num_regions: int,
                           scale: Optional[Sequence[float]] = None, causal: bool = True,
                           key_padding_mask: Optional[Tensor] = None,
-                          reduce: str = "sum") -> Tensor:
+                          reduce: str = "sum",
+                          window: Union[int, Sequence[Optional[int]], None] = None,
+                          chunk: Union[int, Sequence[Optional[int]], None] = None,
+                          block_ids: Optional[Tensor] = None,
+                          softcap: Optional[float] = None) -> Tensor:
     """:func:`region_pool_qk` of every layer in one call: ``q[l]`` ``(B, H, Tq, D)`` and
     ``k[l]`` ``(B, Hkv, Tk, D)`` (every layer of the first one's sizes), ``scale`` one per
     layer (default ``D ** -0.5``) -> ``(B, K, L*H)``, column ``l*H + h``: the features of an
     :class:`AttributionHead`, as ``stack_layers`` orders them. One call per span for a
     streaming tracer; the CPU kernel pools every layer in one pass.
+
+    ``window`` and ``chunk``: one length for every layer, or one per layer (None or 0: none
+    in that layer; Gemma's sliding and global layers alternate). ``block_ids`` and
+    ``softcap`` apply to every layer (:func:`region_pool_qk`).
     """
+    def per_layer(v):
+        if v is None:
+            return None
+        if isinstance(v, int):
+            return [v] * len(q)
+        return [0 if x is None else int(x) for x in v]
+
     return torch.ops.headscope.region_pool_qk_layers(list(q), list(k), query_weights,
                                                      region_ids, num_regions,
                                                      None if scale is None else list(scale),
-                                                     causal, key_padding_mask, reduce)
+                                                     causal, key_padding_mask, reduce,
+                                                     per_layer(window), per_layer(chunk),
+                                                     block_ids, softcap)
 
 
 def linear_attribution(features: Tensor, weight: Tensor, mean: Tensor, std: Tensor,

@@ -48,13 +48,22 @@ def vas_head_stats(attn: torch.Tensor, head_writes: torch.Tensor, lengths: torch
 def vas_head_stats_qk(q: torch.Tensor, k: torch.Tensor, head_writes: torch.Tensor,
                       lengths: torch.Tensor, scale: Optional[float] = None, causal: bool = True,
                       offsets: Optional[torch.Tensor] = None,
-                      key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      key_padding_mask: Optional[torch.Tensor] = None,
+                      window: Optional[int] = None, chunk: Optional[int] = None,
+                      block_ids: Optional[torch.Tensor] = None,
+                      softcap: Optional[float] = None) -> torch.Tensor:
     """:func:`vas_head_stats` of ``softmax(q k^T * scale + causal mask)``, recomputed tile by
     tile from q (B, H, T, D) and k (B, Hkv, T, D) (Hkv divides H). scale defaults to
     ``D ** -0.5``. ``key_padding_mask`` (B, T) bool, True = padding: those keys are left out
-    of the softmax, as the model's attention mask leaves them out."""
+    of the softmax, as the model's attention mask leaves them out.
+
+    The attention pattern (:func:`headscope.pattern_mask` materialises it): ``window`` (a
+    query sees its ``window`` most recent keys), ``chunk`` (only keys of its chunk),
+    ``block_ids`` (B, T) int64 (a query in block b >= 0 also sees the later keys of b) and
+    ``softcap`` (logits become ``softcap * tanh(logits / softcap)``)."""
     return torch.ops.headscope.vas_head_stats_qk(q, k, head_writes, lengths, scale, causal,
-                                                 offsets, key_padding_mask)
+                                                 offsets, key_padding_mask, window, chunk,
+                                                 block_ids, softcap)
 
 
 def vas_aggregate(head_stats: torch.Tensor) -> torch.Tensor:

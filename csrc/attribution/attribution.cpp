@@ -15,20 +15,25 @@ at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& query_weights, const at::Tensor& region_ids,
                           c10::SymInt num_regions, std::optional<double> scale, bool causal,
                           const std::optional<at::Tensor>& key_padding_mask,
-                          c10::string_view reduce) {
+                          c10::string_view reduce, std::optional<int64_t> window,
+                          std::optional<int64_t> chunk, const std::optional<at::Tensor>& block_ids,
+                          std::optional<double> softcap) {
   static const auto op = HEADSCOPE_TYPED_OP(region_pool_qk);
   return op.call(q, k, query_weights, region_ids, std::move(num_regions), scale, causal,
-                 key_padding_mask, reduce);
+                 key_padding_mask, reduce, window, chunk, block_ids, softcap);
 }
 
 at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
                                  const at::Tensor& query_weights, const at::Tensor& region_ids,
                                  c10::SymInt num_regions, std::optional<at::ArrayRef<double>> scale,
                                  bool causal, const std::optional<at::Tensor>& key_padding_mask,
-                                 c10::string_view reduce) {
+                                 c10::string_view reduce, at::OptionalIntArrayRef window,
+                                 at::OptionalIntArrayRef chunk,
+                                 const std::optional<at::Tensor>& block_ids,
+                                 std::optional<double> softcap) {
   static const auto op = HEADSCOPE_TYPED_OP(region_pool_qk_layers);
   return op.call(q, k, query_weights, region_ids, std::move(num_regions), scale, causal,
-                 key_padding_mask, reduce);
+                 key_padding_mask, reduce, window, chunk, block_ids, softcap);
 }
 
 at::Tensor linear_attribution(const at::Tensor& features, const at::Tensor& weight,

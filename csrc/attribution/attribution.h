@@ -22,24 +22,35 @@ at::Tensor region_pool(const at::Tensor& attn, const at::Tensor& query_weights,
 // The same from q (B, H, Tq, D) and k (B, Hkv, Tk, D) (Hkv divides H), streaming:
 // softmax(scale * q k^T) (no scale: D ** -0.5) with causal (bottom-right aligned) and
 // key_padding_mask (B, Tk) bool, true = padding (ignored) masking, never storing
-// (B, H, Tq, Tk).
+// (B, H, Tq, Tk). The attention pattern, as vas_head_stats_qk's (docs/attribution.md):
+// `window`, `chunk` (0 or none: none), `block_ids` (B, Tk) int64 and `softcap`.
 at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& query_weights, const at::Tensor& region_ids,
                           c10::SymInt num_regions, std::optional<double> scale = std::nullopt,
                           bool causal = true,
                           const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
-                          c10::string_view reduce = "sum");
+                          c10::string_view reduce = "sum",
+                          std::optional<int64_t> window = std::nullopt,
+                          std::optional<int64_t> chunk = std::nullopt,
+                          const std::optional<at::Tensor>& block_ids = std::nullopt,
+                          std::optional<double> softcap = std::nullopt);
 
 // region_pool_qk of L layers in one call: q[l] (B, H, Tq, D), k[l] (B, Hkv, Tk, D), every
 // layer of the first one's sizes; scale none (D ** -0.5) or one per layer. Returns
 // (B, K, L * H), column l * H + h (the layer-major order of an attribution head's features).
+// window, chunk: none, or one length per layer (0: none in that layer); block_ids and
+// softcap apply to every layer.
 at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
                                  const at::Tensor& query_weights, const at::Tensor& region_ids,
                                  c10::SymInt num_regions,
                                  std::optional<at::ArrayRef<double>> scale = std::nullopt,
                                  bool causal = true,
                                  const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
-                                 c10::string_view reduce = "sum");
+                                 c10::string_view reduce = "sum",
+                                 at::OptionalIntArrayRef window = std::nullopt,
+                                 at::OptionalIntArrayRef chunk = std::nullopt,
+                                 const std::optional<at::Tensor>& block_ids = std::nullopt,
+                                 std::optional<double> softcap = std::nullopt);
 
 // features (..., F) -> (...): ((features - mean) / std) . weight + bias, bias a 0-dim
 // tensor (none: 0). A std entry that is not finite and positive makes the scores NaN.

@@ -115,10 +115,14 @@ void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
                                const c10::SymInt& num_regions,
                                const std::optional<double>& scale,
                                const std::optional<at::Tensor>& key_padding_mask,
-                               c10::string_view reduce) {
+                               c10::string_view reduce, const std::optional<int64_t>& window,
+                               const std::optional<int64_t>& chunk,
+                               const std::optional<at::Tensor>& block_ids,
+                               const std::optional<double>& softcap) {
   const char* op = "headscope::region_pool_qk";
   check_qk_layer(op, q, "q", k, "k", query_weights, region_ids, num_regions, key_padding_mask);
   check_scale(op, scale);
+  check_pattern(op, q, "q", k, "k", 2, window, chunk, block_ids, softcap);
   parse_reduce(op, reduce);
 }
 
@@ -128,7 +132,10 @@ void check_region_pool_qk_layers_args(at::TensorList q, at::TensorList k,
                                       const c10::SymInt& num_regions,
                                       const std::optional<at::ArrayRef<double>>& scale,
                                       const std::optional<at::Tensor>& key_padding_mask,
-                                      c10::string_view reduce) {
+                                      c10::string_view reduce, at::OptionalIntArrayRef window,
+                                      at::OptionalIntArrayRef chunk,
+                                      const std::optional<at::Tensor>& block_ids,
+                                      const std::optional<double>& softcap) {
   const char* op = "headscope::region_pool_qk_layers";
   const size_t L = q.size();
   HEADSCOPE_CHECK_ARG(L >= 1, op, "q", "must hold at least one layer, got none");
@@ -157,6 +164,16 @@ void check_region_pool_qk_layers_args(at::TensorList q, at::TensorList k,
                         "), got ", scale->size());
     for (double s : *scale) check_scale(op, s);
   }
+  const std::pair<const char*, at::OptionalIntArrayRef> lengths[] = {{"window", window},
+                                                                     {"chunk", chunk}};
+  for (const auto& [name, list] : lengths) {
+    if (!list.has_value()) continue;
+    HEADSCOPE_CHECK_ARG(list->size() == L, op, name, "must hold one length per layer (", L,
+                        "), got ", list->size());
+    for (int64_t v : *list) check_pattern_length(op, name, v);
+  }
+  check_pattern(op, q[0], "q[0]", k[0], "k[0]", 2, std::nullopt, std::nullopt, block_ids,
+                softcap);
   parse_reduce(op, reduce);
 }
 

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/SymInt.h>
+#include <c10/util/OptionalArrayRef.h>
 #include <c10/util/string_view.h>
 
 #include <optional>
@@ -26,17 +27,31 @@ void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
                                const c10::SymInt& num_regions,
                                const std::optional<double>& scale,
                                const std::optional<at::Tensor>& key_padding_mask,
-                               c10::string_view reduce);
+                               c10::string_view reduce,
+                               const std::optional<int64_t>& window = std::nullopt,
+                               const std::optional<int64_t>& chunk = std::nullopt,
+                               const std::optional<at::Tensor>& block_ids = std::nullopt,
+                               const std::optional<double>& softcap = std::nullopt);
 
 // Every layer's q[l], k[l] as region_pool_qk's q, k (named "q[l]", "k[l]"), all layers of
-// the first one's sizes, scale (when given) one finite value per layer.
+// the first one's sizes, scale (when given) one finite value per layer, window and chunk
+// (when given) one length >= 0 per layer.
 void check_region_pool_qk_layers_args(at::TensorList q, at::TensorList k,
                                       const at::Tensor& query_weights,
                                       const at::Tensor& region_ids,
                                       const c10::SymInt& num_regions,
                                       const std::optional<at::ArrayRef<double>>& scale,
                                       const std::optional<at::Tensor>& key_padding_mask,
-                                      c10::string_view reduce);
+                                      c10::string_view reduce,
+                                      at::OptionalIntArrayRef window = std::nullopt,
+                                      at::OptionalIntArrayRef chunk = std::nullopt,
+                                      const std::optional<at::Tensor>& block_ids = std::nullopt,
+                                      const std::optional<double>& softcap = std::nullopt);
+
+// Layer l's entry of region_pool_qk_layers' window or chunk list (0 without a list).
+inline int64_t layer_length(at::OptionalIntArrayRef lengths, size_t l) {
+  return lengths.has_value() ? (*lengths)[l] : 0;
+}
 
 void check_linear_attribution_args(const at::Tensor& features, const at::Tensor& weight,
                                    const at::Tensor& mean, const at::Tensor& std,

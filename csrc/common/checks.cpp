@@ -78,4 +78,27 @@ double scale_or_default(const std::optional<double>& scale, int64_t head_dim) {
   return head_dim > 0 ? 1.0 / std::sqrt(static_cast<double>(head_dim)) : 1.0;
 }
 
+void check_pattern_length(const char* op, const char* arg, int64_t value) {
+  HEADSCOPE_CHECK_ARG(value >= 0, op, arg, "must be >= 0 (0 or None: none), got ", value);
+}
+
+void check_pattern(const char* op, const at::Tensor& ref, const char* ref_name,
+                   const at::Tensor& keys, const char* keys_name, int64_t tk_dim,
+                   const std::optional<int64_t>& window, const std::optional<int64_t>& chunk,
+                   const std::optional<at::Tensor>& block_ids,
+                   const std::optional<double>& softcap) {
+  if (window.has_value()) check_pattern_length(op, "window", *window);
+  if (chunk.has_value()) check_pattern_length(op, "chunk", *chunk);
+  if (block_ids.has_value() && block_ids->defined()) {
+    const auto& ids = *block_ids;
+    check_dtype_in(op, "block_ids", ids, {at::kLong});
+    check_dim(op, "block_ids", ids, 2);
+    check_same_device(op, ref_name, ref, "block_ids", ids);
+    check_same_size(op, ref_name, ref, 0, "block_ids", ids, 0);
+    check_same_size(op, keys_name, keys, tk_dim, "block_ids", ids, 1);
+  }
+  HEADSCOPE_CHECK_ARG(!softcap.has_value() || (std::isfinite(*softcap) && *softcap > 0), op,
+                      "softcap", "must be finite and > 0, got ", *softcap);
+}
+
 }  // namespace headscope

@@ -41,4 +41,14 @@ inline void check_same_batch(const char* op, const char* arg_a, const at::Tensor
 void check_scale(const char* op, const std::optional<double>& scale);
 double scale_or_default(const std::optional<double>& scale, int64_t head_dim);
 
+// The attention-pattern arguments of the q/k ops (common/attention_pattern.h): a window or
+// chunk length `arg` >= 0 (0 or None: none), block_ids int64 (B, Tk) on ref's device (B
+// from ref's dimension 0, Tk from keys' dimension tk_dim), softcap finite and > 0.
+void check_pattern_length(const char* op, const char* arg, int64_t value);
+void check_pattern(const char* op, const at::Tensor& ref, const char* ref_name,
+                   const at::Tensor& keys, const char* keys_name, int64_t tk_dim,
+                   const std::optional<int64_t>& window, const std::optional<int64_t>& chunk,
+                   const std::optional<at::Tensor>& block_ids,
+                   const std::optional<double>& softcap);
+
 }  // namespace headscope

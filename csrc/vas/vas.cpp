@@ -14,9 +14,13 @@ at::Tensor vas_head_stats_qk(const at::Tensor& q, const at::Tensor& k,
                              const at::Tensor& head_writes, const at::Tensor& lengths,
                              std::optional<double> scale, bool causal,
                              const std::optional<at::Tensor>& offsets,
-                             const std::optional<at::Tensor>& key_padding_mask) {
+                             const std::optional<at::Tensor>& key_padding_mask,
+                             std::optional<int64_t> window, std::optional<int64_t> chunk,
+                             const std::optional<at::Tensor>& block_ids,
+                             std::optional<double> softcap) {
   static const auto op = HEADSCOPE_TYPED_OP(vas_head_stats_qk);
-  return op.call(q, k, head_writes, lengths, scale, causal, offsets, key_padding_mask);
+  return op.call(q, k, head_writes, lengths, scale, causal, offsets, key_padding_mask, window,
+                 chunk, block_ids, softcap);
 }
 
 at::Tensor vas_aggregate(const at::Tensor& head_stats) {

@@ -21,12 +21,19 @@ at::Tensor vas_head_stats(const at::Tensor& attn, const at::Tensor& head_writes,
 // The same statistics with the attention recomputed tile by tile from q (B, H, T, D) and
 // k (B, Hkv, T, D): softmax(q k^T * scale + causal mask), never stored whole; no scale
 // means D ** -0.5. Keys where the bool (B, T) `key_padding_mask` is true are left out of
-// the softmax (padding).
+// the softmax (padding). The attention pattern (docs/vas.md): `window` (a query sees the
+// `window` most recent keys up to itself), `chunk` (only keys of its chunk), `block_ids`
+// (B, T) int64 (a query in block b >= 0 also sees the later keys of b) and `softcap`
+// (logits become softcap * tanh(logits / softcap)); 0 or none: no window, no chunks.
 at::Tensor vas_head_stats_qk(const at::Tensor& q, const at::Tensor& k,
                              const at::Tensor& head_writes, const at::Tensor& lengths,
                              std::optional<double> scale = std::nullopt, bool causal = true,
                              const std::optional<at::Tensor>& offsets = std::nullopt,
-                             const std::optional<at::Tensor>& key_padding_mask = std::nullopt);
+                             const std::optional<at::Tensor>& key_padding_mask = std::nullopt,
+                             std::optional<int64_t> window = std::nullopt,
+                             std::optional<int64_t> chunk = std::nullopt,
+                             const std::optional<at::Tensor>& block_ids = std::nullopt,
+                             std::optional<double> softcap = std::nullopt);
 
 // (B, L, H, 3) per-layer per-head stats -> (B, 36) float32 features in the reference
 // implementation's column order (per layer mean/std/max/min over heads, then

@@ -59,7 +59,11 @@ void check_head_stats_qk_args(const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& head_writes, const at::Tensor& lengths,
                               const std::optional<double>& scale,
                               const std::optional<at::Tensor>& offsets,
-                              const std::optional<at::Tensor>& key_padding_mask) {
+                              const std::optional<at::Tensor>& key_padding_mask,
+                              const std::optional<int64_t>& window,
+                              const std::optional<int64_t>& chunk,
+                              const std::optional<at::Tensor>& block_ids,
+                              const std::optional<double>& softcap) {
   const char* op = "headscope::vas_head_stats_qk";
   check_dtype_in(op, "q", q, {kF32, kF16, kBF16});
   check_dim(op, "q", q, 4);
@@ -89,6 +93,7 @@ void check_head_stats_qk_args(const at::Tensor& q, const at::Tensor& k,
     check_same_size(op, "q", q, 0, "key_padding_mask", m, 0);
     check_same_size(op, "k", k, 2, "key_padding_mask", m, 1);
   }
+  check_pattern(op, q, "q", k, "k", 2, window, chunk, block_ids, softcap);
 }
 
 void check_aggregate_args(const at::Tensor& head_stats) {

@@ -107,16 +107,29 @@ def head_stats(attn: torch.Tensor, head_writes: torch.Tensor, lengths, offsets=N
 
 
 def attention_from_qk(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool,
-                      key_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """softmax(q k^T * scale + causal mask) with grouped-query heads, float32; keys where
-    the (B, T) key_padding_mask is True are left out (a row with no key left is zero)."""
-    q, k = q.float(), k.float()
+                      key_padding_mask: Optional[torch.Tensor] = None, *,
+                      window: Optional[int] = None, chunk: Optional[int] = None,
+                      block_ids: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """softmax(q k^T * scale + causal mask) with grouped-query heads, in dtype (float32
+    unless asked); keys where the (B, T) key_padding_mask is True are left out (a row with
+    no key left is zero). The attention pattern (window, chunk, block_ids, softcap) is
+    materialised by headscope.pattern_mask, queries aligned with the last keys."""
+    q, k = q.to(dtype), k.to(dtype)
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, dim=1)
     logits = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        T = q.shape[2]
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    Tq, Tk = q.shape[2], k.shape[2]
+    if window or chunk or block_ids is not None:
+        from headscope import pattern_mask
+        keep = pattern_mask(Tq, Tk, batch=q.shape[0], causal=causal, window=window, chunk=chunk,
+                            block_ids=block_ids, key_padding_mask=key_padding_mask,
+                            device=q.device)
+        logits = logits.masked_fill(~keep[:, None], float("-inf"))
+    elif causal:
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).triu(Tk - Tq + 1)
         logits = logits.masked_fill(mask, float("-inf"))
     if key_padding_mask is not None:
         logits = logits.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))

@@ -18,16 +18,20 @@ at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
                                  c10::SymInt num_regions,
                                  std::optional<at::ArrayRef<double>> scale, bool causal,
                                  const std::optional<at::Tensor>& key_padding_mask,
-                                 c10::string_view reduce) {
+                                 c10::string_view reduce, at::OptionalIntArrayRef window,
+                                 at::OptionalIntArrayRef chunk,
+                                 const std::optional<at::Tensor>& block_ids,
+                                 std::optional<double> softcap) {
   check_region_pool_qk_layers_args(q, k, query_weights, region_ids, num_regions, scale,
-                                   key_padding_mask, reduce);
+                                   key_padding_mask, reduce, window, chunk, block_ids, softcap);
   std::vector<at::Tensor> layers;
   layers.reserve(q.size());
   for (size_t l = 0; l < q.size(); ++l)
     layers.push_back(headscope::region_pool_qk(
         q[l], k[l], query_weights, region_ids, num_regions,
         scale.has_value() ? std::optional<double>((*scale)[l]) : std::nullopt, causal,
-        key_padding_mask, reduce));
+        key_padding_mask, reduce, layer_length(window, l), layer_length(chunk, l), block_ids,
+        softcap));
   return at::cat(layers, 2);
 }
 

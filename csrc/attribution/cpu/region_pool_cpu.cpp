@@ -3,6 +3,7 @@
 // region_pool_qk_layers: every layer's region_pool_qk in one call.
 #include "attribution/attribution_checks.h"
 #include "attribution/cpu/region_pool_common_cpu.h"
+#include "common/attention_pattern_cpu.h"
 #include "common/checks.h"
 #include "common/cpu_simd.h"
 #include "common/kernel.h"
@@ -151,12 +152,16 @@ void scores_tile(const T* Q, const T* Kt, int64_t ldk, T* S, int64_t R, int64_t 
   }
 }
 
-// region_pool_qk of layers l = 0..L-1 (q[l], k[l], scales[l]; every layer of q[0]'s and
-// k[0]'s sizes) into out[b, k, l * H + h], in one pass over every layer's work items.
+// region_pool_qk of layers l = 0..L-1 (q[l], k[l], scales[l], windows[l], chunks[l]; every
+// layer of q[0]'s and k[0]'s sizes) into out[b, k, l * H + h], in one pass over every
+// layer's work items.
 at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
                           const at::Tensor& query_weights, const at::Tensor& region_ids,
                           int64_t num_regions, const std::vector<double>& scales, bool causal,
-                          const std::optional<at::Tensor>& key_padding_mask, bool mean) {
+                          const std::optional<at::Tensor>& key_padding_mask, bool mean,
+                          const std::vector<int64_t>& windows, const std::vector<int64_t>& chunks,
+                          const std::optional<at::Tensor>& block_ids,
+                          std::optional<double> softcap) {
   const int64_t L = static_cast<int64_t>(q.size());
   const int64_t B = q[0].size(0), H = q[0].size(1), Tq = q[0].size(2), D = q[0].size(3);
   const int64_t Hkv = k_in[0].size(1), Tk = k_in[0].size(2), K = num_regions, G = H / Hkv;
@@ -181,9 +186,22 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
     pad_s0 = pad_t.stride(0);
     pad_s1 = pad_t.stride(1);
   }
+  // Each layer's pattern per batch row (windows and chunks may differ between layers).
+  const PatternRows pat =
+      pattern_rows(B, Tk, causal, 0, 0, block_ids, key_padding_mask, softcap);
+  std::vector<AttentionPattern> layer_pat(L * B);
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t b = 0; b < B; ++b) {
+      layer_pat[l * B + b] = pat.row[b];
+      layer_pat[l * B + b].window = windows[l];
+      layer_pat[l * B + b].chunk = chunks[l];
+    }
 
   // Work items: (layer, b, kv head, block of QB active queries); the G query heads of a kv
-  // head share each K tile, so K is read once per item and never copied or repeated.
+  // head share each K tile, so K is read once per item and never copied or repeated. Row
+  // r = j * G + g of an item is query j's head g, so that the queries a key tile concerns
+  // (its key range [lo_j, hi_j] meets the tile) are one run of rows: with a window or
+  // chunks, a tile costs only the queries that see it.
   const int64_t QB = std::max<int64_t>(1, 64 / G);
   int64_t max_active = 0;
   for (const auto& a : span.active) max_active = std::max<int64_t>(max_active, a.size());
@@ -206,7 +224,7 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
 
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> Qb, S, Kbuf, acc, m, z;
-      std::vector<int64_t> lim, tile_pos, tile_reg;
+      std::vector<int64_t> klo, khi, kqb, tile_pos, tile_reg;
       for (int64_t it = begin; it < end; ++it) {
         const int64_t l = it / per_layer, rest = it % per_layer;
         const int64_t b = rest / (Hkv * NQB), hk = (rest / NQB) % Hkv, qb = rest % NQB;
@@ -214,26 +232,33 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
         const int64_t q0 = qb * QB;
         if (q0 >= static_cast<int64_t>(act.size())) continue;
         const int64_t nq = std::min<int64_t>(QB, act.size() - q0);
-        const int64_t R = G * nq;  // row r = g * nq + j
+        const int64_t R = G * nq;  // row r = j * G + g
+        const AttentionPattern& ap = layer_pat[l * B + b];
         const at::Tensor& ql = q[l];
         const scalar_t* qp = ql.const_data_ptr<scalar_t>();
         const int64_t qs0 = ql.stride(0), qs1 = ql.stride(1), qs2 = ql.stride(2),
                       qs3 = ql.stride(3);
         const acc_t sc = static_cast<acc_t>(scales[l]);
         Qb.assign(R * D, acc_t(0));
-        lim.assign(R, 0);
-        int64_t max_lim = -1;
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t j = 0; j < nq; ++j) {
-            const int64_t qi = act[q0 + j];
+        klo.assign(nq, 0);
+        khi.assign(nq, -1);
+        kqb.assign(nq, -1);
+        int64_t min_lo = Tk, max_hi = -1;  // the keys any of the item's queries sees
+        for (int64_t j = 0; j < nq; ++j) {
+          const int64_t qi = act[q0 + j];
+          for (int64_t g = 0; g < G; ++g) {
             const scalar_t* src = qp + b * qs0 + (hk * G + g) * qs1 + qi * qs2;
-            acc_t* dst = Qb.data() + (g * nq + j) * D;
+            acc_t* dst = Qb.data() + (j * G + g) * D;
             for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<acc_t>(src[d * qs3]) * sc;
-            // last visible key (bottom-right aligned causal mask), -1: none
-            const int64_t lm = causal ? std::min<int64_t>(Tk - 1, qi + Tk - Tq) : Tk - 1;
-            lim[g * nq + j] = lm;
-            max_lim = std::max(max_lim, lm);
           }
+          // the query's keys, queries aligned with the last Tq keys (bottom-right)
+          pat.keys(ap, b, qi + Tk - Tq, klo[j], khi[j], kqb[j]);
+          klo[j] = std::max<int64_t>(klo[j], 0);
+          if (klo[j] <= khi[j]) {
+            min_lo = std::min(min_lo, klo[j]);
+            max_hi = std::max(max_hi, khi[j]);
+          }
+        }
         S.resize(R * TT);
         acc.assign(R * K, acc_t(0));
         m.assign(R, -INFINITY);
@@ -241,14 +266,21 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
         if (!direct) Kbuf.resize(TT * std::max<int64_t>(D, 1));
         const scalar_t* kbase =
             k[l].const_data_ptr<scalar_t>() + b * k[l].stride(0) + hk * k[l].stride(1);
-        for (int64_t t0 = 0; t0 <= max_lim; t0 += TT) {
-          const int64_t T = std::min<int64_t>(TT, max_lim + 1 - t0);
+        for (int64_t t0 = min_lo / TT * TT; t0 <= max_hi; t0 += TT) {
+          const int64_t T = std::min<int64_t>(TT, max_hi + 1 - t0);
+          int64_t jmin = nq, jmax = -1;  // the queries that see a key of this tile
+          for (int64_t j = 0; j < nq; ++j)
+            if (klo[j] <= khi[j] && klo[j] < t0 + T && khi[j] >= t0) {
+              jmin = std::min(jmin, j);
+              jmax = j;
+            }
+          if (jmax < 0) continue;
           const acc_t* Kt;
           int64_t ld, readable = T;
           if constexpr (direct) {
             Kt = reinterpret_cast<const acc_t*>(kbase + t0 * ldk[l]);
             ld = ldk[l];
-            readable = max_lim + 1 - t0;
+            readable = max_hi + 1 - t0;
           } else {
             for (int64_t t = 0; t < T; ++t)
               for (int64_t d = 0; d < D; ++d)
@@ -256,7 +288,8 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
             Kt = Kbuf.data();
             ld = std::max<int64_t>(D, 1);
           }
-          scores_tile(Qb.data(), Kt, ld, S.data(), R, T, D, TT, readable);
+          scores_tile(Qb.data() + jmin * G * D, Kt, ld, S.data() + jmin * G * TT,
+                      (jmax + 1 - jmin) * G, T, D, TT, readable);
           // Image tokens of this tile (shared by all rows).
           tile_pos.clear();
           tile_reg.clear();
@@ -269,13 +302,17 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
               tile_reg.push_back(regions.reg[b][p - pos.begin()]);
             }
           }
-          for (int64_t r = 0; r < R; ++r) {
-            const int64_t n = std::min<int64_t>(T, lim[r] + 1 - t0);
+          for (int64_t r = jmin * G; r < (jmax + 1) * G; ++r) {
+            const int64_t j = r / G;
+            // the row's keys in this tile: [c0, c0 + n)
+            const int64_t c0 = std::max<int64_t>(0, klo[j] - t0);
+            const int64_t n = std::min<int64_t>(T, khi[j] + 1 - t0) - c0;
             if (n <= 0) continue;
-            acc_t* s = S.data() + r * TT;
+            acc_t* s = S.data() + r * TT + c0;
+            pat.apply(ap, s, act[q0 + j] + Tk - Tq, kqb[j], t0 + c0, n);
             if (pad != nullptr)
               for (int64_t t = 0; t < n; ++t)
-                if (pad[b * pad_s0 + (t0 + t) * pad_s1]) s[t] = -INFINITY;
+                if (pad[b * pad_s0 + (t0 + c0 + t) * pad_s1]) s[t] = -INFINITY;
             const acc_t tmax = max_of(s, n);
             if (tmax == -INFINITY) {  // every key of the tile masked, or NaN logits
               for (int64_t t = 0; t < n; ++t)
@@ -291,8 +328,9 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
             }
             z[r] += exp_shift_sum(s, n, m[r]);
             for (size_t i = 0; i < tile_pos.size(); ++i) {
-              if (tile_pos[i] >= n) break;
-              ar[tile_reg[i]] += s[tile_pos[i]];
+              if (tile_pos[i] < c0) continue;
+              if (tile_pos[i] >= c0 + n) break;
+              ar[tile_reg[i]] += s[tile_pos[i] - c0];
             }
           }
         }
@@ -301,7 +339,7 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
         acc_t* pp = part_p + it * G * K;
         for (int64_t g = 0; g < G; ++g)
           for (int64_t j = 0; j < nq; ++j) {
-            const int64_t r = g * nq + j;
+            const int64_t r = j * G + g;
             if (z[r] != z[r] && span.weight[b][q0 + j] > 0) {
               for (int64_t kk = 0; kk < K; ++kk) pp[g * K + kk] = NAN;
               continue;
@@ -338,13 +376,17 @@ at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k,
                               const at::Tensor& query_weights, const at::Tensor& region_ids,
                               int64_t num_regions, std::optional<double> scale, bool causal,
                               const std::optional<at::Tensor>& key_padding_mask,
-                              c10::string_view reduce) {
+                              c10::string_view reduce, std::optional<int64_t> window,
+                              std::optional<int64_t> chunk,
+                              const std::optional<at::Tensor>& block_ids,
+                              std::optional<double> softcap) {
   const char* op = "headscope::region_pool_qk";
   check_region_pool_qk_args(q, k, query_weights, region_ids, num_regions, scale,
-                            key_padding_mask, reduce);
+                            key_padding_mask, reduce, window, chunk, block_ids, softcap);
   return pool_qk_layers(op, {q}, {k}, query_weights, region_ids, num_regions,
                         {scale_or_default(scale, q.size(3))}, causal, key_padding_mask,
-                        parse_reduce(op, reduce));
+                        parse_reduce(op, reduce), {window.value_or(0)}, {chunk.value_or(0)},
+                        block_ids, softcap);
 }
 
 at::Tensor region_pool_qk_layers_cpu(at::TensorList q, at::TensorList k,
@@ -352,14 +394,23 @@ at::Tensor region_pool_qk_layers_cpu(at::TensorList q, at::TensorList k,
                                      const at::Tensor& region_ids, int64_t num_regions,
                                      std::optional<at::ArrayRef<double>> scale, bool causal,
                                      const std::optional<at::Tensor>& key_padding_mask,
-                                     c10::string_view reduce) {
+                                     c10::string_view reduce, at::OptionalIntArrayRef window,
+                                     at::OptionalIntArrayRef chunk,
+                                     const std::optional<at::Tensor>& block_ids,
+                                     std::optional<double> softcap) {
   const char* op = "headscope::region_pool_qk_layers";
   check_region_pool_qk_layers_args(q, k, query_weights, region_ids, num_regions, scale,
-                                   key_padding_mask, reduce);
+                                   key_padding_mask, reduce, window, chunk, block_ids, softcap);
   std::vector<double> scales(q.size(), scale_or_default(std::nullopt, q[0].size(3)));
   if (scale.has_value()) scales.assign(scale->begin(), scale->end());
+  std::vector<int64_t> windows(q.size()), chunks(q.size());
+  for (size_t l = 0; l < q.size(); ++l) {
+    windows[l] = layer_length(window, l);
+    chunks[l] = layer_length(chunk, l);
+  }
   return pool_qk_layers(op, q, k, query_weights, region_ids, num_regions, scales, causal,
-                        key_padding_mask, parse_reduce(op, reduce));
+                        key_padding_mask, parse_reduce(op, reduce), windows, chunks, block_ids,
+                        softcap);
 }
 
 }  // namespace

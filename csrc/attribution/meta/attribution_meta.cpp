@@ -21,9 +21,12 @@ at::Tensor region_pool_qk_meta(const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& query_weights, const at::Tensor& region_ids,
                                c10::SymInt num_regions, std::optional<double> scale,
                                bool causal, const std::optional<at::Tensor>& key_padding_mask,
-                               c10::string_view reduce) {
+                               c10::string_view reduce, std::optional<int64_t> window,
+                               std::optional<int64_t> chunk,
+                               const std::optional<at::Tensor>& block_ids,
+                               std::optional<double> softcap) {
   check_region_pool_qk_args(q, k, query_weights, region_ids, num_regions, scale,
-                            key_padding_mask, reduce);
+                            key_padding_mask, reduce, window, chunk, block_ids, softcap);
   return at::empty_symint({q.sym_size(0), num_regions, q.sym_size(1)},
                           q.options().dtype(accum_dtype(q.scalar_type())));
 }

@@ -47,9 +47,13 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
                                  const at::Tensor& head_writes, const at::Tensor& lengths,
                                  std::optional<double> scale, bool causal,
                                  const std::optional<at::Tensor>& offsets,
-                                 const std::optional<at::Tensor>& key_padding_mask) {
+                                 const std::optional<at::Tensor>& key_padding_mask,
+                                 std::optional<int64_t> window, std::optional<int64_t> chunk,
+                                 const std::optional<at::Tensor>& block_ids,
+                                 std::optional<double> softcap) {
   const char* op = "headscope::vas_head_stats_qk";
-  check_head_stats_qk_args(q, k, head_writes, lengths, scale, offsets, key_padding_mask);
+  check_head_stats_qk_args(q, k, head_writes, lengths, scale, offsets, key_padding_mask, window,
+                           chunk, block_ids, softcap);
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = head_writes.size(3);
   if (B == 0 || H == 0) return no_heads(op, B, H, T, lengths, offsets, q.options());
   Problem P;
@@ -60,7 +64,8 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
   Q.Hkv = k.size(1);
   Q.D = q.size(3);
   Q.scale = static_cast<float>(scale_or_default(scale, Q.D));
-  Q.causal = causal;
+  Q.pat = pattern_rows(B, T, causal, window.value_or(0), chunk.value_or(0), block_ids,
+                       key_padding_mask, softcap);
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   Q.q = at::empty({P.BH, T, Q.D}, f32);
   Q.kt = at::empty({B * Q.Hkv * Q.D * P.Tp + 16}, f32);  // +16: gemm_nn reads past rows
@@ -74,11 +79,11 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
     for (int64_t i = 0; i < B * T; ++i)
       Q.kbias[i] = mp[i] ? -std::numeric_limits<float>::infinity() : 0.0f;
   }
-  qk_prepare(P, Q, q, k);
   qk_extents(P, Q);
+  qk_prepare(P, Q, q, k);
   if (P.fused) {
     // as the attention op's fused path; each tile row of A is computed once, just before
-    // its pairs (only A_JI tiles, without a causal mask, are recomputed)
+    // its pairs (only A_JI tiles that the pattern does not leave empty are recomputed)
     at::Tensor out = at::empty({B, H, 3}, q.options().dtype(at::kFloat));
     for_each_head(P, [&](const Range& r) {
       prepare_values(P, head_writes, &r);

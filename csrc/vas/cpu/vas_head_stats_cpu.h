@@ -28,6 +28,7 @@
 // a tile row of A, O(threads TB T)).
 #pragma once
 
+#include "common/attention_pattern_cpu.h"
 #include "common/cpu_gemm.h"
 #include "common/cpu_math.h"
 #include "common/cpu_simd.h"
@@ -206,8 +207,8 @@ void for_each_head(const Problem& P, const F& head) {
 // The qk op's inputs and softmax statistics, from which any tile of A is recomputed.
 struct QK {
   at::Tensor q;     // float [BH, T, D]: the window rows of q
-  at::Tensor kt;    // float [B * Hkv, D, Tp]: the keys in use (all T, or up to s + n if
-                    // causal), transposed
+  at::Tensor kt;    // float [B * Hkv, D, Tp]: the keys in use ([key_begin, key_end), zeros
+                    // before), transposed
   at::Tensor mrow;  // float [BH, T]: softmax row maximum
   at::Tensor izrow; // float [BH, T]: 1 / softmax denominator
   std::vector<uint8_t> kbad;
@@ -216,8 +217,31 @@ struct QK {
   std::vector<float> kbias;
   int64_t Hkv = 1, D = 1;
   float scale = 1;
-  bool causal = false;
-  int64_t key_end(const Problem& P, int64_t b) const { return causal ? P.s[b] + P.n[b] : P.T; }
+  PatternRows pat;  // causal, window, chunks, blocks, softcap
+  // [B, T]: the keys [klo, khi] window row i of batch row b may see (absolute positions,
+  // klo >= 0; none when klo > khi) and its block (qk_extents)
+  std::vector<int64_t> klo, khi, kqb;
+  // the keys some window row sees: from the first row's first (first keys never decrease)
+  // to the last row's last, or every later key with blocks
+  int64_t key_begin(const Problem& P, int64_t b) const {
+    return std::max<int64_t>(0, pat.row[b].first_key(P.s[b]));
+  }
+  int64_t key_end(const Problem& P, int64_t b) const {
+    return pat.row[b].causal && !pat.row[b].has_blocks() ? P.s[b] + P.n[b] : P.T;
+  }
+  // Window row i's keys among [k0, k0 + nk), as [a, e) from k0 (none when a >= e).
+  void row_keys(const Problem& P, int64_t b, int64_t i, int64_t k0, int64_t nk, int64_t& a,
+                int64_t& e) const {
+    a = std::clamp<int64_t>(klo[b * P.T + i] - k0, 0, nk);
+    e = std::clamp<int64_t>(khi[b * P.T + i] + 1 - k0, 0, nk);
+  }
+  // Logits l[a, e) of window row i against keys k0 + a...: soft-capped, and -inf where the
+  // pattern or the padding hides the key.
+  void mask_row(const Problem& P, float* l, int64_t b, int64_t i, int64_t k0, int64_t a,
+                int64_t e) const {
+    pat.apply(pat.row[b], l + a, P.s[b] + i, kqb[b * P.T + i], k0 + a, e - a);
+    mask_keys(l + a, b, k0 + a, e - a, P.T);
+  }
   bool padded(int64_t b, int64_t j, int64_t T) const {
     return !kbias.empty() && kbias[b * T + j] != 0.0f;
   }
@@ -301,8 +325,9 @@ void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* 
                  float* scratch);
 // qk_row_tile for every head, chunk p taking every P-th tile row.
 void qk_row_phase(Problem& P, const QK& Q);
-// Where the recomputed A may be nonzero: everywhere, or on and below the diagonal if causal.
-void qk_extents(Problem& P, const QK& Q);
+// Each window row's keys (QK::klo, khi, kqb) and from them where the recomputed A may be
+// nonzero (the Extent of each 8-row block).
+void qk_extents(Problem& P, QK& Q);
 
 // ---- tile pass (vas_head_stats_tile_pass_cpu.cpp, vas_head_stats_kl_pair_cpu.cpp) ---------
 

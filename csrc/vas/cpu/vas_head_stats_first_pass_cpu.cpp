@@ -206,7 +206,16 @@ void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* 
                  float* scratch) {
   const int64_t b = bh / P.H, n = P.n[b], s = P.s[b];
   const int64_t i0 = I * TB, ni = std::min(TB, n - i0);
-  const KeyBlocks kb(s, Q.causal ? s + i0 + ni : P.T);
+  // the tile row's keys: from its first row's first (first keys never decrease) to the
+  // last any row sees (at least its own position: every row sees itself)
+  int64_t kbegin = P.T, kend = s + i0 + ni;
+  for (int64_t r = 0; r < ni; ++r) {
+    const int64_t lo = Q.klo[b * P.T + i0 + r], hi = Q.khi[b * P.T + i0 + r];
+    if (lo > hi) continue;
+    kbegin = std::min(kbegin, lo);
+    kend = std::max(kend, hi + 1);
+  }
+  const KeyBlocks kb(s, kend);
   const int64_t ld = held ? held->ld : TB;
   const float* qb = Q.q.data_ptr<float>() + bh * P.T * Q.D;
   double Z[TB], R[TB];
@@ -216,15 +225,19 @@ void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* 
   for (int64_t t = 0; t < nblk; ++t) {
     const int64_t blk = t == nblk - 1 ? diag : t + (t >= diag);
     const int64_t k0 = kb.begin(blk), nk = kb.end(blk) - k0;
+    // keys no row sees (before a window or chunk): their entries are never read (extents)
+    if (blk != diag && k0 + nk <= kbegin) continue;
     float* L = held ? held->e + k0 : scratch;
     gemm_nn(ni, nk, Q.D, Q.scale, qb + i0 * Q.D, Q.D, key_rows(P, Q, bh) + k0, P.Tp, L, ld);
     for (int64_t r = 0; r < ni; ++r) {
       float* l = L + r * ld;
-      const int64_t lim = Q.causal ? std::min(nk, s + i0 + r - k0 + 1) : nk;  // keys <= row
+      int64_t a, e;  // the row's keys in this block: [a, e)
+      Q.row_keys(P, b, i0 + r, k0, nk, a, e);
+      const bool any = e > a;
       float mx = Mx[r];
-      if (lim > 0) {
-        Q.mask_keys(l, b, k0, lim, P.T);
-        mx = std::max(mx, max_of(l, lim));
+      if (any) {
+        Q.mask_row(P, l, b, i0 + r, k0, a, e);
+        mx = std::max(mx, max_of(l + a, e - a));
       }
       if (held) held->m[r * held->mld + blk] = mx;
       if (mx == -std::numeric_limits<float>::infinity()) {  // no key in use so far
@@ -237,10 +250,14 @@ void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* 
         R[r] *= f;
         Mx[r] = mx;
       }
-      if (lim > 0) Z[r] += exp_shift_scale(l, l, lim, mx, 1.0f);
-      if (held || blk == diag) std::fill(l + std::max<int64_t>(lim, 0), l + nk, 0.0f);
+      if (any) Z[r] += exp_shift_scale(l + a, l + a, e - a, mx, 1.0f);
+      if (held || blk == diag) {
+        if (!any) a = e = 0;
+        std::fill(l, l + a, 0.0f);
+        std::fill(l + e, l + nk, 0.0f);
+      }
       // the window's columns [s, s + n) within this block
-      const int64_t c0 = std::max<int64_t>(0, s - k0), c1 = std::min(lim, s + n - k0);
+      const int64_t c0 = std::max<int64_t>(a, s - k0), c1 = std::min(e, s + n - k0);
       if (c1 > c0) R[r] += sum_f64<false>(l + c0, c1 - c0);
     }
   }
@@ -280,12 +297,29 @@ void qk_row_phase(Problem& P, const QK& Q) {
   });
 }
 
-void qk_extents(Problem& P, const QK& Q) {
-  for (int64_t bh = 0; bh < P.BH; ++bh) {
-    const int64_t groups = (P.n[bh / P.H] + 7) / 8;
-    Extent* ext = P.ext_of(bh);
-    for (int64_t k = 0; k < groups; ++k)
-      ext[k] = {0, static_cast<int32_t>(Q.causal ? k : groups - 1)};
+void qk_extents(Problem& P, QK& Q) {
+  Q.klo.assign(P.B * P.T, 0);
+  Q.khi.assign(P.B * P.T, -1);
+  Q.kqb.assign(P.B * P.T, -1);
+  std::vector<Extent> ext_b;  // the same for every head of a batch row
+  for (int64_t b = 0; b < P.B; ++b) {
+    const int64_t n = P.n[b], s = P.s[b], groups = (n + 7) / 8;
+    ext_b.assign(groups, Extent{std::numeric_limits<int32_t>::max(), -1});
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t lo, hi, qb;
+      Q.pat.keys(Q.pat.row[b], b, s + i, lo, hi, qb);
+      lo = std::max<int64_t>(lo, 0);
+      Q.klo[b * P.T + i] = lo;
+      Q.khi[b * P.T + i] = hi;
+      Q.kqb[b * P.T + i] = qb;
+      // the window's columns [s, s + n) among the keys
+      const int64_t c0 = std::max<int64_t>(lo - s, 0), c1 = std::min<int64_t>(hi - s, n - 1);
+      if (c0 > c1) continue;
+      Extent& x = ext_b[i / 8];
+      x.lo = std::min(x.lo, static_cast<int32_t>(c0 / 8));
+      x.hi = std::max(x.hi, static_cast<int32_t>(c1 / 8));
+    }
+    for (int64_t h = 0; h < P.H; ++h) std::copy(ext_b.begin(), ext_b.end(), P.ext_of(b * P.H + h));
   }
 }
 

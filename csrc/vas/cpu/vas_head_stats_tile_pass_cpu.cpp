@@ -235,10 +235,16 @@ void qk_tiles_phase(Problem& P, const QK& Q, const Range* only, bool rows_too) {
     for (int64_t r = 0; r < ni; ++r) {
       float* l = buf + r * kLd;
       const float m = M[i0 + r], iz = IZ[i0 + r];
-      const int64_t lim = Q.causal ? std::max<int64_t>(0, std::min(nj, i0 + r - j0 + 1)) : nj;
-      Q.mask_keys(l, b, s + j0, lim, P.T);  // padding: exp(-inf) = 0 (all-padding rows: iz = 0)
-      exp_shift_scale(l, l, lim, m, iz);
-      for (int64_t c = lim; c < nj; ++c) l[c] = 0.0f;
+      int64_t a, e;  // the row's keys in the tile: [a, e)
+      Q.row_keys(P, b, i0 + r, s + j0, nj, a, e);
+      if (e > a) {
+        Q.mask_row(P, l, b, i0 + r, s + j0, a, e);  // exp(-inf) = 0 (all-padding rows: iz = 0)
+        exp_shift_scale(l + a, l + a, e - a, m, iz);
+      } else {
+        a = e = 0;
+      }
+      std::fill(l, l + a, 0.0f);
+      std::fill(l + e, l + nj, 0.0f);
     }
     return buf;
   }, only);

@@ -1,0 +1,83 @@
+// Which keys a query sees under the attention patterns of the q/k ops (vas_head_stats_qk,
+// region_pool_qk, region_pool_qk_layers): causal, a sliding window, chunks and
+// bidirectional blocks, composed as transformers' masking_utils composes them for Gemma 3
+// (window AND chunk AND (causal OR same block)); padding is applied on top by the kernels.
+// One definition for the CPU and CUDA kernels (HEADSCOPE_HD).
+//
+// Positions are key indices: a query at position i is the query whose own key is key i
+// (region_pool_qk aligns its Tq queries with the last Tq keys; vas_head_stats_qk has one
+// length for both).
+#pragma once
+
+#include "common/host_device.h"
+
+#include <math.h>
+
+#include <cstdint>
+
+namespace headscope {
+
+// floor(a / b) for b > 0 (chunk indices of positions left of the chunks' origin).
+HEADSCOPE_HD inline int64_t floor_div(int64_t a, int64_t b) {
+  const int64_t q = a / b;
+  return (a % b != 0 && a < 0) ? q - 1 : q;
+}
+
+// The pattern of one batch row.
+struct AttentionPattern {
+  bool causal = true;
+  int64_t window = 0;  // > 0: key j is seen by query i only if j > i - window
+  int64_t chunk = 0;   // > 0: only keys of i's chunk [origin + m chunk, origin + (m + 1) chunk)
+  int64_t origin = 0;  // where chunk 0 starts: the row's leading padding keys (transformers
+                       // counts chunks from the first real token)
+  const int64_t* blocks = nullptr;  // block id of each key (block_ids[b]), negative: none
+  int64_t bstride = 1;
+
+  HEADSCOPE_HD bool has_blocks() const { return causal && blocks != nullptr; }
+  HEADSCOPE_HD int64_t block(int64_t j) const { return blocks[j * bstride]; }
+  // The block of query position i among tk keys (negative: none; a query left of the keys,
+  // possible in region_pool_qk with Tq > Tk, has none).
+  HEADSCOPE_HD int64_t query_block(int64_t i, int64_t tk) const {
+    return has_blocks() && i >= 0 && i < tk ? block(i) : -1;
+  }
+  HEADSCOPE_HD int64_t chunk_start(int64_t i) const {
+    return origin + floor_div(i - origin, chunk) * chunk;
+  }
+  // The lowest key query i may see (may be negative: from key 0).
+  HEADSCOPE_HD int64_t first_key(int64_t i) const {
+    int64_t lo = 0;
+    if (window > 0 && i - window + 1 > lo) lo = i - window + 1;
+    if (chunk > 0 && chunk_start(i) > lo) lo = chunk_start(i);
+    return lo;
+  }
+  // The highest key query i may see among tk keys (below first_key: none). block_last: the
+  // last key of i's block (qb >= 0), or any bound at or above it.
+  HEADSCOPE_HD int64_t last_key(int64_t i, int64_t tk, int64_t qb, int64_t block_last) const {
+    int64_t hi = tk - 1;
+    if (causal) {
+      hi = i;
+      if (qb >= 0 && block_last > hi) hi = block_last;
+    }
+    if (chunk > 0 && chunk_start(i) + chunk - 1 < hi) hi = chunk_start(i) + chunk - 1;
+    return hi < tk - 1 ? hi : tk - 1;
+  }
+  // Whether query i (of block qb) sees key j, j within [first_key(i), last_key(i, ...)]:
+  // only keys after a causal query need a look at their block.
+  HEADSCOPE_HD bool sees_in_range(int64_t i, int64_t qb, int64_t j) const {
+    return !causal || j <= i || (qb >= 0 && block(j) == qb);
+  }
+  // Whether query i sees key j (padding aside), for any j.
+  HEADSCOPE_HD bool sees(int64_t i, int64_t qb, int64_t j) const {
+    if (window > 0 && j <= i - window) return false;
+    if (chunk > 0 && floor_div(j - origin, chunk) != floor_div(i - origin, chunk)) return false;
+    return sees_in_range(i, qb, j);
+  }
+};
+
+// Gemma 2's logit soft-capping, cap tanh(l / cap); a non-finite logit (an infinity in q or
+// k) becomes NaN, so that the head's result is NaN as without a cap.
+HEADSCOPE_HD inline float softcap_logit(float l, float cap) {
+  return l - l == 0.0f ? cap * tanhf(l / cap) : l - l;
+}
+
+}  // namespace headscope

@@ -1,0 +1,44 @@
+#include "common/attention_pattern_cpu.h"
+
+#include <unordered_map>
+
+namespace headscope {
+
+PatternRows pattern_rows(int64_t B, int64_t Tk, bool causal, int64_t window, int64_t chunk,
+                         const std::optional<at::Tensor>& block_ids,
+                         const std::optional<at::Tensor>& key_padding_mask,
+                         std::optional<double> softcap) {
+  PatternRows P;
+  P.Tk = Tk;
+  P.softcap = softcap.value_or(0.0);
+  const bool with_blocks = causal && block_ids.has_value() && block_ids->defined();
+  P.trivial = window == 0 && chunk == 0 && !with_blocks && P.softcap == 0;
+  P.row.assign(B, AttentionPattern{causal, window, chunk, 0, nullptr, 1});
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    const at::Tensor m = key_padding_mask->contiguous();
+    const bool* mp = m.const_data_ptr<bool>();
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t lead = 0;
+      while (lead < Tk && mp[b * Tk + lead]) ++lead;
+      P.row[b].origin = lead;
+    }
+  }
+  if (with_blocks) {
+    P.blocks = block_ids->contiguous();
+    const int64_t* ids = P.blocks.const_data_ptr<int64_t>();
+    P.block_last.assign(B * Tk, -1);
+    std::unordered_map<int64_t, int64_t> last;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t* r = ids + b * Tk;
+      P.row[b].blocks = r;
+      last.clear();
+      for (int64_t j = 0; j < Tk; ++j)
+        if (r[j] >= 0) last[r[j]] = j;
+      for (int64_t j = 0; j < Tk; ++j)
+        if (r[j] >= 0) P.block_last[b * Tk + j] = last[r[j]];
+    }
+  }
+  return P;
+}
+
+}  // namespace headscope

@@ -1,0 +1,59 @@
+// The attention patterns of the q/k ops on the CPU: each batch row's AttentionPattern with
+// the last key of each block (to bound a query's keys), and the masking and soft-capping of
+// a row of logits. Shared by the vas and attribution CPU kernels.
+#pragma once
+
+#include "common/attention_pattern.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace headscope {
+
+struct PatternRows {
+  std::vector<AttentionPattern> row;  // per batch row
+  std::vector<int64_t> block_last;    // [B, Tk]: the last key of key j's block (blocks only)
+  at::Tensor blocks;                  // block_ids as int64, contiguous (kept alive)
+  int64_t Tk = 0;
+  double softcap = 0;  // 0: none
+  bool trivial = true;  // causal or not, nothing else: the kernels' plain path
+
+  // The keys [lo, hi] query position i of batch row b may see under pattern p (row[b], or
+  // a layer's variant of it; none when lo > hi), and its block qb.
+  void keys(const AttentionPattern& p, int64_t b, int64_t i, int64_t& lo, int64_t& hi,
+            int64_t& qb) const {
+    qb = p.query_block(i, Tk);
+    lo = p.first_key(i);
+    hi = p.last_key(i, Tk, qb, qb >= 0 ? block_last[b * Tk + i] : -1);
+  }
+  // Soft-caps logits l[0, n) of keys [j0, j0 + n), all within query i's [lo, hi], and sets
+  // those of keys it does not see (later keys of other blocks) to -inf; padding is the
+  // kernels' own.
+  template <typename T>
+  void apply(const AttentionPattern& p, T* l, int64_t i, int64_t qb, int64_t j0,
+             int64_t n) const {
+    if (softcap > 0) {
+      const T cap = static_cast<T>(softcap);
+      for (int64_t c = 0; c < n; ++c)
+        l[c] = l[c] - l[c] == T(0) ? cap * std::tanh(l[c] / cap) : l[c] - l[c];
+    }
+    if (!p.has_blocks()) return;
+    for (int64_t c = std::max<int64_t>(0, i + 1 - j0); c < n; ++c)
+      if (!p.sees_in_range(i, qb, j0 + c)) l[c] = -std::numeric_limits<T>::infinity();
+  }
+};
+
+// window, chunk: 0 for none (a layer's variant of row[b] may set others); origin of the
+// chunks from the leading padding of
+// key_padding_mask (bool (B, Tk), True = padding); block_ids int64 (B, Tk).
+PatternRows pattern_rows(int64_t B, int64_t Tk, bool causal, int64_t window, int64_t chunk,
+                         const std::optional<at::Tensor>& block_ids,
+                         const std::optional<at::Tensor>& key_padding_mask,
+                         std::optional<double> softcap);
+
+}  // namespace headscope

@@ -1,0 +1,68 @@
+"""The attention patterns of the q/k ops, materialised: :func:`pattern_mask` builds the
+``(B, Tq, Tk)`` boolean mask that ``vas_head_stats_qk``, ``region_pool_qk`` and
+``region_pool_qk_layers`` apply without ever forming it. It is the definition the ops are
+tested against and the eager baselines of the benchmark; it costs ``B * Tq * Tk`` bytes, so
+it is for references, not for long sequences.
+
+The composition is transformers' ``masking_utils`` for Gemma 3:
+``window AND chunk AND (causal OR same block)``, then padding.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["pattern_mask", "softcap_logits"]
+
+
+def pattern_mask(Tq: int, Tk: int, *, batch: int = 1, causal: bool = True,
+                 window: Optional[int] = None, chunk: Optional[int] = None,
+                 block_ids: Optional[Tensor] = None,
+                 key_padding_mask: Optional[Tensor] = None,
+                 device=None) -> Tensor:
+    """``(B, Tq, Tk)`` bool, True where query ``i`` sees key ``j``.
+
+    Query ``i`` sits at key position ``p = Tk - Tq + i`` (bottom-right, as the ops align
+    queries with the key cache). ``causal``: ``j <= p``. ``window`` (None or 0: none):
+    ``j > p - window``, the ``window`` most recent keys up to the query (transformers'
+    ``sliding_window_overlay``). ``chunk`` (None or 0: none): ``j`` and ``p`` in the same
+    chunk, chunks counted from the first non-padding key (``chunked_overlay`` with
+    ``left_padding``). ``block_ids`` ``(B, Tk)`` int64: a query whose own position has
+    block ``b >= 0`` also sees every key of block ``b``, later ones included
+    (``blockwise_overlay``, OR-ed with causal; the window and chunks still apply).
+    ``key_padding_mask`` ``(B, Tk)`` bool, True = padding: never seen."""
+    B = batch
+    if block_ids is not None:
+        B = block_ids.shape[0]
+        device = block_ids.device
+    if key_padding_mask is not None:
+        B = key_padding_mask.shape[0]
+        device = key_padding_mask.device
+    p = (torch.arange(Tq, device=device) + (Tk - Tq))[:, None]      # query positions
+    j = torch.arange(Tk, device=device)[None, :]
+    base = (j <= p) if causal else torch.ones(Tq, Tk, dtype=torch.bool, device=device)
+    base = base.expand(B, Tq, Tk)
+    if causal and block_ids is not None:
+        ids = block_ids.to(device)
+        valid = (p >= 0) & (p < Tk)
+        qb = torch.where(valid, ids[:, p.clamp(0, Tk - 1).squeeze(1)][:, :, None],
+                         torch.full((), -1, dtype=ids.dtype, device=device))
+        base = base | ((qb == ids[:, None, :]) & (qb >= 0))
+    keep = base
+    if window:
+        keep = keep & (j > p - window)
+    if chunk:
+        if key_padding_mask is not None:
+            origin = (key_padding_mask.to(torch.int64).cumprod(-1)).sum(-1)[:, None, None]
+        else:
+            origin = torch.zeros(B, 1, 1, dtype=torch.int64, device=device)
+        keep = keep & (torch.div(j - origin, chunk, rounding_mode="floor")
+                       == torch.div(p - origin, chunk, rounding_mode="floor"))
+    if key_padding_mask is not None:
+        keep = keep & ~key_padding_mask[:, None, :]
+    return keep
+
+
+def softcap_logits(logits: Tensor, softcap: Optional[float]) -> Tensor:
+    """Gemma 2's logit soft-capping, ``softcap * tanh(logits / softcap)`` (None: unchanged)."""
+    return logits if softcap is None else softcap * torch.tanh(logits / softcap)
