@@ -11,8 +11,7 @@
 
 #include "common/host_device.h"
 
-#include <math.h>
-
+#include <cmath>
 #include <cstdint>
 
 namespace headscope {
@@ -74,10 +73,27 @@ struct AttentionPattern {
   }
 };
 
+// The pattern of a batch, as the CUDA kernels take it: batch row b's is row0 with block_ids'
+// row b and its chunks' origin (origin: a device array, nullptr for 0), and the logits'
+// soft cap (0: none).
+struct BatchPattern {
+  AttentionPattern row0;
+  int64_t bstride0 = 0;  // block_ids' batch stride
+  const int64_t* origin = nullptr;
+  double softcap = 0;
+  HEADSCOPE_HD AttentionPattern row(int64_t b) const {
+    AttentionPattern p = row0;
+    if (p.blocks != nullptr) p.blocks += b * bstride0;
+    if (origin != nullptr) p.origin = origin[b];
+    return p;
+  }
+};
+
 // Gemma 2's logit soft-capping, cap tanh(l / cap); a non-finite logit (an infinity in q or
 // k) becomes NaN, so that the head's result is NaN as without a cap.
-HEADSCOPE_HD inline float softcap_logit(float l, float cap) {
-  return l - l == 0.0f ? cap * tanhf(l / cap) : l - l;
+template <typename T>
+HEADSCOPE_HD inline T softcap_logit(T l, T cap) {
+  return l - l == T(0) ? cap * std::tanh(l / cap) : l - l;
 }
 
 }  // namespace headscope

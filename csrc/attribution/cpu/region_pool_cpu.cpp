@@ -3,7 +3,7 @@
 // region_pool_qk_layers: every layer's region_pool_qk in one call.
 #include "attribution/attribution_checks.h"
 #include "attribution/cpu/region_pool_common_cpu.h"
-#include "common/attention_pattern_cpu.h"
+#include "common/attention_pattern_host.h"
 #include "common/checks.h"
 #include "common/cpu_simd.h"
 #include "common/kernel.h"

@@ -13,6 +13,7 @@
 //     acc / z at the common max, weighted by the row's normalised weight.
 // Rows with zero weight are never computed (only the active rows are launched).
 #include "attribution/attribution_checks.h"
+#include "common/attention_pattern_host.h"
 #include "common/checks.h"
 #include "common/kernel.h"
 #include "common/cuda_launch.h"
@@ -198,6 +199,7 @@ struct QKParams {
   int64_t n_active, nsplit, chunk;
   double scale;
   bool causal;
+  BatchPattern pat;
 };
 
 // Pass A. Grid: n_active * H * nsplit blocks. Shared: q (D), scores (kTile), acc (K),
@@ -222,9 +224,15 @@ __global__ void qk_split_kernel(QKParams p, const scalar_t* __restrict__ q,
   const int64_t b = active != nullptr ? active[2 * row] : row;
   const int64_t qi = active != nullptr ? active[2 * row + 1] : 0;
   const int64_t hk = h / p.G;
-  const int64_t lim = p.causal ? std::min<int64_t>(p.Tk - 1, qi + p.Tk - p.Tq) : p.Tk - 1;
-  const int64_t t_begin = split * p.chunk;
-  const int64_t t_end = std::min<int64_t>(t_begin + p.chunk, lim + 1);
+  // the query's keys [lo, hi] under the pattern (queries aligned with the last Tq keys);
+  // a query with a block may see up to the last key (each key's block is checked below)
+  const AttentionPattern ap = p.pat.row(b);
+  const int64_t pos = qi + p.Tk - p.Tq;
+  const int64_t qb = ap.query_block(pos, p.Tk);
+  const int64_t lo = ap.first_key(pos);
+  const int64_t hi = ap.last_key(pos, p.Tk, qb, p.Tk - 1);
+  const int64_t t_begin = std::max<int64_t>(split * p.chunk, lo);
+  const int64_t t_end = std::min<int64_t>(split * p.chunk + p.chunk, hi + 1);
 
   for (int64_t d = threadIdx.x; d < p.D; d += blockDim.x)
     qs[d] = static_cast<acc_t>(q[b * p.qs0 + h * p.qs1 + qi * p.qs2 + d * p.qs3]) *
@@ -247,7 +255,9 @@ __global__ void qk_split_kernel(QKParams p, const scalar_t* __restrict__ q,
       for (int64_t d = lane; d < p.D; d += 32) s += qs[d] * static_cast<acc_t>(kr[d]);
       s = warp_sum(s);
       if (lane == 0) {
-        const bool masked = pad != nullptr && pad[b * p.p0 + t * p.p1];
+        const bool masked =
+            (pad != nullptr && pad[b * p.p0 + t * p.p1]) || !ap.sees_in_range(pos, qb, t);
+        if (p.pat.softcap > 0) s = softcap_logit(s, static_cast<acc_t>(p.pat.softcap));
         sc[j] = masked ? acc_t(-INFINITY) : s;
       }
     }
@@ -348,10 +358,13 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
                                const at::Tensor& query_weights, const at::Tensor& region_ids,
                                int64_t num_regions, std::optional<double> scale, bool causal,
                                const std::optional<at::Tensor>& key_padding_mask,
-                               c10::string_view reduce) {
+                               c10::string_view reduce, std::optional<int64_t> window,
+                               std::optional<int64_t> chunk,
+                               const std::optional<at::Tensor>& block_ids,
+                               std::optional<double> softcap) {
   const char* op = "headscope::region_pool_qk";
   check_region_pool_qk_args(q, k_in, query_weights, region_ids, num_regions, scale,
-                            key_padding_mask, reduce);
+                            key_padding_mask, reduce, window, chunk, block_ids, softcap);
   const bool mean = parse_reduce(op, reduce);
   const c10::cuda::CUDAGuard guard(q.device());
   const auto acc_type = accum_dtype(q.scalar_type());
@@ -367,6 +380,13 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
   p.G = p.H / p.Hkv;
   p.scale = scale_or_default(scale, q.size(3));
   p.causal = causal;
+  p.pat.row0 = AttentionPattern{causal, window.value_or(0), chunk.value_or(0), 0, nullptr, 1};
+  if (block_ids.has_value() && block_ids->defined()) {
+    p.pat.row0.blocks = block_ids->const_data_ptr<int64_t>();
+    p.pat.row0.bstride = block_ids->stride(1);
+    p.pat.bstride0 = block_ids->stride(0);
+  }
+  p.pat.softcap = softcap.value_or(0.0);
   auto out = at::zeros({p.B, p.K, p.H}, q.options().dtype(acc_type));
   if (out.numel() == 0 || p.Tk == 0) return out;
   at::Tensor k = k_in;
@@ -396,6 +416,12 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
     pad = key_padding_mask->const_data_ptr<bool>();
     p.p0 = key_padding_mask->stride(0);
     p.p1 = key_padding_mask->stride(1);
+  }
+  // chunks start after each row's leading padding (on the device: no host sync)
+  at::Tensor origin;
+  if (p.pat.row0.chunk > 0 && pad != nullptr) {
+    origin = leading_padding(*key_padding_mask);
+    p.pat.origin = origin.const_data_ptr<int64_t>();
   }
   // Split the keys so that there are about two blocks per SM (decode: few rows).
   const auto* props = at::cuda::getCurrentDeviceProperties();

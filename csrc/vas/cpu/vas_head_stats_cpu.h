@@ -28,7 +28,7 @@
 // a tile row of A, O(threads TB T)).
 #pragma once
 
-#include "common/attention_pattern_cpu.h"
+#include "common/attention_pattern_host.h"
 #include "common/cpu_gemm.h"
 #include "common/cpu_math.h"
 #include "common/cpu_simd.h"

@@ -16,6 +16,7 @@
 // (log of A's and S's max row sums) multiply out (see `Entry`).
 // Cross-block sums are float64 atomics, so results can differ between runs in the last
 // bits of float32.
+#include "common/attention_pattern_host.h"
 #include "common/cuda_launch.h"
 #include "common/kernel.h"
 #include "common/cuda_reduce.cuh"
@@ -211,6 +212,11 @@ __device__ inline void merge_mz(float& m, float& z, float m2, float z2) {
   m = mm;
 }
 
+// A scaled logit, soft-capped when the pattern says so.
+__device__ inline float logit(float l, const BatchPattern& pat) {
+  return pat.softcap > 0 ? softcap_logit(l, static_cast<float>(pat.softcap)) : l;
+}
+
 // Whether key `key` of batch row b is padding (kpm: the contiguous (B, T) key padding
 // mask, nullptr for none). Padding keys are left out of the softmax.
 __device__ inline bool key_padded(const bool* kpm, int64_t b, int64_t T, int64_t key) {
@@ -220,7 +226,7 @@ __device__ inline bool key_padded(const bool* kpm, int64_t b, int64_t T, int64_t
 template <typename Q_t>
 __global__ void __launch_bounds__(kThreads)
 qk_rows_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __restrict__ k,
-               Strides4 sk, int64_t Hkv, int64_t D, float scale, bool causal,
+               Strides4 sk, int64_t Hkv, int64_t D, float scale, BatchPattern pat,
                const bool* __restrict__ kpm) {
   extern __shared__ float4 smem_rows[];
   float* sx = reinterpret_cast<float*>(smem_rows);
@@ -232,14 +238,19 @@ qk_rows_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __res
   window(P, b, n, s);
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kTile;
   if (i0 >= n) return;
-  const int64_t key_end = causal ? s + min(i0 + kTile, n) : P.T;  // exclusive, absolute
+  // the keys the block's rows may see (absolute): from its first row's first key (first
+  // keys never decrease) to its last row's last, or every later key with blocks
+  const AttentionPattern ap = pat.row(b);
+  const int64_t last_row = s + min(i0 + kTile, n) - 1;
+  const int64_t key_begin = max(ap.first_key(s + i0), (int64_t)0);
+  const int64_t key_end = ap.has_blocks() ? P.T : ap.last_key(last_row, P.T, -1, -1) + 1;
   const Q_t* qrows = q + b * sq.s0 + h * sq.s1 + (s + i0) * sq.s2;
   const Q_t* krows = k + b * sk.s0 + hk * sk.s1;
   float m[4], z[4];
   #pragma unroll
   for (int r = 0; r < 4; ++r) m[r] = -INFINITY, z[r] = 0.0f;
   bool finite = true;
-  for (int64_t k0 = 0; k0 < key_end; k0 += kTile) {
+  for (int64_t k0 = key_begin; k0 < key_end; k0 += kTile) {
     float acc[mma::kFrag];
     logits_tile(acc, sx, sy, qrows, sq.s2, sq.s3, n - i0, krows + k0 * sk.s2, sk.s2, sk.s3,
                 P.T - k0, D, L);
@@ -249,15 +260,16 @@ qk_rows_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __res
       const int mi = r >> 1, hr = r & 1;
       const int il = L.slot_row(r);
       const int64_t ia = s + i0 + il;
+      const int64_t qb = ap.query_block(ia, P.T);
       float l[8];
       float tmax = -INFINITY;
       #pragma unroll
       for (int t = 0; t < 8; ++t) {
         const int e = (mi * 4 + (t >> 1)) * 4 + hr * 2 + (t & 1);
         const int64_t key = k0 + L.col(e);
-        const bool valid = i0 + il < n && key < P.T && (!causal || key <= ia) &&
+        const bool valid = i0 + il < n && key < P.T && ap.sees(ia, qb, key) &&
                            !key_padded(kpm, b, P.T, key);
-        l[t] = valid ? acc[e] * scale : -INFINITY;
+        l[t] = valid ? logit(acc[e] * scale, pat) : -INFINITY;
         if (valid) finite &= isfinite(l[t]);
         tmax = fmaxf(tmax, l[t]);
       }
@@ -694,7 +706,7 @@ attn_pass_kernel(Heads P, const A_t* __restrict__ A, Strides4 sa, bool vec, floa
 template <typename Q_t, bool kExact>
 __global__ void __launch_bounds__(kThreads, 3)
 qk_pass_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __restrict__ k,
-               Strides4 sk, int64_t Hkv, int64_t D, float scale, bool causal,
+               Strides4 sk, int64_t Hkv, int64_t D, float scale, BatchPattern pat,
                const bool* __restrict__ kpm, float* out) {
   extern __shared__ float4 smem_pass[];
   unsigned char* sm = reinterpret_cast<unsigned char*>(smem_pass);
@@ -716,26 +728,37 @@ qk_pass_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __res
     const Q_t* kh = k + b * sk.s0 + hk * sk.s1 + t.s * sk.s2;
     const float* mrow = P.mrow + bh * T;
     const float* izrow = P.izrow + bh * T;
-    // A_IJ: queries of I against keys of J
-    logits_tile(acc, sx, sy, qh + t.i0 * sq.s2, sq.s2, sq.s3, t.n - t.i0, kh + t.j0 * sk.s2, sk.s2,
-                sk.s3, t.n - t.j0, D, L);
-    #pragma unroll
-    for (int e = 0; e < mma::kFrag; ++e) {
-      const int64_t i = t.i0 + L.row(e), j = t.j0 + L.col(e);
-      // a row whose keys are all padding is zero here (its softmax statistics are not finite)
-      const bool keep = i < t.n && j < t.n && (!causal || j <= i) &&
-                        !key_padded(kpm, b, T, t.s + j);
-      aij[e] = keep ? __expf(acc[e] * scale - mrow[i]) * izrow[i] : 0.0f;
+    const AttentionPattern ap = pat.row(b);
+    // A_IJ: queries of I against keys of J (I >= J); none when J's keys all lie before the
+    // first key of I's first row (a window or chunks), a test uniform over the block
+    if (t.s + t.j0 + kTile <= ap.first_key(t.s + t.i0)) {
+      #pragma unroll
+      for (int e = 0; e < mma::kFrag; ++e) aij[e] = 0.0f;
+    } else {
+      logits_tile(acc, sx, sy, qh + t.i0 * sq.s2, sq.s2, sq.s3, t.n - t.i0, kh + t.j0 * sk.s2,
+                  sk.s2, sk.s3, t.n - t.j0, D, L);
+      #pragma unroll
+      for (int e = 0; e < mma::kFrag; ++e) {
+        const int64_t i = t.i0 + L.row(e), j = t.j0 + L.col(e);
+        // a row whose keys are all padding is zero here (its softmax statistics are not finite)
+        const bool keep = i < t.n && j < t.n &&
+                          ap.sees(t.s + i, ap.query_block(t.s + i, T), t.s + j) &&
+                          !key_padded(kpm, b, T, t.s + j);
+        aij[e] = keep ? __expf(logit(acc[e] * scale, pat) - mrow[i]) * izrow[i] : 0.0f;
+      }
     }
-    // A_JI transposed: queries of J against keys of I (all masked when causal, J < I)
-    if (t.pair && !causal) {
+    // A_JI transposed: queries of J against keys of I (all masked when causal without
+    // blocks, J < I)
+    if (t.pair && (!ap.causal || ap.has_blocks())) {
       logits_tile(acc, sx, sy, kh + t.i0 * sk.s2, sk.s2, sk.s3, t.n - t.i0, qh + t.j0 * sq.s2,
                   sq.s2, sq.s3, t.n - t.j0, D, L);
       #pragma unroll
       for (int e = 0; e < mma::kFrag; ++e) {
         const int64_t i = t.i0 + L.row(e), j = t.j0 + L.col(e);
-        const bool keep = i < t.n && j < t.n && !key_padded(kpm, b, T, t.s + i);
-        aji[e] = keep ? __expf(acc[e] * scale - mrow[j]) * izrow[j] : 0.0f;
+        const bool keep = i < t.n && j < t.n &&
+                          ap.sees(t.s + j, ap.query_block(t.s + j, T), t.s + i) &&
+                          !key_padded(kpm, b, T, t.s + i);
+        aji[e] = keep ? __expf(logit(acc[e] * scale, pat) - mrow[j]) * izrow[j] : 0.0f;
       }
     } else {
       #pragma unroll
@@ -887,9 +910,13 @@ at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in
                                   const at::Tensor& head_writes, const at::Tensor& lengths,
                                   std::optional<double> scale, bool causal,
                                   const std::optional<at::Tensor>& offsets,
-                                  const std::optional<at::Tensor>& key_padding_mask) {
+                                  const std::optional<at::Tensor>& key_padding_mask,
+                                  std::optional<int64_t> window, std::optional<int64_t> chunk,
+                                  const std::optional<at::Tensor>& block_ids,
+                                  std::optional<double> softcap) {
   const char* op = "headscope::vas_head_stats_qk";
-  check_head_stats_qk_args(q_in, k_in, head_writes, lengths, scale, offsets, key_padding_mask);
+  check_head_stats_qk_args(q_in, k_in, head_writes, lengths, scale, offsets, key_padding_mask,
+                           window, chunk, block_ids, softcap);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), D = q_in.size(3);
   const int64_t Hkv = k_in.size(1), Dh = head_writes.size(3);
@@ -904,6 +931,19 @@ at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in
                              ? key_padding_mask->contiguous()
                              : at::Tensor();
   const bool* kpm_ptr = kpm.defined() ? kpm.const_data_ptr<bool>() : nullptr;
+  BatchPattern pat;
+  pat.row0 = AttentionPattern{causal, window.value_or(0), chunk.value_or(0), 0, nullptr, 1};
+  if (block_ids.has_value() && block_ids->defined()) {
+    pat.row0.blocks = block_ids->const_data_ptr<int64_t>();
+    pat.row0.bstride = block_ids->stride(1);
+    pat.bstride0 = block_ids->stride(0);
+  }
+  pat.softcap = softcap.value_or(0.0);
+  at::Tensor origin;  // chunks start after each row's leading padding (no host sync)
+  if (pat.row0.chunk > 0 && kpm.defined()) {
+    origin = leading_padding(kpm);
+    pat.origin = origin.const_data_ptr<int64_t>();
+  }
   Scratch sc;
   const Heads P = make_heads(B, H, T, Dh, lengths, offsets, true, sc, q.options());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -917,13 +957,13 @@ at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     set_smem(qk_rows_kernel<scalar_t>, rows_smem);
     qk_rows_kernel<scalar_t><<<dim3(static_cast<unsigned>(P.T64 / kTile), static_cast<unsigned>(B * H)),
                                kThreads, rows_smem, stream>>>(P, qp, strides4(q), kp, strides4(k),
-                                                              Hkv, D, fscale, causal, kpm_ptr);
+                                                              Hkv, D, fscale, pat, kpm_ptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const size_t smem = kVBytes + panels;
     auto run = [&](auto kernel) {
       set_smem(kernel, smem);
       kernel<<<pass_grid(P), kThreads, smem, stream>>>(P, qp, strides4(q), kp, strides4(k), Hkv, D,
-                                                       fscale, causal, kpm_ptr,
+                                                       fscale, pat, kpm_ptr,
                                                        out.data_ptr<float>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };

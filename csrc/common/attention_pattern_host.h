@@ -1,6 +1,7 @@
-// The attention patterns of the q/k ops on the CPU: each batch row's AttentionPattern with
-// the last key of each block (to bound a query's keys), and the masking and soft-capping of
-// a row of logits. Shared by the vas and attribution CPU kernels.
+// The host side of the attention patterns of the q/k ops: for the CPU kernels, each batch
+// row's AttentionPattern with the last key of each block (to bound a query's keys), and the
+// masking and soft-capping of a row of logits; for the CUDA kernels, the chunks' origins on
+// the device. Shared by the vas and attribution kernels.
 #pragma once
 
 #include "common/attention_pattern.h"
@@ -39,8 +40,7 @@ struct PatternRows {
              int64_t n) const {
     if (softcap > 0) {
       const T cap = static_cast<T>(softcap);
-      for (int64_t c = 0; c < n; ++c)
-        l[c] = l[c] - l[c] == T(0) ? cap * std::tanh(l[c] / cap) : l[c] - l[c];
+      for (int64_t c = 0; c < n; ++c) l[c] = softcap_logit(l[c], cap);
     }
     if (!p.has_blocks()) return;
     for (int64_t c = std::max<int64_t>(0, i + 1 - j0); c < n; ++c)
@@ -51,6 +51,10 @@ struct PatternRows {
 // window, chunk: 0 for none (a layer's variant of row[b] may set others); origin of the
 // chunks from the leading padding of
 // key_padding_mask (bool (B, Tk), True = padding); block_ids int64 (B, Tk).
+// Each row's leading padding keys, the origin of its chunks: int64 (B,) on the mask's device
+// (ATen ops, no host sync).
+at::Tensor leading_padding(const at::Tensor& key_padding_mask);
+
 PatternRows pattern_rows(int64_t B, int64_t Tk, bool causal, int64_t window, int64_t chunk,
                          const std::optional<at::Tensor>& block_ids,
                          const std::optional<at::Tensor>& key_padding_mask,

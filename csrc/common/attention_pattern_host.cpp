@@ -1,8 +1,15 @@
-#include "common/attention_pattern_cpu.h"
+#include "common/attention_pattern_host.h"
+
+#include <ATen/ops/cumprod.h>
+#include <ATen/ops/sum.h>
 
 #include <unordered_map>
 
 namespace headscope {
+
+at::Tensor leading_padding(const at::Tensor& key_padding_mask) {
+  return at::sum(at::cumprod(key_padding_mask.to(at::kLong), 1), {1}).contiguous();
+}
 
 PatternRows pattern_rows(int64_t B, int64_t Tk, bool causal, int64_t window, int64_t chunk,
                          const std::optional<at::Tensor>& block_ids,
@@ -14,14 +21,9 @@ PatternRows pattern_rows(int64_t B, int64_t Tk, bool causal, int64_t window, int
   const bool with_blocks = causal && block_ids.has_value() && block_ids->defined();
   P.trivial = window == 0 && chunk == 0 && !with_blocks && P.softcap == 0;
   P.row.assign(B, AttentionPattern{causal, window, chunk, 0, nullptr, 1});
-  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
-    const at::Tensor m = key_padding_mask->contiguous();
-    const bool* mp = m.const_data_ptr<bool>();
-    for (int64_t b = 0; b < B; ++b) {
-      int64_t lead = 0;
-      while (lead < Tk && mp[b * Tk + lead]) ++lead;
-      P.row[b].origin = lead;
-    }
+  if (key_padding_mask.has_value() && key_padding_mask->defined() && B * Tk > 0) {
+    const at::Tensor lead = leading_padding(*key_padding_mask);
+    for (int64_t b = 0; b < B; ++b) P.row[b].origin = lead.const_data_ptr<int64_t>()[b];
   }
   if (with_blocks) {
     P.blocks = block_ids->contiguous();
