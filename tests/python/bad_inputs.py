@@ -31,6 +31,13 @@ def softmax(*shape):
     return torch.softmax(rand(*shape), -1)
 
 
+def blocks(B, T):
+    """block_ids with one bidirectional block per row (the q/k ops' attention pattern)."""
+    ids = torch.full((B, T), -1, dtype=torch.long)
+    ids[:, T // 4:T // 2] = 0
+    return ids
+
+
 # op -> (argument names, well-formed arguments, names of float tensor arguments that take
 # values (NaN/Inf cases), extra value cases {description: (argument index, bad value)})
 VALID: Dict[str, Tuple] = {
@@ -50,13 +57,18 @@ VALID: Dict[str, Tuple] = {
                         "window past T": (3, torch.tensor([0, 8])),
                         "negative offset": (3, torch.tensor([-1, 0]))}),
     "vas_head_stats_qk": (["q", "k", "head_writes", "lengths", "scale", "causal", "offsets",
-                           "key_padding_mask"],
+                           "key_padding_mask", "window", "chunk", "block_ids", "softcap"],
                           [rand(2, 4, 16, 8), rand(2, 2, 16, 8), rand(2, 4, 16, 8),
                            torch.tensor([16, 9]), 0.35, True, None,
-                           torch.zeros(2, 16, dtype=torch.bool)], {"q", "k", "head_writes"},
+                           torch.zeros(2, 16, dtype=torch.bool), 5, 8, blocks(2, 16), 3.0],
+                          {"q", "k", "head_writes"},
                           {"scale inf": (4, float("inf")),
                            "length > T": (3, torch.tensor([17, 9])),
-                           "kv heads not dividing": (1, rand(2, 3, 16, 8))}),
+                           "kv heads not dividing": (1, rand(2, 3, 16, 8)),
+                           "window < 0": (8, -1), "chunk < 0": (9, -2),
+                           "block_ids int32": (10, blocks(2, 16).int()),
+                           "block_ids of T - 1 keys": (10, blocks(2, 15)),
+                           "softcap 0": (11, 0.0), "softcap nan": (11, float("nan"))}),
     "vas_aggregate": (["head_stats"], [rand(2, 3, 4, 3)], {"head_stats"},
                       {"last dim 2": (0, rand(2, 3, 4, 2))}),
     "region_pool": (["attn", "query_weights", "region_ids", "num_regions", "reduce"],
@@ -69,21 +81,27 @@ VALID: Dict[str, Tuple] = {
                      "negative weights": (1, -torch.ones(2, 5)),
                      "zero weights": (1, torch.zeros(2, 5))}),
     "region_pool_qk": (["q", "k", "query_weights", "region_ids", "num_regions", "scale",
-                        "causal", "key_padding_mask", "reduce"],
+                        "causal", "key_padding_mask", "reduce", "window", "chunk", "block_ids",
+                        "softcap"],
                        [rand(2, 4, 5, 8), rand(2, 2, 20, 8), torch.rand(2, 5, generator=g) + .1,
-                        torch.randint(-1, 4, (2, 20), generator=g), 4, 0.35, True, None, "sum"],
+                        torch.randint(-1, 4, (2, 20), generator=g), 4, 0.35, True, None, "sum",
+                        20, 20, blocks(2, 20), 3.0],  # window, chunk: key 0 seen (NaN cases)
                        {"q", "k", "query_weights"},
                        {"region id >= K": (3, torch.full((2, 20), 4)),
                         "num_regions -1": (4, -1), "scale nan": (5, float("nan")),
-                        "reduce max": (8, "max")}),
+                        "reduce max": (8, "max"), "window < 0": (9, -1), "chunk < 0": (10, -1),
+                        "block_ids float": (11, blocks(2, 20).float()),
+                        "block_ids of 3 rows": (11, blocks(3, 20)),
+                        "softcap -1": (12, -1.0), "softcap inf": (12, float("inf"))}),
     # tensor lists: the bad inputs go to their first tensor ("q[0]", "k[0]")
     "region_pool_qk_layers": (["q", "k", "query_weights", "region_ids", "num_regions", "scale",
-                               "causal", "key_padding_mask", "reduce"],
+                               "causal", "key_padding_mask", "reduce", "window", "chunk",
+                               "block_ids", "softcap"],
                               [[rand(2, 4, 5, 8), rand(2, 4, 5, 8)],
                                [rand(2, 2, 20, 8), rand(2, 2, 20, 8)],
                                torch.rand(2, 5, generator=g) + .1,
                                torch.randint(-1, 4, (2, 20), generator=g), 4, [0.35, 0.3], True,
-                               None, "sum"],
+                               None, "sum", [20, 0], [0, 20], blocks(2, 20), 3.0],
                               {"q[0]", "k[0]", "query_weights"},
                               {"one layer of k": (1, [rand(2, 2, 20, 8)]),
                                "layers of two dtypes": (0, [rand(2, 4, 5, 8),
@@ -91,7 +109,11 @@ VALID: Dict[str, Tuple] = {
                                "no layer": (0, []),
                                "one scale": (5, [0.35]), "scale nan": (5, [0.35, float("nan")]),
                                "region id >= K": (3, torch.full((2, 20), 4)),
-                               "reduce max": (8, "max")}),
+                               "reduce max": (8, "max"), "one window": (9, [6]),
+                               "negative window": (9, [6, -1]), "one chunk": (10, [12]),
+                               "negative chunk": (10, [-1, 12]),
+                               "block_ids of 19 keys": (11, blocks(2, 19)),
+                               "softcap 0": (12, 0.0)}),
     "linear_attribution": (["features", "weight", "mean", "std", "bias"],
                            [rand(3, 5, 8), rand(8), rand(8), torch.rand(8, generator=g) + 0.5,
                             torch.tensor(0.1)], {"features", "weight", "mean", "std", "bias"},
