@@ -129,6 +129,53 @@ TEST(Attribution, RegionPoolQKLayersIsEveryLayersRegionPoolQK) {
                         at::cat(per_layer, 2)));
 }
 
+// Whether query position i sees key j: window, chunks from 0, causal or the same block
+// (block ids; negative: none), written from the definition (docs/attribution.md).
+static bool sees(int64_t i, int64_t j, int64_t window, int64_t chunk,
+                 const std::vector<int64_t>& blocks) {
+  if (window > 0 && j <= i - window) return false;
+  if (chunk > 0 && j / chunk != i / chunk) return false;
+  return j <= i || (blocks[i] >= 0 && blocks[j] == blocks[i]);
+}
+
+TEST(Attribution, RegionPoolQKPatterns) {
+  at::manual_seed(3);
+  const int64_t B = 1, H = 2, Tq = 20, Tk = 200, D = 8, K = 3;
+  const auto q = at::randn({B, H, Tq, D}, at::kDouble);
+  const auto k = at::randn({B, H, Tk, D}, at::kDouble);
+  const auto w = at::rand({B, Tq}, at::kDouble);
+  const auto rid = random_regions(B, Tk, K);
+  std::vector<int64_t> blocks(Tk, -1);
+  for (int64_t t = 150; t < 190; ++t) blocks[t] = 4;  // queries 150.. see up to key 189
+  const auto block_ids = at::tensor(blocks).view({1, Tk});
+  const double scale = 0.3, cap = 2.0;
+  for (int64_t window : {0, 25})
+    for (int64_t chunk : {0, 64}) {
+      const auto out = headscope::region_pool_qk(q, k, w, rid, K, scale, true, std::nullopt,
+                                                 "sum", window, chunk, block_ids, cap);
+      auto attn = at::zeros({B, H, Tq, Tk}, at::kDouble);
+      for (int64_t h = 0; h < H; ++h) {
+        auto s = q[0][h].matmul(k[0][h].t()).mul(scale / cap).tanh().mul(cap);
+        for (int64_t i = 0; i < Tq; ++i)
+          for (int64_t t = 0; t < Tk; ++t)
+            if (!sees(i + Tk - Tq, t, window, chunk, blocks)) s[i][t] = -INFINITY;
+        attn[0][h].copy_(at::softmax(s, -1));
+      }
+      expect_close(out, ref_pool(attn, w, rid, K, false), 1e-10);
+    }
+  // per-layer windows: each layer's own
+  const std::vector<int64_t> windows = {25, 0}, chunks = {0, 64};
+  std::vector<at::Tensor> per_layer;
+  for (int64_t l = 0; l < 2; ++l)
+    per_layer.push_back(headscope::region_pool_qk(q, k, w, rid, K, scale, true, std::nullopt,
+                                                  "sum", windows[l], chunks[l], block_ids, cap));
+  EXPECT_TRUE(at::equal(headscope::region_pool_qk_layers({q, q}, {k, k}, w, rid, K,
+                                                         std::vector<double>{scale, scale}, true,
+                                                         std::nullopt, "sum", windows, chunks,
+                                                         block_ids, cap),
+                        at::cat(per_layer, 2)));
+}
+
 TEST(Attribution, LinearAttribution) {
   at::manual_seed(2);
   const int64_t F = 11;

@@ -235,6 +235,31 @@ TEST(Vas, QkKeyPaddingMaskLeavesKeysOut) {
   }
 }
 
+TEST(Vas, QkSlidingWindowAndBidirectionalBlock) {
+  at::manual_seed(7);
+  const int64_t B = 1, H = 2, T = 300, D = 8, Dh = 6, window = 40;
+  const auto q = at::randn({B, H, T, D});
+  const auto k = at::randn({B, H, T, D});
+  const auto V = at::randn({B, H, T, Dh});
+  const auto lengths = at::tensor(std::vector<int64_t>{T});
+  auto block_ids = at::full({B, T}, -1, at::kLong);
+  block_ids.narrow(1, 100, 80).fill_(0);  // a block longer than the window
+  // the pattern from its definition: j > i - window and (j <= i or both in the block)
+  auto keep = at::zeros({T, T}, at::kBool);
+  for (int64_t i = 0; i < T; ++i)
+    for (int64_t j = std::max<int64_t>(0, i - window + 1); j < T; ++j)
+      if (j <= i || (i >= 100 && i < 180 && j >= 100 && j < 180)) keep[i][j] = true;
+  const auto logits = at::matmul(q, k.transpose(-1, -2)).mul(0.5 / 3.0).tanh().mul(3.0);
+  const auto A = at::softmax(logits.masked_fill(keep.logical_not(), -INFINITY), -1);
+  const auto want = headscope::vas_head_stats(A, V, lengths);
+  const auto got = headscope::vas_head_stats_qk(q, k, V, lengths, 0.5, true, std::nullopt,
+                                                std::nullopt, window, std::nullopt, block_ids,
+                                                3.0);
+  EXPECT_TRUE(at::allclose(got, want, 1e-4, 1e-6)) << got << want;
+  const auto plain = headscope::vas_head_stats_qk(q, k, V, lengths, 0.5, true);
+  EXPECT_FALSE(at::allclose(plain, want, 1e-4, 1e-6));
+}
+
 TEST(Vas, AggregateMatchesLoops) {
   at::manual_seed(5);
   const int64_t B = 2, L = 4, H = 3;
