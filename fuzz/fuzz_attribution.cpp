@@ -43,17 +43,17 @@ at::Tensor pool_reference(const at::Tensor& attn, const at::Tensor& w, const at:
   return out;
 }
 
-// softmax(scale q k^T) in float64 with grouped heads, bottom-right causal mask and key
-// padding; a logit of -inf hides its key as a mask does, a row with no visible key is 0, and a
+// softmax(scale q k^T) in float64 with grouped heads, soft-capped, the pattern's mask
+// (bottom-right causal, window, chunks, blocks) and key padding; a logit of -inf hides its key as a mask does, a row with no visible key is 0, and a
 // row with a visible logit of NaN or +inf is NaN.
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, double scale, bool causal,
-                     const std::optional<at::Tensor>& kpm, double* logit_range) {
+at::Tensor attention(const Input::QK& a, double* logit_range) {
+  const at::Tensor &q = a.q, &k = a.k;
+  const auto& kpm = a.key_padding_mask;
   const int64_t Tq = q.size(2), Tk = k.size(2);
-  auto logits = at::matmul(q.to(at::kDouble), k.to(at::kDouble).repeat_interleave(q.size(1) / k.size(1), 1).mT()) * scale;
+  auto logits = a.capped(at::matmul(q.to(at::kDouble), k.to(at::kDouble).repeat_interleave(q.size(1) / k.size(1), 1).mT()) * a.scale);
   auto finite = logits.abs().masked_select(at::isfinite(logits));
   *logit_range = finite.numel() ? finite.max().item<double>() * std::sqrt(double(q.size(3))) : 0.0;
-  auto hidden = at::zeros({1, 1, Tq, Tk}, at::kBool);
-  if (causal) hidden |= at::ones({Tq, Tk}, at::kBool).triu(Tk - Tq + 1);
+  auto hidden = a.hidden(Tq, Tk);
   if (kpm) hidden = hidden | kpm->view({kpm->size(0), 1, 1, Tk});
   hidden = hidden | at::isneginf(logits);
   auto bad_row = ((at::isnan(logits) | at::isposinf(logits)) & ~hidden).any(-1, true);
@@ -90,12 +90,16 @@ void fuzz_pool(Input& in) {
     const bool causal = args->causal;
     const double scale = args->scale;
     if (!runs("region_pool_qk", [&] {
-          out = headscope::region_pool_qk(q, k, w, rid, K, scale, causal, kpm, reduce);
+          out = headscope::region_pool_qk(q, k, w, rid, K, scale, causal, kpm, reduce,
+                                          args->window, args->chunk, args->block_ids,
+                                          args->softcap);
         }))
       fail("region_pool_qk rejected valid input");
-    expect_same("region_pool_qk", out, headscope::region_pool_qk(q.contiguous(), k.contiguous(),
-                                                                  w, rid, K, scale, causal, kpm, reduce));
-    A = attention(q, k, scale, causal, kpm, &logit_range);
+    expect_same("region_pool_qk", out,
+                headscope::region_pool_qk(q.contiguous(), k.contiguous(), w, rid, K, scale, causal,
+                                          kpm, reduce, args->window, args->chunk,
+                                          args->block_ids, args->softcap));
+    A = attention(*args, &logit_range);
   }
   // float32 logits carry an absolute error of about their size times 2^-24 (times sqrt(D)),
   // which exp turns into a relative error of the probabilities

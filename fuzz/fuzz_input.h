@@ -77,6 +77,41 @@ class Input {
     bool causal;
     std::optional<at::Tensor> key_padding_mask;
     double scale;
+    // the attention pattern (none when unset)
+    std::optional<int64_t> window, chunk;
+    std::optional<at::Tensor> block_ids;
+    std::optional<double> softcap;
+
+    // (B, 1, Tq, Tk): the keys the pattern (not the padding) hides from each query, query i
+    // at key position Tk - Tq + i, from the definition: keys up to p - window, keys of
+    // another chunk (chunks counted from the leading padding), keys after a causal query
+    // outside its block.
+    at::Tensor hidden(int64_t Tq, int64_t Tk) const {
+      const int64_t B = q.size(0);
+      auto p = (at::arange(Tq, at::kLong) + (Tk - Tq)).view({1, Tq, 1});
+      auto j = at::arange(Tk, at::kLong).view({1, 1, Tk});
+      auto h = (causal ? j > p : at::zeros({1, Tq, Tk}, at::kBool)).expand({B, Tq, Tk});
+      if (causal && block_ids) {
+        auto pos = p.view({1, Tq}).expand({B, Tq});
+        auto qb = at::where(pos >= 0, block_ids->gather(1, pos.clamp(0, Tk - 1)),
+                            at::full({}, -1, at::kLong)).unsqueeze(2);  // (B, Tq, 1)
+        h = h & ~((qb >= 0) & (qb == block_ids->unsqueeze(1)));
+      }
+      if (window && *window > 0) h = h | (j <= p - *window);
+      if (chunk && *chunk > 0) {
+        auto origin = key_padding_mask
+                          ? key_padding_mask->to(at::kLong).cumprod(1).sum(1).view({B, 1, 1})
+                          : at::zeros({B, 1, 1}, at::kLong);
+        h = h | (at::div(j - origin, *chunk, "floor") != at::div(p - origin, *chunk, "floor"));
+      }
+      return h.unsqueeze(1);
+    }
+    // Logits soft-capped as documented: cap tanh(l / cap), a non-finite logit NaN.
+    at::Tensor capped(const at::Tensor& logits) const {
+      if (!softcap) return logits;
+      return at::where(at::isfinite(logits), (logits / *softcap).tanh() * *softcap,
+                       at::full({}, NAN, logits.options()));
+    }
   };
   std::optional<QK> qk(int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t max_D,
                        at::ScalarType dtype) {
@@ -90,6 +125,17 @@ class Input {
     a.causal = chance(128);
     if (chance(64)) a.key_padding_mask = at::rand({B, Tk}) < real(0, 1);
     a.scale = real(0.01, 1.0);
+    if (chance(64)) a.window = size(0, Tk + 2);  // 0: none
+    if (chance(64)) a.chunk = size(0, Tk + 2);
+    if (chance(64)) {  // 1 to 3 blocks per row; ids reused, so a block may have gaps
+      a.block_ids = at::full({B, Tk}, -1, at::kLong);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t n = size(1, 3); n > 0; --n) {
+          const int64_t s = size(0, Tk - 1);
+          a.block_ids->select(0, b).narrow(0, s, size(1, Tk - s)).fill_(size(0, 1));
+        }
+    }
+    if (chance(48)) a.softcap = pick({0.5, 2.0, 30.0});
     return a;
   }
 

@@ -75,14 +75,14 @@ void check_stats(const char* op, const at::Tensor& out, const at::Tensor& A, con
   }
 }
 
-// softmax(scale q k^T) in float64 with grouped heads, a bottom-right causal mask and key
-// padding; a row with no visible key is 0.
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, double scale, bool causal,
-                     const std::optional<at::Tensor>& kpm) {
-  auto kk = k.to(at::kDouble).repeat_interleave(q.size(1) / k.size(1), 1);
-  auto logits = at::matmul(q.to(at::kDouble), kk.mT()) * scale;
-  const int64_t T = q.size(2);
-  if (causal) logits.masked_fill_(at::ones({T, T}, at::kBool).triu(1), -INFINITY);
+// softmax(scale q k^T) in float64 with grouped heads, soft-capped, the pattern's mask
+// (causal, window, chunks, blocks) and key padding; a row with no visible key is 0.
+at::Tensor attention(const Input::QK& a) {
+  const auto& kpm = a.key_padding_mask;
+  auto kk = a.k.to(at::kDouble).repeat_interleave(a.q.size(1) / a.k.size(1), 1);
+  auto logits = a.capped(at::matmul(a.q.to(at::kDouble), kk.mT()) * a.scale);
+  const int64_t T = a.q.size(2);
+  logits.masked_fill_(a.hidden(T, T), -INFINITY);
   if (kpm) logits.masked_fill_(kpm->view({kpm->size(0), 1, 1, T}), -INFINITY);
   auto none = at::isneginf(logits).all(-1, true);
   return at::softmax(logits, -1).masked_fill(none, 0.0);
@@ -131,16 +131,23 @@ void fuzz_head_stats(Input& in) {
     const double scale = args->scale;
     const int64_t Hkv = k.size(1);
     if (!runs(op, [&] {
-          out = headscope::vas_head_stats_qk(q, k, V, lengths, scale, causal, offsets, kpm);
+          out = headscope::vas_head_stats_qk(q, k, V, lengths, scale, causal, offsets, kpm,
+                                             args->window, args->chunk, args->block_ids,
+                                             args->softcap);
         }))
       fail("vas_head_stats_qk rejected valid input");
     expect_same(op, out, headscope::vas_head_stats_qk(q.contiguous(), k.contiguous(), V.contiguous(),
-                                                      lengths, scale, causal, offsets, kpm));
-    A = attention(q, k, scale, causal, kpm);
+                                                      lengths, scale, causal, offsets, kpm,
+                                                      args->window, args->chunk, args->block_ids,
+                                                      args->softcap));
+    A = attention(*args);
+    const auto seen = ~args->hidden(T, T).squeeze(1);  // (B, T, T): keys each row may see
     check_stats(op, out, A, V, lengths, offsets, [&](int64_t b, int64_t s, int64_t n) {
-      auto keys = k[b].repeat_interleave(H / Hkv, 0).narrow(1, 0, causal ? s + n : T);
-      auto key_finite = at::isfinite(keys).all(-1);  // (H, keys)
-      if (kpm) key_finite |= (*kpm)[b].narrow(0, 0, keys.size(1));
+      // the keys some window row sees, padding aside (docs/vas.md, NaN and Inf)
+      auto used = seen[b].narrow(0, s, n).any(0);
+      if (kpm) used &= (*kpm)[b].logical_not();
+      auto keys = k[b].repeat_interleave(H / Hkv, 0);
+      auto key_finite = at::isfinite(keys).all(-1) | used.logical_not();  // (H, T)
       return at::isfinite(q[b].narrow(1, s, n)).all(-1).all(-1) & key_finite.all(-1);
     });
     return;

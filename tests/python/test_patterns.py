@@ -284,6 +284,26 @@ def test_vas_keys_before_the_window_are_never_read(device):
     assert torch.isnan(headscope.vas_head_stats_qk(*args, 0.3, True, offsets.to(device))).all()
 
 
+def test_vas_nan_in_a_block_key_counts_only_where_seen(device):
+    """Keys after the window are seen through a block of a window row: NaN there makes the
+    head NaN; NaN in later keys no window row sees (other blocks, past the window's blocks)
+    does not."""
+    gen = torch.Generator().manual_seed(10)
+    B, H, T, D = 1, 2, 200, 8
+    q, k, V = (torch.randn(B, H, T, D, generator=gen) for _ in range(3))
+    ids = torch.full((B, T), -1, dtype=torch.long)
+    ids[0, 100:150] = 0  # window rows 100..119 see keys up to 149
+    ids[0, 170:190] = 1
+    lengths = torch.tensor([120])
+    for key, seen in ((140, True), (160, False), (180, False)):
+        kk = k.clone()
+        kk[0, 0, key, 0] = float("nan")
+        out = headscope.vas_head_stats_qk(q.to(device), kk.to(device), V.to(device),
+                                          lengths.to(device), 0.3, True, block_ids=ids.to(device))
+        assert bool(torch.isnan(out[0, 0]).all()) == seen  # the head that reads key head 0
+        assert torch.isfinite(out[0, 1]).all() and (seen or torch.isfinite(out).all())
+
+
 # ---- bad pattern arguments ----------------------------------------------------------------------
 
 def _pool_args(**over):

@@ -31,6 +31,27 @@ def relayout(x: torch.Tensor, rng: random.Random) -> torch.Tensor:
     return x
 
 
+def random_pattern(B: int, T: int, rng: random.Random) -> dict:
+    """An attention pattern of the qk op, each part drawn with probability 1/3: a sliding
+    window, chunks, bidirectional blocks (1 to 3 per row, any lengths, ids reused so that a
+    block may have gaps) and a logit soft cap."""
+    p = {}
+    if rng.random() < 1 / 3:
+        p["window"] = rng.randint(1, T + 3)
+    if rng.random() < 1 / 3:
+        p["chunk"] = rng.randint(1, T + 3)
+    if rng.random() < 1 / 3:
+        ids = torch.full((B, T), -1, dtype=torch.long)
+        for b in range(B):
+            for _ in range(rng.randint(1, 3)):
+                s = rng.randrange(T)
+                ids[b, s:s + rng.randint(1, max(1, T // 2))] = rng.randrange(2)
+        p["block_ids"] = ids
+    if rng.random() < 1 / 3:
+        p["softcap"] = rng.choice([0.5, 2.0, 30.0])
+    return p
+
+
 def run_case(case: int, near_parallel: float = 0.0, min_T: int = 1):
     """One random case: (description, op result, float32 reference, float64 reference,
     whether its head writes are nearly parallel). near_parallel: the share of such cases
@@ -76,9 +97,13 @@ def run_case(case: int, near_parallel: float = 0.0, min_T: int = 1):
         q = (torch.randn(B, H, T, D, generator=g) * rng.choice([0.3, 1.0, 3.0])).to(dtype)
         k = torch.randn(B, Hkv, T, D, generator=g).to(dtype)
         kpm = torch.rand(B, T, generator=g) < 0.3 if rng.random() < 0.4 else None
+        pattern = random_pattern(B, T, rng)
         out = OPS.vas_head_stats_qk(relayout(q, rng), relayout(k, rng), relayout(V, rng),
-                                    lengths, D ** -0.5, causal, offsets, kpm)
-        A = ref.attention_from_qk(q, k, D ** -0.5, causal, kpm)
+                                    lengths, D ** -0.5, causal, offsets, kpm, **pattern)
+        A = ref.attention_from_qk(q, k, D ** -0.5, causal, kpm, dtype=torch.float64,
+                                  **pattern).float()
+        mode += "".join(f" {key}={'...' if key == 'block_ids' else v}"
+                        for key, v in pattern.items())
     f32 = ref.head_stats(A, V, lengths, offsets)
     # (c exact, in integers, for heads whose centred A float64 cannot resolve: ref.exact_cka)
     f64 = ref.head_stats(A, V, lengths, offsets, dtype=np.float64)

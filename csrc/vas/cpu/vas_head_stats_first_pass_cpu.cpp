@@ -301,6 +301,7 @@ void qk_extents(Problem& P, QK& Q) {
   Q.klo.assign(P.B * P.T, 0);
   Q.khi.assign(P.B * P.T, -1);
   Q.kqb.assign(P.B * P.T, -1);
+  if (Q.pat.row[0].has_blocks()) Q.block_seen.assign(P.B, {});
   std::vector<Extent> ext_b;  // the same for every head of a batch row
   for (int64_t b = 0; b < P.B; ++b) {
     const int64_t n = P.n[b], s = P.s[b], groups = (n + 7) / 8;
@@ -312,6 +313,10 @@ void qk_extents(Problem& P, QK& Q) {
       Q.klo[b * P.T + i] = lo;
       Q.khi[b * P.T + i] = hi;
       Q.kqb[b * P.T + i] = qb;
+      if (qb >= 0) {
+        auto [it, fresh] = Q.block_seen[b].emplace(qb, hi);
+        if (!fresh) it->second = std::max(it->second, hi);
+      }
       // the window's columns [s, s + n) among the keys
       const int64_t c0 = std::max<int64_t>(lo - s, 0), c1 = std::min<int64_t>(hi - s, n - 1);
       if (c0 > c1) continue;
