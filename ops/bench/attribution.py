@@ -7,7 +7,10 @@
 * features and scores for all layers (region_pool_qk per layer + linear_attribution);
 * linear_attribution against ``((f - mean) / std) @ w + b`` written out and, on the CPU,
   against the ATen composite that is its forward on the other backends;
-* ward_regions against scikit-learn's AgglomerativeClustering (grid connectivity).
+* ward_regions against scikit-learn's AgglomerativeClustering (grid connectivity);
+* region_pool_qk over a whole prefill (every query of T = 8192 in the span) with a sliding
+  window of 1024 keys, beside no window and beside the best eager formulation with the
+  materialised mask (headscope.pattern_mask): time and peak memory.
 
 Sizes: L = 28 layers, H = 28 query heads, Hkv = 4, D = 128, Tk = 4096
 keys of which 1024 are image tokens in K = 64 regions; one K/V cache per layer.
@@ -21,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..patterns import pattern_mask
 from ._util import interleaved, mib, peak_bytes, print_table, round_ratios, timeit
 
 ops = torch.ops.headscope
@@ -212,9 +216,61 @@ def bench_ward(quick: bool) -> dict:
     return row
 
 
+def eager_masked_pool(q, k, keep, rid_img_pos, rid_img_reg, K, scale):
+    """The best eager formulation under an attention pattern: grouped heads without
+    repeating K, one matmul, the materialised mask (B, Tq, Tk), softmax, index_add of the
+    image tokens' probabilities into their regions, the mean over the span's queries."""
+    B, H, Tq, D = q.shape
+    Hkv = k.shape[1]
+    s = torch.matmul(q.view(B, Hkv, H // Hkv * Tq, D), k.transpose(-1, -2)).mul_(scale)
+    s = s.view(B, Hkv, H // Hkv, Tq, -1).masked_fill_(~keep[:, None, None], float("-inf"))
+    p = torch.softmax(s, -1).view(B, H, Tq, -1)
+    pooled = p.new_zeros(B, H, Tq, K).index_add_(-1, rid_img_reg, p[..., rid_img_pos])
+    return pooled.mean(2).transpose(1, 2)
+
+
+def bench_window(device, quick: bool) -> dict:
+    """A sliding window: the pooled attention of every query of a prefill; the op's cost
+    grows with T * window."""
+    H, Hkv, D, K = 4, 2, 64, 16
+    T, window = (1024, 128) if quick else (8192, 1024)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, H, T, D, generator=g).to(device)
+    k = torch.randn(1, Hkv, T, D, generator=g).to(device)
+    rid = torch.full((1, T), -1, dtype=torch.long)
+    rid[0, T // 8:T // 8 + T // 4] = torch.arange(T // 4) * K // (T // 4)  # an image
+    rid = rid.to(device)
+    img_pos = (rid[0] >= 0).nonzero().squeeze(1)
+    img_reg = rid[0, img_pos]
+    w = torch.ones(1, T, device=device)
+    keep = pattern_mask(T, T, window=window, device=device)
+    scale = D ** -0.5
+    fns = {
+        "window": lambda: ops.region_pool_qk(q, k, w, rid, K, scale, True, None, "sum", window),
+        "no window": lambda: ops.region_pool_qk(q, k, w, rid, K, scale, True, None, "sum"),
+        "eager": lambda: eager_masked_pool(q, k, keep, img_pos, img_reg, K, scale),
+    }
+    torch.testing.assert_close(fns["window"](), fns["eager"](), rtol=1e-4, atol=1e-6)
+    times = interleaved(fns, device, rounds=2 if quick else 3, pause=0.0)
+    mem = {name: peak_bytes(fn, device) for name, fn in fns.items()}
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    row = {"T": T, "window": window, "window ms": ms["window"], "no window ms": ms["no window"],
+           "eager ms": ms["eager"],
+           "no window / window": round_ratios(times["no window"], times["window"])[0],
+           "eager / window": round_ratios(times["eager"], times["window"])[0],
+           "window MiB": mib(mem["window"]), "no window MiB": mib(mem["no window"]),
+           "eager MiB": mib(mem["eager"]),
+           "eager / window memory": mem["eager"] / max(mem["window"], 1)}
+    print_table(f"region_pool_qk of a whole prefill with a sliding window (causal, H={H}, "
+                f"Hkv={Hkv}, D={D}, K={K}, {device.type}, float32; eager: the materialised "
+                f"mask, softmax, index_add; time ratios: medians over rounds timing the three "
+                f"in turn)", [row], list(row))
+    return row
+
+
 def run(device: torch.device, quick: bool) -> dict:
     t0 = time.perf_counter()
     out = {"decode": bench_decode(device, quick), "linear": bench_linear(device, quick),
-           "ward": bench_ward(quick)}
+           "ward": bench_ward(quick), "window": bench_window(device, quick)}
     print(f"\nattribution benchmarks: {time.perf_counter() - t0:.1f} s")
     return out

@@ -10,6 +10,9 @@ formulation, in one run (ratios are for reading, never assertions).
   from T = 512 to 8192;
 * on the CPU: one grouped-query layer (H = 8, Hkv = 4) at T = 512 and 2048: the qk op beside
   vas_head_stats on the layer's attention and beside one SDPA call;
+* window: vas_head_stats_qk at T = 8192 with a sliding window of 1024 keys beside no window
+  and beside the best eager formulation with the materialised mask (headscope.pattern_mask,
+  softmax, eager_head_stats): time and peak memory;
 * aggregate: vas_aggregate beside the same statistics written as ATen ops (aten_aggregate),
   the composite it would be if the kernel were not faster;
 * on CUDA: one Qwen2.5-VL-7B-sized layer (B = 1, H = 28, T = 4096, Dh = 128) against the
@@ -23,6 +26,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from ..patterns import pattern_mask as headscope_pattern_mask
 from ._util import interleaved, load_seed, mib, peak_bytes, print_table, round_ratios, timeit
 
 ops = torch.ops.headscope
@@ -202,6 +206,47 @@ def _layer_section(device, quick, results):
     results["layer"] = rows
 
 
+def eager_masked_head_stats(q, k, V, keep, scale):
+    """The best eager formulation under an attention pattern: logits of every (query, key)
+    pair, the materialised mask (B, T, T), softmax, eager_head_stats."""
+    logits = torch.matmul(q, k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2))
+    A = torch.softmax(logits.mul_(scale).masked_fill_(~keep[:, None], float("-inf")), -1)
+    return eager_head_stats(A, V)
+
+
+def _window_section(device, quick, results):
+    """A sliding window (Gemma's sliding layers, Mistral): the qk op's cost grows with
+    T * window, not T^2, and nothing of size T x T is formed."""
+    B, H, D, Dh = 1, 2, 64, 64
+    T, window = (1024, 128) if quick else (8192, 1024)
+    gen = torch.Generator().manual_seed(T)
+    q, k, V = (torch.randn(B, H, T, d, generator=gen).to(device) for d in (D, D, Dh))
+    lengths = torch.full((B,), T, device=device)
+    keep = headscope_pattern_mask(T, T, window=window, device=device)
+    fns = {
+        "window": lambda: ops.vas_head_stats_qk(q, k, V, lengths, D ** -0.5, True, None, None,
+                                                window),
+        "no window": lambda: ops.vas_head_stats_qk(q, k, V, lengths, D ** -0.5, True),
+        "eager": lambda: eager_masked_head_stats(q, k, V, keep, D ** -0.5),
+    }
+    err = (fns["window"]() - fns["eager"]()).abs().max().item()
+    times = interleaved(fns, device, rounds=2 if quick else 3, pause=0.0)
+    mem = {name: peak_bytes(fn, device) for name, fn in fns.items()}
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    row = {"T": T, "window": window, "window ms": ms["window"], "no window ms": ms["no window"],
+           "eager ms": ms["eager"],
+           "no window / window": round_ratios(times["no window"], times["window"])[0],
+           "eager / window": round_ratios(times["eager"], times["window"])[0],
+           "window MiB": mib(mem["window"]), "no window MiB": mib(mem["no window"]),
+           "eager MiB": mib(mem["eager"]),
+           "eager / window memory": mem["eager"] / max(mem["window"], 1),
+           "max abs diff": err}
+    print_table(f"vas_head_stats_qk with a sliding window (causal, B={B}, H={H}, D=Dh={D}, "
+                f"{device}; eager: the materialised mask, softmax and eager_head_stats; time "
+                f"ratios: medians over rounds timing the three in turn)", [row], list(row))
+    results["window"] = row
+
+
 def aten_aggregate(head_stats: torch.Tensor) -> torch.Tensor:
     """vas_aggregate as ATen ops (every backend): the per-layer mean, population std, max and
     min over heads, stored as float32 as the reference does, then their mean, std and max
@@ -273,6 +318,7 @@ def run(device: torch.device, quick: bool) -> dict:
     _seed_section(device, quick, results)
     _eager_section(device, quick, results)
     _growth_section(device, quick, results)
+    _window_section(device, quick, results)
     _aggregate_section(device, quick, results)
     if device.type == "cpu":
         _layer_section(device, quick, results)
