@@ -19,7 +19,6 @@ PatternRows pattern_rows(int64_t B, int64_t Tk, bool causal, int64_t window, int
   P.Tk = Tk;
   P.softcap = softcap.value_or(0.0);
   const bool with_blocks = causal && block_ids.has_value() && block_ids->defined();
-  P.trivial = window == 0 && chunk == 0 && !with_blocks && P.softcap == 0;
   P.row.assign(B, AttentionPattern{causal, window, chunk, 0, nullptr, 1});
   if (key_padding_mask.has_value() && key_padding_mask->defined() && B * Tk > 0) {
     const at::Tensor lead = leading_padding(*key_padding_mask);

@@ -22,7 +22,6 @@ struct PatternRows {
   at::Tensor blocks;                  // block_ids as int64, contiguous (kept alive)
   int64_t Tk = 0;
   double softcap = 0;  // 0: none
-  bool trivial = true;  // causal or not, nothing else: the kernels' plain path
 
   // The keys [lo, hi] query position i of batch row b may see under pattern p (row[b], or
   // a layer's variant of it; none when lo > hi), and its block qb.
@@ -48,13 +47,13 @@ struct PatternRows {
   }
 };
 
-// window, chunk: 0 for none (a layer's variant of row[b] may set others); origin of the
-// chunks from the leading padding of
-// key_padding_mask (bool (B, Tk), True = padding); block_ids int64 (B, Tk).
 // Each row's leading padding keys, the origin of its chunks: int64 (B,) on the mask's device
 // (ATen ops, no host sync).
 at::Tensor leading_padding(const at::Tensor& key_padding_mask);
 
+// The pattern of each batch row: window, chunk 0 for none (a layer's variant of row[b] may
+// set others), the chunks' origin from the leading padding of key_padding_mask (bool
+// (B, Tk), True = padding), block_ids int64 (B, Tk) (read only when causal).
 PatternRows pattern_rows(int64_t B, int64_t Tk, bool causal, int64_t window, int64_t chunk,
                          const std::optional<at::Tensor>& block_ids,
                          const std::optional<at::Tensor>& key_padding_mask,
