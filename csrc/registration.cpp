@@ -19,7 +19,8 @@ TORCH_LIBRARY(headscope, m) {
         " -> Tensor", pt2);
   m.def("vas_head_stats_qk(Tensor q, Tensor k, Tensor head_writes, Tensor lengths, float? scale=None,"
         " bool causal=True, Tensor? offsets=None, Tensor? key_padding_mask=None, int? window=None,"
-        " int? chunk=None, Tensor? block_ids=None, float? softcap=None) -> Tensor", pt2);
+        " int? chunk=None, Tensor? block_ids=None, float? softcap=None,"
+        " bool window_bounds_blocks=True) -> Tensor", pt2);
   m.def("vas_aggregate(Tensor head_stats) -> Tensor", pt2);
 
   // ---- attribution: vStream region pooling, linear head, correlations, regions ----
@@ -28,11 +29,13 @@ TORCH_LIBRARY(headscope, m) {
   m.def("region_pool_qk(Tensor q, Tensor k, Tensor query_weights, Tensor region_ids,"
         " SymInt num_regions, float? scale=None, bool causal=True, Tensor? key_padding_mask=None,"
         " str reduce=\"sum\", int? window=None, int? chunk=None, Tensor? block_ids=None,"
-        " float? softcap=None) -> Tensor", pt2);
+        " float? softcap=None,"
+        " bool window_bounds_blocks=True) -> Tensor", pt2);
   m.def("region_pool_qk_layers(Tensor[] q, Tensor[] k, Tensor query_weights, Tensor region_ids,"
         " SymInt num_regions, float[]? scale=None, bool causal=True, Tensor? key_padding_mask=None,"
         " str reduce=\"sum\", int[]? window=None, int[]? chunk=None, Tensor? block_ids=None,"
-        " float? softcap=None) -> Tensor", pt2);
+        " float? softcap=None,"
+        " bool window_bounds_blocks=True) -> Tensor", pt2);
   m.def("linear_attribution(Tensor features, Tensor weight, Tensor mean, Tensor std,"
         " Tensor? bias=None) -> Tensor", pt2);
   m.def("spearman(Tensor pred, Tensor target, int dim=-1) -> Tensor", pt2);

@@ -92,13 +92,14 @@ void fuzz_pool(Input& in) {
     if (!runs("region_pool_qk", [&] {
           out = headscope::region_pool_qk(q, k, w, rid, K, scale, causal, kpm, reduce,
                                           args->window, args->chunk, args->block_ids,
-                                          args->softcap);
+                                          args->softcap, args->window_bounds_blocks);
         }))
       fail("region_pool_qk rejected valid input");
     expect_same("region_pool_qk", out,
                 headscope::region_pool_qk(q.contiguous(), k.contiguous(), w, rid, K, scale, causal,
                                           kpm, reduce, args->window, args->chunk,
-                                          args->block_ids, args->softcap));
+                                          args->block_ids, args->softcap,
+                                          args->window_bounds_blocks));
     A = attention(*args, &logit_range);
   }
   // float32 logits carry an absolute error of about their size times 2^-24 (times sqrt(D)),

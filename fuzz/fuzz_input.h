@@ -81,21 +81,24 @@ class Input {
     std::optional<int64_t> window, chunk;
     std::optional<at::Tensor> block_ids;
     std::optional<double> softcap;
+    bool window_bounds_blocks = true;
 
     // (B, 1, Tq, Tk): the keys the pattern (not the padding) hides from each query, query i
     // at key position Tk - Tq + i, from the definition: keys up to p - window, keys of
     // another chunk (chunks counted from the leading padding), keys after a causal query
-    // outside its block.
+    // outside its block; with window_bounds_blocks false, never a key of its block.
     at::Tensor hidden(int64_t Tq, int64_t Tk) const {
       const int64_t B = q.size(0);
       auto p = (at::arange(Tq, at::kLong) + (Tk - Tq)).view({1, Tq, 1});
       auto j = at::arange(Tk, at::kLong).view({1, 1, Tk});
       auto h = (causal ? j > p : at::zeros({1, Tq, Tk}, at::kBool)).expand({B, Tq, Tk});
+      auto same_block = at::zeros({B, Tq, Tk}, at::kBool);
       if (causal && block_ids) {
         auto pos = p.view({1, Tq}).expand({B, Tq});
         auto qb = at::where(pos >= 0, block_ids->gather(1, pos.clamp(0, Tk - 1)),
                             at::full({}, -1, at::kLong)).unsqueeze(2);  // (B, Tq, 1)
-        h = h & ~((qb >= 0) & (qb == block_ids->unsqueeze(1)));
+        same_block = (qb >= 0) & (qb == block_ids->unsqueeze(1));
+        h = h & ~same_block;
       }
       if (window && *window > 0) h = h | (j <= p - *window);
       if (chunk && *chunk > 0) {
@@ -104,6 +107,8 @@ class Input {
                           : at::zeros({B, 1, 1}, at::kLong);
         h = h | (at::div(j - origin, *chunk, "floor") != at::div(p - origin, *chunk, "floor"));
       }
+      // PaliGemma 2: the block is seen whatever the window and chunks
+      if (!window_bounds_blocks) h = h & ~same_block;
       return h.unsqueeze(1);
     }
     // Logits soft-capped as documented: cap tanh(l / cap), a non-finite logit NaN.
@@ -136,6 +141,7 @@ class Input {
         }
     }
     if (chance(48)) a.softcap = pick({0.5, 2.0, 30.0});
+    a.window_bounds_blocks = !chance(64);
     return a;
   }
 

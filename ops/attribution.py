@@ -55,7 +55,7 @@ def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tens
                    key_padding_mask: Optional[Tensor] = None, reduce: str = "sum",
                    window: Optional[int] = None, chunk: Optional[int] = None,
                    block_ids: Optional[Tensor] = None,
-                   softcap: Optional[float] = None) -> Tensor:
+                   softcap: Optional[float] = None, window_bounds_blocks: bool = True) -> Tensor:
     """``region_pool(softmax(scale * q k^T))`` without storing the attention matrix.
 
     ``q`` ``(B, H, Tq, D)``, ``k`` ``(B, Hkv, Tk, D)`` with ``Hkv`` dividing ``H`` (grouped
@@ -69,11 +69,13 @@ def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tens
     aligned as ``causal``): ``window`` (None or 0: none; the ``window`` most recent keys up
     to the query), ``chunk`` (None or 0: none; only keys of the query's chunk), ``block_ids``
     ``(B, Tk)`` int64 (a query whose position has block b >= 0 also sees every key of b),
-    ``softcap`` (logits become ``softcap * tanh(logits / softcap)``).
+    ``softcap`` (logits become ``softcap * tanh(logits / softcap)``),
+    ``window_bounds_blocks`` (False: a query sees its whole block whatever the window and
+    chunks, PaliGemma 2's composition; True: Gemma 3's).
     """
     return torch.ops.headscope.region_pool_qk(q, k, query_weights, region_ids, num_regions,
                                               scale, causal, key_padding_mask, reduce, window,
-                                              chunk, block_ids, softcap)
+                                              chunk, block_ids, softcap, window_bounds_blocks)
 
 
 def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weights: Tensor,
@@ -84,7 +86,8 @@ def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weight
                           window: Union[int, Sequence[Optional[int]], None] = None,
                           chunk: Union[int, Sequence[Optional[int]], None] = None,
                           block_ids: Optional[Tensor] = None,
-                          softcap: Optional[float] = None) -> Tensor:
+                          softcap: Optional[float] = None,
+                          window_bounds_blocks: bool = True) -> Tensor:
     """:func:`region_pool_qk` of every layer in one call: ``q[l]`` ``(B, H, Tq, D)`` and
     ``k[l]`` ``(B, Hkv, Tk, D)`` (every layer of the first one's sizes), ``scale`` one per
     layer (default ``D ** -0.5``) -> ``(B, K, L*H)``, column ``l*H + h``: the features of an
@@ -93,7 +96,7 @@ def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weight
 
     ``window`` and ``chunk``: one length for every layer, or one per layer (None or 0: none
     in that layer; Gemma's sliding and global layers alternate). ``block_ids`` and
-    ``softcap`` apply to every layer (:func:`region_pool_qk`).
+    ``softcap`` and ``window_bounds_blocks`` apply to every layer (:func:`region_pool_qk`).
     """
     def per_layer(v):
         if v is None:
@@ -107,7 +110,7 @@ def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weight
                                                      None if scale is None else list(scale),
                                                      causal, key_padding_mask, reduce,
                                                      per_layer(window), per_layer(chunk),
-                                                     block_ids, softcap)
+                                                     block_ids, softcap, window_bounds_blocks)
 
 
 def linear_attribution(features: Tensor, weight: Tensor, mean: Tensor, std: Tensor,

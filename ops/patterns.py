@@ -4,8 +4,9 @@
 tested against and the eager baselines of the benchmark; it costs ``B * Tq * Tk`` bytes, so
 it is for references, not for long sequences.
 
-The composition is transformers' ``masking_utils`` for Gemma 3:
-``window AND chunk AND (causal OR same block)``, then padding.
+The composition is transformers' ``masking_utils`` for Gemma 3,
+``window AND chunk AND (causal OR same block)``, or with ``window_bounds_blocks=False``
+PaliGemma 2's, ``(window AND chunk AND causal) OR same block``; then padding.
 """
 from typing import Optional
 
@@ -19,7 +20,7 @@ def pattern_mask(Tq: int, Tk: int, *, batch: int = 1, causal: bool = True,
                  window: Optional[int] = None, chunk: Optional[int] = None,
                  block_ids: Optional[Tensor] = None,
                  key_padding_mask: Optional[Tensor] = None,
-                 device=None) -> Tensor:
+                 window_bounds_blocks: bool = True, device=None) -> Tensor:
     """``(B, Tq, Tk)`` bool, True where query ``i`` sees key ``j``.
 
     Query ``i`` sits at key position ``p = Tk - Tq + i`` (bottom-right, as the ops align
@@ -29,8 +30,10 @@ def pattern_mask(Tq: int, Tk: int, *, batch: int = 1, causal: bool = True,
     chunk, chunks counted from the first non-padding key (``chunked_overlay`` with
     ``left_padding``). ``block_ids`` ``(B, Tk)`` int64: a query whose own position has
     block ``b >= 0`` also sees every key of block ``b``, later ones included
-    (``blockwise_overlay``, OR-ed with causal; the window and chunks still apply).
-    ``key_padding_mask`` ``(B, Tk)`` bool, True = padding: never seen."""
+    (``blockwise_overlay``, OR-ed with causal; the window and chunks still bound it, as
+    Gemma 3's masks do, unless ``window_bounds_blocks`` is False: then the block is OR-ed
+    after them, as PaliGemma 2's sliding masks do). ``key_padding_mask`` ``(B, Tk)`` bool,
+    True = padding: never seen."""
     B = batch
     if block_ids is not None:
         B = block_ids.shape[0]
@@ -40,15 +43,17 @@ def pattern_mask(Tq: int, Tk: int, *, batch: int = 1, causal: bool = True,
         device = key_padding_mask.device
     p = (torch.arange(Tq, device=device) + (Tk - Tq))[:, None]      # query positions
     j = torch.arange(Tk, device=device)[None, :]
-    base = (j <= p) if causal else torch.ones(Tq, Tk, dtype=torch.bool, device=device)
-    base = base.expand(B, Tq, Tk)
+    keep = (j <= p) if causal else torch.ones(Tq, Tk, dtype=torch.bool, device=device)
+    keep = keep.expand(B, Tq, Tk)
+    same_block = torch.zeros((), dtype=torch.bool, device=device)
     if causal and block_ids is not None:
         ids = block_ids.to(device)
         valid = (p >= 0) & (p < Tk)
         qb = torch.where(valid, ids[:, p.clamp(0, Tk - 1).squeeze(1)][:, :, None],
                          torch.full((), -1, dtype=ids.dtype, device=device))
-        base = base | ((qb == ids[:, None, :]) & (qb >= 0))
-    keep = base
+        same_block = (qb == ids[:, None, :]) & (qb >= 0)
+        if window_bounds_blocks:
+            keep = keep | same_block
     if window:
         keep = keep & (j > p - window)
     if chunk:
@@ -58,6 +63,8 @@ def pattern_mask(Tq: int, Tk: int, *, batch: int = 1, causal: bool = True,
             origin = torch.zeros(B, 1, 1, dtype=torch.int64, device=device)
         keep = keep & (torch.div(j - origin, chunk, rounding_mode="floor")
                        == torch.div(p - origin, chunk, rounding_mode="floor"))
+    if not window_bounds_blocks:
+        keep = keep | same_block
     if key_padding_mask is not None:
         keep = keep & ~key_padding_mask[:, None, :]
     return keep

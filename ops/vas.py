@@ -51,7 +51,8 @@ def vas_head_stats_qk(q: torch.Tensor, k: torch.Tensor, head_writes: torch.Tenso
                       key_padding_mask: Optional[torch.Tensor] = None,
                       window: Optional[int] = None, chunk: Optional[int] = None,
                       block_ids: Optional[torch.Tensor] = None,
-                      softcap: Optional[float] = None) -> torch.Tensor:
+                      softcap: Optional[float] = None,
+                      window_bounds_blocks: bool = True) -> torch.Tensor:
     """:func:`vas_head_stats` of ``softmax(q k^T * scale + causal mask)``, recomputed tile by
     tile from q (B, H, T, D) and k (B, Hkv, T, D) (Hkv divides H). scale defaults to
     ``D ** -0.5``. ``key_padding_mask`` (B, T) bool, True = padding: those keys are left out
@@ -60,10 +61,12 @@ def vas_head_stats_qk(q: torch.Tensor, k: torch.Tensor, head_writes: torch.Tenso
     The attention pattern (:func:`headscope.pattern_mask` materialises it): ``window`` (a
     query sees its ``window`` most recent keys), ``chunk`` (only keys of its chunk),
     ``block_ids`` (B, T) int64 (a query in block b >= 0 also sees the later keys of b) and
-    ``softcap`` (logits become ``softcap * tanh(logits / softcap)``)."""
+    ``softcap`` (logits become ``softcap * tanh(logits / softcap)``);
+    ``window_bounds_blocks=False``: a query sees its whole block whatever the window and
+    chunks (PaliGemma 2; True: Gemma 3)."""
     return torch.ops.headscope.vas_head_stats_qk(q, k, head_writes, lengths, scale, causal,
                                                  offsets, key_padding_mask, window, chunk,
-                                                 block_ids, softcap)
+                                                 block_ids, softcap, window_bounds_blocks)
 
 
 def vas_aggregate(head_stats: torch.Tensor) -> torch.Tensor:

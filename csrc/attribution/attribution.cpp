@@ -17,10 +17,11 @@ at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
                           const std::optional<at::Tensor>& key_padding_mask,
                           c10::string_view reduce, std::optional<int64_t> window,
                           std::optional<int64_t> chunk, const std::optional<at::Tensor>& block_ids,
-                          std::optional<double> softcap) {
+                          std::optional<double> softcap, bool window_bounds_blocks) {
   static const auto op = HEADSCOPE_TYPED_OP(region_pool_qk);
   return op.call(q, k, query_weights, region_ids, std::move(num_regions), scale, causal,
-                 key_padding_mask, reduce, window, chunk, block_ids, softcap);
+                 key_padding_mask, reduce, window, chunk, block_ids, softcap,
+                 window_bounds_blocks);
 }
 
 at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
@@ -30,10 +31,11 @@ at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
                                  c10::string_view reduce, at::OptionalIntArrayRef window,
                                  at::OptionalIntArrayRef chunk,
                                  const std::optional<at::Tensor>& block_ids,
-                                 std::optional<double> softcap) {
+                                 std::optional<double> softcap, bool window_bounds_blocks) {
   static const auto op = HEADSCOPE_TYPED_OP(region_pool_qk_layers);
   return op.call(q, k, query_weights, region_ids, std::move(num_regions), scale, causal,
-                 key_padding_mask, reduce, window, chunk, block_ids, softcap);
+                 key_padding_mask, reduce, window, chunk, block_ids, softcap,
+                 window_bounds_blocks);
 }
 
 at::Tensor linear_attribution(const at::Tensor& features, const at::Tensor& weight,

@@ -23,7 +23,8 @@ at::Tensor region_pool(const at::Tensor& attn, const at::Tensor& query_weights,
 // softmax(scale * q k^T) (no scale: D ** -0.5) with causal (bottom-right aligned) and
 // key_padding_mask (B, Tk) bool, true = padding (ignored) masking, never storing
 // (B, H, Tq, Tk). The attention pattern, as vas_head_stats_qk's (docs/attribution.md):
-// `window`, `chunk` (0 or none: none), `block_ids` (B, Tk) int64 and `softcap`.
+// `window`, `chunk` (0 or none: none), `block_ids` (B, Tk) int64, `softcap` and
+// `window_bounds_blocks` (false: a query sees its whole block whatever the window).
 at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& query_weights, const at::Tensor& region_ids,
                           c10::SymInt num_regions, std::optional<double> scale = std::nullopt,
@@ -33,7 +34,8 @@ at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
                           std::optional<int64_t> window = std::nullopt,
                           std::optional<int64_t> chunk = std::nullopt,
                           const std::optional<at::Tensor>& block_ids = std::nullopt,
-                          std::optional<double> softcap = std::nullopt);
+                          std::optional<double> softcap = std::nullopt,
+                          bool window_bounds_blocks = true);
 
 // region_pool_qk of L layers in one call: q[l] (B, H, Tq, D), k[l] (B, Hkv, Tk, D), every
 // layer of the first one's sizes; scale none (D ** -0.5) or one per layer. Returns
@@ -50,7 +52,8 @@ at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
                                  at::OptionalIntArrayRef window = std::nullopt,
                                  at::OptionalIntArrayRef chunk = std::nullopt,
                                  const std::optional<at::Tensor>& block_ids = std::nullopt,
-                                 std::optional<double> softcap = std::nullopt);
+                                 std::optional<double> softcap = std::nullopt,
+                          bool window_bounds_blocks = true);
 
 // features (..., F) -> (...): ((features - mean) / std) . weight + bias, bias a 0-dim
 // tensor (none: 0). A std entry that is not finite and positive makes the scores NaN.

@@ -1,7 +1,8 @@
 // Which keys a query sees under the attention patterns of the q/k ops (vas_head_stats_qk,
 // region_pool_qk, region_pool_qk_layers): causal, a sliding window, chunks and
-// bidirectional blocks, composed as transformers' masking_utils composes them for Gemma 3
-// (window AND chunk AND (causal OR same block)); padding is applied on top by the kernels.
+// bidirectional blocks, composed as transformers' masking_utils composes them: Gemma 3's
+// window AND chunk AND (causal OR same block) (window_bounds_blocks), or PaliGemma 2's
+// (window AND chunk AND causal) OR same block; padding is applied on top by the kernels.
 // One definition for the CPU and CUDA kernels (HEADSCOPE_HD).
 //
 // Positions are key indices: a query at position i is the query whose own key is key i
@@ -31,6 +32,8 @@ struct AttentionPattern {
                        // counts chunks from the first real token)
   const int64_t* blocks = nullptr;  // block id of each key (block_ids[b]), negative: none
   int64_t bstride = 1;
+  bool window_bounds_blocks = true;  // the window and chunks bound a block's keys too (Gemma 3);
+                             // false: a query sees its whole block (PaliGemma 2)
 
   HEADSCOPE_HD bool has_blocks() const { return causal && blocks != nullptr; }
   HEADSCOPE_HD int64_t block(int64_t j) const { return blocks[j * bstride]; }
@@ -42,34 +45,43 @@ struct AttentionPattern {
   HEADSCOPE_HD int64_t chunk_start(int64_t i) const {
     return origin + floor_div(i - origin, chunk) * chunk;
   }
-  // The lowest key query i may see (may be negative: from key 0).
-  HEADSCOPE_HD int64_t first_key(int64_t i) const {
+  // The lowest key the window and chunks let query i see (may be negative: from key 0).
+  HEADSCOPE_HD int64_t window_start(int64_t i) const {
     int64_t lo = 0;
     if (window > 0 && i - window + 1 > lo) lo = i - window + 1;
     if (chunk > 0 && chunk_start(i) > lo) lo = chunk_start(i);
     return lo;
   }
+  // The lowest key query i (of block qb) may see. block_first: the first key of its block
+  // (qb >= 0), or any bound at or below it.
+  HEADSCOPE_HD int64_t first_key(int64_t i, int64_t qb, int64_t block_first) const {
+    const int64_t lo = window_start(i);
+    return !window_bounds_blocks && qb >= 0 && block_first < lo ? block_first : lo;
+  }
   // The highest key query i may see among tk keys (below first_key: none). block_last: the
   // last key of i's block (qb >= 0), or any bound at or above it.
   HEADSCOPE_HD int64_t last_key(int64_t i, int64_t tk, int64_t qb, int64_t block_last) const {
-    int64_t hi = tk - 1;
-    if (causal) {
-      hi = i;
-      if (qb >= 0 && block_last > hi) hi = block_last;
+    int64_t hi = causal ? i : tk - 1;
+    const int64_t chunk_end = chunk > 0 ? chunk_start(i) + chunk - 1 : tk - 1;
+    if (chunk_end < hi) hi = chunk_end;
+    if (qb >= 0) {
+      const int64_t b = window_bounds_blocks && chunk_end < block_last ? chunk_end : block_last;
+      if (b > hi) hi = b;
     }
-    if (chunk > 0 && chunk_start(i) + chunk - 1 < hi) hi = chunk_start(i) + chunk - 1;
     return hi < tk - 1 ? hi : tk - 1;
   }
-  // Whether query i (of block qb) sees key j, j within [first_key(i), last_key(i, ...)]:
-  // only keys after a causal query need a look at their block.
-  HEADSCOPE_HD bool sees_in_range(int64_t i, int64_t qb, int64_t j) const {
-    return !causal || j <= i || (qb >= 0 && block(j) == qb);
-  }
-  // Whether query i sees key j (padding aside), for any j.
+  // Whether query i (of block qb) sees key j (padding aside).
   HEADSCOPE_HD bool sees(int64_t i, int64_t qb, int64_t j) const {
+    const bool same_block = qb >= 0 && block(j) == qb;
+    if (same_block && !window_bounds_blocks) return true;
     if (window > 0 && j <= i - window) return false;
     if (chunk > 0 && floor_div(j - origin, chunk) != floor_div(i - origin, chunk)) return false;
-    return sees_in_range(i, qb, j);
+    return !causal || j <= i || same_block;
+  }
+  // Whether key j within [window_start(i), i] needs sees(): every such key is seen
+  // (the window, the chunk and causal all allow it); only keys outside it can be hidden.
+  HEADSCOPE_HD bool plainly_seen(int64_t i, int64_t j) const {
+    return j <= i && j >= window_start(i);
   }
 };
 

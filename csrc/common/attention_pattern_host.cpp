@@ -3,7 +3,9 @@
 #include <ATen/ops/cumprod.h>
 #include <ATen/ops/sum.h>
 
+#include <tuple>
 #include <unordered_map>
+#include <utility>
 
 namespace headscope {
 
@@ -14,12 +16,12 @@ at::Tensor leading_padding(const at::Tensor& key_padding_mask) {
 PatternRows pattern_rows(int64_t B, int64_t Tk, bool causal, int64_t window, int64_t chunk,
                          const std::optional<at::Tensor>& block_ids,
                          const std::optional<at::Tensor>& key_padding_mask,
-                         std::optional<double> softcap) {
+                         std::optional<double> softcap, bool window_bounds_blocks) {
   PatternRows P;
   P.Tk = Tk;
   P.softcap = softcap.value_or(0.0);
   const bool with_blocks = causal && block_ids.has_value() && block_ids->defined();
-  P.row.assign(B, AttentionPattern{causal, window, chunk, 0, nullptr, 1});
+  P.row.assign(B, AttentionPattern{causal, window, chunk, 0, nullptr, 1, window_bounds_blocks});
   if (key_padding_mask.has_value() && key_padding_mask->defined() && B * Tk > 0) {
     const at::Tensor lead = leading_padding(*key_padding_mask);
     for (int64_t b = 0; b < B; ++b) P.row[b].origin = lead.const_data_ptr<int64_t>()[b];
@@ -27,16 +29,17 @@ PatternRows pattern_rows(int64_t B, int64_t Tk, bool causal, int64_t window, int
   if (with_blocks) {
     P.blocks = block_ids->contiguous();
     const int64_t* ids = P.blocks.const_data_ptr<int64_t>();
+    P.block_first.assign(B * Tk, -1);
     P.block_last.assign(B * Tk, -1);
-    std::unordered_map<int64_t, int64_t> last;
+    std::unordered_map<int64_t, std::pair<int64_t, int64_t>> span;  // id -> first, last key
     for (int64_t b = 0; b < B; ++b) {
       const int64_t* r = ids + b * Tk;
       P.row[b].blocks = r;
-      last.clear();
+      span.clear();
       for (int64_t j = 0; j < Tk; ++j)
-        if (r[j] >= 0) last[r[j]] = j;
+        if (r[j] >= 0) span.try_emplace(r[j], j, j).first->second.second = j;
       for (int64_t j = 0; j < Tk; ++j)
-        if (r[j] >= 0) P.block_last[b * Tk + j] = last[r[j]];
+        if (r[j] >= 0) std::tie(P.block_first[b * Tk + j], P.block_last[b * Tk + j]) = span[r[j]];
     }
   }
   return P;

@@ -18,6 +18,7 @@ namespace headscope {
 
 struct PatternRows {
   std::vector<AttentionPattern> row;  // per batch row
+  std::vector<int64_t> block_first;   // [B, Tk]: the first key of key j's block (blocks only)
   std::vector<int64_t> block_last;    // [B, Tk]: the last key of key j's block (blocks only)
   at::Tensor blocks;                  // block_ids as int64, contiguous (kept alive)
   int64_t Tk = 0;
@@ -28,12 +29,12 @@ struct PatternRows {
   void keys(const AttentionPattern& p, int64_t b, int64_t i, int64_t& lo, int64_t& hi,
             int64_t& qb) const {
     qb = p.query_block(i, Tk);
-    lo = p.first_key(i);
+    lo = p.first_key(i, qb, qb >= 0 ? block_first[b * Tk + i] : 0);
     hi = p.last_key(i, Tk, qb, qb >= 0 ? block_last[b * Tk + i] : -1);
   }
   // Soft-caps logits l[0, n) of keys [j0, j0 + n), all within query i's [lo, hi], and sets
-  // those of keys it does not see (later keys of other blocks) to -inf; padding is the
-  // kernels' own.
+  // those of keys it does not see (keys of other blocks beyond its causal window) to -inf;
+  // padding is the kernels' own.
   template <typename T>
   void apply(const AttentionPattern& p, T* l, int64_t i, int64_t qb, int64_t j0,
              int64_t n) const {
@@ -41,9 +42,10 @@ struct PatternRows {
       const T cap = static_cast<T>(softcap);
       for (int64_t c = 0; c < n; ++c) l[c] = softcap_logit(l[c], cap);
     }
-    if (!p.has_blocks()) return;
-    for (int64_t c = std::max<int64_t>(0, i + 1 - j0); c < n; ++c)
-      if (!p.sees_in_range(i, qb, j0 + c)) l[c] = -std::numeric_limits<T>::infinity();
+    if (!p.has_blocks()) return;  // without blocks, every key of [lo, hi] is seen
+    for (int64_t c = 0; c < n; ++c)
+      if (!p.plainly_seen(i, j0 + c) && !p.sees(i, qb, j0 + c))
+        l[c] = -std::numeric_limits<T>::infinity();
   }
 };
 
@@ -57,6 +59,6 @@ at::Tensor leading_padding(const at::Tensor& key_padding_mask);
 PatternRows pattern_rows(int64_t B, int64_t Tk, bool causal, int64_t window, int64_t chunk,
                          const std::optional<at::Tensor>& block_ids,
                          const std::optional<at::Tensor>& key_padding_mask,
-                         std::optional<double> softcap);
+                         std::optional<double> softcap, bool window_bounds_blocks);
 
 }  // namespace headscope

@@ -130,12 +130,15 @@ TEST(Attribution, RegionPoolQKLayersIsEveryLayersRegionPoolQK) {
 }
 
 // Whether query position i sees key j: window, chunks from 0, causal or the same block
-// (block ids; negative: none), written from the definition (docs/attribution.md).
+// (block ids; negative: none), the block bounded by the window and chunks (Gemma 3) or
+// not (PaliGemma 2), written from the definition (docs/attribution.md).
 static bool sees(int64_t i, int64_t j, int64_t window, int64_t chunk,
-                 const std::vector<int64_t>& blocks) {
+                 const std::vector<int64_t>& blocks, bool window_bounds_blocks) {
+  const bool same_block = blocks[i] >= 0 && blocks[j] == blocks[i];
+  if (same_block && !window_bounds_blocks) return true;
   if (window > 0 && j <= i - window) return false;
   if (chunk > 0 && j / chunk != i / chunk) return false;
-  return j <= i || (blocks[i] >= 0 && blocks[j] == blocks[i]);
+  return j <= i || same_block;
 }
 
 TEST(Attribution, RegionPoolQKPatterns) {
@@ -150,19 +153,20 @@ TEST(Attribution, RegionPoolQKPatterns) {
   const auto block_ids = at::tensor(blocks).view({1, Tk});
   const double scale = 0.3, cap = 2.0;
   for (int64_t window : {0, 25})
-    for (int64_t chunk : {0, 64}) {
-      const auto out = headscope::region_pool_qk(q, k, w, rid, K, scale, true, std::nullopt,
-                                                 "sum", window, chunk, block_ids, cap);
-      auto attn = at::zeros({B, H, Tq, Tk}, at::kDouble);
-      for (int64_t h = 0; h < H; ++h) {
-        auto s = q[0][h].matmul(k[0][h].t()).mul(scale / cap).tanh().mul(cap);
-        for (int64_t i = 0; i < Tq; ++i)
-          for (int64_t t = 0; t < Tk; ++t)
-            if (!sees(i + Tk - Tq, t, window, chunk, blocks)) s[i][t] = -INFINITY;
-        attn[0][h].copy_(at::softmax(s, -1));
+    for (int64_t chunk : {0, 64})
+      for (bool bounds : {true, false}) {
+        const auto out = headscope::region_pool_qk(q, k, w, rid, K, scale, true, std::nullopt,
+                                                   "sum", window, chunk, block_ids, cap, bounds);
+        auto attn = at::zeros({B, H, Tq, Tk}, at::kDouble);
+        for (int64_t h = 0; h < H; ++h) {
+          auto s = q[0][h].matmul(k[0][h].t()).mul(scale / cap).tanh().mul(cap);
+          for (int64_t i = 0; i < Tq; ++i)
+            for (int64_t t = 0; t < Tk; ++t)
+              if (!sees(i + Tk - Tq, t, window, chunk, blocks, bounds)) s[i][t] = -INFINITY;
+          attn[0][h].copy_(at::softmax(s, -1));
+        }
+        expect_close(out, ref_pool(attn, w, rid, K, false), 1e-10);
       }
-      expect_close(out, ref_pool(attn, w, rid, K, false), 1e-10);
-    }
   // per-layer windows: each layer's own
   const std::vector<int64_t> windows = {25, 0}, chunks = {0, 64};
   std::vector<at::Tensor> per_layer;

@@ -44,6 +44,12 @@ PATTERNS = {
     "softcap": lambda T, B, gen: dict(softcap=2.5),
     "all": lambda T, B, gen: dict(window=45, chunk=70, block_ids=two_blocks(B, T, gen),
                                   softcap=4.0),
+    # PaliGemma 2's sliding layers: the block (its prefix) OR-ed after the window
+    "window_unbounded_blocks": lambda T, B, gen: dict(window=20, block_ids=two_blocks(B, T, gen),
+                                                      window_bounds_blocks=False),
+    "all_unbounded_blocks": lambda T, B, gen: dict(window=45, chunk=70,
+                                                   block_ids=two_blocks(B, T, gen), softcap=4.0,
+                                                   window_bounds_blocks=False),
 }
 
 
@@ -53,14 +59,16 @@ def on(device, pattern):
 
 # ---- the definition: transformers' masking_utils ------------------------------------------
 
-def transformers_mask(B, Tq, Tk, causal, window, chunk, block_ids, pad):
+def transformers_mask(B, Tq, Tk, causal, window, chunk, block_ids, pad, window_bounds_blocks):
     """The mask transformers builds, from its own mask functions: Gemma 3's
     and(sliding_window_overlay, or(causal, blockwise_overlay)) (create_masks_for_vision_model),
-    Llama 4's chunked_overlay with left padding, AND padding; queries at cache positions
-    Tk - Tq + i."""
+    or PaliGemma 2's or(and(sliding_window_overlay, causal), blockwise_overlay)
+    (create_sliding_window_causal_mask with block_sequence_ids), Llama 4's chunked_overlay
+    with left padding, AND padding; queries at cache positions Tk - Tq + i."""
     mu = pytest.importorskip("transformers.masking_utils")
     fn = mu.causal_mask_function if causal else mu.bidirectional_mask_function
-    if block_ids is not None and causal:
+    blocks = block_ids is not None and causal
+    if blocks and window_bounds_blocks:
         fn = mu.or_masks(fn, mu.blockwise_overlay(block_ids))
     if window:
         fn = mu.and_masks(mu.sliding_window_overlay(window), fn)
@@ -68,6 +76,8 @@ def transformers_mask(B, Tq, Tk, causal, window, chunk, block_ids, pad):
         am = torch.ones(B, Tk, dtype=torch.long) if pad is None else (~pad).long()
         left = (am.cumsum(dim=-1) == torch.zeros_like(am)).sum(dim=-1)  # as create_chunked_causal_mask
         fn = mu.and_masks(mu.chunked_overlay(chunk, left), fn)
+    if blocks and not window_bounds_blocks:
+        fn = mu.or_masks(fn, mu.blockwise_overlay(block_ids))
     if pad is not None:
         fn = mu.and_masks(fn, mu.padding_mask_function(~pad))
     b = torch.arange(B)[:, None, None]
@@ -89,7 +99,7 @@ def test_pattern_mask_is_transformers_mask(name, causal, Tq):
     pad[1, 40:43] = True
     got = headscope.pattern_mask(Tq, Tk, causal=causal, key_padding_mask=pad, **pattern)
     want = transformers_mask(B, Tq, Tk, causal, pattern.get("window"), pattern.get("chunk"),
-                             pattern.get("block_ids"), pad)
+                             pattern.get("block_ids"), pad, pattern.get("window_bounds_blocks", True))
     assert torch.equal(got, want)
     if Tq == Tk:  # the pattern matters (a window past T does not, nor blocks without causal)
         plain = headscope.pattern_mask(Tq, Tk, causal=causal, key_padding_mask=pad)
@@ -252,7 +262,21 @@ def test_vas_head_stats_qk_pattern_equals_materialised_softmax(name, causal, dev
                                                offsets.to(device)), what=f"qk {name} vs attn op")
 
 
-@pytest.mark.parametrize("name", ["window", "all", "blocks"])
+def test_the_two_compositions_differ_only_past_the_window():
+    """Gemma 3 bounds a block by the window, PaliGemma 2 does not: they differ exactly on
+    block keys more than `window` positions before the query."""
+    gen = torch.Generator().manual_seed(2)
+    B, T, w = 2, 80, 10
+    ids = two_blocks(B, T, gen)
+    gemma = headscope.pattern_mask(T, T, batch=B, window=w, block_ids=ids)
+    pali = headscope.pattern_mask(T, T, batch=B, window=w, block_ids=ids, window_bounds_blocks=False)
+    p, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0)
+    assert torch.equal(pali & ~gemma, same & (j <= p - w))
+    assert not (gemma & ~pali).any() and (pali & ~gemma).any()
+
+
+@pytest.mark.parametrize("name", ["window", "all", "blocks", "all_unbounded_blocks"])
 def test_vas_head_stats_qk_pattern_whole_heads_and_chunked_paths(name):
     """Whole heads per thread (each tile row of A held for its pairs) and heads split into
     chunks (every tile recomputed): both skip the tiles the pattern leaves empty."""
@@ -325,6 +349,8 @@ BAD_PATTERNS = [
     (dict(block_ids=torch.zeros(10, dtype=torch.long)), r"'block_ids' must have 2 dimensions"),
     (dict(block_ids=torch.zeros(1, 9, dtype=torch.long)), r"'block_ids' must have size 10 in dimension 1"),
     (dict(block_ids=torch.zeros(2, 10, dtype=torch.long)), r"'block_ids' must have size 1 in dimension 0"),
+    (dict(block_ids=torch.zeros(1, 10, dtype=torch.long), window_bounds_blocks=False, window=-2),
+     r"'window' must be >= 0"),
 ]
 
 
@@ -374,10 +400,14 @@ def _pattern_samples(device):
     lengths = torch.tensor([Tk, Tk - 5], device=device)
     return [
         (OPS.region_pool_qk.default, (q, k, w, rid, K, 0.3, True, None, "sum", 8, 16, ids, 2.0)),
+        (OPS.region_pool_qk.default, (q, k, w, rid, K, 0.3, True, None, "sum", 8, 16, ids, 2.0,
+                                      False)),
         (OPS.region_pool_qk_layers.default, ([q, q], [k, k], w, rid, K, None, True, None, "mean",
                                              [8, 0], [0, 16], ids, 2.0)),
         (OPS.vas_head_stats_qk.default, (qv, k, V, lengths, 0.3, True, None, None, 9, 20, ids,
                                          3.0)),
+        (OPS.vas_head_stats_qk.default, (qv, k, V, lengths, 0.3, True, None, None, 9, None, ids,
+                                         None, False)),
     ]
 
 
@@ -397,7 +427,7 @@ def test_compile_with_patterns_dynamic_sizes():
         pooled = headscope.region_pool_qk(q, k, w, rid, 4, None, True, None, "sum", 16, None, ids,
                                           3.0)
         layers = headscope.region_pool_qk_layers([q, q], [k, k], w, rid, 4, window=[16, 0],
-                                                 block_ids=ids)
+                                                 block_ids=ids, window_bounds_blocks=False)
         stats = headscope.vas_head_stats_qk(qv, k, V, lengths, window=16, chunk=32, block_ids=ids,
                                             softcap=3.0)
         return pooled, layers, stats

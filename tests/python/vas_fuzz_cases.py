@@ -34,7 +34,7 @@ def relayout(x: torch.Tensor, rng: random.Random) -> torch.Tensor:
 def random_pattern(B: int, T: int, rng: random.Random) -> dict:
     """An attention pattern of the qk op, each part drawn with probability 1/3: a sliding
     window, chunks, bidirectional blocks (1 to 3 per row, any lengths, ids reused so that a
-    block may have gaps) and a logit soft cap."""
+    block may have gaps; bounded by the window or not) and a logit soft cap."""
     p = {}
     if rng.random() < 1 / 3:
         p["window"] = rng.randint(1, T + 3)
@@ -49,6 +49,8 @@ def random_pattern(B: int, T: int, rng: random.Random) -> dict:
         p["block_ids"] = ids
     if rng.random() < 1 / 3:
         p["softcap"] = rng.choice([0.5, 2.0, 30.0])
+    if "block_ids" in p and rng.random() < 0.5:
+        p["window_bounds_blocks"] = False
     return p
 
 

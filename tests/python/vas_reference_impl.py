@@ -110,6 +110,7 @@ def attention_from_qk(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bo
                       key_padding_mask: Optional[torch.Tensor] = None, *,
                       window: Optional[int] = None, chunk: Optional[int] = None,
                       block_ids: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+                      window_bounds_blocks: bool = True,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) with grouped-query heads, in dtype (float32
     unless asked); keys where the (B, T) key_padding_mask is True are left out (a row with
@@ -126,7 +127,7 @@ def attention_from_qk(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bo
         from headscope import pattern_mask
         keep = pattern_mask(Tq, Tk, batch=q.shape[0], causal=causal, window=window, chunk=chunk,
                             block_ids=block_ids, key_padding_mask=key_padding_mask,
-                            device=q.device)
+                            window_bounds_blocks=window_bounds_blocks, device=q.device)
         logits = logits.masked_fill(~keep[:, None], float("-inf"))
     elif causal:
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).triu(Tk - Tq + 1)

@@ -21,7 +21,7 @@ at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
                                  c10::string_view reduce, at::OptionalIntArrayRef window,
                                  at::OptionalIntArrayRef chunk,
                                  const std::optional<at::Tensor>& block_ids,
-                                 std::optional<double> softcap) {
+                                 std::optional<double> softcap, bool window_bounds_blocks) {
   check_region_pool_qk_layers_args(q, k, query_weights, region_ids, num_regions, scale,
                                    key_padding_mask, reduce, window, chunk, block_ids, softcap);
   std::vector<at::Tensor> layers;
@@ -31,7 +31,7 @@ at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
         q[l], k[l], query_weights, region_ids, num_regions,
         scale.has_value() ? std::optional<double>((*scale)[l]) : std::nullopt, causal,
         key_padding_mask, reduce, layer_length(window, l), layer_length(chunk, l), block_ids,
-        softcap));
+        softcap, window_bounds_blocks));
   return at::cat(layers, 2);
 }
 

@@ -161,7 +161,7 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
                           const std::optional<at::Tensor>& key_padding_mask, bool mean,
                           const std::vector<int64_t>& windows, const std::vector<int64_t>& chunks,
                           const std::optional<at::Tensor>& block_ids,
-                          std::optional<double> softcap) {
+                          std::optional<double> softcap, bool window_bounds_blocks) {
   const int64_t L = static_cast<int64_t>(q.size());
   const int64_t B = q[0].size(0), H = q[0].size(1), Tq = q[0].size(2), D = q[0].size(3);
   const int64_t Hkv = k_in[0].size(1), Tk = k_in[0].size(2), K = num_regions, G = H / Hkv;
@@ -188,7 +188,8 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
   }
   // Each layer's pattern per batch row (windows and chunks may differ between layers).
   const PatternRows pat =
-      pattern_rows(B, Tk, causal, 0, 0, block_ids, key_padding_mask, softcap);
+      pattern_rows(B, Tk, causal, 0, 0, block_ids, key_padding_mask, softcap,
+                   window_bounds_blocks);
   std::vector<AttentionPattern> layer_pat(L * B);
   for (int64_t l = 0; l < L; ++l)
     for (int64_t b = 0; b < B; ++b) {
@@ -379,14 +380,14 @@ at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k,
                               c10::string_view reduce, std::optional<int64_t> window,
                               std::optional<int64_t> chunk,
                               const std::optional<at::Tensor>& block_ids,
-                              std::optional<double> softcap) {
+                              std::optional<double> softcap, bool window_bounds_blocks) {
   const char* op = "headscope::region_pool_qk";
   check_region_pool_qk_args(q, k, query_weights, region_ids, num_regions, scale,
                             key_padding_mask, reduce, window, chunk, block_ids, softcap);
   return pool_qk_layers(op, {q}, {k}, query_weights, region_ids, num_regions,
                         {scale_or_default(scale, q.size(3))}, causal, key_padding_mask,
                         parse_reduce(op, reduce), {window.value_or(0)}, {chunk.value_or(0)},
-                        block_ids, softcap);
+                        block_ids, softcap, window_bounds_blocks);
 }
 
 at::Tensor region_pool_qk_layers_cpu(at::TensorList q, at::TensorList k,
@@ -397,7 +398,7 @@ at::Tensor region_pool_qk_layers_cpu(at::TensorList q, at::TensorList k,
                                      c10::string_view reduce, at::OptionalIntArrayRef window,
                                      at::OptionalIntArrayRef chunk,
                                      const std::optional<at::Tensor>& block_ids,
-                                     std::optional<double> softcap) {
+                                     std::optional<double> softcap, bool window_bounds_blocks) {
   const char* op = "headscope::region_pool_qk_layers";
   check_region_pool_qk_layers_args(q, k, query_weights, region_ids, num_regions, scale,
                                    key_padding_mask, reduce, window, chunk, block_ids, softcap);
@@ -410,7 +411,7 @@ at::Tensor region_pool_qk_layers_cpu(at::TensorList q, at::TensorList k,
   }
   return pool_qk_layers(op, q, k, query_weights, region_ids, num_regions, scales, causal,
                         key_padding_mask, parse_reduce(op, reduce), windows, chunks, block_ids,
-                        softcap);
+                        softcap, window_bounds_blocks);
 }
 
 }  // namespace

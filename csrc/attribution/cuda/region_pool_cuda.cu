@@ -225,11 +225,11 @@ __global__ void qk_split_kernel(QKParams p, const scalar_t* __restrict__ q,
   const int64_t qi = active != nullptr ? active[2 * row + 1] : 0;
   const int64_t hk = h / p.G;
   // the query's keys [lo, hi] under the pattern (queries aligned with the last Tq keys);
-  // a query with a block may see up to the last key (each key's block is checked below)
+  // a query with a block may see any key of it (each key's block is checked below)
   const AttentionPattern ap = p.pat.row(b);
   const int64_t pos = qi + p.Tk - p.Tq;
   const int64_t qb = ap.query_block(pos, p.Tk);
-  const int64_t lo = ap.first_key(pos);
+  const int64_t lo = ap.first_key(pos, qb, 0);
   const int64_t hi = ap.last_key(pos, p.Tk, qb, p.Tk - 1);
   const int64_t t_begin = std::max<int64_t>(split * p.chunk, lo);
   const int64_t t_end = std::min<int64_t>(split * p.chunk + p.chunk, hi + 1);
@@ -256,7 +256,7 @@ __global__ void qk_split_kernel(QKParams p, const scalar_t* __restrict__ q,
       s = warp_sum(s);
       if (lane == 0) {
         const bool masked =
-            (pad != nullptr && pad[b * p.p0 + t * p.p1]) || !ap.sees_in_range(pos, qb, t);
+            (pad != nullptr && pad[b * p.p0 + t * p.p1]) || !ap.sees(pos, qb, t);
         if (p.pat.softcap > 0) s = softcap_logit(s, static_cast<acc_t>(p.pat.softcap));
         sc[j] = masked ? acc_t(-INFINITY) : s;
       }
@@ -361,7 +361,7 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
                                c10::string_view reduce, std::optional<int64_t> window,
                                std::optional<int64_t> chunk,
                                const std::optional<at::Tensor>& block_ids,
-                               std::optional<double> softcap) {
+                               std::optional<double> softcap, bool window_bounds_blocks) {
   const char* op = "headscope::region_pool_qk";
   check_region_pool_qk_args(q, k_in, query_weights, region_ids, num_regions, scale,
                             key_padding_mask, reduce, window, chunk, block_ids, softcap);
@@ -380,7 +380,8 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
   p.G = p.H / p.Hkv;
   p.scale = scale_or_default(scale, q.size(3));
   p.causal = causal;
-  p.pat.row0 = AttentionPattern{causal, window.value_or(0), chunk.value_or(0), 0, nullptr, 1};
+  p.pat.row0 = AttentionPattern{causal, window.value_or(0), chunk.value_or(0), 0, nullptr, 1,
+                                window_bounds_blocks};
   if (block_ids.has_value() && block_ids->defined()) {
     p.pat.row0.blocks = block_ids->const_data_ptr<int64_t>();
     p.pat.row0.bstride = block_ids->stride(1);

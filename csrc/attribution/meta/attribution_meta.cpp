@@ -24,7 +24,7 @@ at::Tensor region_pool_qk_meta(const at::Tensor& q, const at::Tensor& k,
                                c10::string_view reduce, std::optional<int64_t> window,
                                std::optional<int64_t> chunk,
                                const std::optional<at::Tensor>& block_ids,
-                               std::optional<double> softcap) {
+                               std::optional<double> softcap, bool window_bounds_blocks) {
   check_region_pool_qk_args(q, k, query_weights, region_ids, num_regions, scale,
                             key_padding_mask, reduce, window, chunk, block_ids, softcap);
   return at::empty_symint({q.sym_size(0), num_regions, q.sym_size(1)},

@@ -222,22 +222,25 @@ struct QK {
   // [B, T]: the keys [klo, khi] window row i of batch row b may see (absolute positions,
   // klo >= 0; none when klo > khi) and its block (qk_extents)
   std::vector<int64_t> klo, khi, kqb;
-  // The keys some window row sees: every key of [key_begin, key_end) (first keys never
-  // decrease, and the rows' ranges overlap), and with blocks, later keys of a window row's
-  // block up to that row's last key (block_seen).
+  // The keys some window row sees: every key of [key_begin, key_end) (window starts never
+  // decrease, and the rows' ranges overlap), and with blocks, the keys of a window row's
+  // block within that row's range (block_seen).
   int64_t key_begin(const Problem& P, int64_t b) const {
-    return std::max<int64_t>(0, pat.row[b].first_key(P.s[b]));
+    return std::max<int64_t>(0, pat.row[b].window_start(P.s[b]));
   }
   int64_t key_end(const Problem& P, int64_t b) const {
     return pat.row[b].last_key(P.s[b] + P.n[b] - 1, P.T, -1, -1) + 1;
   }
-  // per batch row with blocks: block id -> the last key a window row of that block sees
-  std::vector<std::unordered_map<int64_t, int64_t>> block_seen;
-  bool seen_beyond(int64_t b, int64_t j) const {
+  // per batch row with blocks: block id -> the lowest first and highest last key of the
+  // window rows of that block
+  std::vector<std::unordered_map<int64_t, std::pair<int64_t, int64_t>>> block_seen;
+  bool seen(const Problem& P, int64_t b, int64_t j) const {
+    if (j >= key_begin(P, b) && j < key_end(P, b)) return true;
     if (block_seen.empty()) return false;
     const int64_t id = pat.row[b].block(j);
     const auto it = block_seen[b].find(id);
-    return id >= 0 && it != block_seen[b].end() && j <= it->second;
+    return id >= 0 && it != block_seen[b].end() && j >= it->second.first &&
+           j <= it->second.second;
   }
   // Window row i's keys among [k0, k0 + nk), as [a, e) from k0 (none when a >= e).
   void row_keys(const Problem& P, int64_t b, int64_t i, int64_t k0, int64_t nk, int64_t& a,

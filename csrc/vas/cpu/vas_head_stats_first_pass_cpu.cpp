@@ -206,8 +206,8 @@ void qk_row_tile(Problem& P, const QK& Q, int64_t bh, int64_t I, const HeldRow* 
                  float* scratch) {
   const int64_t b = bh / P.H, n = P.n[b], s = P.s[b];
   const int64_t i0 = I * TB, ni = std::min(TB, n - i0);
-  // the tile row's keys: from its first row's first (first keys never decrease) to the
-  // last any row sees (at least its own position: every row sees itself)
+  // the tile row's keys: from the first any row sees to the last (at least its own
+  // position: every row sees itself)
   int64_t kbegin = P.T, kend = s + i0 + ni;
   for (int64_t r = 0; r < ni; ++r) {
     const int64_t lo = Q.klo[b * P.T + i0 + r], hi = Q.khi[b * P.T + i0 + r];
@@ -314,8 +314,9 @@ void qk_extents(Problem& P, QK& Q) {
       Q.khi[b * P.T + i] = hi;
       Q.kqb[b * P.T + i] = qb;
       if (qb >= 0) {
-        auto [it, fresh] = Q.block_seen[b].emplace(qb, hi);
-        if (!fresh) it->second = std::max(it->second, hi);
+        auto [it, fresh] = Q.block_seen[b].try_emplace(qb, lo, hi);
+        it->second.first = std::min(it->second.first, lo);
+        it->second.second = std::max(it->second.second, hi);
       }
       // the window's columns [s, s + n) among the keys
       const int64_t c0 = std::max<int64_t>(lo - s, 0), c1 = std::min<int64_t>(hi - s, n - 1);

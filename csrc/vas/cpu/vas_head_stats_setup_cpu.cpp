@@ -217,12 +217,12 @@ void qk_prepare_typed(Problem& P, QK& Q, const at::Tensor& q, const at::Tensor& 
         const int64_t bk = t - P.BH, b = bk / Q.Hkv, hk = bk % Q.Hkv;
         float* dst = Q.kt.data_ptr<float>() + bk * D * P.Tp;
         bool finite = true;
-        const int64_t j0 = Q.key_begin(P, b), j1 = Q.key_end(P, b);
-        const int64_t j2 = Q.block_seen.empty() ? j1 : P.T;  // blocks: later keys may be seen
-        for (int64_t j = 0; j < j2; ++j) {
+        // with blocks any key may be seen, else keys up to key_end
+        const int64_t j1 = Q.block_seen.empty() ? Q.key_end(P, b) : P.T;
+        for (int64_t j = 0; j < j1; ++j) {
           // keys no row sees and padding keys: never used, their values (maybe not finite)
           // not read; stored as zeros, since key blocks span them
-          if (j < j0 || (j >= j1 && !Q.seen_beyond(b, j)) || Q.padded(b, j, P.T)) {
+          if (!Q.seen(P, b, j) || Q.padded(b, j, P.T)) {
             for (int64_t c = 0; c < D; ++c) dst[c * P.Tp + j] = 0.0f;
             continue;
           }

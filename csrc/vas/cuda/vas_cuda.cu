@@ -238,11 +238,13 @@ qk_rows_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __res
   window(P, b, n, s);
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kTile;
   if (i0 >= n) return;
-  // the keys the block's rows may see (absolute): from its first row's first key (first
-  // keys never decrease) to its last row's last, or every later key with blocks
+  // the keys the block's rows may see (absolute): from its first row's window start
+  // (window starts never decrease; any earlier key of a block that the window does not
+  // bound) to its last row's last key, or every later key with blocks
   const AttentionPattern ap = pat.row(b);
   const int64_t last_row = s + min(i0 + kTile, n) - 1;
-  const int64_t key_begin = max(ap.first_key(s + i0), (int64_t)0);
+  const bool blocks_unbound = ap.has_blocks() && !ap.window_bounds_blocks;
+  const int64_t key_begin = blocks_unbound ? 0 : max(ap.window_start(s + i0), (int64_t)0);
   const int64_t key_end = ap.has_blocks() ? P.T : ap.last_key(last_row, P.T, -1, -1) + 1;
   const Q_t* qrows = q + b * sq.s0 + h * sq.s1 + (s + i0) * sq.s2;
   const Q_t* krows = k + b * sk.s0 + hk * sk.s1;
@@ -730,8 +732,10 @@ qk_pass_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __res
     const float* izrow = P.izrow + bh * T;
     const AttentionPattern ap = pat.row(b);
     // A_IJ: queries of I against keys of J (I >= J); none when J's keys all lie before the
-    // first key of I's first row (a window or chunks), a test uniform over the block
-    if (t.s + t.j0 + kTile <= ap.first_key(t.s + t.i0)) {
+    // window start of I's first row (unless blocks reach past windows), a test uniform over
+    // the block
+    if (t.s + t.j0 + kTile <= ap.window_start(t.s + t.i0) &&
+        !(ap.has_blocks() && !ap.window_bounds_blocks)) {
       #pragma unroll
       for (int e = 0; e < mma::kFrag; ++e) aij[e] = 0.0f;
     } else {
@@ -913,7 +917,7 @@ at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in
                                   const std::optional<at::Tensor>& key_padding_mask,
                                   std::optional<int64_t> window, std::optional<int64_t> chunk,
                                   const std::optional<at::Tensor>& block_ids,
-                                  std::optional<double> softcap) {
+                                  std::optional<double> softcap, bool window_bounds_blocks) {
   const char* op = "headscope::vas_head_stats_qk";
   check_head_stats_qk_args(q_in, k_in, head_writes, lengths, scale, offsets, key_padding_mask,
                            window, chunk, block_ids, softcap);
@@ -932,7 +936,8 @@ at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in
                              : at::Tensor();
   const bool* kpm_ptr = kpm.defined() ? kpm.const_data_ptr<bool>() : nullptr;
   BatchPattern pat;
-  pat.row0 = AttentionPattern{causal, window.value_or(0), chunk.value_or(0), 0, nullptr, 1};
+  pat.row0 = AttentionPattern{causal, window.value_or(0), chunk.value_or(0), 0, nullptr, 1,
+                              window_bounds_blocks};
   if (block_ids.has_value() && block_ids->defined()) {
     pat.row0.blocks = block_ids->const_data_ptr<int64_t>();
     pat.row0.bstride = block_ids->stride(1);
