@@ -8,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
