@@ -6,7 +6,8 @@
 Each case draws shapes (T 1..300, Dh 1..128, B, H, grouped-query heads), dtypes, strides,
 thread counts, windows (lengths, offsets, key padding masks), attention patterns (random
 softmax of varied sharpness, attention sinks, sliding windows, rows not summing to 1, zero
-head-write rows) and runs vas_head_stats or vas_head_stats_qk. d and c are judged against a
+head-write rows; for the qk op sliding windows, chunks, bidirectional blocks and soft caps,
+judged against the materialised pattern) and runs vas_head_stats or vas_head_stats_qk. d and c are judged against a
 float64 evaluation of the same (upcast) inputs, r against the project's float32 reference
 (the op forms S in float32 as the reference implementation does, and log q near S = 0
 follows those roundings).
