@@ -63,7 +63,7 @@ def token_count(pieces: Sequence[Piece]) -> int:
 def lay_out(positions: torch.Tensor, pieces: Sequence[Piece]) -> ImageTokens:
     """The picture whose image tokens are at ``positions`` (in order): the views of
     ``pieces`` one after the other, each row followed by its marker tokens; the grid is
-    the tiles view where there is one."""
+    the tiles view where there is one, else the first view."""
     views, taken, at = [], [], 0
     for name, rows, cols, box, per_row, after in pieces:
         index = (torch.arange(rows)[:, None] * (cols + per_row) + torch.arange(cols)).flatten()
@@ -73,7 +73,7 @@ def lay_out(positions: torch.Tensor, pieces: Sequence[Piece]) -> ImageTokens:
     is_marker = torch.ones(len(positions), dtype=torch.bool)
     is_marker[torch.cat(taken)] = False
     tiles = [v for v in views if v.name == "tiles"]
-    return ImageTokens(tuple(views), tiles[0] if tiles else None, positions[is_marker])
+    return ImageTokens(tuple(views), tiles[0] if tiles else views[0], positions[is_marker])
 
 
 class LlavaNext(Family):
@@ -95,7 +95,10 @@ class LlavaNext(Family):
         sizes = inputs.get("image_sizes")
         if sizes is None:
             raise ValueError(f"{WHO}: regions of a {config.model_type} model need the "
-                             f"image_sizes of its inputs (each picture's original size)")
+                             f"image_sizes of its inputs (each picture's original size), and "
+                             f"model.generate does not pass it to the model's forward; "
+                             f"generate with tr.generate(**inputs, ...) or "
+                             f"tr.generate_with(on_span, **inputs, ...)")
         pieces = [self.pieces(config, inputs, i, int(h), int(w))
                   for i, (h, w) in enumerate(sizes.tolist())]
         counts = [token_count(p) for p in pieces]
