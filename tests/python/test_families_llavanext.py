@@ -305,3 +305,40 @@ def test_regions_need_image_sizes(model, processor):
     del inputs["image_sizes"]
     with pytest.raises(ValueError, match="need the image_sizes of its inputs"):
         family_of(model).images(model.config, inputs)
+
+
+def test_token_counts_match_the_processors_at_real_checkpoint_sizes(family):
+    """At the real checkpoints' sizes (LLaVA-v1.6: CLIP 336 / 14 on 5 canvases; OneVision:
+    SigLIP 384 / 14 on 36 canvases, anyres_max_9), the layout's token count equals the
+    processor's for pictures of many sizes."""
+    import random
+
+    import transformers as tf
+
+    from headscope.hf.checkpoint import tiny_tokenizer
+    from headscope.hf.families.llava_next import token_count
+    tokenizer = tiny_tokenizer(family)
+    if family == "llava_next":
+        config = tf.LlavaNextConfig(vision_config=dict(model_type="clip_vision_model",
+                                                       image_size=336, patch_size=14))
+        processor = tf.LlavaNextProcessor(
+            image_processor=tf.LlavaNextImageProcessor(
+                size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
+                image_grid_pinpoints=config.image_grid_pinpoints),
+            tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default",
+            num_additional_image_tokens=1)
+    else:
+        config = tf.LlavaOnevisionConfig()
+        side = config.vision_config.image_size // config.vision_config.patch_size
+        processor = tf.LlavaOnevisionProcessor(
+            image_processor=tf.LlavaOnevisionImageProcessor(
+                image_grid_pinpoints=config.image_grid_pinpoints),
+            tokenizer=tokenizer, video_processor=tf.LlavaOnevisionVideoProcessor(),
+            num_image_tokens=side * side, vision_feature_select_strategy="full",
+            vision_aspect_ratio=config.vision_aspect_ratio)
+    rng = random.Random(0)
+    sizes = [(rng.randint(20, 4000), rng.randint(20, 4000)) for _ in range(300)]
+    want = processor._get_num_multimodal_tokens(image_sizes=sizes)["num_image_tokens"]
+    layout = family_of(config)
+    got = [token_count(layout.pieces(config, {}, 0, h, w)) for h, w in sizes]
+    assert got == want

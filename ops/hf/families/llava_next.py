@@ -45,9 +45,9 @@ def anyres_tiles(config, height: int, width: int) -> Tuple[int, int, Box]:
         cols -= 2 * left
     # the picture on the canvas: get_patch_output_size, then _get_padding_size's centring
     if canvas_w / width < canvas_h / height:
-        shown_w, shown_h = canvas_w, min(math.ceil(height * canvas_w / width), canvas_h)
+        shown_w, shown_h = canvas_w, min(math.ceil(height * (canvas_w / width)), canvas_h)
     else:
-        shown_h, shown_w = canvas_h, min(math.ceil(width * canvas_h / height), canvas_w)
+        shown_h, shown_w = canvas_h, min(math.ceil(width * (canvas_h / height)), canvas_w)
     x, y = (canvas_w - shown_w) // 2, (canvas_h - shown_h) // 2
     cell = tile / side  # pixels of the canvas per token
     box = ((left * cell - x) / shown_w, (top * cell - y) / shown_h,
