@@ -33,11 +33,17 @@ LLAVA_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
 
 
+# "<image>" tokens and the LLaVA chat template
+LLAVA_FAMILIES = ("llava", "llava_next", "llava_onevision")
+
+
 def special_tokens(family: str) -> Dict[int, str]:
     """The special tokens of ``family``'s tiny vocabulary, by id (the ids
     :mod:`headscope.hf.testing`'s models use)."""
     from .testing import EOS, IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START
-    if family == "llava":
+    if family == "llava_onevision":
+        return {IMAGE_TOKEN: "<image>", VIDEO_TOKEN: "<video>", EOS: "</s>"}
+    if family in LLAVA_FAMILIES:
         return {IMAGE_TOKEN: "<image>", EOS: "</s>"}
     return {IMAGE_TOKEN: "<|image_pad|>", VIDEO_TOKEN: "<|video_pad|>",
             VISION_START: "<|vision_start|>", VISION_END: "<|vision_end|>",
@@ -73,7 +79,7 @@ def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
         raise ValueError(f"headscope.hf.testing.tiny_tokenizer: vocab must be > {max(special)}, "
                          f"got {vocab}")
     eos = special[max(i for i, n in special.items() if n in ("</s>", "<|endoftext|>"))]
-    extra = {} if family == "llava" else {
+    extra = {} if family in LLAVA_FAMILIES else {
         "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
         "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"}
     return word_level_tokenizer(names, list(special.values()), eos,
@@ -85,8 +91,10 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
     """The processor of a tiny ``family`` model (:func:`~headscope.hf.testing.tiny_model`'s
     vision sizes): its transformers image processor (Qwen: patches of 4 pixels, merged
     2 x 2, images resized to between ``min_pixels`` and ``max_pixels``; LLaVA: 16 x 16
-    pixels), :func:`tiny_tokenizer` and a chat template. Qwen families need torchvision
-    (their processors do in transformers 5)."""
+    pixels; LLaVA-NeXT and LLaVA-OneVision: a base and tiles of 16 x 16 pixels on the
+    canvases of ``tiny_pinpoints``), :func:`tiny_tokenizer` and a chat template. Qwen,
+    LLaVA-NeXT and LLaVA-OneVision need torchvision (their processors do in transformers
+    5)."""
     import transformers as tf
 
     tokenizer = tiny_tokenizer(family)
@@ -96,6 +104,31 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
         return tf.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4,
                                  vision_feature_select_strategy="default",
                                  num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE)
+    if family == "llava_next":
+        from .families.llava import clip_vision
+        from .families.llava_next import tiny_pinpoints
+        vision = clip_vision(32)
+        tile = vision["image_size"]
+        images = tf.LlavaNextImageProcessor(size={"shortest_edge": tile},
+                                            crop_size={"height": tile, "width": tile},
+                                            image_grid_pinpoints=tiny_pinpoints(vision))
+        return tf.LlavaNextProcessor(image_processor=images, tokenizer=tokenizer,
+                                     patch_size=vision["patch_size"],
+                                     vision_feature_select_strategy="default",
+                                     num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE)
+    if family == "llava_onevision":
+        from .families.llava_next import tiny_pinpoints
+        from .families.llava_onevision import TINY_ASPECT, tiny_siglip
+        vision = tiny_siglip(32)
+        tile = vision["image_size"]
+        images = tf.LlavaOnevisionImageProcessor(size={"height": tile, "width": tile},
+                                                 image_grid_pinpoints=tiny_pinpoints(vision))
+        return tf.LlavaOnevisionProcessor(
+            image_processor=images, tokenizer=tokenizer,
+            video_processor=tf.LlavaOnevisionVideoProcessor(size={"height": tile, "width": tile}),
+            num_image_tokens=(tile // vision["patch_size"]) ** 2,
+            vision_feature_select_strategy="full", vision_aspect_ratio=TINY_ASPECT,
+            chat_template=LLAVA_TEMPLATE)
     sizes = dict(patch_size=4, temporal_patch_size=2, merge_size=2)
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     images = tf.Qwen2VLImageProcessor(size=size, **sizes)

@@ -18,7 +18,7 @@ from typing import Dict, Sequence, Tuple
 import torch
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "idefics3",
-            "smolvlm")  # model types
+            "smolvlm", "llava_next", "llava_onevision")  # model types
 
 # Token ids of the tiny vocabulary (random weights: only their roles matter).
 VOCAB = 512
@@ -73,7 +73,8 @@ def image_prompt(model, grids: Sequence[Tuple[int, int]] = ((8, 8),),
                  text_before: Sequence[int] = (3,), text_after: Sequence[int] = (5,),
                  seed: int = 0) -> Dict[str, torch.Tensor]:
     """Inputs for a batch of prompts, row b being ``text_before[b]`` text tokens, one
-    image of ``grids[b]`` patches (Qwen: even sizes; LLaVA: its fixed size) laid out by
+    image of ``grids[b]`` patches (Qwen: even sizes; LLaVA: its fixed size; LLaVA-NeXT: the
+    picture's height and width in patches of its tower) laid out by
     its family's ``tiny_image``, and ``text_after[b]`` text tokens; rows are left-padded
     to one length. ``mm_token_type_ids`` marks the image tokens for the models that take
     it."""

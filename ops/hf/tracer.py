@@ -532,9 +532,9 @@ class Tracer(backend.Binding):
             raise RuntimeError("headscope.hf.Tracer.generate: a generation is already running")
 
     def _eos_ids(self, kwargs) -> List[int]:
-        eos = kwargs.get("eos_token_id")
         config = kwargs.get("generation_config") or self.model.generation_config
-        eos = config.eos_token_id if eos is None else eos
+        # as generate: an eos_token_id argument, None included, overrides the config's
+        eos = kwargs["eos_token_id"] if "eos_token_id" in kwargs else config.eos_token_id
         if eos is None:
             return []
         return [int(e) for e in (eos.tolist() if isinstance(eos, torch.Tensor) else

@@ -121,7 +121,8 @@ def _reference_effects(model, inputs, sequences, rid, sets, ablation, hole=None)
 # "zero" and "mean" differ between families only in Qwen3-VL's deepstack features
 @pytest.mark.parametrize("family, ablation", [
     ("qwen2_vl", "mask"), ("qwen3_vl", "mask"), ("llava", "mask"), ("qwen2_vl", "zero"),
-    ("qwen2_vl", "mean"), ("qwen3_vl", "zero"), ("qwen3_vl", "mean")])
+    ("qwen2_vl", "mean"), ("qwen3_vl", "zero"), ("qwen3_vl", "mean"), ("llava_next", "mask"),
+    ("llava_next", "zero"), ("llava_onevision", "mask")])
 @pytest.mark.parametrize("device", DEVICES)
 def test_batched_effects_equal_one_region_at_a_time(family, ablation, device):
     model, inputs, sequences, rid = _case(family, device)
@@ -143,7 +144,7 @@ def test_batched_effects_equal_one_region_at_a_time(family, ablation, device):
     torch.testing.assert_close(effects[0] + effects[1], effects[2], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "llava_next", "llava_onevision"])
 @pytest.mark.parametrize("ablation", ["mask", "zero"])
 def test_region_the_span_cannot_see_has_no_effect(family, ablation):
     model, inputs, sequences, rid = _case(family)

@@ -167,8 +167,8 @@ def _row_alone(model, inputs, b):
     keep = inputs["attention_mask"][b].bool()
     row = {k: v[b:b + 1][:, keep] for k, v in inputs.items()
            if k in ("input_ids", "attention_mask", "mm_token_type_ids")}
-    if "image_grid_thw" not in inputs:
-        return dict(row, pixel_values=inputs["pixel_values"][b:b + 1])
+    if "image_grid_thw" not in inputs:  # every picture input has one item per picture
+        return dict(row, **{k: v[b:b + 1] for k, v in inputs.items() if k not in row})
     sizes = inputs["image_grid_thw"].prod(-1).tolist()
     start = sum(sizes[:b])
     return dict(row, pixel_values=inputs["pixel_values"][start:start + sizes[b]],
@@ -740,8 +740,11 @@ def test_images_give_every_image_tokens_place_on_the_picture(family):
     assert len(tr.images) == inputs["input_ids"].shape[0]
     for b, pictures in enumerate(tr.images):
         seen = torch.cat([p.positions for p in pictures])
-        assert sorted(seen.tolist()) == is_image[b].nonzero().flatten().tolist()
+        markers = torch.cat([p.markers for p in pictures])  # at image-token positions
+        assert sorted(seen.tolist() + markers.tolist()) == \
+            is_image[b].nonzero().flatten().tolist()
         assert (tr.region_ids[b][~is_image[b]] == -1).all()
+        assert (tr.region_ids[b][markers] == -1).all()
         for picture in pictures:
             area = 0.0
             for view in picture.views:

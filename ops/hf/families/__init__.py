@@ -11,9 +11,12 @@ from .base import Family
 from .idefics3 import Idefics3
 from .layout import WHOLE, ImageTokens, View
 from .llava import Llava
+from .llava_next import LlavaNext
+from .llava_onevision import LlavaOnevision
 from .qwen_vl import QwenVL
 
-FAMILIES: Tuple[Family, ...] = (QwenVL(), Llava(), Idefics3())
+FAMILIES: Tuple[Family, ...] = (QwenVL(), Llava(), Idefics3(), LlavaNext(),
+                                LlavaOnevision())
 
 
 def supported_model_types() -> Tuple[str, ...]:

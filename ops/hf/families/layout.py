@@ -49,9 +49,12 @@ class ImageTokens:
     """One picture's tokens: its ``views`` in sequence order, and ``grid``, the view Ward
     regions are clustered on (the finest grid that covers the whole picture; tiles
     stitched together where the picture is cut into tiles). Marker tokens (row breaks,
-    begin and end of image, tile labels) belong to no view."""
+    begin and end of image, tile labels) belong to no view; ``markers`` lists those that
+    sit at image-token positions (LLaVA-NeXT's newline features), region -1 like the
+    others."""
     views: Tuple[View, ...]
     grid: View = field(default=None)  # None: the first view covering the whole picture
+    markers: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     def __post_init__(self):
         if self.grid is None:

@@ -36,10 +36,7 @@ class Llava(Family):
         import transformers as tf
         return tf.LlavaConfig(
             text_config=dict(text, model_type="llama"),
-            vision_config=dict(model_type="clip_vision_model", hidden_size=vision_hidden,
-                               intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=2, image_size=16, patch_size=4,
-                               projection_dim=vision_hidden),
+            vision_config=clip_vision(vision_hidden),
             image_token_index=ids["image_token_id"], image_seq_length=16,
             vision_feature_layer=-1, vision_feature_select_strategy="default"), \
             tf.LlavaForConditionalGeneration
@@ -51,3 +48,10 @@ class Llava(Family):
         side = vc.image_size // vc.patch_size
         pixels = torch.randn(1, 3, vc.image_size, vc.image_size, generator=generator)
         return torch.full((side * side,), IMAGE_TOKEN), {"pixel_values": pixels}
+
+
+def clip_vision(hidden: int) -> Dict[str, Any]:
+    """The tiny LLaVA models' CLIP tower: 16 x 16 pixels in patches of 4, two blocks."""
+    return dict(model_type="clip_vision_model", hidden_size=hidden, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4,
+                projection_dim=hidden)
