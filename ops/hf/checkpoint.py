@@ -35,6 +35,7 @@ LLAVA_TEMPLATE = (
 
 # "<image>" tokens and the LLaVA chat template
 LLAVA_FAMILIES = ("llava", "llava_next", "llava_onevision")
+MISTRAL3_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "[IMG] ")
 
 
 def special_tokens(family: str) -> Dict[int, str]:
@@ -45,6 +46,10 @@ def special_tokens(family: str) -> Dict[int, str]:
         return {IMAGE_TOKEN: "<image>", VIDEO_TOKEN: "<video>", EOS: "</s>"}
     if family in LLAVA_FAMILIES:
         return {IMAGE_TOKEN: "<image>", EOS: "</s>"}
+    if family == "mistral3":
+        from .families.mistral3 import IMAGE_BREAK, IMAGE_END
+        return {IMAGE_TOKEN: "[IMG]", IMAGE_BREAK: "[IMG_BREAK]", IMAGE_END: "[IMG_END]",
+                EOS: "</s>"}
     return {IMAGE_TOKEN: "<|image_pad|>", VIDEO_TOKEN: "<|video_pad|>",
             VISION_START: "<|vision_start|>", VISION_END: "<|vision_end|>",
             EOS: "<|endoftext|>", EOS + 1: "<|im_start|>", EOS + 2: "<|im_end|>"}
@@ -79,7 +84,8 @@ def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
         raise ValueError(f"headscope.hf.testing.tiny_tokenizer: vocab must be > {max(special)}, "
                          f"got {vocab}")
     eos = special[max(i for i, n in special.items() if n in ("</s>", "<|endoftext|>"))]
-    extra = {} if family in LLAVA_FAMILIES else {
+    # the named special tokens the family's processor reads off its tokenizer
+    extra = {} if family in LLAVA_FAMILIES + ("mistral3",) else {
         "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
         "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"}
     return word_level_tokenizer(names, list(special.values()), eos,
@@ -87,14 +93,15 @@ def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
 
 
 def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
-                   max_pixels: int = 48 * 48):
+                   max_pixels: int = 48 * 48, longest_edge: int = 64):
     """The processor of a tiny ``family`` model (:func:`~headscope.hf.testing.tiny_model`'s
     vision sizes): its transformers image processor (Qwen: patches of 4 pixels, merged
     2 x 2, images resized to between ``min_pixels`` and ``max_pixels``; LLaVA: 16 x 16
     pixels; LLaVA-NeXT and LLaVA-OneVision: a base and tiles of 16 x 16 pixels on the
-    canvases of ``tiny_pinpoints``), :func:`tiny_tokenizer` and a chat template. Qwen,
-    LLaVA-NeXT and LLaVA-OneVision need torchvision (their processors do in transformers
-    5)."""
+    canvases of ``tiny_pinpoints``; Mistral 3: longest edge ``longest_edge`` pixels, sides
+    rounded up to multiples of 8, patches of 4 merged 2 x 2), :func:`tiny_tokenizer` and a
+    chat template. Qwen, LLaVA-NeXT, LLaVA-OneVision and Mistral 3 need torchvision (their
+    processors do in transformers 5)."""
     import transformers as tf
 
     tokenizer = tiny_tokenizer(family)
@@ -129,6 +136,10 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
             num_image_tokens=(tile // vision["patch_size"]) ** 2,
             vision_feature_select_strategy="full", vision_aspect_ratio=TINY_ASPECT,
             chat_template=LLAVA_TEMPLATE)
+    if family == "mistral3":
+        images = tf.PixtralImageProcessor(size={"longest_edge": longest_edge})
+        return tf.PixtralProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4,
+                                   spatial_merge_size=2, chat_template=MISTRAL3_TEMPLATE)
     sizes = dict(patch_size=4, temporal_patch_size=2, merge_size=2)
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     images = tf.Qwen2VLImageProcessor(size=size, **sizes)

@@ -13,10 +13,11 @@ from .layout import WHOLE, ImageTokens, View
 from .llava import Llava
 from .llava_next import LlavaNext
 from .llava_onevision import LlavaOnevision
+from .mistral3 import Mistral3
 from .qwen_vl import QwenVL
 
 FAMILIES: Tuple[Family, ...] = (QwenVL(), Llava(), Idefics3(), LlavaNext(),
-                                LlavaOnevision())
+                                LlavaOnevision(), Mistral3())
 
 
 def supported_model_types() -> Tuple[str, ...]:
