@@ -36,6 +36,7 @@ LLAVA_TEMPLATE = (
 # "<image>" tokens and the LLaVA chat template
 LLAVA_FAMILIES = ("llava", "llava_next", "llava_onevision")
 MISTRAL3_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "[IMG] ")
+INTERNVL_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "<IMG_CONTEXT> ")
 
 
 def special_tokens(family: str) -> Dict[int, str]:
@@ -50,6 +51,10 @@ def special_tokens(family: str) -> Dict[int, str]:
         from .families.mistral3 import IMAGE_BREAK, IMAGE_END
         return {IMAGE_TOKEN: "[IMG]", IMAGE_BREAK: "[IMG_BREAK]", IMAGE_END: "[IMG_END]",
                 EOS: "</s>"}
+    if family == "internvl":
+        from .families.internvl import IMAGE_END as END, IMAGE_START as START
+        return {IMAGE_TOKEN: "<IMG_CONTEXT>", VIDEO_TOKEN: "<video>", START: "<img>",
+                END: "</img>", EOS: "</s>"}
     return {IMAGE_TOKEN: "<|image_pad|>", VIDEO_TOKEN: "<|video_pad|>",
             VISION_START: "<|vision_start|>", VISION_END: "<|vision_end|>",
             EOS: "<|endoftext|>", EOS + 1: "<|im_start|>", EOS + 2: "<|im_end|>"}
@@ -85,23 +90,27 @@ def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
                          f"got {vocab}")
     eos = special[max(i for i, n in special.items() if n in ("</s>", "<|endoftext|>"))]
     # the named special tokens the family's processor reads off its tokenizer
+    qwen = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+            "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"}
     extra = {} if family in LLAVA_FAMILIES + ("mistral3",) else {
-        "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-        "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"}
+        "internvl": {"start_image_token": "<img>", "end_image_token": "</img>",
+                     "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
+    }.get(family, qwen)
     return word_level_tokenizer(names, list(special.values()), eos,
                                 extra_special_tokens=extra)
 
 
 def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
-                   max_pixels: int = 48 * 48, longest_edge: int = 64):
+                   max_pixels: int = 48 * 48, longest_edge: int = 64, max_tiles: int = 6):
     """The processor of a tiny ``family`` model (:func:`~headscope.hf.testing.tiny_model`'s
     vision sizes): its transformers image processor (Qwen: patches of 4 pixels, merged
     2 x 2, images resized to between ``min_pixels`` and ``max_pixels``; LLaVA: 16 x 16
     pixels; LLaVA-NeXT and LLaVA-OneVision: a base and tiles of 16 x 16 pixels on the
     canvases of ``tiny_pinpoints``; Mistral 3: longest edge ``longest_edge`` pixels, sides
-    rounded up to multiples of 8, patches of 4 merged 2 x 2), :func:`tiny_tokenizer` and a
-    chat template. Qwen, LLaVA-NeXT, LLaVA-OneVision and Mistral 3 need torchvision (their
-    processors do in transformers 5)."""
+    rounded up to multiples of 8, patches of 4 merged 2 x 2; InternVL: up to ``max_tiles``
+    tiles of 16 x 16 pixels and a thumbnail, 4 tokens each), :func:`tiny_tokenizer` and a
+    chat template. Qwen, LLaVA-NeXT, LLaVA-OneVision, Mistral 3 and InternVL need
+    torchvision (their processors do in transformers 5)."""
     import transformers as tf
 
     tokenizer = tiny_tokenizer(family)
@@ -140,6 +149,12 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
         images = tf.PixtralImageProcessor(size={"longest_edge": longest_edge})
         return tf.PixtralProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4,
                                    spatial_merge_size=2, chat_template=MISTRAL3_TEMPLATE)
+    if family == "internvl":
+        images = tf.GotOcr2ImageProcessor(size={"height": 16, "width": 16}, crop_to_patches=True,
+                                          min_patches=1, max_patches=max_tiles)
+        return tf.InternVLProcessor(image_processor=images, tokenizer=tokenizer,
+                                    video_processor=tf.InternVLVideoProcessor(),
+                                    image_seq_length=4, chat_template=INTERNVL_TEMPLATE)
     sizes = dict(patch_size=4, temporal_patch_size=2, merge_size=2)
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
     images = tf.Qwen2VLImageProcessor(size=size, **sizes)

@@ -18,7 +18,8 @@ from typing import Dict, Sequence, Tuple
 import torch
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "idefics3",
-            "smolvlm", "llava_next", "llava_onevision", "mistral3")  # model types
+            "smolvlm", "llava_next", "llava_onevision", "mistral3",
+            "internvl")  # model types
 
 # Token ids of the tiny vocabulary (random weights: only their roles matter).
 VOCAB = 512

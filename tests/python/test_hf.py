@@ -21,7 +21,7 @@ from headscope.hf.testing import (EOS, FAMILIES, eager_reference, image_prompt, 
                                   tiny_model)
 
 GRIDS = {"llava": ((8, 8), (8, 8))}  # LLaVA's grid is fixed by its vision tower
-GRIDS.update({t: ((2, 2), (1, 3)) for t in ("idefics3", "smolvlm")})  # rows x cols tiles
+GRIDS.update({t: ((2, 2), (1, 3)) for t in ("idefics3", "smolvlm", "internvl")})  # tiles
 
 
 def _prompt(model, batch=1, seed=0):
@@ -162,13 +162,26 @@ def test_left_padded_generation_equals_rows_alone(models):
             torch.testing.assert_close(tr.vas_features()[0], batch_vas[b], atol=1e-4, rtol=1e-4)
 
 
+def _image_tokens(model, input_ids):
+    from headscope.hf.families import family_of
+    ids = family_of(model).image_token_ids(model.config)
+    return torch.isin(input_ids, torch.tensor(ids, device=input_ids.device))
+
+
 def _row_alone(model, inputs, b):
     """Row b of a left-padded batch of one image per row, without its padding."""
     keep = inputs["attention_mask"][b].bool()
     row = {k: v[b:b + 1][:, keep] for k, v in inputs.items()
            if k in ("input_ids", "attention_mask", "mm_token_type_ids")}
-    if "image_grid_thw" not in inputs:  # every picture input has one item per picture
+    pixels = inputs["pixel_values"]
+    if "image_grid_thw" not in inputs and len(pixels) == len(inputs["input_ids"]):
+        # every picture input has one item per picture
         return dict(row, **{k: v[b:b + 1] for k, v in inputs.items() if k not in row})
+    if "image_grid_thw" not in inputs:  # tiles of equal token counts (InternVL), in order
+        tokens = _image_tokens(model, inputs["input_ids"]).sum(-1).tolist()
+        per_token = len(pixels) / sum(tokens)
+        start, count = round(sum(tokens[:b]) * per_token), round(tokens[b] * per_token)
+        return dict(row, pixel_values=pixels[start:start + count])
     sizes = inputs["image_grid_thw"].prod(-1).tolist()
     start = sum(sizes[:b])
     return dict(row, pixel_values=inputs["pixel_values"][start:start + sizes[b]],

@@ -9,6 +9,7 @@ from typing import Tuple
 
 from .base import Family
 from .idefics3 import Idefics3
+from .internvl import InternVL
 from .layout import WHOLE, ImageTokens, View
 from .llava import Llava
 from .llava_next import LlavaNext
@@ -17,7 +18,7 @@ from .mistral3 import Mistral3
 from .qwen_vl import QwenVL
 
 FAMILIES: Tuple[Family, ...] = (QwenVL(), Llava(), Idefics3(), LlavaNext(),
-                                LlavaOnevision(), Mistral3())
+                                LlavaOnevision(), Mistral3(), InternVL())
 
 
 def supported_model_types() -> Tuple[str, ...]:

@@ -1,0 +1,153 @@
+"""InternVL: each picture is a canvas of rows x cols square tiles (the optimal canvas for
+its aspect ratio) plus a thumbnail of the whole picture when there is more than one tile,
+each tile pixel-shuffled to ``image_seq_length`` tokens, between ``<img>`` and ``</img>``;
+the canvas (which the processor drops) is read back from ``pixel_values``' tiles."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from .base import Family, image_positions
+from .layout import ImageTokens, View
+
+WHO = "headscope.hf.Tracer"
+
+# The tiny models' marker tokens (headscope.hf.testing's free ids)
+IMAGE_START = 507  # <img>
+IMAGE_END = 508    # </img>
+
+
+class InternVL(Family):
+    name = "internvl"
+    model_types = ("internvl",)
+    layout = ("rows x cols tiles on the optimal canvas plus a thumbnail (more than one "
+              "tile), each a square token grid after the pixel shuffle, between <img> and "
+              "</img>")
+    input_keys = ("pixel_values",)
+
+    def side(self, config) -> int:
+        """Tokens per side of a tile: its patches per side times the shuffle's ratio."""
+        vision = config.vision_config
+        size, patch = vision.image_size, vision.patch_size
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+        return int(int(size) // int(patch) * float(config.downsample_ratio))
+
+    def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
+        side = self.side(config)
+        per_tile = side * side
+        tiles = inputs.get("pixel_values")
+        out, used = [], 0
+        for row in image_positions(inputs["input_ids"], self.image_token_ids(config)):
+            pictures = []
+            for positions in _runs(row):
+                if len(positions) % per_tile:
+                    raise ValueError(f"{WHO}: a picture of {len(positions)} image tokens is "
+                                     f"not a whole number of tiles of {per_tile} tokens")
+                count = len(positions) // per_tile
+                if count > 1 and tiles is None:
+                    raise ValueError(f"{WHO}: regions of an {config.model_type} model need "
+                                     f"the pixel_values of its inputs (their tiles give each "
+                                     f"picture's canvas); generate with "
+                                     f"tr.generate(**inputs, ...) or tr.generate_with(on_span, "
+                                     f"**inputs, ...)")
+                mine = tiles[used:used + count] if tiles is not None else None
+                if mine is not None and len(mine) != count:
+                    raise ValueError(f"{WHO}: input_ids hold more tiles than pixel_values")
+                used += count
+                pictures.append(_picture(positions, count, side, mine))
+            out.append(pictures)
+        if tiles is not None and used != len(tiles):
+            raise ValueError(f"{WHO}: pixel_values hold {len(tiles)} tiles but input_ids "
+                             f"{used}")
+        return out
+
+    # ---- tiny models ----------------------------------------------------------------------
+
+    def tiny_config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
+                    ids: Dict[str, int]):
+        import transformers as tf
+        return tf.InternVLConfig(
+            text_config=dict(text, model_type="qwen2", use_sliding_window=False),
+            vision_config=dict(hidden_size=vision_hidden, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=2,
+                               image_size=[16, 16], patch_size=[4, 4]),
+            image_token_id=ids["image_token_id"], image_seq_length=4, downsample_ratio=0.5,
+            vision_feature_layer=-1, vision_feature_select_strategy="default",
+            tie_word_embeddings=False), tf.InternVLForConditionalGeneration
+
+    def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
+                   ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+        """``grid``: the canvas's rows x cols tiles; the tiles are cut from one random
+        picture and the thumbnail is that picture downscaled, as the processor makes them."""
+        from ..testing import IMAGE_TOKEN
+        vc = model.config.vision_config
+        size = vc.image_size[0] if isinstance(vc.image_size, (list, tuple)) else vc.image_size
+        rows, cols = grid
+        picture = torch.randn(vc.num_channels, rows * size, cols * size, generator=generator)
+        tiles = [picture[:, r * size:(r + 1) * size, c * size:(c + 1) * size]
+                 for r in range(rows) for c in range(cols)]
+        if len(tiles) > 1:
+            tiles.append(thumbnail(picture, size))
+        tokens = self.side(model.config) ** 2 * len(tiles)
+        ids = torch.cat([torch.tensor([IMAGE_START]), torch.full((tokens,), IMAGE_TOKEN),
+                         torch.tensor([IMAGE_END])])
+        return ids, {"pixel_values": torch.stack(tiles)}
+
+
+def thumbnail(picture: torch.Tensor, size: int) -> torch.Tensor:
+    """(C, size, size): ``picture`` (C, H, W) resized to one tile."""
+    return torch.nn.functional.interpolate(picture[None].float(), (size, size),
+                                           mode="bilinear", antialias=True,
+                                           align_corners=False)[0].to(picture.dtype)
+
+
+def canvas(tiles: torch.Tensor) -> Tuple[int, int]:
+    """(rows, cols) of the canvas of ``tiles`` (N + 1, C, S, S): N tiles, row-major, and the
+    thumbnail last: the arrangement rows * cols = N whose stitched picture, downscaled to
+    one tile, is nearest the thumbnail (the processor keeps no other trace of it; the
+    canvas's shape follows the picture's aspect ratio, which the thumbnail has lost but
+    its content keeps)."""
+    n = len(tiles) - 1
+    C, S = tiles.shape[1], tiles.shape[-1]
+    best, found = None, None
+    for rows in range(1, n + 1):
+        if n % rows:
+            continue
+        cols = n // rows
+        stitched = tiles[:n].reshape(rows, cols, C, S, S).permute(2, 0, 3, 1, 4)
+        small = thumbnail(stitched.reshape(C, rows * S, cols * S), S)
+        error = float((small.float() - tiles[n].float()).pow(2).mean())
+        if best is None or error < best:
+            best, found = error, (rows, cols)
+    return found
+
+
+def _runs(positions: torch.Tensor) -> List[torch.Tensor]:
+    """Consecutive runs of positions: each picture's tokens are one run between its
+    markers."""
+    if len(positions) == 0:
+        return []
+    cuts = ((positions[1:] - positions[:-1]) != 1).nonzero().flatten() + 1
+    return list(torch.tensor_split(positions, cuts))
+
+
+def _picture(positions: torch.Tensor, count: int, side: int, tiles) -> ImageTokens:
+    per_tile = side * side
+    if count == 1:
+        return ImageTokens((View("base", positions, side, side),))
+    rows, cols = canvas(tiles)
+    views = []
+    for t in range(rows * cols):
+        r, c = divmod(t, cols)
+        views.append(View("tile", positions[t * per_tile:(t + 1) * per_tile], side, side,
+                          (c / cols, r / rows, (c + 1) / cols, (r + 1) / rows)))
+    views.append(View("thumbnail", positions[rows * cols * per_tile:], side, side))
+    # the tiles stitched into one grid over the canvas, row-major
+    y = torch.arange(rows * side)[:, None]
+    x = torch.arange(cols * side)[None, :]
+    tile = (y // side) * cols + x // side
+    index = tile * per_tile + (y % side) * side + x % side
+    grid = View("tiles", positions[index.flatten()], rows * side, cols * side)
+    return ImageTokens(tuple(views), grid)

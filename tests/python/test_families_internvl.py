@@ -1,0 +1,215 @@
+"""InternVL's layout (headscope.hf.families.internvl) against its real processor
+(InternVLProcessor with a tiny GotOcr2ImageProcessor and tokenizer, built offline): the
+canvas read back from pixel_values' tiles equals the processor's own choice
+(get_optimal_tiled_canvas) on several aspect ratios, views and boxes follow it, a
+four-coloured picture's tokens (tiles and thumbnail) read the colour of their box's
+quarter, and grid_regions(2, 2) gives each quarter one region in every view."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("torchvision")
+np = pytest.importorskip("numpy")
+Image = pytest.importorskip("PIL.Image")
+
+from headscope.hf import Tracer, grid_regions  # noqa: E402
+from headscope.hf.families import family_of  # noqa: E402
+from headscope.hf.families.internvl import IMAGE_END, IMAGE_START  # noqa: E402
+from headscope.hf.regions import region_ids  # noqa: E402
+from headscope.hf.testing import IMAGE_TOKEN, tiny_model, tiny_processor  # noqa: E402
+
+TILE = 16  # the tiny processor's tile side in pixels
+MAX_TILES = 6
+# (height, width): one tile, square, 2:1 wide, 1:2 tall, 1:3 tall, 5:1 wide, odd sizes
+SIZES = ((16, 16), (40, 40), (30, 60), (60, 30), (60, 20), (20, 100), (50, 70))
+COLOURS = np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 0]], np.uint8)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("internvl")
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return tiny_processor("internvl", max_tiles=MAX_TILES)
+
+
+def quarters(height: int, width: int) -> "Image.Image":
+    """A picture whose quarters (top left, top right, bottom left, bottom right) have the
+    four COLOURS."""
+    pixels = np.empty((height, width, 3), np.uint8)
+    top, left = height // 2, width // 2
+    pixels[:top, :left], pixels[:top, left:] = COLOURS[0], COLOURS[1]
+    pixels[top:, :left], pixels[top:, left:] = COLOURS[2], COLOURS[3]
+    return Image.fromarray(pixels)
+
+
+def run_processor(processor, sizes, per_row):
+    texts = ["describe " + " and ".join(["<IMG_CONTEXT>"] * n) + " the image ." for n in per_row]
+    return processor(text=texts, images=[quarters(*s) for s in sizes], return_tensors="pt",
+                     padding=True)
+
+
+def processor_canvas(size) -> tuple:
+    """(rows, cols) the image processor tiles a picture of ``size`` on."""
+    from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_tiled_canvas
+    cols, rows = get_optimal_tiled_canvas(size, (TILE, TILE), 1, MAX_TILES)
+    return rows, cols
+
+
+@pytest.mark.parametrize("per_row", [(1,) * len(SIZES), (2, 1, 4)])
+def test_canvas_and_views_follow_the_processor(model, processor, per_row):
+    config = model.config
+    inputs = run_processor(processor, SIZES, per_row)
+    images = family_of(model).images(config, inputs)
+    ids = inputs["input_ids"]
+    want_tokens = processor._get_num_multimodal_tokens(image_sizes=list(SIZES)).num_image_tokens
+    rid, counts = region_ids(grid_regions(1, 1), images, torch.zeros(*ids.shape, 1))
+    picture = 0
+    assert [len(row) for row in images] == list(per_row)
+    for b, row in enumerate(images):
+        for image in row:
+            rows, cols = processor_canvas(SIZES[picture])
+            tiles = [v for v in image.views if v.name == "tile"]
+            thumbs = [v for v in image.views if v.name == "thumbnail"]
+            if rows * cols == 1:
+                assert [v.name for v in image.views] == ["base"]
+                assert image.grid is image.views[0]
+            else:
+                assert len(tiles) == rows * cols and len(thumbs) == 1
+                assert thumbs[0].box == (0, 0, 1, 1) and image.views[-1] is thumbs[0]
+                for t, view in enumerate(tiles):
+                    r, c = divmod(t, cols)
+                    assert view.box == pytest.approx((c / cols, r / rows, (c + 1) / cols,
+                                                      (r + 1) / rows))
+                assert image.grid.name == "tiles" and image.grid.box == (0, 0, 1, 1)
+                assert (image.grid.rows, image.grid.cols) == (2 * rows, 2 * cols)
+                assert sorted(image.grid.positions.tolist()) == \
+                    sorted(torch.cat([v.positions for v in tiles]).tolist())
+            assert all((v.rows, v.cols) == (2, 2) for v in image.views)
+            # the processor's own count: the picture's tokens and its two markers
+            assert len(image.positions) + 2 == want_tokens[picture]
+            p = image.positions
+            assert int(ids[b, p.min() - 1]) == IMAGE_START
+            assert int(ids[b, p.max() + 1]) == IMAGE_END
+            picture += 1
+        positions = torch.cat([im.positions for im in row])
+        assert len(set(positions.tolist())) == len(positions)
+        assert torch.equal(positions.sort().values, (ids[b] == IMAGE_TOKEN).nonzero().flatten())
+        assert bool((rid[b][ids[b] != IMAGE_TOKEN] == -1).all())
+        assert bool((rid[b][ids[b] == IMAGE_TOKEN] >= 0).all())
+        assert counts[b] == len(row)
+    assert picture == len(SIZES)
+
+
+def test_tiles_without_pixel_values_raise(model, processor):
+    inputs = run_processor(processor, ((30, 60),), (1,))
+    family = family_of(model)
+    # plain generate hands the model the vision output, not pixel_values
+    with torch.no_grad(), Tracer(model, regions=2, vas=False) as tr:
+        with pytest.raises(ValueError, match=r"need the pixel_values .* tr\.generate"):
+            model.generate(**inputs, max_new_tokens=1)
+        assert len(list(tr.generate(**inputs, max_new_tokens=1))) == 1
+    with pytest.raises(ValueError, match="need the pixel_values"):
+        family.images(model.config, dict(inputs, pixel_values=None))
+    with pytest.raises(ValueError, match="pixel_values hold 4 tiles but input_ids 3"):
+        family.images(model.config, dict(inputs, pixel_values=torch.cat(
+            [inputs["pixel_values"], inputs["pixel_values"][:1]])))
+
+
+def token_pixels(model, tile: torch.Tensor) -> torch.Tensor:
+    """(tokens, pixels, channels) of one tile (C, S, S), in the model's token order: the
+    vision tower's patch convolution (patches row-major, checked against the convolution)
+    and the model's pixel shuffle of the patch grid."""
+    conv = model.model.vision_tower.embeddings.patch_embeddings.projection
+    p = conv.kernel_size[0]
+    C, S = tile.shape[0], tile.shape[-1]
+    patches = tile.reshape(C, S // p, p, S // p, p).permute(1, 3, 2, 4, 0).reshape(-1, p * p * C)
+    with torch.no_grad():
+        embeds = conv(tile[None]).flatten(2)[0].t()
+    weight = conv.weight.permute(0, 2, 3, 1).reshape(conv.weight.shape[0], -1)
+    torch.testing.assert_close(embeds, patches @ weight.t() + conv.bias, atol=1e-5, rtol=1e-5)
+    side = S // p
+    index = torch.arange(side * side, dtype=torch.float64).reshape(1, side, side, 1)
+    shuffled = model.model.pixel_shuffle(index, scale_factor=model.config.downsample_ratio)
+    which = shuffled.reshape(-1, shuffled.shape[-1]).round().to(torch.int64)  # (tokens, 4)
+    return patches[which].reshape(which.shape[0], -1, C)
+
+
+def colours_at(model, processor, inputs, b: int, first_tile: int, positions) -> torch.Tensor:
+    """(len(positions), pixels): the colour index of each pixel read by the tokens at
+    ``positions`` of row ``b``, whose picture's tiles start at ``first_tile``."""
+    ip = processor.image_processor
+    mean, std = torch.tensor(ip.image_mean), torch.tensor(ip.image_std)
+    refs = (torch.from_numpy(COLOURS).float() / 255 - mean) / std
+    order = (inputs["input_ids"][b] == IMAGE_TOKEN).nonzero().flatten().tolist()
+    tiles = len(order) // 4
+    pixels = torch.cat([token_pixels(model, inputs["pixel_values"][first_tile + t])
+                        for t in range(tiles)])
+    colours = torch.cdist(pixels.float(), refs[None].expand(len(pixels), -1, -1)).argmin(-1)
+    at = {p: i for i, p in enumerate(order)}
+    return colours[[at[p] for p in positions.tolist()]]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_each_tokens_pixels_carry_the_colour_of_its_boxes_quarter(model, processor, size):
+    inputs = run_processor(processor, (size,), (1,))
+    (image,), = family_of(model).images(model.config, inputs)
+    colours = colours_at(model, processor, inputs, 0, 0, image.positions)
+    boxes = image.boxes
+    quarter = grid_regions(2, 2).of_boxes(boxes)
+    astride = ((boxes[:, 0] < 0.5) & (boxes[:, 2] > 0.5)) | \
+        ((boxes[:, 1] < 0.5) & (boxes[:, 3] > 0.5))
+    assert bool((~astride).any())
+    # every pixel of a token off the picture's middle lines is nearest its quarter's colour
+    assert bool((colours[~astride] == quarter[~astride, None]).all())
+    counts = torch.nn.functional.one_hot(colours, 4).sum(1)
+    assert bool((counts[astride].gather(1, quarter[astride, None]) > 0).all())
+
+
+def test_grid_regions_give_each_quarter_one_region_in_every_view(model, processor):
+    sizes = ((40, 40), (30, 60), (60, 20))
+    inputs = run_processor(processor, sizes, (1, 1, 1))
+    ids = inputs["input_ids"]
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        with Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
+            assert torch.equal(model(**inputs).logits, plain)
+    assert tr.num_regions == [4, 4, 4]
+    first = 0
+    for b in range(len(sizes)):
+        (image,) = tr.images[b]
+        colours = colours_at(model, processor, inputs, b, first, image.positions)
+        first += len(image.positions) // 4
+        rid = tr.region_ids[b, image.positions]
+        single = (colours == colours[:, :1]).all(1)
+        names = [v.name for v in image.views for _ in range(len(v.positions))]
+        seen = {}
+        for colour, region, name in zip(colours[single, 0].tolist(), rid[single].tolist(),
+                                        [n for n, s in zip(names, single.tolist()) if s]):
+            assert region == colour, (name, colour, region)  # COLOURS and blocks row-major
+            seen.setdefault(name, set()).add(colour)
+        assert seen["thumbnail"] == {0, 1, 2, 3} and seen["tile"] == {0, 1, 2, 3}
+        assert bool((tr.region_ids[b][ids[b] != IMAGE_TOKEN] == -1).all())
+
+
+def test_ward_regions_cluster_on_the_stitched_tiles(model, processor):
+    """Ward regions are found on the tiles stitched into one grid; the thumbnail's tokens
+    join the region covering most of their box."""
+    inputs = run_processor(processor, ((60, 20),), (1,))
+    seen = []
+
+    def labels(features, grid):
+        seen.append(grid)
+        return (torch.arange(grid[0] * grid[1]) // grid[1] >= grid[0] // 2).to(torch.int64)
+
+    with torch.no_grad(), Tracer(model, regions=labels, vas=False) as tr:
+        model(**inputs)
+    (image,) = tr.images[0]
+    assert seen == [(6, 2)]  # 3 x 1 tiles of 2 x 2 tokens
+    rid = tr.region_ids[0, image.positions]
+    top = (image.boxes[:, 1] + image.boxes[:, 3]) / 2 < 0.5
+    assert torch.equal(rid, (~top).to(torch.int64))  # tiles and thumbnail alike
