@@ -421,3 +421,24 @@ def test_grid_collection_has_the_grid_regions(files, tmp_path):
     labels = got.tensors["labels"].reshape(IMAGES, rows * cols)
     assert (labels == grid_regions(2, 3)(None, (rows, cols))).all()
     assert got.tensors["effects"].shape[1] == 6
+
+
+@pytest.mark.parametrize("family", ["mistral3", "internvl"])
+def test_collect_train_eval_on_a_saved_model_of_another_layout(tmp_path, family):
+    """The commands on a saved tiny model of a family whose pictures are not one plain
+    grid (Mistral 3: rows with break tokens; InternVL: tiles and a thumbnail), with its
+    real processor, on non-square pictures."""
+    model = tiny_checkpoint(tmp_path / "model", family)
+    data = tiny_dataset(tmp_path / "data", 3, size=(48, 24))
+    collection = tmp_path / "collection"
+    headscope("collect", "--model", model, "--data", data, "--out", collection, "--regions",
+              "4", "--max-new-tokens", "4", "--subsets", "2", "--shard-size", "1")
+    t = read_collection(collection).tensors
+    assert t["features"].shape[1:] == (4, 2 * 4)
+    assert torch.isfinite(t["effects"]).all() and t["effects"].abs().max() > 0
+    headscope("train", "--data", collection, "--out", tmp_path / "head", "--val-fraction",
+              "0.25")
+    out = headscope("eval", "--model", model, "--head", tmp_path / "head", "--data", data,
+                    "--regions", "4", "--max-new-tokens", "4", "--report",
+                    tmp_path / "report.json")
+    assert "LDS (mean over images)" in out.stdout
