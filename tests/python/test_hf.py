@@ -773,3 +773,23 @@ def test_images_give_every_image_tokens_place_on_the_picture(family):
             quarter = (centre[:, 1] >= 0.5).long() * 2 + (centre[:, 0] >= 0.5).long()
             got = tr.region_ids[b, picture.positions] - tr.region_ids[b, picture.positions].min()
             assert torch.equal(got.cpu(), quarter)
+
+
+def test_llava_with_a_tower_of_no_fixed_grid_is_refused():
+    """LLaVA's layout is one fixed square grid (CLIP, SigLIP towers); a Pixtral tower keeps
+    each picture's aspect ratio, so its tokens would be placed wrongly: refused."""
+    import transformers as tf
+    from headscope.hf.families import family_of
+    config = tf.LlavaConfig(vision_config=dict(model_type="pixtral", hidden_size=32,
+                                               intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=16,
+                                               patch_size=4, head_dim=16),
+                            text_config=dict(model_type="llama", hidden_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=64, vocab_size=600),
+                            image_token_index=500)
+    ids = torch.full((1, 20), 500)
+    with pytest.raises(NotImplementedError, match="pixtral vision tower has no fixed square "
+                                                  "patch grid; supported towers: "
+                                                  "clip_vision_model, siglip_vision_model"):
+        family_of(config).images(config, {"input_ids": ids})

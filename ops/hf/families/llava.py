@@ -11,6 +11,9 @@ from .base import Family, image_positions, split_images
 from .layout import ImageTokens, View
 
 WHO = "headscope.hf.Tracer"
+# Towers that see every picture at one fixed square size (a Pixtral tower keeps the
+# picture's own aspect ratio: its grid varies per picture).
+_FIXED_GRID_TOWERS = ("clip_vision_model", "siglip_vision_model")
 
 
 class Llava(Family):
@@ -24,6 +27,10 @@ class Llava(Family):
                              f"vision_feature_select_strategy='full' the CLS token has no "
                              f"place on it")
         vision = config.vision_config
+        if vision.model_type not in _FIXED_GRID_TOWERS:
+            raise NotImplementedError(
+                f"{WHO}: a LLaVA model with a {vision.model_type} vision tower has no fixed "
+                f"square patch grid; supported towers: {', '.join(_FIXED_GRID_TOWERS)}")
         side = int(vision.image_size) // int(vision.patch_size)
         per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
         count = sum(len(p) for p in per_row)
