@@ -3,6 +3,8 @@ namespace, in an empty folder), and the tracer's example prints the shapes it pr
 from __future__ import annotations
 
 import re
+import sys
+import types
 
 import pytest
 
@@ -35,7 +37,11 @@ def test_readme_example_runs(code, tmp_path, monkeypatch, capsys):
     if "headscope.hf" in code:
         pytest.importorskip("transformers")
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
+    # a module of its own, as a user's script would be: torch.compile looks its functions'
+    # module up in sys.modules
+    module = types.ModuleType("__readme__")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(code, "README.md", "exec"), module.__dict__)
     out = capsys.readouterr().out
     if "Tracer(" in code:
         assert "torch.Size([1, 36])" in out and "torch.Size([4, 8])" in out
