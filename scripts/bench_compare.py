@@ -1,10 +1,13 @@
-"""Prints the ratios of scripts/bench_compare.sh: for every timing column (``*_ms``) of every
+"""Prints the ratios of scripts/bench_compare.sh: for every timing column (``*_ms``, ``* ms``) of every
 row of every benchmark table, this build's time over REV's, the median over rounds (a
 ratio below 1: this build is faster)."""
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
+
+TIMING = re.compile(r"[_ ]ms$")  # a column of milliseconds
 
 
 def rows(result: dict):
@@ -14,9 +17,9 @@ def rows(result: dict):
         for table in tables:
             for row in table["rows"]:
                 key = tuple((k, v) for k, v in row.items()
-                            if not k.endswith("_ms") and isinstance(v, (int, str)))
+                            if not TIMING.search(k) and isinstance(v, (int, str)))
                 for column, value in row.items():
-                    if column.endswith("_ms") and isinstance(value, (int, float)):
+                    if TIMING.search(column) and isinstance(value, (int, float)):
                         yield family, table["title"], key, column, float(value)
 
 

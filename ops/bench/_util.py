@@ -148,3 +148,18 @@ def load_seed(name: str):
             return module
     print(f"(reference implementation {name}.py not found: its baseline is skipped)")
     return None
+
+
+def window_row(T: int, window: int, times: dict, mem: dict) -> dict:
+    """A sliding-window benchmark's row: the op with the window, without it and the eager
+    formulation with the materialised mask (``times``: lists of seconds from
+    :func:`interleaved`, ``mem``: peak bytes, both keyed "window", "no window", "eager"):
+    median times, ratios of rounds, peak memory."""
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return {"T": T, "window": window, "window ms": ms["window"],
+            "no window ms": ms["no window"], "eager ms": ms["eager"],
+            "no window / window": round_ratios(times["no window"], times["window"])[0],
+            "eager / window": round_ratios(times["eager"], times["window"])[0],
+            "window MiB": mib(mem["window"]), "no window MiB": mib(mem["no window"]),
+            "eager MiB": mib(mem["eager"]),
+            "eager / window memory": mem["eager"] / max(mem["window"], 1)}

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..patterns import pattern_mask
-from ._util import interleaved, mib, peak_bytes, print_table, round_ratios, timeit
+from ._util import interleaved, mib, peak_bytes, print_table, round_ratios, timeit, window_row
 
 ops = torch.ops.headscope
 
@@ -253,14 +253,7 @@ def bench_window(device, quick: bool) -> dict:
     torch.testing.assert_close(fns["window"](), fns["eager"](), rtol=1e-4, atol=1e-6)
     times = interleaved(fns, device, rounds=2 if quick else 3, pause=0.0)
     mem = {name: peak_bytes(fn, device) for name, fn in fns.items()}
-    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    row = {"T": T, "window": window, "window ms": ms["window"], "no window ms": ms["no window"],
-           "eager ms": ms["eager"],
-           "no window / window": round_ratios(times["no window"], times["window"])[0],
-           "eager / window": round_ratios(times["eager"], times["window"])[0],
-           "window MiB": mib(mem["window"]), "no window MiB": mib(mem["no window"]),
-           "eager MiB": mib(mem["eager"]),
-           "eager / window memory": mem["eager"] / max(mem["window"], 1)}
+    row = window_row(T, window, times, mem)
     print_table(f"region_pool_qk of a whole prefill with a sliding window (causal, H={H}, "
                 f"Hkv={Hkv}, D={D}, K={K}, {device.type}, float32; eager: the materialised "
                 f"mask, softmax, index_add; time ratios: medians over rounds timing the three "

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from ..patterns import pattern_mask as headscope_pattern_mask
-from ._util import interleaved, load_seed, mib, peak_bytes, print_table, round_ratios, timeit
+from ._util import (interleaved, load_seed, mib, peak_bytes, print_table, round_ratios, timeit,
+                    window_row)
 
 ops = torch.ops.headscope
 
@@ -232,15 +233,7 @@ def _window_section(device, quick, results):
     err = (fns["window"]() - fns["eager"]()).abs().max().item()
     times = interleaved(fns, device, rounds=2 if quick else 3, pause=0.0)
     mem = {name: peak_bytes(fn, device) for name, fn in fns.items()}
-    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-    row = {"T": T, "window": window, "window ms": ms["window"], "no window ms": ms["no window"],
-           "eager ms": ms["eager"],
-           "no window / window": round_ratios(times["no window"], times["window"])[0],
-           "eager / window": round_ratios(times["eager"], times["window"])[0],
-           "window MiB": mib(mem["window"]), "no window MiB": mib(mem["no window"]),
-           "eager MiB": mib(mem["eager"]),
-           "eager / window memory": mem["eager"] / max(mem["window"], 1),
-           "max abs diff": err}
+    row = dict(window_row(T, window, times, mem), **{"max abs diff": err})
     print_table(f"vas_head_stats_qk with a sliding window (causal, B={B}, H={H}, D=Dh={D}, "
                 f"{device}; eager: the materialised mask, softmax and eager_head_stats; time "
                 f"ratios: medians over rounds timing the three in turn)", [row], list(row))

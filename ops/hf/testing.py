@@ -117,6 +117,20 @@ def _cat_padded(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat(padded)
 
 
+def quarters(height: int, width: int, colours):
+    """A PIL picture of ``height x width`` pixels whose quarters (top left, top right,
+    bottom left, bottom right) have the four RGB ``colours``: the geometry tests check
+    that each token's box lies in the quarter whose colour its pixels carry."""
+    import numpy as np
+    from PIL import Image
+    pixels = np.empty((height, width, 3), np.uint8)
+    top, left = height // 2, width // 2
+    colours = np.asarray(colours, dtype=np.uint8)
+    pixels[:top, :left], pixels[:top, left:] = colours[0], colours[1]
+    pixels[top:, :left], pixels[top:, left:] = colours[2], colours[3]
+    return Image.fromarray(pixels)
+
+
 def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwargs):
     """The way attention is inspected without headscope: a model loaded with eager
     attention, run with ``output_attentions=True`` and forward hooks on the o_proj inputs.

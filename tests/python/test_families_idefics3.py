@@ -4,7 +4,6 @@ tiny image processor and a word-level tokenizer holding the models' special toke
 several aspect ratios, and against the pixels each token carries into the model."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,7 +14,7 @@ from headscope.hf.checkpoint import WORDS, word_level_tokenizer  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.idefics3 import (FAKE_TOKEN, GLOBAL_TOKEN, NEWLINE,  # noqa: E402
                                             ROW_COL_BASE, tile_side, tiny_tokens)
-from headscope.hf.testing import EOS, IMAGE_TOKEN, VOCAB, tiny_model  # noqa: E402
+from headscope.hf.testing import EOS, IMAGE_TOKEN, VOCAB, quarters, tiny_model  # noqa: E402
 
 TYPES = ("idefics3", "smolvlm")
 TILE = 16  # the tiny vision tower's input size: 4 x 4 patches of 4, 2 x 2 tokens a tile
@@ -24,16 +23,6 @@ TILE = 16  # the tiny vision tower's input size: 4 x 4 patches of 4, 2 x 2 token
 PICTURES = {(40, 40): (3, 3), (64, 32): (2, 3), (20, 60): (3, 1), (96, 32): (1, 3)}
 # the quarters' colours: top left, top right, bottom left, bottom right
 COLOURS = ((255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255))
-
-
-def quarters(width: int, height: int):
-    from PIL import Image
-    a = np.zeros((height, width, 3), np.uint8)
-    a[:height // 2, :width // 2] = COLOURS[0]
-    a[:height // 2, width // 2:] = COLOURS[1]
-    a[height // 2:, :width // 2] = COLOURS[2]
-    a[height // 2:, width // 2:] = COLOURS[3]
-    return Image.fromarray(a)
 
 
 def tokenizer():
@@ -64,7 +53,7 @@ def model(request):
 
 
 def _call(proc, texts, pictures, **kwargs):
-    images = [[quarters(*size) for size in row] for row in pictures]
+    images = [[quarters(size[1], size[0], COLOURS) for size in row] for row in pictures]
     inputs = proc(text=texts, images=images, return_tensors="pt", padding=True, **kwargs)
     # the rows and cols the processor used and dropped
     info = proc.image_processor(images, return_row_col_info=True, **kwargs)

@@ -18,7 +18,7 @@ from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.internvl import IMAGE_END, IMAGE_START  # noqa: E402
 from headscope.hf.regions import region_ids  # noqa: E402
-from headscope.hf.testing import IMAGE_TOKEN, tiny_model, tiny_processor  # noqa: E402
+from headscope.hf.testing import IMAGE_TOKEN, quarters, tiny_model, tiny_processor  # noqa: E402
 
 TILE = 16  # the tiny processor's tile side in pixels
 MAX_TILES = 6
@@ -37,20 +37,10 @@ def processor():
     return tiny_processor("internvl", max_tiles=MAX_TILES)
 
 
-def quarters(height: int, width: int) -> "Image.Image":
-    """A picture whose quarters (top left, top right, bottom left, bottom right) have the
-    four COLOURS."""
-    pixels = np.empty((height, width, 3), np.uint8)
-    top, left = height // 2, width // 2
-    pixels[:top, :left], pixels[:top, left:] = COLOURS[0], COLOURS[1]
-    pixels[top:, :left], pixels[top:, left:] = COLOURS[2], COLOURS[3]
-    return Image.fromarray(pixels)
-
-
 def run_processor(processor, sizes, per_row):
     texts = ["describe " + " and ".join(["<IMG_CONTEXT>"] * n) + " the image ." for n in per_row]
-    return processor(text=texts, images=[quarters(*s) for s in sizes], return_tensors="pt",
-                     padding=True)
+    return processor(text=texts, images=[quarters(*s, COLOURS) for s in sizes],
+                     return_tensors="pt", padding=True)
 
 
 def processor_canvas(size) -> tuple:

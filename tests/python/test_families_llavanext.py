@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torchvision")  # the LLaVA-NeXT and OneVision image processors need it
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
-from headscope.hf.testing import IMAGE_TOKEN, tiny_model, tiny_processor  # noqa: E402
+from headscope.hf.testing import IMAGE_TOKEN, quarters, tiny_model, tiny_processor  # noqa: E402
 
 FAMILIES = ("llava_next", "llava_onevision")
 # (height, width) of pictures: square, 2:1 wide, 1:3 tall, and three whose canvases leave
@@ -36,18 +36,6 @@ def model(family):
 @pytest.fixture(scope="module")
 def processor(family):
     return tiny_processor(family)
-
-
-def _picture(height, width):
-    """Four quarters of four colours (COLOURS)."""
-    import numpy as np
-    from PIL import Image
-    pixels = np.zeros((height, width, 3), np.uint8)
-    h, w = height // 2, width // 2
-    for q, (ys, xs) in enumerate(((slice(0, h), slice(0, w)), (slice(0, h), slice(w, None)),
-                                  (slice(h, None), slice(0, w)), (slice(h, None), slice(w, None)))):
-        pixels[ys, xs] = COLOURS[q].numpy()
-    return Image.fromarray(pixels)
 
 
 def _inputs(processor, pictures, text="describe <image> the picture ."):
@@ -100,7 +88,7 @@ def test_views_are_where_the_processor_and_model_put_them(model, processor, size
     feature (``markers``, region -1); the base view is the tower's square grid of the first
     tile and the tiles view a row-major grid over the stitched canvas, as
     pack_image_features lays them (scaled down: still row-major, rows and columns in order)."""
-    inputs = _inputs(processor, [_picture(*size)])
+    inputs = _inputs(processor, [quarters(*size, COLOURS)])
     (picture,), = family_of(model).images(model.config, inputs)
     image = (inputs["input_ids"][0] == IMAGE_TOKEN).nonzero().flatten()
     side = model.config.vision_config.image_size // model.config.vision_config.patch_size
@@ -183,7 +171,7 @@ def test_each_token_box_lies_in_the_quarter_its_pixels_show(model, processor, si
     """A picture of four coloured quarters: each token whose pixels all carry one quarter's
     colour has its box's centre in that quarter, in both views; and grid_regions(2, 2)
     gives each quarter's tokens of every view that quarter's region."""
-    inputs = _inputs(processor, [_picture(*size)])
+    inputs = _inputs(processor, [quarters(*size, COLOURS)])
     (picture,), = family_of(model).images(model.config, inputs)
     quarter_at = _quarter_of_tokens(model, processor, inputs)
     with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
@@ -191,17 +179,17 @@ def test_each_token_box_lies_in_the_quarter_its_pixels_show(model, processor, si
     rid = tr.region_ids[0]
     region_of_quarter = {}
     for view in picture.views:
-        quarters = torch.tensor([quarter_at[int(p)] for p in view.positions])
-        assert not bool((quarters == NEWLINE).any())
-        pure = quarters >= 0
+        shown = torch.tensor([quarter_at[int(p)] for p in view.positions])
+        assert not bool((shown == NEWLINE).any())
+        pure = shown >= 0
         # many tokens lie inside one quarter (the tiles of a narrow picture may have no
         # column inside the left half), so the check is not vacuous
-        assert int(pure.sum()) >= len(quarters) // 3
+        assert int(pure.sum()) >= len(shown) // 3
         boxes = view.boxes[pure]
         cx, cy = (boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2
         where = (cy >= 0.5).long() * 2 + (cx >= 0.5).long()
-        assert torch.equal(where, quarters[pure].long()), view.name
-        for q, r in zip(quarters[pure].long().tolist(), rid[view.positions[pure]].tolist()):
+        assert torch.equal(where, shown[pure].long()), view.name
+        for q, r in zip(shown[pure].long().tolist(), rid[view.positions[pure]].tolist()):
             assert region_of_quarter.setdefault(q, r) == r, (view.name, q)
     assert sorted(region_of_quarter) == [0, 1, 2, 3]  # seen in some view
     assert sorted(region_of_quarter.values()) == [0, 1, 2, 3]
@@ -280,7 +268,7 @@ def test_onevision_pictures_of_a_prompt_with_several_are_base_views():
 def test_ward_regions_join_base_tokens_to_the_tiles_region_they_overlap(model, processor):
     """regions=K clusters the tiles view; each base token joins the region of the tiles
     tokens covering most of its box."""
-    inputs = _inputs(processor, [_picture(60, 100)])
+    inputs = _inputs(processor, [quarters(60, 100, COLOURS)])
     with torch.no_grad(), Tracer(model, regions=3, vas=False) as tr:
         model(**inputs)
     (picture,), = tr.images
@@ -296,7 +284,7 @@ def test_ward_regions_join_base_tokens_to_the_tiles_region_they_overlap(model, p
 def test_regions_need_image_sizes(model, processor):
     """Plain generate hands the model the vision output, not image_sizes: an error that
     says to generate through the tracer, which works."""
-    inputs = _inputs(processor, [_picture(64, 64)])
+    inputs = _inputs(processor, [quarters(64, 64, COLOURS)])
     with Tracer(model, regions=2, vas=False) as tr, torch.no_grad():
         with pytest.raises(ValueError, match=r"need the image_sizes of its inputs.*"
                                              r"generate with tr\.generate\(\*\*inputs"):

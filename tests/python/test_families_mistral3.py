@@ -16,7 +16,7 @@ from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.regions import region_ids  # noqa: E402
 from headscope.hf.families.mistral3 import IMAGE_BREAK, IMAGE_END  # noqa: E402
-from headscope.hf.testing import IMAGE_TOKEN, tiny_model, tiny_processor  # noqa: E402
+from headscope.hf.testing import IMAGE_TOKEN, quarters, tiny_model, tiny_processor  # noqa: E402
 
 # (height, width) of the pictures given to the processor: square, 2:1 wide, 1:3 tall
 # (rounded up to multiples of 8 pixels: 8 x 3 tokens), larger than the longest edge (scaled
@@ -35,19 +35,9 @@ def processor():
     return tiny_processor("mistral3")
 
 
-def quarters(height: int, width: int) -> "Image.Image":
-    """A picture whose quarters (top left, top right, bottom left, bottom right) have the
-    four COLOURS."""
-    pixels = np.empty((height, width, 3), np.uint8)
-    top, left = height // 2, width // 2
-    pixels[:top, :left], pixels[:top, left:] = COLOURS[0], COLOURS[1]
-    pixels[top:, :left], pixels[top:, left:] = COLOURS[2], COLOURS[3]
-    return Image.fromarray(pixels)
-
-
 def run_processor(processor, sizes, per_row):
     """The processor's inputs for prompts of ``per_row`` pictures each (left padding)."""
-    pictures = [quarters(*s) for s in sizes]
+    pictures = [quarters(*s, COLOURS) for s in sizes]
     texts, i = [], 0
     for count in per_row:
         texts.append("describe " + " and ".join(["[IMG]"] * count) + " the image .")

@@ -7,7 +7,6 @@ nor leaks."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
