@@ -7,6 +7,7 @@ import faulthandler
 import importlib.util
 import os
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -37,6 +38,24 @@ _ISOLATED_CHILD = "HEADSCOPE_ISOLATED_TEST"
 @pytest.fixture(params=DEVICES)
 def device(request):
     return torch.device(request.param)
+
+
+@pytest.fixture
+def ctrl_c():
+    """SIGINT raises KeyboardInterrupt during the test, as at a terminal, also where the
+    suite itself runs with SIGINT ignored (a background job of a non-interactive shell,
+    where Python leaves the inherited SIG_IGN in place)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def sigint_as_at_a_terminal() -> None:
+    """For a child process (``preexec_fn``): SIGINT back to its default action, so that
+    Python installs its KeyboardInterrupt handler however the suite was started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def load_seed(module_name: str):

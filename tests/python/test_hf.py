@@ -457,7 +457,7 @@ def test_keyboard_interrupt_and_break_stop_generation():
 
 
 @pytest.mark.parametrize("delay", [0.05, 0.3, 0.5, 1.0, 2.0])
-def test_interrupt_while_waiting_for_a_span(delay):
+def test_interrupt_while_waiting_for_a_span(delay, ctrl_c):
     """Ctrl-C (SIGINT to the main thread) at any moment of a span that never ends stops
     generation; repeated at several moments, in the suite's order."""
     model = _no_eos(tiny_model("qwen2_vl"))
@@ -490,7 +490,7 @@ class _SwallowedInterrupt:
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("how", ["generate", "generate_with"])
-def test_interrupt_swallowed_by_a_finaliser_still_stops_generation(how):
+def test_interrupt_swallowed_by_a_finaliser_still_stops_generation(how, ctrl_c):
     model = _no_eos(tiny_model("qwen2_vl"))
     steps, armed = [], [True]
 
@@ -517,7 +517,7 @@ def test_interrupt_swallowed_by_a_finaliser_still_stops_generation(how):
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_interrupt_swallowed_on_the_last_step_is_raised_at_the_end():
+def test_interrupt_swallowed_on_the_last_step_is_raised_at_the_end(ctrl_c):
     model = _no_eos(tiny_model("qwen2_vl"))
 
     def splitter(ids):

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 import headscope.shapes as shapes  # noqa: E402
+from conftest import sigint_as_at_a_terminal  # noqa: E402
 from headscope.shapes.model import DATA_DIR, training_batch  # noqa: E402
 from headscope.shapes.processor import build_processor  # noqa: E402
 from headscope.shapes.world import MAX_OBJECTS  # noqa: E402
@@ -246,7 +247,8 @@ def test_ctrl_c_during_the_demo_is_one_line_and_exit_130(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "headscope.shapes", "demo", "--out",
                              str(tmp_path), "--images", "4"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=sigint_as_at_a_terminal)
     try:
         for line in proc.stdout:  # the model is loaded and generating
             if "span 0:" in line:
