@@ -80,22 +80,30 @@ def bench_mixer(device, quick: bool):
     for n in ns:
         g = torch.Generator().manual_seed(n)
         q, k, v = (torch.randn(1, heads, n, d, generator=g).to(device) for _ in range(3))
-        sdpa = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
-        t_sdpa = timeit(sdpa, device, warmup=1, min_time=0.0, max_repeat=3)
-        m_sdpa = peak_bytes(sdpa, device)
+        fns = {"sdpa": lambda: F.scaled_dot_product_attention(q, k, v)}
         for r in ranks:
-            def mixer():
+            def mixer(r=r):
                 U, V, *_ = ops.kl_project(q[..., :r] / 3, k[..., :r] / 3, 1e-10, 80)
                 return ops.thin_mix(U, V, v)
-            t_mix = timeit(mixer, device, min_time=0.0, max_repeat=5)
-            rows.append({"n": n, "r": r, "heads": heads, "mixer_ms": 1e3 * t_mix,
-                         "sdpa_ms": 1e3 * t_sdpa, "speedup_vs_sdpa": t_sdpa / t_mix,
-                         "mixer_peak_MiB": mib(peak_bytes(mixer, device)),
+            fns[r] = mixer
+        # SDPA and the mixers in alternating rounds: timed minutes apart, their ratio moved
+        # by 2x with the machine's speed modes
+        times = interleaved(fns, device, rounds=2 if quick else 5,
+                            calls={r: 3 for r in ranks})
+        m_sdpa = peak_bytes(fns["sdpa"], device)
+        for r in ranks:
+            speedup, low, high = round_ratios(times["sdpa"], times[r])
+            rows.append({"n": n, "r": r, "heads": heads,
+                         "mixer_ms": 1e3 * statistics.median(times[r]),
+                         "sdpa_ms": 1e3 * statistics.median(times["sdpa"]),
+                         "speedup_vs_sdpa": speedup, "speedup range": f"{low:.3g}-{high:.3g}",
+                         "mixer_peak_MiB": mib(peak_bytes(fns[r], device)),
                          "sdpa_peak_MiB": mib(m_sdpa)})
     print_table(f"kl_project + thin_mix vs scaled_dot_product_attention ({device.type}, float32, "
-                f"d={d}, projection included)", rows,
-                ["n", "r", "heads", "mixer_ms", "sdpa_ms", "speedup_vs_sdpa", "mixer_peak_MiB",
-                 "sdpa_peak_MiB"])
+                f"d={d}, projection included; speedup: the median over rounds timing SDPA and "
+                f"the mixers in turn, and its range)", rows,
+                ["n", "r", "heads", "mixer_ms", "sdpa_ms", "speedup_vs_sdpa", "speedup range",
+                 "mixer_peak_MiB", "sdpa_peak_MiB"])
     crossover = {}
     for r in ranks:
         faster = [row["n"] for row in rows if row["r"] == r and row["speedup_vs_sdpa"] > 1]
