@@ -151,8 +151,12 @@ class _QueryRows:
     when it ends, by one ``region_pool_qk_layers`` call over its rows: with one key added
     per step, the bottom-right aligned causal mask lets each row see exactly the keys it
     saw when it ran. That is one call per span instead of one per layer and step, and
-    nothing but references on the step itself. What is held for open spans is their
-    rows, O(tokens x layers x heads x head size), besides the key cache."""
+    nothing but references on the step itself. At most :attr:`FOLD` rows per layer are
+    held: past that, :meth:`fold` pools them into each open span's running sum, so a span
+    that never ends (code, a list, a model that never ends a sentence) costs constant
+    memory besides the key cache."""
+
+    FOLD = 256  # rows held per layer before they are pooled into running sums
 
     def __init__(self, num_layers: int, batch: int, region_ids: torch.Tensor, kmax: int):
         self.queries: List[_LayerRows] = [_LayerRows() for _ in range(num_layers)]
@@ -166,6 +170,7 @@ class _QueryRows:
         # ones, so no generated key is ever padding.
         self.padding: Optional[torch.Tensor] = None
         self._ones: Dict[int, torch.Tensor] = {}  # steps -> query weights (1, steps)
+        self.folded: Dict[int, torch.Tensor] = {}  # row -> sum over its folded rows
 
     def start(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float,
               padding: Optional[torch.Tensor]) -> None:
@@ -180,12 +185,39 @@ class _QueryRows:
 
     def pool(self, b: int, steps: int, finished: bool) -> torch.Tensor:
         """(kmax, L*H) float32 (column l*H + h): row b's last ``steps`` query rows' pooled
-        attention, averaged (region_pool_qk normalises the query weights)."""
+        attention, averaged: the rows still held and the sum :meth:`fold` kept of the
+        older ones."""
         end = self.first + len(self.queries[0])
         if end - self.open_from[b] != steps:
             raise RuntimeError(f"headscope.hf.Tracer: row {b}'s span has {steps} tokens but "
                                f"{end - self.open_from[b]} forward steps ran since it began "
                                f"(one forward per generated token is required)")
+        rows = end - max(self.open_from[b], self.first)
+        pooled = self._mean_last(b, rows)
+        folded = self.folded.pop(b, None)
+        if folded is not None:
+            pooled = (pooled * rows + folded) / steps
+        self.open_from[b] = None if finished else end
+        self._drop_before(min((s for s in self.open_from if s is not None), default=end))
+        return pooled
+
+    def fold(self) -> None:
+        """Pools the rows held into each open span's running sum and drops them, so that a
+        span that never ends holds at most :attr:`FOLD` rows per layer. Called between two
+        steps: the rows are then the last ones before the keys of the last step, and the
+        bottom-right aligned causal mask still gives each its own keys."""
+        end = self.first + len(self.queries[0])
+        for b, start in enumerate(self.open_from):
+            if start is not None and end > max(start, self.first):
+                rows = end - max(start, self.first)
+                total = self._mean_last(b, rows) * rows
+                self.folded[b] = total if b not in self.folded else self.folded[b] + total
+        self._drop_before(end)
+
+    def _mean_last(self, b: int, rows: int) -> torch.Tensor:
+        """(kmax, L*H): the mean over row b's last ``rows`` query rows of their pooled
+        attention (region_pool_qk normalises the query weights; ``rows`` >= 1: a fold leaves no open span without the row of its last
+        step, which the next step's forward adds before the span can end)."""
         length = self.keys[0].shape[2]  # every layer's cache holds the same positions
         region_ids = self._region_ids(b, length)
         one_row = len(self.open_from) == 1  # else row b is cut out of the batch
@@ -193,17 +225,15 @@ class _QueryRows:
         if padding is not None:
             padding = torch.nn.functional.pad(padding[b:b + 1], (0, length - padding.shape[1]),
                                               value=False)
-        weights = self._ones.get(steps)
+        weights = self._ones.get(rows)
         if weights is None:
-            weights = self._ones[steps] = torch.ones(1, steps, device=region_ids.device)
-        q = [rows.last(steps) for rows in self.queries]
+            weights = self._ones[rows] = torch.ones(1, rows, device=region_ids.device)
+        q = [held.last(rows) for held in self.queries]
         k = self.keys
         if not one_row:
             q, k = [x[b:b + 1] for x in q], [x[b:b + 1] for x in k]
         pooled = torch.ops.headscope.region_pool_qk_layers(q, k, weights, region_ids, self.kmax,
                                                            self.scales, True, padding)
-        self.open_from[b] = None if finished else end
-        self._drop_before(min((s for s in self.open_from if s is not None), default=end))
         return pooled[0]
 
     def _region_ids(self, b: int, length: int) -> torch.Tensor:
@@ -386,6 +416,8 @@ class Tracer(backend.Binding):
         # _start_forward made the query rows exactly when there is something to pool
         self._pool_now = pooling and self._rows is not None
         self._decoding = self._pool_now and past > 0
+        if self._decoding and len(self._rows.queries[0]) >= self._rows.FOLD:
+            self._rows.fold()  # between two steps: the last step's rows and keys are in
         self.observing = self._vas_now or self._pool_now
 
     def _start_forward(self, embeds: torch.Tensor, pooling: bool) -> None:

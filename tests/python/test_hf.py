@@ -297,6 +297,37 @@ def test_generation_keeps_only_the_open_spans_query_rows():
     assert len(spans) == 8 and max(held) == 3 and min(held) == 1
 
 
+def test_long_spans_are_folded_into_running_sums_exactly(monkeypatch):
+    """Past FOLD rows per layer the held rows are pooled into each open span's running sum:
+    a span that never ends holds at most FOLD rows, and every span's features equal those
+    pooled from all its rows at once (spans of different lengths in a left-padded batch,
+    folds falling inside and across them)."""
+    from headscope.hf.tracer import _QueryRows
+    model = tiny_model("qwen2_vl")
+    inputs = _prompt(model, batch=2)
+    every = {0: 7, 1: 3}
+    gen = dict(max_new_tokens=17, do_sample=False, eos_token_id=None)
+
+    def spans_with(fold):
+        monkeypatch.setattr(_QueryRows, "FOLD", fold)
+        held = []
+        with Tracer(model, regions=3, vas=False) as tr:
+            def splitter(ids):
+                held.append(len(tr._rows.queries[0]))
+                return len(ids) % every[len(held) % 2] == 0
+            tr.splitter = splitter
+            return list(tr.generate(**inputs, **gen)), max(held)
+
+    whole, _ = spans_with(10 ** 9)
+    folded, most = spans_with(4)
+    assert most <= 4 + 1  # the rows of at most FOLD steps and the current one
+    assert [(s.batch_index, s.start, s.end) for s in folded] == \
+        [(s.batch_index, s.start, s.end) for s in whole]
+    assert max(s.end - s.start for s in whole) > 4  # some span was folded
+    for a, b in zip(folded, whole):
+        torch.testing.assert_close(a.features, b.features, rtol=1e-5, atol=1e-6)
+
+
 def test_spans_cover_every_token_with_eos_and_sentence_splitter():
     model = tiny_model("qwen2_vl")
     inputs = _prompt(model, batch=2)
