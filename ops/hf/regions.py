@@ -9,7 +9,7 @@ from typing import Callable, List, Optional, Union
 import torch
 
 from ..attribution import ward_regions
-from .families import ImageTokens
+from .families.layout import ImageTokens, cell_boxes
 
 Regions = Union[int, torch.Tensor, Callable]
 
@@ -43,10 +43,9 @@ class grid_regions:
                              f"regions needs an image of at least that many tokens, got {R}x{C}")
 
     def __call__(self, features, grid) -> torch.Tensor:
-        from .families import View
         R, C = grid
         self.check(R, C)
-        return self.of_boxes(View("base", torch.zeros(R * C, dtype=torch.int64), R, C).boxes)
+        return self.of_boxes(cell_boxes(R, C))
 
     def __repr__(self) -> str:
         return f"grid_regions({self.rows}, {self.cols})"

@@ -61,6 +61,16 @@ class Family:
         raise NotImplementedError
 
 
+def missing_input(config, key: str, detail: str = "") -> ValueError:
+    """The error for a picture layout that needs the model input ``key``, which plain
+    ``model.generate`` does not hand to the model's forward (the Tracer's own generate
+    passes it along)."""
+    return ValueError(f"headscope.hf.Tracer: regions of a {config.model_type} model need the "
+                      f"{key} of its inputs{detail}, and model.generate does not pass it to "
+                      f"the model's forward; generate with tr.generate(**inputs, ...) or "
+                      f"tr.generate_with(on_span, **inputs, ...)")
+
+
 def image_positions(input_ids: torch.Tensor, token_ids: Sequence[int]) -> List[torch.Tensor]:
     """Per batch row, the sequence positions of its image tokens (on the CPU)."""
     is_image = torch.isin(input_ids.cpu(), torch.tensor(list(token_ids)))

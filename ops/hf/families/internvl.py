@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .base import Family, image_positions
+from .base import Family, image_positions, missing_input
 from .layout import ImageTokens, View
 
 WHO = "headscope.hf.Tracer"
@@ -47,11 +47,8 @@ class InternVL(Family):
                                      f"not a whole number of tiles of {per_tile} tokens")
                 count = len(positions) // per_tile
                 if count > 1 and tiles is None:
-                    raise ValueError(f"{WHO}: regions of an {config.model_type} model need "
-                                     f"the pixel_values of its inputs (their tiles give each "
-                                     f"picture's canvas); generate with "
-                                     f"tr.generate(**inputs, ...) or tr.generate_with(on_span, "
-                                     f"**inputs, ...)")
+                    raise missing_input(config, "pixel_values",
+                                        " (their tiles give each picture's canvas)")
                 mine = tiles[used:used + count] if tiles is not None else None
                 if mine is not None and len(mine) != count:
                     raise ValueError(f"{WHO}: input_ids hold more tiles than pixel_values")

@@ -15,6 +15,17 @@ Box = Tuple[float, float, float, float]  # (x0, y0, x1, y1), normalised to the p
 WHOLE: Box = (0.0, 0.0, 1.0, 1.0)
 
 
+def cell_boxes(rows: int, cols: int, box: Box = WHOLE) -> torch.Tensor:
+    """(rows * cols, 4) float64: the cells of a ``rows x cols`` grid laid evenly over
+    ``box``, row-major."""
+    x0, y0, x1, y1 = box
+    xs = torch.linspace(x0, x1, cols + 1, dtype=torch.float64)
+    ys = torch.linspace(y0, y1, rows + 1, dtype=torch.float64)
+    left, right = xs[:-1].repeat(rows), xs[1:].repeat(rows)
+    top, bottom = ys[:-1].repeat_interleave(cols), ys[1:].repeat_interleave(cols)
+    return torch.stack([left, top, right, bottom], 1)
+
+
 @dataclass(frozen=True)
 class View:
     """One view of a picture: ``rows x cols`` tokens at sequence ``positions`` (row-major)
@@ -35,13 +46,7 @@ class View:
     @property
     def boxes(self) -> torch.Tensor:
         """(rows * cols, 4) float64: each token's box on the picture, row-major."""
-        x0, y0, x1, y1 = self.box
-        xs = torch.linspace(x0, x1, self.cols + 1, dtype=torch.float64)
-        ys = torch.linspace(y0, y1, self.rows + 1, dtype=torch.float64)
-        left, right = xs[:-1].repeat(self.rows), xs[1:].repeat(self.rows)
-        top = ys[:-1].repeat_interleave(self.cols)
-        bottom = ys[1:].repeat_interleave(self.cols)
-        return torch.stack([left, top, right, bottom], 1)
+        return cell_boxes(self.rows, self.cols, self.box)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from .base import Family, image_positions, split_images
+from .base import Family, image_positions, split_images, missing_input
 from .layout import WHOLE, Box, ImageTokens, View
 from .llava import clip_vision
 
@@ -94,11 +94,7 @@ class LlavaNext(Family):
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         sizes = inputs.get("image_sizes")
         if sizes is None:
-            raise ValueError(f"{WHO}: regions of a {config.model_type} model need the "
-                             f"image_sizes of its inputs (each picture's original size), and "
-                             f"model.generate does not pass it to the model's forward; "
-                             f"generate with tr.generate(**inputs, ...) or "
-                             f"tr.generate_with(on_span, **inputs, ...)")
+            raise missing_input(config, "image_sizes", " (each picture's original size)")
         pieces = [self.pieces(config, inputs, i, int(h), int(w))
                   for i, (h, w) in enumerate(sizes.tolist())]
         counts = [token_count(p) for p in pieces]

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .base import Family, image_positions, split_images
+from .base import Family, image_positions, split_images, missing_input
 from .layout import ImageTokens, View
 
 WHO = "headscope.hf.Tracer"
@@ -42,10 +42,7 @@ class Mistral3(Family):
         elif encoded is not None:
             grids, counts = None, [len(t) for t in encoded.pooler_output]
         else:
-            raise ValueError(f"{WHO}: regions of a {config.model_type} model need the "
-                             f"image_sizes of its inputs; pass them to the model, to "
-                             f"tr.generate(**inputs, ...) or tr.generate_with(on_span, "
-                             f"**inputs, ...)")
+            raise missing_input(config, "image_sizes")
         per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
         pictures = split_images(WHO, per_row, counts)
         grid = iter(grids) if grids is not None else None

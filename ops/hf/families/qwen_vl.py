@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .base import Family, image_positions, split_images
+from .base import Family, image_positions, split_images, missing_input
 from .layout import ImageTokens, View
 
 WHO = "headscope.hf.Tracer"
@@ -23,11 +23,7 @@ class QwenVL(Family):
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         thw = inputs.get("image_grid_thw")
         if thw is None:
-            raise ValueError(f"{WHO}: regions of a {config.model_type} model need the "
-                             f"image_grid_thw of its inputs, and model.generate does not pass "
-                             f"it to the model's forward; generate with "
-                             f"tr.generate(**inputs, ...) or tr.generate_with(on_span, "
-                             f"**inputs, ...)")
+            raise missing_input(config, "image_grid_thw")
         merge = int(getattr(config.vision_config, "spatial_merge_size", 1))
         grids = []
         for t, h, w in thw.tolist():
