@@ -37,6 +37,8 @@ LLAVA_TEMPLATE = (
 LLAVA_FAMILIES = ("llava", "llava_next", "llava_onevision")
 MISTRAL3_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "[IMG] ")
 INTERNVL_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "<IMG_CONTEXT> ")
+GLM4V_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ",
+                                        "<|begin_of_image|><|image|><|end_of_image|> ")
 
 
 def special_tokens(family: str) -> Dict[int, str]:
@@ -55,6 +57,12 @@ def special_tokens(family: str) -> Dict[int, str]:
         from .families.internvl import IMAGE_END as END, IMAGE_START as START
         return {IMAGE_TOKEN: "<IMG_CONTEXT>", VIDEO_TOKEN: "<video>", START: "<img>",
                 END: "</img>", EOS: "</s>"}
+    if family in ("glm4v", "glm4v_moe"):
+        from .families.glm4v import VIDEO_END, VIDEO_START
+        return {IMAGE_TOKEN: "<|image|>", VIDEO_TOKEN: "<|video|>",
+                VISION_START: "<|begin_of_image|>", VISION_END: "<|end_of_image|>",
+                VIDEO_START: "<|begin_of_video|>", VIDEO_END: "<|end_of_video|>",
+                EOS: "<|endoftext|>"}
     return {IMAGE_TOKEN: "<|image_pad|>", VIDEO_TOKEN: "<|video_pad|>",
             VISION_START: "<|vision_start|>", VISION_END: "<|vision_end|>",
             EOS: "<|endoftext|>", EOS + 1: "<|im_start|>", EOS + 2: "<|im_end|>"}
@@ -92,9 +100,11 @@ def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
     # the named special tokens the family's processor reads off its tokenizer
     qwen = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
             "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"}
+    glm = {"image_token": "<|image|>", "video_token": "<|video|>"}
     extra = {} if family in LLAVA_FAMILIES + ("mistral3",) else {
         "internvl": {"start_image_token": "<img>", "end_image_token": "</img>",
                      "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
+        "glm4v": glm, "glm4v_moe": glm,
     }.get(family, qwen)
     return word_level_tokenizer(names, list(special.values()), eos,
                                 extra_special_tokens=extra)
@@ -157,6 +167,11 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
                                     image_seq_length=4, chat_template=INTERNVL_TEMPLATE)
     sizes = dict(patch_size=4, temporal_patch_size=2, merge_size=2)
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    if family in ("glm4v", "glm4v_moe"):
+        return tf.Glm4vProcessor(image_processor=tf.Glm4vImageProcessor(size=size, **sizes),
+                                 tokenizer=tokenizer,
+                                 video_processor=tf.Glm4vVideoProcessor(**sizes),
+                                 chat_template=GLM4V_TEMPLATE)
     images = tf.Qwen2VLImageProcessor(size=size, **sizes)
     if family in ("qwen2_vl", "qwen2_5_vl"):
         video = tf.Qwen2VLVideoProcessor(**sizes)

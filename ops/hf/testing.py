@@ -19,7 +19,7 @@ import torch
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "idefics3",
             "smolvlm", "llava_next", "llava_onevision", "mistral3",
-            "internvl")  # model types
+            "internvl", "glm4v", "glm4v_moe")  # model types
 
 # Token ids of the tiny vocabulary (random weights: only their roles matter).
 VOCAB = 512

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from .base import Family
+from .glm4v import Glm4v
 from .idefics3 import Idefics3
 from .internvl import InternVL
 from .layout import WHOLE, ImageTokens, View
@@ -18,7 +19,7 @@ from .mistral3 import Mistral3
 from .qwen_vl import QwenVL
 
 FAMILIES: Tuple[Family, ...] = (QwenVL(), Llava(), Idefics3(), LlavaNext(),
-                                LlavaOnevision(), Mistral3(), InternVL())
+                                LlavaOnevision(), Mistral3(), InternVL(), Glm4v())
 
 
 def supported_model_types() -> Tuple[str, ...]:
