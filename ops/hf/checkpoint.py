@@ -57,6 +57,9 @@ def special_tokens(family: str) -> Dict[int, str]:
         from .families.internvl import IMAGE_END as END, IMAGE_START as START
         return {IMAGE_TOKEN: "<IMG_CONTEXT>", VIDEO_TOKEN: "<video>", START: "<img>",
                 END: "</img>", EOS: "</s>"}
+    if family in ("idefics3", "smolvlm"):
+        from .families.idefics3 import tiny_tokens
+        return {**tiny_tokens(), IMAGE_TOKEN: "<image>", EOS: "</s>"}
     if family in ("glm4v", "glm4v_moe"):
         from .families.glm4v import VIDEO_END, VIDEO_START
         return {IMAGE_TOKEN: "<|image|>", VIDEO_TOKEN: "<|video|>",
@@ -101,7 +104,7 @@ def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
     qwen = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
             "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"}
     glm = {"image_token": "<|image|>", "video_token": "<|video|>"}
-    extra = {} if family in LLAVA_FAMILIES + ("mistral3",) else {
+    extra = {} if family in LLAVA_FAMILIES + ("mistral3", "idefics3", "smolvlm") else {
         "internvl": {"start_image_token": "<img>", "end_image_token": "</img>",
                      "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
         "glm4v": glm, "glm4v_moe": glm,
@@ -118,8 +121,9 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
     pixels; LLaVA-NeXT and LLaVA-OneVision: a base and tiles of 16 x 16 pixels on the
     canvases of ``tiny_pinpoints``; Mistral 3: longest edge ``longest_edge`` pixels, sides
     rounded up to multiples of 8, patches of 4 merged 2 x 2; InternVL: up to ``max_tiles``
-    tiles of 16 x 16 pixels and a thumbnail, 4 tokens each), :func:`tiny_tokenizer` and a
-    chat template. Qwen, LLaVA-NeXT, LLaVA-OneVision, Mistral 3 and InternVL need
+    tiles of 16 x 16 pixels and a thumbnail, 4 tokens each; Idefics3: longest edge 48
+    pixels, up to 3 x 3 tiles of 16 x 16 pixels and a global image, 4 tokens each; GLM-4.1V:
+    Qwen's sizes), :func:`tiny_tokenizer` and a chat template. All but LLaVA need
     torchvision (their processors do in transformers 5)."""
     import transformers as tf
 
@@ -159,6 +163,12 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
         images = tf.PixtralImageProcessor(size={"longest_edge": longest_edge})
         return tf.PixtralProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4,
                                    spatial_merge_size=2, chat_template=MISTRAL3_TEMPLATE)
+    if family == "idefics3":
+        from .families.idefics3 import TINY_TILE
+        images = tf.Idefics3ImageProcessor(size={"longest_edge": 3 * TINY_TILE},
+                                           max_image_size={"longest_edge": TINY_TILE})
+        return tf.Idefics3Processor(image_processor=images, tokenizer=tokenizer,
+                                    image_seq_len=4, chat_template=LLAVA_TEMPLATE)
     if family == "internvl":
         images = tf.GotOcr2ImageProcessor(size={"height": 16, "width": 16}, crop_to_patches=True,
                                           min_patches=1, max_patches=max_tiles)
