@@ -37,6 +37,7 @@ LLAVA_TEMPLATE = (
 LLAVA_FAMILIES = ("llava", "llava_next", "llava_onevision")
 MISTRAL3_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "[IMG] ")
 INTERNVL_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "<IMG_CONTEXT> ")
+LLAMA4_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "<|image|> ")
 GLM4V_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ",
                                         "<|begin_of_image|><|image|><|end_of_image|> ")
 
@@ -60,6 +61,12 @@ def special_tokens(family: str) -> Dict[int, str]:
     if family in ("idefics3", "smolvlm"):
         from .families.idefics3 import tiny_tokens
         return {**tiny_tokens(), IMAGE_TOKEN: "<image>", EOS: "</s>"}
+    if family == "llama4":
+        from .families.llama4 import GLOBAL_MARKER, TILE_X_SEPARATOR, TILE_Y_SEPARATOR
+        return {IMAGE_TOKEN: "<|patch|>", VISION_START: "<|image_start|>",
+                VISION_END: "<|image_end|>", TILE_X_SEPARATOR: "<|tile_x_separator|>",
+                TILE_Y_SEPARATOR: "<|tile_y_separator|>", GLOBAL_MARKER: "<|image|>",
+                EOS: "</s>"}
     if family in ("glm4v", "glm4v_moe"):
         from .families.glm4v import VIDEO_END, VIDEO_START
         return {IMAGE_TOKEN: "<|image|>", VIDEO_TOKEN: "<|video|>",
@@ -104,7 +111,7 @@ def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
     qwen = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
             "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"}
     glm = {"image_token": "<|image|>", "video_token": "<|video|>"}
-    extra = {} if family in LLAVA_FAMILIES + ("mistral3", "idefics3", "smolvlm") else {
+    extra = {} if family in LLAVA_FAMILIES + ("mistral3", "idefics3", "smolvlm", "llama4") else {
         "internvl": {"start_image_token": "<img>", "end_image_token": "</img>",
                      "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
         "glm4v": glm, "glm4v_moe": glm,
@@ -122,7 +129,9 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
     canvases of ``tiny_pinpoints``; Mistral 3: longest edge ``longest_edge`` pixels, sides
     rounded up to multiples of 8, patches of 4 merged 2 x 2; InternVL: up to ``max_tiles``
     tiles of 16 x 16 pixels and a thumbnail, 4 tokens each; Idefics3: longest edge 48
-    pixels, up to 3 x 3 tiles of 16 x 16 pixels and a global image, 4 tokens each; GLM-4.1V:
+    pixels, up to 3 x 3 tiles of 16 x 16 pixels and a global image, 4 tokens each; Llama 4:
+    a canvas of up to ``max_tiles`` tiles of 16 x 16 pixels and a global image, 4 tokens
+    each; GLM-4.1V:
     Qwen's sizes), :func:`tiny_tokenizer` and a chat template. All but LLaVA need
     torchvision (their processors do in transformers 5)."""
     import transformers as tf
@@ -169,6 +178,10 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
                                            max_image_size={"longest_edge": TINY_TILE})
         return tf.Idefics3Processor(image_processor=images, tokenizer=tokenizer,
                                     image_seq_len=4, chat_template=LLAVA_TEMPLATE)
+    if family == "llama4":
+        images = tf.Llama4ImageProcessor(size={"height": 16, "width": 16}, max_patches=max_tiles)
+        return tf.Llama4Processor(image_processor=images, tokenizer=tokenizer, patch_size=4,
+                                  pixel_shuffle_ratio=0.5, chat_template=LLAMA4_TEMPLATE)
     if family == "internvl":
         images = tf.GotOcr2ImageProcessor(size={"height": 16, "width": 16}, crop_to_patches=True,
                                           min_patches=1, max_patches=max_tiles)

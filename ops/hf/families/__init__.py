@@ -12,6 +12,7 @@ from .glm4v import Glm4v
 from .idefics3 import Idefics3
 from .internvl import InternVL
 from .layout import WHOLE, ImageTokens, View
+from .llama4 import Llama4
 from .llava import Llava
 from .llava_next import LlavaNext
 from .llava_onevision import LlavaOnevision
@@ -20,7 +21,8 @@ from .qwen_vl import QwenVL
 from .unsupported import unsupported_reason
 
 FAMILIES: Tuple[Family, ...] = (QwenVL(), Llava(), Idefics3(), LlavaNext(),
-                                LlavaOnevision(), Mistral3(), InternVL(), Glm4v())
+                                LlavaOnevision(), Mistral3(), InternVL(), Glm4v(),
+                                Llama4())
 
 
 def supported_model_types() -> Tuple[str, ...]:
