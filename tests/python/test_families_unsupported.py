@@ -13,8 +13,8 @@ from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.unsupported import linear_attention_layers  # noqa: E402
 from headscope.hf.testing import IMAGE_TOKEN, image_prompt, tiny_model  # noqa: E402
 
-TINY_TEXT = dict(vocab_size=64, pad_token_id=0, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-                 num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+TINY_TEXT = dict(vocab_size=64, pad_token_id=0, hidden_size=16, intermediate_size=32,
+                 num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
 
 
 def test_llama_3_2_vision_is_refused_for_its_cross_attention():

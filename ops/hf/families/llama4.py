@@ -65,11 +65,13 @@ class Llama4(Family):
         for b, positions in enumerate(per_row):
             pictures = []
             for rows, whole in _pictures(ids[b], positions, side, int(config.boi_token_index)):
-                canvas = [[next(tiles, None) for _ in row] for row in rows or [[whole]]]
-                squashed = next(tiles, None) if rows else 0  # the global image's pixels
-                if squashed is None or any(t is None for row in canvas for t in row):
+                cols = len(rows[0]) if rows else 1
+                count = len(rows) * cols + 1 if rows else 1  # tiles and the global image
+                taken = [next(tiles, None) for _ in range(count)]
+                if any(t is None for t in taken):
                     raise ValueError(f"{WHO}: input_ids hold more tiles than pixel_values "
                                      f"({len(pixels)})")
+                canvas = [taken[i:i + cols] for i in range(0, max(count - 1, 1), cols)]
                 pictures.append(_picture(rows, whole, canvas, side))
             out.append(pictures)
         if next(tiles, None) is not None:
