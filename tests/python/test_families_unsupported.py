@@ -72,8 +72,24 @@ def test_an_answer_holding_an_image_token_is_refused_before_the_model_fails(fami
     answer = torch.tensor([[7, 9, IMAGE_TOKEN, 11]])
     fam.check_answer(model.config, answer[:, :2])  # no image token: nothing to say
     with pytest.raises(ValueError, match=rf"answer holds the image token {IMAGE_TOKEN} \(row 0, "
-                                         rf"answer token 2; 1 in all\)"):
+                                         rf"answer token 2; 1 in all\).*"
+                                         rf"suppress_tokens=\[{IMAGE_TOKEN}\]"):
         fam.check_answer(model.config, answer)
+    # what the error advises keeps the token out of the answer
+    logits_bias = torch.zeros(model.config.text_config.vocab_size)
+    logits_bias[IMAGE_TOKEN] = 1e4  # the model would pick it at every step
+    bias = model.lm_head.register_forward_hook(lambda m, a, out: out + logits_bias)
+    try:
+        with torch.no_grad():
+            forced = model.generate(**inputs, max_new_tokens=2, do_sample=False)
+            kept = model.generate(**inputs, max_new_tokens=2, do_sample=False,
+                                  suppress_tokens=[IMAGE_TOKEN])
+    finally:
+        bias.remove()
+    P = inputs["input_ids"].shape[1]
+    with pytest.raises(ValueError, match="answer holds the image token"):
+        fam.check_answer(model.config, forced[:, P:])
+    fam.check_answer(model.config, kept[:, P:])
     # what the check stands in front of: the model itself refuses prompt plus answer, with
     # an error that says nothing of the answer
     final = dict(inputs, input_ids=torch.cat([inputs["input_ids"], answer], 1),

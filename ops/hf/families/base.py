@@ -43,19 +43,21 @@ class Family:
         ``(B, T)`` and :attr:`input_keys`)."""
         raise NotImplementedError
 
-    def check_answer(self, config, answer_ids: torch.Tensor) -> None:
+    def check_answer(self, config, answer_ids: torch.Tensor,
+                     who: str = "headscope.hf.Tracer") -> None:
         """Raises a ValueError if a generated answer ``(B, N)`` holds an image token: the
         model would take prompt plus answer for a prompt with one more picture than it
         has, and fail deep in transformers (features and image tokens do not match)."""
-        is_image = torch.isin(answer_ids.cpu(), torch.tensor(self.image_token_ids(config)))
+        image_ids = list(self.image_token_ids(config))
+        is_image = torch.isin(answer_ids.cpu(), torch.tensor(image_ids))
         if bool(is_image.any()):
             rows, steps = is_image.nonzero().t().tolist()
             raise ValueError(
-                f"headscope.hf.Tracer: the generated answer holds the image token "
+                f"{who}: the generated answer holds the image token "
                 f"{int(answer_ids[rows[0], steps[0]])} (row {rows[0]}, answer token "
                 f"{steps[0]}; {len(rows)} in all), so prompt plus answer is no valid model "
-                f"input and the final sequence cannot be traced; stop generation before it "
-                f"(bad_words_ids=[[image token id]] in generate, or suppress_tokens)")
+                f"input and the final sequence cannot be traced; keep the model from "
+                f"generating it: generate(..., suppress_tokens={image_ids})")
 
     # ---- tiny models for the tests ------------------------------------------------------
 
