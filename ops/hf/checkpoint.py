@@ -131,9 +131,8 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
     tiles of 16 x 16 pixels and a thumbnail, 4 tokens each; Idefics3: longest edge 48
     pixels, up to 3 x 3 tiles of 16 x 16 pixels and a global image, 4 tokens each; Llama 4:
     a canvas of up to ``max_tiles`` tiles of 16 x 16 pixels and a global image, 4 tokens
-    each; GLM-4.1V:
-    Qwen's sizes), :func:`tiny_tokenizer` and a chat template. All but LLaVA need
-    torchvision (their processors do in transformers 5)."""
+    each; GLM-4.1V: Qwen's sizes), :func:`tiny_tokenizer` and a chat template. All but
+    LLaVA need torchvision (their processors do in transformers 5)."""
     import transformers as tf
 
     tokenizer = tiny_tokenizer(family)
@@ -179,7 +178,9 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
         return tf.Idefics3Processor(image_processor=images, tokenizer=tokenizer,
                                     image_seq_len=4, chat_template=LLAVA_TEMPLATE)
     if family == "llama4":
-        images = tf.Llama4ImageProcessor(size={"height": 16, "width": 16}, max_patches=max_tiles)
+        from .families.llama4 import TINY_TILE as TILE
+        images = tf.Llama4ImageProcessor(size={"height": TILE, "width": TILE},
+                                         max_patches=max_tiles)
         return tf.Llama4Processor(image_processor=images, tokenizer=tokenizer, patch_size=4,
                                   pixel_shuffle_ratio=0.5, chat_template=LLAMA4_TEMPLATE)
     if family == "internvl":

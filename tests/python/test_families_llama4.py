@@ -21,12 +21,11 @@ pytest.importorskip("PIL.Image")
 from headscope.hf import grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.llama4 import (GLOBAL_MARKER, TILE_X_SEPARATOR,  # noqa: E402
-                                          TILE_Y_SEPARATOR, tile_side)
+                                          TILE_Y_SEPARATOR, TINY_TILE as TILE, tile_side)
 from headscope.hf.regions import region_ids  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START, quarters,  # noqa: E402
                                   tiny_model, tiny_processor)
 
-TILE = 16  # pixels, the tiny vision tower's image_size
 # (height, width): one tile, 2 x 2 tiles, 2:1 wide (padding below), 3:1 tall, downscaled
 # to fit 6 tiles, and odd sizes whose padding cuts through tokens
 SIZES = ((16, 16), (32, 32), (24, 48), (60, 20), (40, 40), (30, 50), (20, 36))

@@ -33,6 +33,7 @@ PADDING = -1.0  # black after the Llama 4 image processor's normalisation (mean,
 TILE_X_SEPARATOR = 507  # <|tile_x_separator|>
 TILE_Y_SEPARATOR = 508  # <|tile_y_separator|>
 GLOBAL_MARKER = 509     # <|image|>
+TINY_TILE = 16          # the tiny vision tower's input size in pixels: one tile
 
 
 def tile_side(config) -> int:
@@ -84,15 +85,16 @@ class Llama4(Family):
     def tiny_config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
                     ids: Dict[str, int]):
         import transformers as tf
-        # as in transformers' tests: every 4th layer without rope, the others chunked;
-        # MoE on every layer
+        # the checkpoints' pattern on two layers: chunked attention with rope, then full
+        # attention without rope (NoPE; every 4th layer in the checkpoints); chunks of 16
+        # tokens, shorter than the tests' prompts, so that chunking shows; MoE everywhere
         text = dict(text, intermediate_size_mlp=text["intermediate_size"],
                     num_local_experts=4, num_experts_per_tok=1, attention_chunk_size=16,
                     no_rope_layer_interval=2)
         # the vision MLP's width is also the pixel shuffle's output (4 x hidden), which the
         # adapter's first layer reads
         vision = dict(hidden_size=vision_hidden, num_hidden_layers=2, num_attention_heads=2,
-                      intermediate_size=4 * vision_hidden, image_size=16, patch_size=4,
+                      intermediate_size=4 * vision_hidden, image_size=TINY_TILE, patch_size=4,
                       pixel_shuffle_ratio=0.5, projector_input_dim=vision_hidden,
                       projector_output_dim=vision_hidden, vision_output_dim=vision_hidden,
                       rope_parameters=dict(rope_type="default", rope_theta=10000.0))
