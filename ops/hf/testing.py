@@ -19,7 +19,7 @@ import torch
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "idefics3",
             "smolvlm", "llava_next", "llava_onevision", "mistral3",
-            "internvl")  # model types
+            "internvl", "glm4v", "glm4v_moe", "llama4")  # model types
 
 # Token ids of the tiny vocabulary (random weights: only their roles matter).
 VOCAB = 512
@@ -136,6 +136,7 @@ def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwar
     attention, run with ``output_attentions=True`` and forward hooks on the o_proj inputs.
     Returns ``(output, attentions, head_writes)``: per decoder layer its ``(B, H, T, T)``
     attention and ``(B, H, T, Dh)`` per-head outputs."""
+    from .families import family_of
     H = model_eager.config.text_config.num_attention_heads
     writes, hooks = [], []
 
@@ -143,7 +144,7 @@ def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwar
         x = args[0]
         writes.append(x.reshape(*x.shape[:2], H, -1).transpose(1, 2))
 
-    for layer in model_eager.get_decoder().layers:
+    for layer in family_of(model_eager).decoder(model_eager).layers:
         hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(grab))
     try:
         with torch.no_grad():

@@ -123,7 +123,7 @@ def _reference_effects(model, inputs, sequences, rid, sets, ablation, hole=None)
     ("qwen2_vl", "mask"), ("qwen3_vl", "mask"), ("llava", "mask"), ("qwen2_vl", "zero"),
     ("qwen2_vl", "mean"), ("qwen3_vl", "zero"), ("qwen3_vl", "mean"), ("llava_next", "mask"),
     ("llava_next", "zero"), ("llava_onevision", "mask"), ("mistral3", "mask"),
-    ("internvl", "mask")])
+    ("internvl", "mask"), ("glm4v", "mask"), ("glm4v_moe", "mask")])
 @pytest.mark.parametrize("device", DEVICES)
 def test_batched_effects_equal_one_region_at_a_time(family, ablation, device):
     model, inputs, sequences, rid = _case(family, device)

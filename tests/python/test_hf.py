@@ -20,7 +20,16 @@ from headscope.hf.testing import (EOS, FAMILIES, eager_reference, image_prompt, 
                                   tiny_model)
 
 GRIDS = {"llava": ((8, 8), (8, 8))}  # LLaVA's grid is fixed by its vision tower
-GRIDS.update({t: ((2, 2), (1, 3)) for t in ("idefics3", "smolvlm", "internvl")})  # tiles
+GRIDS.update({t: ((2, 2), (1, 3)) for t in ("idefics3", "smolvlm", "internvl",
+                                              "llama4")})  # tiles
+# Families whose contract cannot hold yet, each test expected to fail with the error named
+EXPECTED_FAILURES = {
+    "llama4": pytest.mark.xfail(
+        raises=AttributeError, strict=True,
+        reason="transformers 5.24's Llama4ForConditionalGeneration.forward reads "
+               "image_outputs off its language model's output and raises; past that, the "
+               "Tracer does not take chunked attention layers yet (docs/hf.md)"),
+}
 
 
 def _prompt(model, batch=1, seed=0):
@@ -30,7 +39,8 @@ def _prompt(model, batch=1, seed=0):
     return {k: v.to(model.device) for k, v in inputs.items()}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=EXPECTED_FAILURES.get(f, ()))
+                                        for f in FAMILIES])
 def family(request):
     return request.param
 
@@ -114,7 +124,8 @@ def test_residual_writes_equal_writes_through_o_proj(models):
     H = model.config.text_config.num_attention_heads
     lengths = inputs["attention_mask"].sum(-1)
     want = []
-    for layer, A, O in zip(model.get_decoder().layers, attns, writes):
+    from headscope.hf.families import family_of
+    for layer, A, O in zip(family_of(model).decoder(model).layers, attns, writes):
         W = layer.self_attn.o_proj.weight  # (hidden, H * Dh)
         Dh = W.shape[1] // H
         # each head's write into the residual stream, hidden wide: O_h W_O^h^T

@@ -43,6 +43,22 @@ class Family:
         ``(B, T)`` and :attr:`input_keys`)."""
         raise NotImplementedError
 
+    def check_answer(self, config, answer_ids: torch.Tensor,
+                     who: str = "headscope.hf.Tracer") -> None:
+        """Raises a ValueError if a generated answer ``(B, N)`` holds an image token: the
+        model would take prompt plus answer for a prompt with one more picture than it
+        has, and fail deep in transformers (features and image tokens do not match)."""
+        image_ids = list(self.image_token_ids(config))
+        is_image = torch.isin(answer_ids.cpu(), torch.tensor(image_ids))
+        if bool(is_image.any()):
+            rows, steps = is_image.nonzero().t().tolist()
+            raise ValueError(
+                f"{who}: the generated answer holds the image token "
+                f"{int(answer_ids[rows[0], steps[0]])} (row {rows[0]}, answer token "
+                f"{steps[0]}; {len(rows)} in all), so prompt plus answer is no valid model "
+                f"input and the final sequence cannot be traced; keep the model from "
+                f"generating it: generate(..., suppress_tokens={image_ids})")
+
     # ---- tiny models for the tests ------------------------------------------------------
 
     def tiny_config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
