@@ -70,14 +70,15 @@ def mix_padded(mixer: FactorMixer, query: Tensor, key: Tensor, value: Tensor,
     keep = key_padding(attention_mask, query.shape[0], query.shape[2])
     if keep is None or bool(keep.all()):
         return mixer(query, key, value)
-    out = value.new_zeros(*value.shape[:3], value.shape[3])
+    rows = []
     for b in range(query.shape[0]):
         index = keep[b].nonzero().squeeze(1)
+        row = value.new_zeros(value.shape[1:])
         if index.numel():
             mixed = mixer(*(t[b:b + 1].index_select(2, index) for t in (query, key, value)))
-            out = out.index_copy(0, torch.tensor([b], device=out.device),
-                                 out[b:b + 1].index_copy(2, index, mixed))
-    return out
+            row = row.index_copy(1, index, mixed[0])
+        rows.append(row)
+    return torch.stack(rows)
 
 
 def key_padding(mask: Optional[Tensor], batch: int, n: int) -> Optional[Tensor]:
