@@ -25,8 +25,8 @@ SUBMODULE = "headscope_mixer"  # the mixer's attribute on a swapped attention mo
 WHO = "headscope.hf.use_mixer"
 WHERE = ("vision",)
 
-# id(vision config) -> (implementation it was loaded with, its attention function or None
-# for the modeling file's eager one, its mask function)
+# id(vision config) -> (its _attn_implementation_internal as loaded, the attention function
+# of that implementation or None for the modeling file's eager one, its mask function)
 _BASE: Dict[int, tuple] = {}
 
 
@@ -144,13 +144,14 @@ def vision_attention_modules(model: nn.Module) -> List[nn.Module]:
 
 class MixerHandle:
     """What :func:`use_mixer` returns: ``mixers`` (one :class:`~headscope.FactorMixer` per
-    swapped layer, keyed by its vision attention index), ``undo()``, and a context manager
-    that undoes on exit."""
+    swapped layer, keyed by its index in ``modules``, the tower's attention modules),
+    ``named_parameters()``, ``load(folder)``, ``undo()``, and a context manager that undoes
+    on exit."""
 
     def __init__(self, model: nn.Module, modules: Sequence[nn.Module], mixers: Dict[int, FactorMixer]):
         self.model = model
         self.mixers = mixers
-        self._modules = list(modules)
+        self.modules = list(modules)  # the tower's attention modules, in block order
         self._configs = {id(m.config): m.config for m in modules}
         self._active = True
 
@@ -160,7 +161,7 @@ class MixerHandle:
         if not self._active:
             return
         for index in self.mixers:
-            del self._modules[index]._modules[SUBMODULE]
+            del self.modules[index]._modules[SUBMODULE]
         for key, config in self._configs.items():
             config._attn_implementation_internal = _BASE.pop(key)[0]
         self._active = False
@@ -250,8 +251,8 @@ def use_mixer(model: nn.Module, rank: int, where: str = "vision",
                                f"first handle before swapping again")
     register()
     for key, config in configs.items():
-        name = config._attn_implementation_internal or "eager"
-        _BASE[key] = (name, *base_functions(name, WHO))
+        loaded = config._attn_implementation_internal  # restored as is, None included
+        _BASE[key] = (loaded, *base_functions(loaded or "eager", WHO))
     mixers = {}
     for index in chosen:
         module = modules[index]

@@ -240,7 +240,7 @@ def test_gradients_reach_mixer_and_model_and_a_step_lowers_the_loss(family):
         mixer_grads = [p.grad for _, p in handle.named_parameters()]
         assert mixer_grads and all(g is not None and torch.isfinite(g).all() for g in mixer_grads)
         assert any(g.abs().sum() > 0 for g in mixer_grads)
-        attn = handle._modules[0]
+        attn = handle.modules[0]
         other = [p.grad for n, p in attn.named_parameters() if "headscope_mixer" not in n]
         assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in other)
         for _ in range(3):
@@ -290,3 +290,20 @@ def test_compiled_swapped_tower_matches_eager_and_trains():
         grads = [p.grad for _, p in handle.named_parameters()]
         assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
                    for g in grads)
+
+
+def test_tracer_on_a_swapped_model():
+    """The tracer (text decoder) and the mixer (vision tower) sit on different configs:
+    both attach, the model runs, and both come off leaving the model as it was."""
+    from headscope.hf import Tracer
+    model = tiny_model("qwen2_vl")
+    inputs = image_prompt(model, grids=((8, 8),))
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        with use_mixer(model, rank=RANK):
+            swapped = model(**inputs).logits
+            with Tracer(model, regions=None, vas=True) as tr:
+                traced = model(**inputs).logits
+                assert torch.isfinite(tr.vas_features()).all()
+        assert torch.equal(traced, swapped) and not torch.equal(swapped, plain)
+        assert torch.equal(model(**inputs).logits, plain)
