@@ -65,24 +65,20 @@ def model(family):
 # ---- the swap ----------------------------------------------------------------------------
 
 def test_swap_computes_the_factor_mixer_of_each_layer(model):
-    """The swapped attention equals FactorMixer on the q, k, v the layer computes (grabbed
-    with the model's own sdpa call swapped for a recording one), per image."""
+    """Every swapped layer calls its FactorMixer, whose output is the dense doubly-stochastic
+    W of its projection applied to v (recorded through forward hooks on the mixers)."""
     handle = use_mixer(model, rank=RANK)
     try:
         assert model.config.vision_config._attn_implementation == NAME
         calls = []
-        orig = type(handle.mixers[0]).forward
-
-        def record(self, q, k, v):
-            out = orig(self, q, k, v)
-            calls.append((self, q, k, v, out))
-            return out
-        type(handle.mixers[0]).forward = record
+        hooks = [m.register_forward_hook(lambda mixer, args, out: calls.append((mixer, *args, out)))
+                 for m in handle.mixers.values()]
         try:
             with torch.no_grad():
                 _features(model)
         finally:
-            type(handle.mixers[0]).forward = orig
+            for hook in hooks:
+                hook.remove()
         assert {id(c[0]) for c in calls} == {id(m) for m in handle.mixers.values()}
         for mixer, q, k, v, out in calls:
             acc = torch.float32
@@ -307,3 +303,24 @@ def test_tracer_on_a_swapped_model():
                 assert torch.isfinite(tr.vas_features()).all()
         assert torch.equal(traced, swapped) and not torch.equal(swapped, plain)
         assert torch.equal(model(**inputs).logits, plain)
+
+
+def test_bfloat16_model():
+    """A bfloat16 tower: the mixer's parameters and projection stay float32, v and the
+    output bfloat16, and the swapped tower is as close to its float32 self as the SDPA
+    tower is to its own (the mixer adds no error of its own beyond bfloat16's)."""
+    reference = tiny_model("qwen2_vl")
+    model = tiny_model("qwen2_vl", dtype=torch.bfloat16)
+    pixels, thw = _images(reference, ((8, 8),))
+
+    def error():
+        expected = _qwen_features(reference, pixels, thw)[0]
+        got = _qwen_features(model, pixels.bfloat16(), thw)[0]
+        assert got.dtype == torch.bfloat16
+        return ((got.float() - expected).norm() / expected.norm()).item()
+    with torch.no_grad():
+        softmax_error = error()
+        with use_mixer(reference, rank=RANK), use_mixer(model, rank=RANK) as handle:
+            assert all(p.dtype == torch.float32 for _, p in handle.named_parameters())
+            mixer_error = error()
+    assert 0 < mixer_error <= 1.5 * softmax_error
