@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from .base import Family
+from .gemma3 import Gemma3
 from .idefics3 import Idefics3
 from .internvl import InternVL
 from .layout import WHOLE, ImageTokens, View
@@ -15,10 +16,12 @@ from .llava import Llava
 from .llava_next import LlavaNext
 from .llava_onevision import LlavaOnevision
 from .mistral3 import Mistral3
+from .paligemma import PaliGemma
 from .qwen_vl import QwenVL
 
 FAMILIES: Tuple[Family, ...] = (QwenVL(), Llava(), Idefics3(), LlavaNext(),
-                                LlavaOnevision(), Mistral3(), InternVL())
+                                LlavaOnevision(), Mistral3(), InternVL(), Gemma3(),
+                                PaliGemma())
 
 
 def supported_model_types() -> Tuple[str, ...]:
