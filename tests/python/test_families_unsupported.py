@@ -99,3 +99,30 @@ def test_an_answer_holding_an_image_token_is_refused_before_the_model_fails(fami
     with pytest.raises(Exception) as failure, torch.no_grad():
         model(**final)
     assert "answer" not in str(failure.value)
+
+
+def test_tracer_and_effects_refuse_an_answer_holding_an_image_token():
+    """The Tracer keeps the generation (its spans, tr.sequences) and refuses at the VAS
+    pass over prompt plus answer; region_effects refuses before running the model."""
+    from headscope.hf import region_effects
+    model = tiny_model("qwen2_vl")
+    inputs = image_prompt(model, grids=((8, 8),))
+    logits_bias = torch.zeros(model.config.text_config.vocab_size)
+    logits_bias[IMAGE_TOKEN] = 1e4
+    bias = model.lm_head.register_forward_hook(lambda m, a, out: out + logits_bias)
+    try:
+        with Tracer(model, regions=2) as tr, torch.no_grad():
+            spans = list(tr.generate(**inputs, max_new_tokens=3, do_sample=False))
+            P = inputs["input_ids"].shape[1]
+            assert tr.sequences is not None and bool((tr.sequences[:, P:] == IMAGE_TOKEN).all())
+            assert len(spans) == 1 and spans[0].features.shape[0] == 2
+            with pytest.raises(ValueError, match=r"headscope\.hf\.Tracer: the generated answer "
+                                                 r"holds the image token"):
+                tr.vas_features()
+    finally:
+        bias.remove()
+    region_ids = torch.full_like(inputs["input_ids"], -1)
+    region_ids[inputs["input_ids"] == IMAGE_TOKEN] = 0
+    with pytest.raises(ValueError, match=r"headscope\.hf\.region_effects: the generated answer "
+                                         r"holds the image token"):
+        region_effects(model, inputs, tr.sequences, [(0, 3)], region_ids, progress=False)

@@ -32,6 +32,17 @@ EXPECTED_FAILURES = {
 }
 
 
+TYPES = ("mm_token_type_ids", "token_type_ids")  # per-position type inputs
+
+
+def _continued(model, inputs, n):
+    """The per-position type inputs of ``inputs`` continued over n generated tokens."""
+    from headscope.hf.families import family_of
+    family = family_of(model)
+    return {k: torch.nn.functional.pad(inputs[k], (0, n), value=family.answer_type(k))
+            for k in TYPES if k in inputs}
+
+
 def _prompt(model, batch=1, seed=0):
     grids = GRIDS.get(model.config.model_type, ((8, 8), (6, 4)))[:batch]
     inputs = image_prompt(model, grids=grids, text_before=(3, 2)[:batch],
@@ -182,7 +193,7 @@ def _row_alone(model, inputs, b):
     """Row b of a left-padded batch of one image per row, without its padding."""
     keep = inputs["attention_mask"][b].bool()
     row = {k: v[b:b + 1][:, keep] for k, v in inputs.items()
-           if k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+           if k in ("input_ids", "attention_mask") + TYPES}
     pixels = inputs["pixel_values"]
     if "image_grid_thw" not in inputs and len(pixels) == len(inputs["input_ids"]):
         # every picture input has one item per picture
@@ -275,8 +286,7 @@ def test_generate_same_tokens_and_span_features_equal_region_pool(models):
     full = dict(inputs, input_ids=plain,
                 attention_mask=torch.cat([inputs["attention_mask"],
                                           torch.ones(2, 7, dtype=torch.int64, device=dev)], 1))
-    if "mm_token_type_ids" in inputs:
-        full["mm_token_type_ids"] = torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, 7))
+    full.update(_continued(model, inputs, 7))
     _, attns, writes = eager_run(eager, full)
     rid = torch.nn.functional.pad(prompt_rid, (0, 7), value=-1)
     for s in spans:
@@ -313,14 +323,14 @@ def test_long_spans_are_folded_into_running_sums_exactly(monkeypatch):
     a span that never ends holds at most FOLD rows, and every span's features equal those
     pooled from all its rows at once (spans of different lengths in a left-padded batch,
     folds falling inside and across them)."""
-    from headscope.hf.tracer import _QueryRows
+    from headscope.hf.rows import SpanRows
     model = tiny_model("qwen2_vl")
     inputs = _prompt(model, batch=2)
     every = {0: 7, 1: 3}
     gen = dict(max_new_tokens=17, do_sample=False, eos_token_id=None)
 
     def spans_with(fold):
-        monkeypatch.setattr(_QueryRows, "FOLD", fold)
+        monkeypatch.setattr(SpanRows, "FOLD", fold)
         held = []
         with Tracer(model, regions=3, vas=False) as tr:
             def splitter(ids):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Tuple
 
 from .base import Family
+from .gemma3 import Gemma3
 from .glm4v import Glm4v
 from .idefics3 import Idefics3
 from .internvl import InternVL
@@ -17,12 +18,13 @@ from .llava import Llava
 from .llava_next import LlavaNext
 from .llava_onevision import LlavaOnevision
 from .mistral3 import Mistral3
+from .paligemma import PaliGemma
 from .qwen_vl import QwenVL
 from .unsupported import unsupported_reason
 
 FAMILIES: Tuple[Family, ...] = (QwenVL(), Llava(), Idefics3(), LlavaNext(),
                                 LlavaOnevision(), Mistral3(), InternVL(), Glm4v(),
-                                Llama4())
+                                Llama4(), Gemma3(), PaliGemma())
 
 
 def supported_model_types() -> Tuple[str, ...]:
