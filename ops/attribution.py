@@ -39,15 +39,21 @@ __all__ = ["AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "re
 # ---- thin wrappers over torch.ops.headscope.* -------------------------------------------
 
 def region_pool(attn: Tensor, query_weights: Tensor, region_ids: Tensor, num_regions: int,
-                reduce: str = "sum") -> Tensor:
+                reduce: str = "sum", key_weights: Optional[Tensor] = None) -> Tensor:
     """``(B, H, Tq, Tk)`` attention probabilities -> ``(B, K, H)`` region features.
 
     ``query_weights`` ``(B, Tq)`` >= 0 selects the span (0 outside it; each row must have a
     positive sum), ``region_ids`` int64 ``(B, Tk)`` in ``[-1, K)`` (-1: not an image token).
     ``reduce="mean"`` divides by the region's size; an empty region gives 0.
+
+    ``key_weights`` ``(B, Hw, Tk)`` float, finite, ``Hw`` dividing ``H``: every attention
+    weight to key t is multiplied by ``key_weights[b, h // (H // Hw), t]`` before the region
+    sum (``Hw = H``: one factor per head; the key-value heads of grouped-query attention;
+    1: shared by every head), e.g. value norms (:func:`headscope.hf.value_norms`). Any
+    strides: a view of a longer buffer is read in place.
     """
     return torch.ops.headscope.region_pool(attn, query_weights, region_ids, num_regions,
-                                           reduce)
+                                           reduce, key_weights)
 
 
 def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tensor,
@@ -55,7 +61,8 @@ def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tens
                    key_padding_mask: Optional[Tensor] = None, reduce: str = "sum",
                    window: Optional[int] = None, chunk: Optional[int] = None,
                    block_ids: Optional[Tensor] = None,
-                   softcap: Optional[float] = None, window_bounds_blocks: bool = True) -> Tensor:
+                   softcap: Optional[float] = None, window_bounds_blocks: bool = True,
+                   key_weights: Optional[Tensor] = None) -> Tensor:
     """``region_pool(softmax(scale * q k^T))`` without storing the attention matrix.
 
     ``q`` ``(B, H, Tq, D)``, ``k`` ``(B, Hkv, Tk, D)`` with ``Hkv`` dividing ``H`` (grouped
@@ -72,10 +79,14 @@ def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tens
     ``softcap`` (logits become ``softcap * tanh(logits / softcap)``),
     ``window_bounds_blocks`` (False: a query sees its whole block whatever the window and
     chunks, PaliGemma 2's composition; True: Gemma 3's).
+
+    ``key_weights`` ``(B, Hw, Tk)``: per-key factors on the attention weights, as
+    :func:`region_pool`'s (``Hw`` dividing ``H``, so ``Hkv`` is one choice).
     """
     return torch.ops.headscope.region_pool_qk(q, k, query_weights, region_ids, num_regions,
                                               scale, causal, key_padding_mask, reduce, window,
-                                              chunk, block_ids, softcap, window_bounds_blocks)
+                                              chunk, block_ids, softcap, window_bounds_blocks,
+                                              key_weights)
 
 
 def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weights: Tensor,
@@ -87,7 +98,8 @@ def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weight
                           chunk: Union[int, Sequence[Optional[int]], None] = None,
                           block_ids: Optional[Tensor] = None,
                           softcap: Optional[float] = None,
-                          window_bounds_blocks: bool = True) -> Tensor:
+                          window_bounds_blocks: bool = True,
+                          key_weights: Optional[Sequence[Tensor]] = None) -> Tensor:
     """:func:`region_pool_qk` of every layer in one call: ``q[l]`` ``(B, H, Tq, D)`` and
     ``k[l]`` ``(B, Hkv, Tk, D)`` (every layer of the first one's sizes), ``scale`` one per
     layer (default ``D ** -0.5``) -> ``(B, K, L*H)``, column ``l*H + h``: the features of an
@@ -97,6 +109,9 @@ def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weight
     ``window`` and ``chunk``: one length for every layer, or one per layer (None or 0: none
     in that layer; Gemma's sliding and global layers alternate). ``block_ids`` and
     ``softcap`` and ``window_bounds_blocks`` apply to every layer (:func:`region_pool_qk`).
+
+    ``key_weights``: None, or one ``(B, Hw, Tk)`` tensor per layer (:func:`region_pool`'s
+    factors; a list, so that per-layer value norms pass without being stacked).
     """
     def per_layer(v):
         if v is None:
@@ -110,7 +125,9 @@ def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weight
                                                      None if scale is None else list(scale),
                                                      causal, key_padding_mask, reduce,
                                                      per_layer(window), per_layer(chunk),
-                                                     block_ids, softcap, window_bounds_blocks)
+                                                     block_ids, softcap, window_bounds_blocks,
+                                                     None if key_weights is None
+                                                     else list(key_weights))
 
 
 def linear_attribution(features: Tensor, weight: Tensor, mean: Tensor, std: Tensor,

@@ -2,6 +2,7 @@
 // inputs once, the per-batch list of image tokens, and the softmax numerators.
 #pragma once
 
+#include "attribution/attribution_checks.h"
 #include "common/cpu_math.h"
 
 #include <ATen/core/Tensor.h>
@@ -9,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace headscope::attribution::cpu {
@@ -28,6 +30,41 @@ struct SpanWeights {
   std::vector<std::vector<double>> weight;   // [b] -> w / sum (aligned with active)
 };
 SpanWeights build_span_weights(const char* op, const at::Tensor& query_weights);
+
+// key_weights (B, Hw, Tk) read in place as acc_t (converted once if of another dtype):
+// row(b, h)[t * s2] is query head h's factor on key t, Hw dividing H. None: given is false.
+template <typename acc_t>
+struct KeyWeights {
+  at::Tensor values;  // owns a converted copy
+  const acc_t* data = nullptr;
+  int64_t s0 = 0, s1 = 0, s2 = 0, group = 1;  // group: query heads per weight head
+  bool given = false;
+  // query head h's factors of batch row b; key t at [t * s2]
+  const acc_t* row(int64_t b, int64_t h) const { return data + b * s0 + h / group * s1; }
+};
+
+// Reads key_weights for H query heads and checks every value is finite (throws naming arg).
+template <typename acc_t>
+KeyWeights<acc_t> read_key_weights(const char* op, const char* arg,
+                                   const std::optional<at::Tensor>& key_weights, int64_t H) {
+  KeyWeights<acc_t> w;
+  if (!key_weights.has_value() || !key_weights->defined()) return w;
+  w.values = key_weights->to(c10::CppTypeToScalarType<acc_t>::value);
+  w.s0 = w.values.stride(0);
+  w.s1 = w.values.stride(1);
+  w.s2 = w.values.stride(2);
+  const int64_t B = w.values.size(0), Hw = w.values.size(1), Tk = w.values.size(2);
+  w.group = H / Hw;
+  w.given = true;
+  w.data = w.values.template const_data_ptr<acc_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hw; ++h)
+      for (int64_t t = 0; t < Tk; ++t) {
+        const acc_t v = w.data[b * w.s0 + h * w.s1 + t * w.s2];
+        if (!std::isfinite(v)) fail_key_weight(op, arg, static_cast<double>(v), b, h, t);
+      }
+  return w;
+}
 
 // x[i] = exp(x[i] - m) for i < n (m >= every x[i]; -inf gives 0); returns the sum of the
 // results.
