@@ -9,5 +9,7 @@ from .effects import region_effects
 from .regions import grid_regions
 from .stream import Span
 from .tracer import Tracer, sentence_end
+from .value_norm import value_norm_factors, value_norms
 
-__all__ = ["Span", "Tracer", "grid_regions", "region_effects", "sentence_end"]
+__all__ = ["Span", "Tracer", "grid_regions", "region_effects", "sentence_end",
+           "value_norm_factors", "value_norms"]
