@@ -29,6 +29,10 @@ from torch import Tensor, nn
 FORMAT = "headscope.AttributionHead"
 FORMAT_VERSION = 1
 FEATURE_LAYOUT = "layer_major"  # feature index = layer * num_heads + head
+# What the columns hold: the attention mass on a region, that mass with each key weighted by
+# its value norm ||v_j W_O^h|| (key_weights), or both ([attention | attention*value_norm]).
+# Heads and collections without the field hold "attention".
+FEATURE_SETS = ("attention", "attention*value_norm", "both")
 STD_EPS = 1e-8                   # added to the feature and target stds (as the reference)
 
 __all__ = ["AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "region_pool",
@@ -199,7 +203,8 @@ def _check_fit_data(where: str, features: Tensor, targets: Tensor, num_features:
                         f"floating tensor (..., {num_features}), got {features!r:.80}")
     if features.dim() < 1 or features.shape[-1] != num_features:
         raise ValueError(f"headscope.AttributionHead.{where}: argument 'features' must have "
-                         f"L*H = {num_features} entries in its last dimension, got shape "
+                         f"num_features = {num_features} entries in its last dimension (L*H, "
+                         f"2*L*H for the feature set 'both'), got shape "
                          f"{tuple(features.shape)}")
     if not isinstance(targets, Tensor) or targets.shape != features.shape[:-1]:
         raise ValueError(f"headscope.AttributionHead.{where}: argument 'targets' must have "
@@ -259,6 +264,17 @@ def _dist_group(group):
     return None, None
 
 
+def check_feature_set(where: str, feature_set: str) -> None:
+    if feature_set not in FEATURE_SETS:
+        raise ValueError(f"{where}: feature_set must be one of "
+                         f"{', '.join(map(repr, FEATURE_SETS))}, got {feature_set!r}")
+
+
+def feature_blocks(feature_set: str) -> int:
+    """Blocks of L*H columns of a feature set: 2 for "both", else 1."""
+    return 2 if feature_set == "both" else 1
+
+
 class AttributionHead(nn.Module):
     """The vStream estimator: scores = ((features - mean) / std) . weight + bias.
 
@@ -266,14 +282,21 @@ class AttributionHead(nn.Module):
     one score per region, the predicted effect of ablating it (in the targets' units
     after ``fit``). Scriptable with ``torch.jit.script`` (``forward`` and
     ``predict_subsets``).
+
+    ``feature_set`` says what the columns hold (:data:`FEATURE_SETS`): ``"attention"`` (the
+    attention mass, ``L*H`` columns), ``"attention*value_norm"`` (the mass with each key
+    weighted by its value norm, ``L*H``) or ``"both"`` (``2*L*H``: the attention block, then
+    the weighted one). It is saved with the head, and ``load`` can require one.
     """
 
     num_layers: int
     num_heads: int
     reduce: str
+    feature_set: str
+    feature_blocks: int
 
     def __init__(self, num_layers: int, num_heads: int, reduce: str = "sum",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, feature_set: str = "attention"):
         super().__init__()
         if num_layers < 1 or num_heads < 1:
             raise ValueError(f"headscope.AttributionHead: num_layers and num_heads must be "
@@ -281,10 +304,13 @@ class AttributionHead(nn.Module):
         if reduce not in ("sum", "mean"):
             raise ValueError(f"headscope.AttributionHead: reduce must be 'sum' or 'mean', "
                              f"got {reduce!r}")
+        check_feature_set("headscope.AttributionHead", feature_set)
         self.num_layers = int(num_layers)
         self.num_heads = int(num_heads)
         self.reduce = reduce
-        F = self.num_layers * self.num_heads
+        self.feature_set = feature_set
+        self.feature_blocks = feature_blocks(feature_set)
+        F = self.num_features
         self.weight = nn.Parameter(torch.zeros(F, dtype=dtype))
         self.register_buffer("mean", torch.zeros(F, dtype=dtype))
         self.register_buffer("std", torch.ones(F, dtype=dtype))
@@ -292,15 +318,17 @@ class AttributionHead(nn.Module):
 
     @property
     def num_features(self) -> int:
-        return self.num_layers * self.num_heads
+        return self.feature_blocks * self.num_layers * self.num_heads
 
     def forward(self, features: Tensor) -> Tensor:
         # The op would name its 'weight' argument; a head's user thinks in L*H features.
-        F = self.num_layers * self.num_heads
+        F = self.feature_blocks * self.num_layers * self.num_heads
         if features.dim() < 1 or features.size(-1) != F:
-            raise ValueError("headscope.AttributionHead: argument 'features' must have L*H = "
-                             + str(self.num_layers) + "*" + str(self.num_heads) + " = "
-                             + str(F) + " entries in its last dimension, got shape "
+            blocks = "2*" if self.feature_blocks == 2 else ""
+            raise ValueError("headscope.AttributionHead: argument 'features' must have "
+                             + blocks + "L*H = " + blocks + str(self.num_layers) + "*"
+                             + str(self.num_heads) + " = " + str(F) + " entries in its last "
+                             "dimension (feature set '" + self.feature_set + "'), got shape "
                              + str(features.shape))
         return torch.ops.headscope.linear_attribution(features, self.weight, self.mean,
                                                       self.std, self.bias)
@@ -462,7 +490,7 @@ class AttributionHead(nn.Module):
         return {"format": FORMAT, "format_version": str(FORMAT_VERSION),
                 "num_layers": str(self.num_layers), "num_heads": str(self.num_heads),
                 "num_features": str(self.num_features), "feature_layout": FEATURE_LAYOUT,
-                "reduce": self.reduce, "dtype": str(self.weight.dtype).replace("torch.", "")}
+                "feature_set": self.feature_set, "reduce": self.reduce, "dtype": str(self.weight.dtype).replace("torch.", "")}
 
     @torch.jit.unused
     def save(self, path) -> None:
@@ -478,9 +506,11 @@ class AttributionHead(nn.Module):
 
     @classmethod
     def load(cls, path, num_layers: Optional[int] = None, num_heads: Optional[int] = None,
-             reduce: Optional[str] = None) -> "AttributionHead":
+             reduce: Optional[str] = None,
+             feature_set: Optional[str] = None) -> "AttributionHead":
         """Reads a head written by ``save``; checks the format, version, sizes, layout and
-        values, and (when given) that num_layers / num_heads / reduce match."""
+        values, and (when given) that num_layers / num_heads / reduce / feature_set match
+        (a file without a feature set holds an ``"attention"`` head)."""
         from safetensors import safe_open
         where = f"headscope.AttributionHead.load({str(path)!r})"
         try:
@@ -503,9 +533,16 @@ class AttributionHead(nn.Module):
         except (KeyError, ValueError) as e:
             raise ValueError(f"{where}: metadata num_layers/num_heads/num_features missing or "
                              f"not integers: {json.dumps(meta)}") from e
-        if L < 1 or H < 1 or F != L * H:
-            raise ValueError(f"{where}: metadata num_features={F} must equal num_layers * "
-                             f"num_heads = {L}*{H}")
+        stored_set = meta.get("feature_set", "attention")
+        if stored_set not in FEATURE_SETS:
+            raise ValueError(f"{where}: metadata 'feature_set' must be one of "
+                             f"{', '.join(map(repr, FEATURE_SETS))}, got {stored_set!r}")
+        blocks = feature_blocks(stored_set)
+        if L < 1 or H < 1 or F != blocks * L * H:
+            raise ValueError(f"{where}: metadata num_features={F} must equal "
+                             f"{'2 * ' if blocks == 2 else ''}num_layers * num_heads = "
+                             f"{'2*' if blocks == 2 else ''}{L}*{H} (feature set "
+                             f"{stored_set!r})")
         if meta.get("feature_layout") != FEATURE_LAYOUT:
             raise ValueError(f"{where}: metadata 'feature_layout' must be {FEATURE_LAYOUT!r}, "
                              f"got {meta.get('feature_layout')!r}")
@@ -520,13 +557,17 @@ class AttributionHead(nn.Module):
         if reduce is not None and reduce != meta["reduce"]:
             raise ValueError(f"{where}: the file holds a head with reduce="
                              f"{meta['reduce']!r}, expected {reduce!r}")
+        if feature_set is not None and feature_set != stored_set:
+            raise ValueError(f"{where}: the file holds a head fitted on {stored_set!r} "
+                             f"features, expected {feature_set!r} (fit a head on features "
+                             f"of that set)")
         if keys != {"weight", "mean", "std", "bias"}:
             raise ValueError(f"{where}: tensors must be weight, mean, std, bias; got "
                              f"{sorted(keys)}")
         for name in ("weight", "mean", "std"):
             if tuple(tensors[name].shape) != (F,):
-                raise ValueError(f"{where}: tensor {name!r} must have shape ({F},) = L*H, got "
-                                 f"{tuple(tensors[name].shape)}")
+                raise ValueError(f"{where}: tensor {name!r} must have shape ({F},) = "
+                                 f"num_features, got {tuple(tensors[name].shape)}")
         if tuple(tensors["bias"].shape) != ():
             raise ValueError(f"{where}: tensor 'bias' must be a scalar, got shape "
                              f"{tuple(tensors['bias'].shape)}")
@@ -535,7 +576,8 @@ class AttributionHead(nn.Module):
                 raise ValueError(f"{where}: tensor {name!r} must hold finite floats")
         if not bool((tensors["std"] > 0).all()):
             raise ValueError(f"{where}: tensor 'std' must be positive")
-        head = cls(L, H, reduce=meta["reduce"], dtype=tensors["weight"].dtype)
+        head = cls(L, H, reduce=meta["reduce"], dtype=tensors["weight"].dtype,
+                   feature_set=stored_set)
         head._store(tensors["weight"], tensors["mean"], tensors["std"],
                     float(tensors["bias"]))
         return head

@@ -777,6 +777,54 @@ def test_head_save_load(tmp_path):
         headscope.AttributionHead.load(p)
 
 
+def test_head_feature_sets(tmp_path):
+    from safetensors.torch import save_file
+    gen = torch.Generator().manual_seed(45)
+    L, H, K = 2, 3, 5
+    both = headscope.AttributionHead(L, H, feature_set="both")
+    assert both.num_features == 2 * L * H and both.weight.shape == (2 * L * H,)
+    X, y = torch.randn(60, 2 * L * H, generator=gen), torch.randn(60, generator=gen)
+    both.fit(X, y)
+    with pytest.raises(ValueError, match=r"'features' must have 2\*L\*H = 2\*2\*3 = 12 entries in "
+                                         r"its last dimension \(feature set 'both'\)"):
+        both(torch.randn(K, L * H))
+    with pytest.raises(ValueError, match=r"'features' must have num_features = 12 entries"):
+        both.fit(torch.randn(60, L * H), y)
+    path = tmp_path / "both.safetensors"
+    both.save(path)
+    back = headscope.AttributionHead.load(path, feature_set="both")
+    assert back.feature_set == "both"
+    f = torch.randn(K, 2 * L * H, generator=gen)
+    torch.testing.assert_close(back(f), both(f))
+    with pytest.raises(ValueError, match=r"the file holds a head fitted on 'both' features, "
+                                         r"expected 'attention'"):
+        headscope.AttributionHead.load(path, feature_set="attention")
+    scripted = torch.jit.script(back)
+    torch.testing.assert_close(scripted(f), both(f))
+    with pytest.raises(ValueError, match=r"feature_set must be one of 'attention', "
+                                         r"'attention\*value_norm', 'both', got 'norms'"):
+        headscope.AttributionHead(L, H, feature_set="norms")
+    # a file written before feature sets existed holds an "attention" head
+    plain = headscope.AttributionHead(L, H).fit(X[:, :L * H], y)
+    meta = {k: v for k, v in plain.metadata().items() if k != "feature_set"}
+    tensors = {k: getattr(plain, k).detach().contiguous() for k in ("weight", "mean", "std", "bias")}
+    old = tmp_path / "old.safetensors"
+    save_file(tensors, str(old), metadata=meta)
+    assert headscope.AttributionHead.load(old, feature_set="attention").feature_set == "attention"
+    with pytest.raises(ValueError, match=r"fitted on 'attention' features, expected "
+                                         r"'attention\*value_norm'"):
+        headscope.AttributionHead.load(old, feature_set="attention*value_norm")
+    # metadata that disagrees with itself
+    bad = tmp_path / "bad.safetensors"
+    save_file(tensors, str(bad), metadata={**plain.metadata(), "feature_set": "both"})
+    with pytest.raises(ValueError, match=r"num_features=6 must equal 2 \* num_layers \* "
+                                         r"num_heads = 2\*2\*3 \(feature set 'both'\)"):
+        headscope.AttributionHead.load(bad)
+    save_file(tensors, str(bad), metadata={**plain.metadata(), "feature_set": "norms"})
+    with pytest.raises(ValueError, match=r"metadata 'feature_set' must be one of"):
+        headscope.AttributionHead.load(bad)
+
+
 def test_head_torchscript(tmp_path):
     head = headscope.AttributionHead(2, 3).fit(torch.randn(40, 6), torch.randn(40))
     scripted = torch.jit.script(head)
