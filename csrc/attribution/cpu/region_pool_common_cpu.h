@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -57,12 +58,21 @@ KeyWeights<acc_t> read_key_weights(const char* op, const char* arg,
   w.group = H / Hw;
   w.given = true;
   w.data = w.values.template const_data_ptr<acc_t>();
+  // a branch-free pass per row (it vectorises); the row is searched only to word an error
+  constexpr acc_t kMax = std::numeric_limits<acc_t>::max();
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < Hw; ++h)
-      for (int64_t t = 0; t < Tk; ++t) {
-        const acc_t v = w.data[b * w.s0 + h * w.s1 + t * w.s2];
-        if (!std::isfinite(v)) fail_key_weight(op, arg, static_cast<double>(v), b, h, t);
-      }
+    for (int64_t h = 0; h < Hw; ++h) {
+      const acc_t* row = w.data + b * w.s0 + h * w.s1;
+      bool bad = false;
+      if (w.s2 == 1)
+        for (int64_t t = 0; t < Tk; ++t) bad |= !(std::abs(row[t]) <= kMax);
+      else
+        for (int64_t t = 0; t < Tk; ++t) bad |= !(std::abs(row[t * w.s2]) <= kMax);
+      if (bad)
+        for (int64_t t = 0; t < Tk; ++t)
+          if (!std::isfinite(row[t * w.s2]))
+            fail_key_weight(op, arg, static_cast<double>(row[t * w.s2]), b, h, t);
+    }
   return w;
 }
 
