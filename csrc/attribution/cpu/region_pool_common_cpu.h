@@ -10,8 +10,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace headscope::attribution::cpu {
@@ -58,16 +58,24 @@ KeyWeights<acc_t> read_key_weights(const char* op, const char* arg,
   w.group = H / Hw;
   w.given = true;
   w.data = w.values.template const_data_ptr<acc_t>();
-  // a branch-free pass per row (it vectorises); the row is searched only to word an error
-  constexpr acc_t kMax = std::numeric_limits<acc_t>::max();
+  // a branch-free pass per row on the exponent bits (all ones: NaN or infinity), an integer
+  // OR that vectorises; the row is searched only to word an error
+  using bits_t = std::conditional_t<sizeof(acc_t) == 8, uint64_t, uint32_t>;
+  constexpr bits_t kExponent = sizeof(acc_t) == 8 ? bits_t(0x7ff0000000000000ull)
+                                                  : bits_t(0x7f800000u);
+  auto nonfinite = [&](acc_t v) {
+    bits_t u;
+    std::memcpy(&u, &v, sizeof u);
+    return bits_t((u & kExponent) == kExponent);
+  };
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < Hw; ++h) {
       const acc_t* row = w.data + b * w.s0 + h * w.s1;
-      bool bad = false;
+      bits_t bad = 0;
       if (w.s2 == 1)
-        for (int64_t t = 0; t < Tk; ++t) bad |= !(std::abs(row[t]) <= kMax);
+        for (int64_t t = 0; t < Tk; ++t) bad |= nonfinite(row[t]);
       else
-        for (int64_t t = 0; t < Tk; ++t) bad |= !(std::abs(row[t * w.s2]) <= kMax);
+        for (int64_t t = 0; t < Tk; ++t) bad |= nonfinite(row[t * w.s2]);
       if (bad)
         for (int64_t t = 0; t < Tk; ++t)
           if (!std::isfinite(row[t * w.s2]))
