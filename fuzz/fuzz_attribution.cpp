@@ -101,7 +101,8 @@ void fuzz_pool(Input& in) {
     if (in.chance(40)) in.sprinkle(attn);
     attn = in.layout(attn);
     key_weights = draw_key_weights(in, B, H, H, Tk);
-    if (!runs("region_pool", [&] { out = headscope::region_pool(attn, w, rid, K, reduce, key_weights); }))
+    if (!runs("region_pool",
+              [&] { out = headscope::region_pool(attn, w, rid, K, reduce, key_weights); }))
       fail("region_pool rejected valid input");
     expect_same("region_pool", out,
                 headscope::region_pool(attn.contiguous(), w, rid, K, reduce,

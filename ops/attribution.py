@@ -197,14 +197,14 @@ def lds(pred: Tensor, actual: Tensor) -> LDS:
 
 # ---- the estimator ------------------------------------------------------------------------
 
-def _check_fit_data(where: str, features: Tensor, targets: Tensor, num_features: int):
+def _check_fit_data(where: str, features: Tensor, targets: Tensor, num_features: int,
+                    columns: str):
     if not isinstance(features, Tensor) or not features.is_floating_point():
         raise TypeError(f"headscope.AttributionHead.{where}: argument 'features' must be a "
                         f"floating tensor (..., {num_features}), got {features!r:.80}")
     if features.dim() < 1 or features.shape[-1] != num_features:
         raise ValueError(f"headscope.AttributionHead.{where}: argument 'features' must have "
-                         f"num_features = {num_features} entries in its last dimension (L*H, "
-                         f"2*L*H for the feature set 'both'), got shape "
+                         f"{columns} = {num_features} entries in its last dimension, got shape "
                          f"{tuple(features.shape)}")
     if not isinstance(targets, Tensor) or targets.shape != features.shape[:-1]:
         raise ValueError(f"headscope.AttributionHead.{where}: argument 'targets' must have "
@@ -350,6 +350,11 @@ class AttributionHead(nn.Module):
     # ---- fitting (not scripted) ----------------------------------------------------------
 
     @torch.jit.unused
+    def _columns(self) -> str:
+        """What the feature columns count: "L*H", or "2*L*H" for the feature set "both"."""
+        return "2*L*H" if self.feature_blocks == 2 else "L*H"
+
+    @torch.jit.unused
     def _store(self, weight: Tensor, mean: Tensor, std: Tensor, bias: float) -> None:
         with torch.no_grad():
             self.weight.copy_(weight.to(self.weight))
@@ -369,7 +374,8 @@ class AttributionHead(nn.Module):
         units (the reference implementation's, times the targets' std, plus their mean: the
         same ranking and LDS).
         """
-        X, y = _check_fit_data("fit", features, targets, self.num_features)
+        X, y = _check_fit_data("fit", features, targets, self.num_features,
+                               self._columns())
         if X.shape[0] < 2:
             raise ValueError(f"headscope.AttributionHead.fit: need at least 2 samples, got "
                              f"{X.shape[0]}")
@@ -421,7 +427,7 @@ class AttributionHead(nn.Module):
         # Pass 1: n, sum f, sum f^2, sum y, sum y^2, sum f y (float64, all-reduced).
         acc = torch.zeros(3 * F + 3, dtype=torch.float64)
         for features, targets in loader:
-            X, y = _check_fit_data("fit_pearson", features, targets, F)
+            X, y = _check_fit_data("fit_pearson", features, targets, F, self._columns())
             acc[0] += X.shape[0]
             acc[1:1 + F] += X.sum(0)
             acc[1 + F:1 + 2 * F] += (X * X).sum(0)
@@ -453,7 +459,7 @@ class AttributionHead(nn.Module):
         for epoch in range(epochs):
             total, batches = 0.0, 0
             for features, targets in loader:
-                X, y = _check_fit_data("fit_pearson", features, targets, F)
+                X, y = _check_fit_data("fit_pearson", features, targets, F, self._columns())
                 opt.zero_grad()
                 local = moments(X, y, w)
                 glob = all_sum(local.detach().clone())
@@ -473,7 +479,7 @@ class AttributionHead(nn.Module):
         with torch.no_grad():
             m = torch.zeros(6, dtype=torch.float64)
             for features, targets in loader:
-                X, y = _check_fit_data("fit_pearson", features, targets, F)
+                X, y = _check_fit_data("fit_pearson", features, targets, F, self._columns())
                 m += moments(X, y, w.detach())
             all_sum(m)
             n_, sp, sy_, spp, _, spy = m.tolist()
@@ -490,7 +496,8 @@ class AttributionHead(nn.Module):
         return {"format": FORMAT, "format_version": str(FORMAT_VERSION),
                 "num_layers": str(self.num_layers), "num_heads": str(self.num_heads),
                 "num_features": str(self.num_features), "feature_layout": FEATURE_LAYOUT,
-                "feature_set": self.feature_set, "reduce": self.reduce, "dtype": str(self.weight.dtype).replace("torch.", "")}
+                "feature_set": self.feature_set, "reduce": self.reduce,
+                "dtype": str(self.weight.dtype).replace("torch.", "")}
 
     @torch.jit.unused
     def save(self, path) -> None:

@@ -788,7 +788,7 @@ def test_head_feature_sets(tmp_path):
     with pytest.raises(ValueError, match=r"'features' must have 2\*L\*H = 2\*2\*3 = 12 entries in "
                                          r"its last dimension \(feature set 'both'\)"):
         both(torch.randn(K, L * H))
-    with pytest.raises(ValueError, match=r"'features' must have num_features = 12 entries"):
+    with pytest.raises(ValueError, match=r"'features' must have 2\*L\*H = 12 entries"):
         both.fit(torch.randn(60, L * H), y)
     path = tmp_path / "both.safetensors"
     both.save(path)
