@@ -263,11 +263,13 @@ void fuzz_errors(Input& in) {
     case 0: rid[in.size(0, B - 1)][in.size(0, Tk - 1)] = in.pick({int64_t{-2}, K, int64_t{1} << 40}); break;
     case 1: w[in.size(0, B - 1)][in.size(0, Tq - 1)] = in.pick({-1.0, double(NAN), double(INFINITY)}); break;
     case 2: w.zero_(); break;
-    case 3:
+    case 3: {  // at an image key: the factors of other keys are never read
+      const int64_t b = in.size(0, B - 1), t = in.size(0, Tk - 1);
       key_weights = at::rand({B, in.pick({H, int64_t{1}}), Tk});
-      (*key_weights)[in.size(0, B - 1)][0][in.size(0, Tk - 1)] =
-          in.pick({double(NAN), double(INFINITY), -double(INFINITY)});
+      (*key_weights)[b][0][t] = in.pick({double(NAN), double(INFINITY), -double(INFINITY)});
+      rid[b][t] = 0;
       break;
+    }
     default: if (K >= 1) return; break;  // K < 1
   }
   if (runs("region_pool", [&] { headscope::region_pool(attn, w, rid, K, "sum", key_weights); }))

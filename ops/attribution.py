@@ -50,7 +50,8 @@ def region_pool(attn: Tensor, query_weights: Tensor, region_ids: Tensor, num_reg
     positive sum), ``region_ids`` int64 ``(B, Tk)`` in ``[-1, K)`` (-1: not an image token).
     ``reduce="mean"`` divides by the region's size; an empty region gives 0.
 
-    ``key_weights`` ``(B, Hw, Tk)`` float, finite, ``Hw`` dividing ``H``: every attention
+    ``key_weights`` ``(B, Hw, Tk)`` float, ``Hw`` dividing ``H``, finite at image keys (the
+    only ones read; other entries may hold anything): every attention
     weight to key t is multiplied by ``key_weights[b, h // (H // Hw), t]`` before the region
     sum (``Hw = H``: one factor per head; the key-value heads of grouped-query attention;
     1: shared by every head), e.g. value norms (:func:`headscope.hf.value_norms`). Any

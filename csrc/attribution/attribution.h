@@ -15,11 +15,11 @@ namespace headscope {
 // (0 outside the span), region_ids int64 (B, Tk) in [-1, num_regions) (-1: no region).
 // Returns (B, K, H): the query-weighted mean attention mass on each region's keys;
 // reduce "mean" divides by the region's size. float32 out for float32/16/bf16 in.
-// key_weights (B, Hw, Tk) float, finite, Hw dividing H: each attention weight to key t is
-// multiplied by key_weights[b, h / (H / Hw), t] before the region sum (Hw = H: one weight
-// per head; Hw = Hkv: one per group of grouped-query heads; Hw = 1: shared by all heads),
-// e.g. value norms ||v_t W_O^h|| (docs/attribution.md). Any strides (a view of a longer
-// buffer is read in place).
+// key_weights (B, Hw, Tk) float, Hw dividing H, finite at image keys (the only ones read):
+// each attention weight to key t is multiplied by key_weights[b, h / (H / Hw), t] before
+// the region sum (Hw = H: one weight per head; Hw = Hkv: one per group of grouped-query
+// heads; Hw = 1: shared by all heads), e.g. value norms ||v_t W_O^h|| (docs/attribution.md).
+// Any strides (a view of a longer buffer is read in place).
 at::Tensor region_pool(const at::Tensor& attn, const at::Tensor& query_weights,
                        const at::Tensor& region_ids, c10::SymInt num_regions,
                        c10::string_view reduce = "sum",

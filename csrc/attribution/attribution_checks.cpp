@@ -8,6 +8,7 @@
 #include <ATen/ops/ge.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/le.h>
+#include <ATen/ops/logical_and.h>
 #include <ATen/ops/logical_not.h>
 #include <ATen/ops/logical_or.h>
 #include <ATen/ops/lt.h>
@@ -296,9 +297,11 @@ void check_ward_args(const at::Tensor& features, const c10::SymInt& height,
   std::abort();
 }
 
-void check_key_weights_values(const char* op, const char* arg, const at::Tensor& key_weights) {
+void check_key_weights_values(const char* op, const char* arg, const at::Tensor& key_weights,
+                              const at::Tensor& region_ids) {
   if (key_weights.numel() == 0) return;
-  const auto bad = at::logical_not(at::isfinite(key_weights));
+  const auto bad = at::logical_and(at::logical_not(at::isfinite(key_weights)),
+                                   at::ge(region_ids, 0).unsqueeze(1));
   if (!at::any(bad).item<bool>()) return;
   const int64_t flat = at::argmax(bad.flatten().to(at::kInt)).item<int64_t>();
   const int64_t Hw = key_weights.size(1), Tk = key_weights.size(2);

@@ -83,8 +83,10 @@ void check_ward_args(const at::Tensor& features, const c10::SymInt& height,
 void check_region_ids_values(const char* op, const at::Tensor& region_ids, int64_t num_regions);
 void check_query_weights_values(const char* op, const at::Tensor& query_weights);
 
-// key_weights (any device): every value finite. Throws naming the first bad entry.
-void check_key_weights_values(const char* op, const char* arg, const at::Tensor& key_weights);
+// key_weights (any device): finite at every image key (region_ids >= 0), the only entries
+// the ops read. Throws naming the first bad entry.
+void check_key_weights_values(const char* op, const char* arg, const at::Tensor& key_weights,
+                              const at::Tensor& region_ids);
 
 // Both checks above with a single host synchronisation when the values are valid.
 void check_pool_values(const char* op, const at::Tensor& region_ids, int64_t num_regions,

@@ -160,9 +160,16 @@ TEST(Attribution, RegionPoolKeyWeights) {
       {q, q}, {k, k}, w, rid, K, std::vector<double>{0.3, 0.3}, true, std::nullopt, "sum",
       std::nullopt, std::nullopt, std::nullopt, std::nullopt, true, layer_weights);
   EXPECT_TRUE(at::allclose(layers, at::cat({grouped, grouped * 2}, 2), 1e-14, 0));
+  // a non-finite factor of an image key is an error; other keys' factors are never read
   auto bad = kw.clone();
   bad[1][0][3] = NAN;
-  const auto msg = error_of([&] { headscope::region_pool(attn, w, rid, K, "sum", bad); });
+  auto image_at_3 = rid.clone(), none_at_3 = rid.clone();
+  image_at_3[1][3] = 0;
+  none_at_3[1][3] = -1;
+  EXPECT_TRUE(at::equal(headscope::region_pool(attn, w, none_at_3, K, "sum", bad),
+                        headscope::region_pool(attn, w, none_at_3, K, "sum", kw)));
+  const auto msg =
+      error_of([&] { headscope::region_pool(attn, w, image_at_3, K, "sum", bad); });
   EXPECT_NE(msg.find("headscope::region_pool: argument 'key_weights' must hold finite values, "
                      "got nan at [1, 0, 3]"), std::string::npos) << msg;
 }

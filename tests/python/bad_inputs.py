@@ -31,6 +31,14 @@ def softmax(*shape):
     return torch.softmax(rand(*shape), -1)
 
 
+def regions(B, T, K):
+    """Region ids in [-1, K) with key 0 of every row an image token, so that the NaN and
+    Inf cases of key_weights (written at index 0) reach a factor the ops read."""
+    ids = torch.randint(-1, K, (B, T), generator=g)
+    ids[:, 0] = 0
+    return ids
+
+
 def blocks(B, T):
     """block_ids with one bidirectional block per row (the q/k ops' attention pattern)."""
     ids = torch.full((B, T), -1, dtype=torch.long)
@@ -74,7 +82,7 @@ VALID: Dict[str, Tuple] = {
     "region_pool": (["attn", "query_weights", "region_ids", "num_regions", "reduce",
                      "key_weights"],
                     [softmax(2, 3, 5, 20), torch.rand(2, 5, generator=g) + 0.1,
-                     torch.randint(-1, 4, (2, 20), generator=g), 4, "sum",
+                     regions(2, 20, 4), 4, "sum",
                      torch.rand(2, 3, 20, generator=g)],
                     {"attn", "query_weights", "key_weights"},
                     {"key_weights of 2 heads for 3": (5, torch.rand(2, 2, 20, generator=g)),
@@ -87,7 +95,7 @@ VALID: Dict[str, Tuple] = {
                         "causal", "key_padding_mask", "reduce", "window", "chunk", "block_ids",
                         "softcap", "window_bounds_blocks", "key_weights"],
                        [rand(2, 4, 5, 8), rand(2, 2, 20, 8), torch.rand(2, 5, generator=g) + .1,
-                        torch.randint(-1, 4, (2, 20), generator=g), 4, 0.35, True, None, "sum",
+                        regions(2, 20, 4), 4, 0.35, True, None, "sum",
                         20, 20, blocks(2, 20), 3.0,  # window, chunk: key 0 seen (NaN cases)
                         True, torch.rand(2, 2, 20, generator=g)],
                        {"q", "k", "query_weights", "key_weights"},
@@ -105,7 +113,7 @@ VALID: Dict[str, Tuple] = {
                               [[rand(2, 4, 5, 8), rand(2, 4, 5, 8)],
                                [rand(2, 2, 20, 8), rand(2, 2, 20, 8)],
                                torch.rand(2, 5, generator=g) + .1,
-                               torch.randint(-1, 4, (2, 20), generator=g), 4, [0.35, 0.3], True,
+                               regions(2, 20, 4), 4, [0.35, 0.3], True,
                                None, "sum", [20, 0], [0, 20], blocks(2, 20), 3.0, True,
                                [torch.rand(2, 2, 20, generator=g),
                                 torch.rand(2, 4, 20, generator=g)]],

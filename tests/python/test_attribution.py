@@ -327,6 +327,15 @@ def test_bad_inputs_key_weights():
                            match=r"headscope::region_pool_qk_layers: argument " + layer_msg):
             OPS.region_pool_qk_layers([a["q"]] * 2, [a["k"]] * 2, a["query_weights"],
                                       a["region_ids"], 3, key_weights=[kw, bad])
+    # factors of keys outside every region are never read: any value, unchecked
+    rid = a["region_ids"].clone()
+    rid[0, 4] = -1
+    nan_off_image = kw.index_put((torch.tensor(0), torch.tensor(1), torch.tensor(4)),
+                                 torch.tensor(float("nan")))
+    assert torch.equal(OPS.region_pool_qk(**{**a, "region_ids": rid}, key_weights=nan_off_image),
+                       OPS.region_pool_qk(**{**a, "region_ids": rid}, key_weights=kw))
+    assert torch.equal(OPS.region_pool(attn, a["query_weights"], rid, 3, "sum", nan_off_image),
+                       OPS.region_pool(attn, a["query_weights"], rid, 3, "sum", kw))
     with pytest.raises(RuntimeError, match=r"region_pool_qk_layers: argument 'key_weights' must "
                                            r"hold one tensor per layer of 'q' \(2\), got 1"):
         OPS.region_pool_qk_layers([a["q"]] * 2, [a["k"]] * 2, a["query_weights"],

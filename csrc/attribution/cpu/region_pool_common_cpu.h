@@ -11,7 +11,6 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <type_traits>
 #include <vector>
 
 namespace headscope::attribution::cpu {
@@ -44,42 +43,28 @@ struct KeyWeights {
   const acc_t* row(int64_t b, int64_t h) const { return data + b * s0 + h / group * s1; }
 };
 
-// Reads key_weights for H query heads and checks every value is finite (throws naming arg).
+// Reads key_weights for H query heads and checks that the factors of the image keys (the
+// only ones read) are finite; throws naming arg.
 template <typename acc_t>
 KeyWeights<acc_t> read_key_weights(const char* op, const char* arg,
-                                   const std::optional<at::Tensor>& key_weights, int64_t H) {
+                                   const std::optional<at::Tensor>& key_weights, int64_t H,
+                                   const RegionLists& regions) {
   KeyWeights<acc_t> w;
   if (!key_weights.has_value() || !key_weights->defined()) return w;
   w.values = key_weights->to(c10::CppTypeToScalarType<acc_t>::value);
   w.s0 = w.values.stride(0);
   w.s1 = w.values.stride(1);
   w.s2 = w.values.stride(2);
-  const int64_t B = w.values.size(0), Hw = w.values.size(1), Tk = w.values.size(2);
+  const int64_t B = w.values.size(0), Hw = w.values.size(1);
   w.group = H / Hw;
   w.given = true;
   w.data = w.values.template const_data_ptr<acc_t>();
-  // a branch-free pass per row on the exponent bits (all ones: NaN or infinity), an integer
-  // OR that vectorises; the row is searched only to word an error
-  using bits_t = std::conditional_t<sizeof(acc_t) == 8, uint64_t, uint32_t>;
-  constexpr bits_t kExponent = sizeof(acc_t) == 8 ? bits_t(0x7ff0000000000000ull)
-                                                  : bits_t(0x7f800000u);
-  auto nonfinite = [&](acc_t v) {
-    bits_t u;
-    std::memcpy(&u, &v, sizeof u);
-    return bits_t((u & kExponent) == kExponent);
-  };
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < Hw; ++h) {
       const acc_t* row = w.data + b * w.s0 + h * w.s1;
-      bits_t bad = 0;
-      if (w.s2 == 1)
-        for (int64_t t = 0; t < Tk; ++t) bad |= nonfinite(row[t]);
-      else
-        for (int64_t t = 0; t < Tk; ++t) bad |= nonfinite(row[t * w.s2]);
-      if (bad)
-        for (int64_t t = 0; t < Tk; ++t)
-          if (!std::isfinite(row[t * w.s2]))
-            fail_key_weight(op, arg, static_cast<double>(row[t * w.s2]), b, h, t);
+      for (const int64_t t : regions.pos[b])
+        if (!std::isfinite(row[t * w.s2]))
+          fail_key_weight(op, arg, static_cast<double>(row[t * w.s2]), b, h, t);
     }
   return w;
 }

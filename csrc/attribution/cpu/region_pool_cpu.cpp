@@ -58,7 +58,7 @@ at::Tensor region_pool_cpu(const at::Tensor& attn, const at::Tensor& query_weigh
     const int64_t s0 = attn.stride(0), s1 = attn.stride(1), s2 = attn.stride(2),
                   s3 = attn.stride(3);
     acc_t* o = out.mutable_data_ptr<acc_t>();
-    const auto kw = read_key_weights<acc_t>(op, "key_weights", key_weights, H);
+    const auto kw = read_key_weights<acc_t>(op, "key_weights", key_weights, H, regions);
     // Work of one (b, h): the image tokens times the span's queries; threads only pay off
     // for a few tens of thousands of multiply-adds each.
     int64_t work = 1;
@@ -237,7 +237,8 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
     acc_t* part_p = part.data();
     std::vector<KeyWeights<acc_t>> kw(L);
     for (size_t l = 0; l < key_weights.size(); ++l)
-      kw[l] = read_key_weights<acc_t>(op, key_weights_names[l].c_str(), key_weights[l], H);
+      kw[l] = read_key_weights<acc_t>(op, key_weights_names[l].c_str(), key_weights[l], H,
+                                      regions);
 
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> Qb, S, Kbuf, acc, m, z;

@@ -135,7 +135,7 @@ __global__ void region_pool_kernel(const scalar_t* __restrict__ attn, int64_t s0
 // Checks the values of region_ids and query_weights and normalises the weights, one block
 // per batch row: flag bit 1 marks a region id outside [-1, K), bit 2 a negative or
 // non-finite weight, bit 4 a row whose weights sum to <= 0 (in float64), bit 8 a
-// non-finite key weight.
+// non-finite key weight at an image key (the only ones read).
 template <typename w_t, typename acc_t>
 __global__ void pool_prepare_kernel(const w_t* __restrict__ w, int64_t w0, int64_t w1, int64_t Tq,
                                     const int64_t* __restrict__ rid, int64_t r0, int64_t r1,
@@ -157,10 +157,10 @@ __global__ void pool_prepare_kernel(const w_t* __restrict__ w, int64_t w0, int64
   for (int64_t t = threadIdx.x; t < Tk; t += blockDim.x) {
     const int64_t r = rid[b * r0 + t * r1];
     if (r < -1 || r >= K) bad |= 1;
+    if (kw.p != nullptr && r >= 0)
+      for (int64_t h = 0; h < kw.heads; ++h)
+        if (!isfinite(kw.p[b * kw.s0 + h * kw.s1 + t * kw.s2])) bad |= 8;
   }
-  if (kw.p != nullptr)
-    for (int64_t i = threadIdx.x; i < kw.heads * Tk; i += blockDim.x)
-      if (!isfinite(kw.p[b * kw.s0 + i / Tk * kw.s1 + i % Tk * kw.s2])) bad |= 8;
   if (bad) atomicOr(flag, bad);
 }
 
@@ -189,7 +189,7 @@ at::Tensor checked_normalised_weights(const char* op, const at::Tensor& query_we
   });
   if (flag.item<int>() != 0) {  // throws
     check_pool_values(op, region_ids, K, query_weights);
-    if (kw_values.defined()) check_key_weights_values(op, "key_weights", kw_values);
+    if (kw_values.defined()) check_key_weights_values(op, "key_weights", kw_values, region_ids);
   }
   return wn;
 }
