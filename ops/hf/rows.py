@@ -18,10 +18,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..attribution import FEATURE_BLOCKS
 from .masks import MaskCall
-
-# Per feature set, its blocks of L*H columns in order: True = value-norm weighted.
-BLOCKS = {"attention": (False,), "attention*value_norm": (True,), "both": (False, True)}
 
 
 class LayerRows:
@@ -113,7 +111,9 @@ class SpanRows:
     def __init__(self, num_layers: int, num_heads: int, batch: int, region_ids: torch.Tensor,
                  kmax: int, feature_set: str = "attention"):
         self.num_heads = num_heads
-        self.blocks: Tuple[bool, ...] = BLOCKS[feature_set]
+        # per block of L*H columns: whether its keys are weighted by their value norms
+        self.blocks: Tuple[bool, ...] = tuple(name == "attention*value_norm"
+                                              for name in FEATURE_BLOCKS[feature_set])
         self.block_width = num_layers * num_heads
         self.queries: Dict[int, LayerRows] = {}
         self.keys: Dict[int, torch.Tensor] = {}

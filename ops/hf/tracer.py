@@ -19,7 +19,7 @@ from . import backend
 from .families import ImageTokens, family_of
 from .masks import MaskCall
 from .regions import Regions, region_ids as _region_ids
-from .rows import BLOCKS, SpanRows
+from .rows import SpanRows
 from .value_norm import value_norm_factors, value_norms
 from .generation import Generation, sentence_end
 
@@ -94,7 +94,7 @@ class Tracer(Generation, backend.Binding):
                              f"features={features!r}; pass features={head.feature_set!r} "
                              f"or a head fitted on {features!r} features")
         self.features = features
-        self.feature_width = len(BLOCKS[features]) * L * H
+        self.feature_width = _attr.feature_blocks(features) * L * H
         self.regions, self.vas, self.head, self.tokenizer = regions, bool(vas), head, tokenizer
         self.writes = writes
         self.splitter = splitter if splitter is not None else (

@@ -319,11 +319,12 @@ def test_generation_keeps_only_the_open_spans_query_rows():
     assert len(spans) == 8 and max(held) == 3 and min(held) == 1
 
 
-def test_long_spans_are_folded_into_running_sums_exactly(monkeypatch):
+@pytest.mark.parametrize("features", ["attention", "both"])
+def test_long_spans_are_folded_into_running_sums_exactly(monkeypatch, features):
     """Past FOLD rows per layer the held rows are pooled into each open span's running sum:
     a span that never ends holds at most FOLD rows, and every span's features equal those
     pooled from all its rows at once (spans of different lengths in a left-padded batch,
-    folds falling inside and across them)."""
+    folds falling inside and across them; value-norm weighted columns too)."""
     from headscope.hf.rows import SpanRows
     model = tiny_model("qwen2_vl")
     inputs = _prompt(model, batch=2)
@@ -333,7 +334,7 @@ def test_long_spans_are_folded_into_running_sums_exactly(monkeypatch):
     def spans_with(fold):
         monkeypatch.setattr(SpanRows, "FOLD", fold)
         held = []
-        with Tracer(model, regions=3, vas=False) as tr:
+        with Tracer(model, regions=3, vas=False, features=features) as tr:
             def splitter(ids):
                 held.append(len(tr._rows.queries[0]))
                 return len(ids) % every[len(held) % 2] == 0
