@@ -288,7 +288,7 @@ class Tracer(Generation, backend.Binding):
         never read."""
         norms = v.new_zeros(v.shape[0], self.num_heads, v.shape[2],
                             dtype=self._factors_of(layer, module).dtype)
-        keys = self._image_keys
+        keys = self._image_keys.to(v.device)  # (a model split over devices)
         norms[:, :, keys] = value_norms(v[:, :, keys], self._factors[layer])
         return norms
 
