@@ -1,7 +1,7 @@
 """Benchmarks: each op beside its baselines in one process; prints ratios and peak memory.
 
     python -m headscope.bench [--family mixer vas attribution hf] [--device cpu|cuda]
-                              [--quick] [--json results.json]
+                              [--quick] [--big] [--json results.json]
 
 Timings are for reading, never assertions. The JSON holds each family's results and the
 tables printed (``scripts/perf_tables.py`` turns them into docs/performance.md).
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import inspect
 import json
 import platform
 from pathlib import Path
@@ -26,6 +27,9 @@ def main(argv=None) -> None:
     parser.add_argument("--family", nargs="+", choices=FAMILIES, default=FAMILIES)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
+    parser.add_argument("--big", action="store_true",
+                        help="also the sizes that take minutes on a CPU (families that have "
+                             "them: mixer's vision tower at 9k and 16k patches)")
     parser.add_argument("--json", type=Path, default=Path("bench_results.json"))
     args = parser.parse_args(argv)
 
@@ -37,13 +41,14 @@ def main(argv=None) -> None:
     results = {"torch": torch.__version__, "device": args.device, "machine": _cpu_name(),
                "threads": torch.get_num_threads(),
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               "quick": args.quick, "families": {}, "tables": {}}
+               "quick": args.quick, "big": args.big, "families": {}, "tables": {}}
     if args.device == "cuda":
         results["gpu"] = torch.cuda.get_device_name()
     for family in args.family:
         module = importlib.import_module(f"headscope.bench.{family}")
         PRINTED_TABLES.clear()
-        results["families"][family] = module.run(torch.device(args.device), quick=args.quick)
+        big = {"big": True} if args.big and "big" in inspect.signature(module.run).parameters else {}
+        results["families"][family] = module.run(torch.device(args.device), quick=args.quick, **big)
         results["tables"][family] = list(PRINTED_TABLES)
     with atomic_path(args.json) as tmp:  # an interrupted run leaves the previous file
         Path(tmp).write_text(json.dumps(results, indent=2))

@@ -1,7 +1,8 @@
 """Mixer benchmarks: kl_project against the reference implementation's ``project``
 (kl_projection_reference.py, column ``seed``) looped over a batch and a batched
 eager-PyTorch Newton; kl_project + thin_mix against scaled_dot_product_attention;
-thin_mix against its eager formulation and the dense W @ X."""
+thin_mix against its eager formulation and the dense W @ X; the mixer inside a
+Qwen2-VL-shaped vision tower (``mixer_tower``, needs transformers)."""
 from __future__ import annotations
 
 import statistics
@@ -140,7 +141,19 @@ def bench_thin_mix(device, quick: bool):
     return rows
 
 
-def run(device: torch.device, quick: bool = False) -> dict:
+def run(device: torch.device, quick: bool = False, big: bool = False) -> dict:
+    from . import mixer_tower
     return {"projection": bench_projection(quick) if device.type == "cpu" else None,
             "mixer_vs_sdpa": bench_mixer(device, quick),
-            "thin_mix": bench_thin_mix(device, quick)}
+            "thin_mix": bench_thin_mix(device, quick),
+            **({"vision_tower": mixer_tower.bench_tower(device, quick, big),
+                "tower_tolerance": mixer_tower.bench_tolerance(device, quick)}
+               if _has_transformers() else {})}
+
+
+def _has_transformers() -> bool:
+    import importlib.util
+    if importlib.util.find_spec("transformers") is None:
+        print("(transformers not installed: the vision-tower cases are skipped)")
+        return False
+    return True

@@ -48,7 +48,7 @@ def base_functions(name: str, who: str) -> tuple:
         raise RuntimeError(f"{who}: the model is already traced (a Tracer or region_effects "
                            f"is attached to it)")
     if name not in ALL_MASK_ATTENTION_FUNCTIONS:
-        raise ValueError(f"{who}: the text decoder's attention implementation {name!r} has no "
+        raise ValueError(f"{who}: the attention implementation {name!r} has no "
                          f"mask function in transformers' AttentionMaskInterface; load the "
                          f"model with sdpa, eager or flash attention")
     attention = None if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]

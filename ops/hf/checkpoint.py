@@ -37,6 +37,9 @@ LLAVA_TEMPLATE = (
 LLAVA_FAMILIES = ("llava", "llava_next", "llava_onevision")
 MISTRAL3_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "[IMG] ")
 INTERNVL_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "<IMG_CONTEXT> ")
+LLAMA4_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "<|image|> ")
+GLM4V_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ",
+                                        "<|begin_of_image|><|image|><|end_of_image|> ")
 
 
 def special_tokens(family: str) -> Dict[int, str]:
@@ -55,6 +58,21 @@ def special_tokens(family: str) -> Dict[int, str]:
         from .families.internvl import IMAGE_END as END, IMAGE_START as START
         return {IMAGE_TOKEN: "<IMG_CONTEXT>", VIDEO_TOKEN: "<video>", START: "<img>",
                 END: "</img>", EOS: "</s>"}
+    if family in ("idefics3", "smolvlm"):
+        from .families.idefics3 import tiny_tokens
+        return {**tiny_tokens(), IMAGE_TOKEN: "<image>", EOS: "</s>"}
+    if family == "llama4":
+        from .families.llama4 import GLOBAL_MARKER, TILE_X_SEPARATOR, TILE_Y_SEPARATOR
+        return {IMAGE_TOKEN: "<|patch|>", VISION_START: "<|image_start|>",
+                VISION_END: "<|image_end|>", TILE_X_SEPARATOR: "<|tile_x_separator|>",
+                TILE_Y_SEPARATOR: "<|tile_y_separator|>", GLOBAL_MARKER: "<|image|>",
+                EOS: "</s>"}
+    if family in ("glm4v", "glm4v_moe"):
+        from .families.glm4v import VIDEO_END, VIDEO_START
+        return {IMAGE_TOKEN: "<|image|>", VIDEO_TOKEN: "<|video|>",
+                VISION_START: "<|begin_of_image|>", VISION_END: "<|end_of_image|>",
+                VIDEO_START: "<|begin_of_video|>", VIDEO_END: "<|end_of_video|>",
+                EOS: "<|endoftext|>"}
     return {IMAGE_TOKEN: "<|image_pad|>", VIDEO_TOKEN: "<|video_pad|>",
             VISION_START: "<|vision_start|>", VISION_END: "<|vision_end|>",
             EOS: "<|endoftext|>", EOS + 1: "<|im_start|>", EOS + 2: "<|im_end|>"}
@@ -92,9 +110,11 @@ def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
     # the named special tokens the family's processor reads off its tokenizer
     qwen = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
             "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"}
-    extra = {} if family in LLAVA_FAMILIES + ("mistral3",) else {
+    glm = {"image_token": "<|image|>", "video_token": "<|video|>"}
+    extra = {} if family in LLAVA_FAMILIES + ("mistral3", "idefics3", "smolvlm", "llama4") else {
         "internvl": {"start_image_token": "<img>", "end_image_token": "</img>",
                      "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
+        "glm4v": glm, "glm4v_moe": glm,
     }.get(family, qwen)
     return word_level_tokenizer(names, list(special.values()), eos,
                                 extra_special_tokens=extra)
@@ -108,9 +128,11 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
     pixels; LLaVA-NeXT and LLaVA-OneVision: a base and tiles of 16 x 16 pixels on the
     canvases of ``tiny_pinpoints``; Mistral 3: longest edge ``longest_edge`` pixels, sides
     rounded up to multiples of 8, patches of 4 merged 2 x 2; InternVL: up to ``max_tiles``
-    tiles of 16 x 16 pixels and a thumbnail, 4 tokens each), :func:`tiny_tokenizer` and a
-    chat template. Qwen, LLaVA-NeXT, LLaVA-OneVision, Mistral 3 and InternVL need
-    torchvision (their processors do in transformers 5)."""
+    tiles of 16 x 16 pixels and a thumbnail, 4 tokens each; Idefics3: longest edge 48
+    pixels, up to 3 x 3 tiles of 16 x 16 pixels and a global image, 4 tokens each; Llama 4:
+    a canvas of up to ``max_tiles`` tiles of 16 x 16 pixels and a global image, 4 tokens
+    each; GLM-4.1V: Qwen's sizes), :func:`tiny_tokenizer` and a chat template. All but
+    LLaVA need torchvision (their processors do in transformers 5)."""
     import transformers as tf
 
     tokenizer = tiny_tokenizer(family)
@@ -149,6 +171,18 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
         images = tf.PixtralImageProcessor(size={"longest_edge": longest_edge})
         return tf.PixtralProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4,
                                    spatial_merge_size=2, chat_template=MISTRAL3_TEMPLATE)
+    if family == "idefics3":
+        from .families.idefics3 import TINY_TILE
+        images = tf.Idefics3ImageProcessor(size={"longest_edge": 3 * TINY_TILE},
+                                           max_image_size={"longest_edge": TINY_TILE})
+        return tf.Idefics3Processor(image_processor=images, tokenizer=tokenizer,
+                                    image_seq_len=4, chat_template=LLAVA_TEMPLATE)
+    if family == "llama4":
+        from .families.llama4 import TINY_TILE as TILE
+        images = tf.Llama4ImageProcessor(size={"height": TILE, "width": TILE},
+                                         max_patches=max_tiles)
+        return tf.Llama4Processor(image_processor=images, tokenizer=tokenizer, patch_size=4,
+                                  pixel_shuffle_ratio=0.5, chat_template=LLAMA4_TEMPLATE)
     if family == "internvl":
         images = tf.GotOcr2ImageProcessor(size={"height": 16, "width": 16}, crop_to_patches=True,
                                           min_patches=1, max_patches=max_tiles)
@@ -157,6 +191,11 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
                                     image_seq_length=4, chat_template=INTERNVL_TEMPLATE)
     sizes = dict(patch_size=4, temporal_patch_size=2, merge_size=2)
     size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    if family in ("glm4v", "glm4v_moe"):
+        return tf.Glm4vProcessor(image_processor=tf.Glm4vImageProcessor(size=size, **sizes),
+                                 tokenizer=tokenizer,
+                                 video_processor=tf.Glm4vVideoProcessor(**sizes),
+                                 chat_template=GLM4V_TEMPLATE)
     images = tf.Qwen2VLImageProcessor(size=size, **sizes)
     if family in ("qwen2_vl", "qwen2_5_vl"):
         video = tf.Qwen2VLVideoProcessor(**sizes)

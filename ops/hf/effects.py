@@ -159,6 +159,7 @@ def decoder_inputs(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
     ``position_ids``, ``attention_mask`` and whatever else the model passes. The model's
     forward stops at the decoder."""
     P, N = check_sequence(inputs, sequences, who)
+    family_of(model, who).check_answer(model.config, sequences[:, P:], who)
     full = {}
     for name, value in inputs.items():
         if name == "input_ids":
@@ -166,8 +167,8 @@ def decoder_inputs(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
         elif isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == 1 \
                 and value.shape[1] == P and not value.is_floating_point():
             # per-position inputs (mask, token types) continue over the answer
-            value = torch.nn.functional.pad(value, (0, N),
-                                            value=1 if name == "attention_mask" else 0)
+            value = torch.nn.functional.pad(value, (0, N), value=1 if name == "attention_mask"
+                                            else family_of(model, who).answer_type(name))
         full[name] = value
     mask = full.get("attention_mask")
     if mask is not None:
@@ -192,7 +193,8 @@ def decoder_inputs(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
     finally:
         handle.remove()
     if mask is not None and got.get("attention_mask") is not None:
-        got["attention_mask"] = mask.to(got["attention_mask"].device)
+        # the 2-D mask (a VLM may hand its decoder masks built by layer type instead)
+        got["attention_mask"] = mask.to(got["inputs_embeds"].device)
     if got.get("inputs_embeds") is None:
         raise NotImplementedError(f"{who}: {type(model).__name__} does not hand its "
                                   f"text decoder inputs_embeds")
@@ -207,6 +209,7 @@ class _Runner:
         self.model, self.ablation, self.P, self.N = model, ablation, P, N
         self.decoder = family_of(model, WHO).decoder(model)
         self.head = model.get_output_embeddings()
+        self.final_softcap = family_of(model, WHO).final_softcap(model.config)
         got = decoder_inputs(model, inputs, sequences)
         unknown = sorted(k for k, v in got.items() if k not in _DECODER_KEYS | _IGNORED_KEYS
                          and v is not None and not isinstance(v, (bool, int, float, str)))
@@ -231,6 +234,9 @@ class _Runner:
         if self.visual is not None and bool(self.visual.any()):
             first = min(first, int(self.visual[0].to(torch.int8).argmax()))
         self.start = min(first, P - 1)
+        block = keymask.first_block_position()
+        if block is not None:  # a block's queries see its later keys: not a shared prefix
+            self.start = min(self.start, block)
         if self.deepstack is not None:
             self.deepstack_means = [e.mean(0) for e in self.deepstack]
         self.keymask = keymask
@@ -279,7 +285,10 @@ class _Runner:
                 rows = removed[lo:lo + batch_size]
                 hidden = self._forward(rows)[:, first:first + self.N]
                 for i in range(rows.shape[0]):
-                    logits = self.head(hidden[i]).float()
+                    logits = self.head(hidden[i])
+                    if self.final_softcap is not None:  # as the model's forward caps them
+                        logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+                    logits = logits.float()
                     picked = logits.gather(1, self.targets.unsqueeze(1)).squeeze(1)
                     out[lo + i] = (picked - logits.logsumexp(-1)).double().cpu()
                 bar.update(rows.shape[0])

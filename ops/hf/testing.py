@@ -11,15 +11,15 @@ DATA format of ``python -m headscope collect`` (both in ``checkpoint.py``).
 """
 from __future__ import annotations
 
-import inspect
 from types import SimpleNamespace
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "idefics3",
             "smolvlm", "llava_next", "llava_onevision", "mistral3",
-            "internvl")  # model types
+            "internvl", "glm4v", "glm4v_moe", "llama4", "gemma3",
+            "paligemma")  # model types
 
 # Token ids of the tiny vocabulary (random weights: only their roles matter).
 VOCAB = 512
@@ -44,12 +44,16 @@ def tiny_model(family: str = "qwen2_vl", *, hidden: int = 64, layers: int = 2,
                heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
                vision_hidden: int = 32, vocab: int = VOCAB,
                attn_implementation: str = "sdpa",
-               dtype: torch.dtype = torch.float32, seed: int = 0):
+               dtype: torch.dtype = torch.float32, seed: int = 0,
+               text_overrides: Optional[Dict] = None):
     """A randomly initialised VLM of model type ``family`` (one of :data:`FAMILIES`) in
     eval mode. The text decoder has ``layers`` layers of ``heads`` query and ``kv_heads``
     key/value heads of width ``hidden // heads`` and a vocabulary of ``vocab`` (>=
     :data:`VOCAB`, whose top ids are the special tokens); the vision tower is one or two
-    small blocks (the family module's ``tiny_config``)."""
+    small blocks (the family module's ``tiny_config``). ``attn_implementation`` is the
+    family's ``tiny_attention`` where it has one (PaliGemma 2: eager).
+    ``text_overrides``: text config entries over the family's own (another decoder's
+    ``model_type``, a ``sliding_window``)."""
     from .families import family_of
     if family not in FAMILIES:
         raise ValueError(f"headscope.hf.testing.tiny_model: family must be one of {FAMILIES}, "
@@ -57,11 +61,13 @@ def tiny_model(family: str = "qwen2_vl", *, hidden: int = 64, layers: int = 2,
     if vocab < VOCAB:
         raise ValueError(f"headscope.hf.testing.tiny_model: vocab must be >= {VOCAB}, got {vocab}")
     text = _text(hidden, layers, heads, kv_heads, hidden // heads, intermediate, vocab)
+    text.update(text_overrides or {})
     ids = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
                vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
-    config, cls = family_of(SimpleNamespace(model_type=family)).tiny_config(
-        family, text, vision_hidden, ids)
-    config.text_config._attn_implementation_internal = attn_implementation
+    family_module = family_of(SimpleNamespace(model_type=family))
+    config, cls = family_module.tiny_config(family, text, vision_hidden, ids)
+    config.text_config._attn_implementation_internal = family_module.tiny_attention or \
+        attn_implementation
     config.vision_config._attn_implementation_internal = "sdpa"
     torch.manual_seed(seed)
     model = cls(config).to(dtype).eval()
@@ -77,8 +83,8 @@ def image_prompt(model, grids: Sequence[Tuple[int, int]] = ((8, 8),),
     image of ``grids[b]`` patches (Qwen: even sizes; LLaVA: its fixed size; LLaVA-NeXT: the
     picture's height and width in patches of its tower) laid out by
     its family's ``tiny_image``, and ``text_after[b]`` text tokens; rows are left-padded
-    to one length. ``mm_token_type_ids`` marks the image tokens for the models that take
-    it."""
+    to one length, with the per-position type inputs the family's processor gives
+    (``mm_token_type_ids``, ``token_type_ids``)."""
     from .families import family_of
     family = family_of(model)
     g = torch.Generator().manual_seed(seed)
@@ -99,9 +105,8 @@ def image_prompt(model, grids: Sequence[Tuple[int, int]] = ((8, 8),),
     for key in extras[0]:
         out[key] = _cat_padded([e[key] for e in extras])
     out["pixel_values"] = out["pixel_values"].to(model.dtype)
-    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
-        is_image = torch.isin(input_ids, torch.tensor(family.image_token_ids(model.config)))
-        out["mm_token_type_ids"] = is_image.to(torch.int32)
+    is_image = torch.isin(input_ids, torch.tensor(family.image_token_ids(model.config)))
+    out.update(family.prompt_types(model, is_image))
     return out
 
 
@@ -136,6 +141,7 @@ def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwar
     attention, run with ``output_attentions=True`` and forward hooks on the o_proj inputs.
     Returns ``(output, attentions, head_writes)``: per decoder layer its ``(B, H, T, T)``
     attention and ``(B, H, T, Dh)`` per-head outputs."""
+    from .families import family_of
     H = model_eager.config.text_config.num_attention_heads
     writes, hooks = [], []
 
@@ -143,7 +149,7 @@ def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwar
         x = args[0]
         writes.append(x.reshape(*x.shape[:2], H, -1).transpose(1, 2))
 
-    for layer in model_eager.get_decoder().layers:
+    for layer in family_of(model_eager).decoder(model_eager).layers:
         hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(grab))
     try:
         with torch.no_grad():

@@ -452,11 +452,13 @@ def test_grid_collection_has_the_grid_regions(files, tmp_path):
     assert got.tensors["effects"].shape[1] == 6
 
 
-@pytest.mark.parametrize("family", ["mistral3", "internvl"])
+@pytest.mark.parametrize("family", ["mistral3", "internvl", "idefics3", "glm4v"])
 def test_collect_train_eval_on_a_saved_model_of_another_layout(tmp_path, family):
-    """The commands on a saved tiny model of a family whose pictures are not one plain
-    grid (Mistral 3: rows with break tokens; InternVL: tiles and a thumbnail), with its
-    real processor, on non-square pictures."""
+    """The commands on a saved tiny model of a family other than the Qwen-VL of the
+    other tests (Mistral 3: rows with break tokens; InternVL: tiles and a thumbnail;
+    Idefics3: tiles with row and column markers and a global image; GLM-4.1V: Qwen's grid
+    under its own processor and markers), with its real processor, on non-square
+    pictures."""
     model = tiny_checkpoint(tmp_path / "model", family)
     data = tiny_dataset(tmp_path / "data", 3, size=(48, 24))
     collection = tmp_path / "collection"

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("transformers")
 from conftest import DEVICES  # noqa: E402
 from headscope.hf import Tracer, region_effects  # noqa: E402
+from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.keymask import removed_score  # noqa: E402
 from headscope.hf.testing import image_prompt, tiny_model  # noqa: E402
 
@@ -69,10 +70,11 @@ def _reference_logp(model, inputs, sequences, rid, removed, ablation, hole=None)
     P = inputs["input_ids"].shape[1]
     N = sequences.shape[1] - P
     full = dict(inputs, input_ids=sequences)
-    for name in ("attention_mask", "mm_token_type_ids"):
+    for name in ("attention_mask", "mm_token_type_ids", "token_type_ids"):
         if name in full:
-            full[name] = torch.nn.functional.pad(full[name], (0, N),
-                                                 value=int(name == "attention_mask"))
+            full[name] = torch.nn.functional.pad(
+                full[name], (0, N), value=1 if name == "attention_mask"
+                else family_of(model).answer_type(name))
     clean = _clean_inputs(model, full)
     if clean.get("position_ids") is not None:  # positions as without holes in the mask
         full["position_ids"] = clean["position_ids"]
@@ -123,7 +125,8 @@ def _reference_effects(model, inputs, sequences, rid, sets, ablation, hole=None)
     ("qwen2_vl", "mask"), ("qwen3_vl", "mask"), ("llava", "mask"), ("qwen2_vl", "zero"),
     ("qwen2_vl", "mean"), ("qwen3_vl", "zero"), ("qwen3_vl", "mean"), ("llava_next", "mask"),
     ("llava_next", "zero"), ("llava_onevision", "mask"), ("mistral3", "mask"),
-    ("internvl", "mask")])
+    ("internvl", "mask"), ("glm4v", "mask"), ("glm4v_moe", "mask"), ("gemma3", "mask"),
+    ("paligemma", "mask")])
 @pytest.mark.parametrize("device", DEVICES)
 def test_batched_effects_equal_one_region_at_a_time(family, ablation, device):
     model, inputs, sequences, rid = _case(family, device)

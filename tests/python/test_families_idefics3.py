@@ -10,14 +10,14 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 from headscope.hf import Tracer, grid_regions  # noqa: E402
-from headscope.hf.checkpoint import WORDS, word_level_tokenizer  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.idefics3 import (FAKE_TOKEN, GLOBAL_TOKEN, NEWLINE,  # noqa: E402
-                                            ROW_COL_BASE, tile_side, tiny_tokens)
-from headscope.hf.testing import EOS, IMAGE_TOKEN, VOCAB, quarters, tiny_model  # noqa: E402
+                                            ROW_COL_BASE, TINY_TILE as TILE, tile_side)
+from headscope.hf.testing import (IMAGE_TOKEN, quarters, tiny_model, tiny_processor,  # noqa: E402
+                                  tiny_tokenizer)
 
 TYPES = ("idefics3", "smolvlm")
-TILE = 16  # the tiny vision tower's input size: 4 x 4 patches of 4, 2 x 2 tokens a tile
+# TILE (pixels): 4 x 4 patches of 4, 2 x 2 tokens a tile
 # (width, height) -> (rows, cols) of tiles: the longest side goes to 48 = 3 tiles, the
 # other to a multiple of 16 (the image processor's resize rules)
 PICTURES = {(40, 40): (3, 3), (64, 32): (2, 3), (20, 60): (3, 1), (96, 32): (1, 3)}
@@ -25,26 +25,21 @@ PICTURES = {(40, 40): (3, 3), (64, 32): (2, 3), (20, 60): (3, 1), (96, 32): (1, 
 COLOURS = ((255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255))
 
 
-def tokenizer():
-    """Word-level, with the family's tokens at the tiny model's ids, each one token, and
-    "\\n" one token as in the models' own (byte-level) tokenizers."""
-    special = {**tiny_tokens(), IMAGE_TOKEN: "<image>", EOS: "</s>"}
-    words = ["<pad>", "<unk>", *WORDS]
-    names = [special.get(i, words[i] if i < len(words) else f"w{i}") for i in range(VOCAB)]
-    return word_level_tokenizer(names, list(special.values()), "</s>", padding_side="left")
-
-
 def processor(model_type: str, monkeypatch):
+    """The real processor with the tiny vocabulary's tokens (headscope.hf.checkpoint), left
+    padding."""
     import transformers as tf
-    sizes = dict(size={"longest_edge": 3 * TILE}, max_image_size={"longest_edge": TILE})
     if model_type == "idefics3":
-        return tf.Idefics3Processor(tf.Idefics3ImageProcessor(**sizes), tokenizer(),
-                                    image_seq_len=4)
-    # SmolVLMProcessor insists on num2words, which only its video prompts use
-    from transformers.models.smolvlm import processing_smolvlm
-    monkeypatch.setattr(processing_smolvlm, "num2words", str)
-    return tf.SmolVLMProcessor(tf.SmolVLMImageProcessor(**sizes), tokenizer(),
-                               tf.SmolVLMVideoProcessor(), image_seq_len=4)
+        proc = tiny_processor("idefics3")
+    else:
+        # SmolVLMProcessor insists on num2words, which only its video prompts use
+        from transformers.models.smolvlm import processing_smolvlm
+        monkeypatch.setattr(processing_smolvlm, "num2words", str)
+        sizes = dict(size={"longest_edge": 3 * TILE}, max_image_size={"longest_edge": TILE})
+        proc = tf.SmolVLMProcessor(tf.SmolVLMImageProcessor(**sizes), tiny_tokenizer("smolvlm"),
+                                   tf.SmolVLMVideoProcessor(), image_seq_len=4)
+    proc.tokenizer.padding_side = "left"
+    return proc
 
 
 @pytest.fixture(scope="module", params=TYPES)

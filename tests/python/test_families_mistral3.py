@@ -218,12 +218,13 @@ def test_plain_generate_reads_the_grids_off_input_ids(model, processor):
     assert want_grids == [[(4, 8), (8, 8)], [(8, 1)], [(1, 8), (8, 3), (4, 7)]]
 
 
-def test_a_sliding_window_text_model_raises():
+def test_a_sliding_window_text_model_is_traced_under_its_window():
     """MistralConfig's default has a sliding window (the Mistral 3 checkpoints have none):
-    the Tracer refuses it rather than pool over keys the model did not see."""
-    from headscope.hf.testing import image_prompt
-    model = tiny_model("mistral3")
-    model.config.text_config.sliding_window = 4096
-    with pytest.raises(NotImplementedError, match="sliding-window attention layers"):
-        with torch.no_grad(), Tracer(model, regions=2):
-            model(**image_prompt(model))
+    the Tracer pools under it. A window of 8, smaller than the prompts: greedy tokens equal
+    and span features equal region pooling of the eager attentions."""
+    import test_hf as contract
+    window = dict(sliding_window=8)
+    models = (tiny_model("mistral3", text_overrides=window),
+              tiny_model("mistral3", text_overrides=window, attn_implementation="eager"))
+    assert contract._prompt(models[0], batch=2)["input_ids"].shape[1] > 2 * 8
+    contract.test_generate_same_tokens_and_span_features_equal_region_pool(models)

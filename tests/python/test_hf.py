@@ -20,7 +20,27 @@ from headscope.hf.testing import (EOS, FAMILIES, eager_reference, image_prompt, 
                                   tiny_model)
 
 GRIDS = {"llava": ((8, 8), (8, 8))}  # LLaVA's grid is fixed by its vision tower
-GRIDS.update({t: ((2, 2), (1, 3)) for t in ("idefics3", "smolvlm", "internvl")})  # tiles
+GRIDS.update({t: ((2, 2), (1, 3)) for t in ("idefics3", "smolvlm", "internvl",
+                                              "llama4")})  # tiles
+# Families whose contract cannot hold yet, each test expected to fail with the error named
+EXPECTED_FAILURES = {
+    "llama4": pytest.mark.xfail(
+        raises=AttributeError, strict=True,
+        reason="transformers 5.24's Llama4ForConditionalGeneration.forward reads "
+               "image_outputs off its language model's output and raises; past that, the "
+               "Tracer does not take chunked attention layers yet (docs/hf.md)"),
+}
+
+
+TYPES = ("mm_token_type_ids", "token_type_ids")  # per-position type inputs
+
+
+def _continued(model, inputs, n):
+    """The per-position type inputs of ``inputs`` continued over n generated tokens."""
+    from headscope.hf.families import family_of
+    family = family_of(model)
+    return {k: torch.nn.functional.pad(inputs[k], (0, n), value=family.answer_type(k))
+            for k in TYPES if k in inputs}
 
 
 def _prompt(model, batch=1, seed=0):
@@ -30,7 +50,8 @@ def _prompt(model, batch=1, seed=0):
     return {k: v.to(model.device) for k, v in inputs.items()}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=EXPECTED_FAILURES.get(f, ()))
+                                        for f in FAMILIES])
 def family(request):
     return request.param
 
@@ -114,7 +135,8 @@ def test_residual_writes_equal_writes_through_o_proj(models):
     H = model.config.text_config.num_attention_heads
     lengths = inputs["attention_mask"].sum(-1)
     want = []
-    for layer, A, O in zip(model.get_decoder().layers, attns, writes):
+    from headscope.hf.families import family_of
+    for layer, A, O in zip(family_of(model).decoder(model).layers, attns, writes):
         W = layer.self_attn.o_proj.weight  # (hidden, H * Dh)
         Dh = W.shape[1] // H
         # each head's write into the residual stream, hidden wide: O_h W_O^h^T
@@ -171,7 +193,7 @@ def _row_alone(model, inputs, b):
     """Row b of a left-padded batch of one image per row, without its padding."""
     keep = inputs["attention_mask"][b].bool()
     row = {k: v[b:b + 1][:, keep] for k, v in inputs.items()
-           if k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+           if k in ("input_ids", "attention_mask") + TYPES}
     pixels = inputs["pixel_values"]
     if "image_grid_thw" not in inputs and len(pixels) == len(inputs["input_ids"]):
         # every picture input has one item per picture
@@ -264,8 +286,7 @@ def test_generate_same_tokens_and_span_features_equal_region_pool(models):
     full = dict(inputs, input_ids=plain,
                 attention_mask=torch.cat([inputs["attention_mask"],
                                           torch.ones(2, 7, dtype=torch.int64, device=dev)], 1))
-    if "mm_token_type_ids" in inputs:
-        full["mm_token_type_ids"] = torch.nn.functional.pad(inputs["mm_token_type_ids"], (0, 7))
+    full.update(_continued(model, inputs, 7))
     _, attns, writes = eager_run(eager, full)
     rid = torch.nn.functional.pad(prompt_rid, (0, 7), value=-1)
     for s in spans:
@@ -302,14 +323,14 @@ def test_long_spans_are_folded_into_running_sums_exactly(monkeypatch):
     a span that never ends holds at most FOLD rows, and every span's features equal those
     pooled from all its rows at once (spans of different lengths in a left-padded batch,
     folds falling inside and across them)."""
-    from headscope.hf.tracer import _QueryRows
+    from headscope.hf.rows import SpanRows
     model = tiny_model("qwen2_vl")
     inputs = _prompt(model, batch=2)
     every = {0: 7, 1: 3}
     gen = dict(max_new_tokens=17, do_sample=False, eos_token_id=None)
 
     def spans_with(fold):
-        monkeypatch.setattr(_QueryRows, "FOLD", fold)
+        monkeypatch.setattr(SpanRows, "FOLD", fold)
         held = []
         with Tracer(model, regions=3, vas=False) as tr:
             def splitter(ids):

@@ -8,17 +8,23 @@ from __future__ import annotations
 from typing import Tuple
 
 from .base import Family
+from .gemma3 import Gemma3
+from .glm4v import Glm4v
 from .idefics3 import Idefics3
 from .internvl import InternVL
 from .layout import WHOLE, ImageTokens, View
+from .llama4 import Llama4
 from .llava import Llava
 from .llava_next import LlavaNext
 from .llava_onevision import LlavaOnevision
 from .mistral3 import Mistral3
+from .paligemma import PaliGemma
 from .qwen_vl import QwenVL
+from .unsupported import unsupported_reason
 
 FAMILIES: Tuple[Family, ...] = (QwenVL(), Llava(), Idefics3(), LlavaNext(),
-                                LlavaOnevision(), Mistral3(), InternVL())
+                                LlavaOnevision(), Mistral3(), InternVL(), Glm4v(),
+                                Llama4(), Gemma3(), PaliGemma())
 
 
 def supported_model_types() -> Tuple[str, ...]:
@@ -26,9 +32,14 @@ def supported_model_types() -> Tuple[str, ...]:
 
 
 def family_of(model_or_config, who: str = "headscope.hf") -> Family:
-    """The family of a model (or its config); a clear error for any other model."""
+    """The family of a model (or its config); a clear error for any other model, naming
+    what headscope does not support in it where that is known."""
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)
+    reason = unsupported_reason(config)
+    if reason is not None:
+        raise ValueError(f"{who}: {type(model_or_config).__name__} (model_type "
+                         f"{model_type!r}) is not supported: {reason}")
     for family in FAMILIES:
         if model_type in family.model_types:
             return family

@@ -1,7 +1,8 @@
 """The interface every family module implements (one module per family of VLMs)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+import inspect
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -24,6 +25,8 @@ class Family:
     model_types: Tuple[str, ...] = ()
     layout: str = ""
     input_keys: Tuple[str, ...] = ()
+    # the tiny models' text attention when the family's decoder runs under one only
+    tiny_attention: Optional[str] = None
 
     def decoder(self, model) -> torch.nn.Module:
         """The text decoder: its attention layers are the traced ones."""
@@ -42,6 +45,38 @@ class Family:
         """Per batch row, its pictures in sequence order, from ``inputs`` (``input_ids``
         ``(B, T)`` and :attr:`input_keys`)."""
         raise NotImplementedError
+
+    def prompt_types(self, model, is_image: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The per-position type inputs a processor gives a prompt whose image tokens are
+        ``is_image`` ``(B, T)`` bool (empty: none)."""
+        if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+            return {"mm_token_type_ids": is_image.to(torch.int32)}
+        return {}
+
+    def answer_type(self, name: str) -> int:
+        """The value of the per-position input ``name`` (``token_type_ids``, ...) for a
+        generated token, as the model's generate extends it."""
+        return 0
+
+    def final_softcap(self, config) -> Optional[float]:
+        """The soft cap the model's forward puts on its output logits (None: none)."""
+        return None
+
+    def check_answer(self, config, answer_ids: torch.Tensor,
+                     who: str = "headscope.hf.Tracer") -> None:
+        """Raises a ValueError if a generated answer ``(B, N)`` holds an image token: the
+        model would take prompt plus answer for a prompt with one more picture than it
+        has, and fail deep in transformers (features and image tokens do not match)."""
+        image_ids = list(self.image_token_ids(config))
+        is_image = torch.isin(answer_ids.cpu(), torch.tensor(image_ids))
+        if bool(is_image.any()):
+            rows, steps = is_image.nonzero().t().tolist()
+            raise ValueError(
+                f"{who}: the generated answer holds the image token "
+                f"{int(answer_ids[rows[0], steps[0]])} (row {rows[0]}, answer token "
+                f"{steps[0]}; {len(rows)} in all), so prompt plus answer is no valid model "
+                f"input and the final sequence cannot be traced; keep the model from "
+                f"generating it: generate(..., suppress_tokens={image_ids})")
 
     # ---- tiny models for the tests ------------------------------------------------------
 

@@ -30,6 +30,7 @@ GLOBAL_TOKEN = 508     # <global-img>
 NEWLINE = 509          # "\n"
 END_OF_UTTERANCE = 510  # <end_of_utterance>
 ROW_COL_BASE = 464     # <row_{i+1}_col_{j+1}> is ROW_COL_BASE + 6 * i + j
+TINY_TILE = 16         # the tiny vision tower's input size in pixels: one tile
 
 
 def tiny_tokens() -> Dict[int, str]:
@@ -97,7 +98,7 @@ class Idefics3(Family):
         common = dict(text_config=dict(text, model_type="llama"),
                       vision_config=dict(hidden_size=vision_hidden, intermediate_size=48,
                                          num_hidden_layers=2, num_attention_heads=2,
-                                         image_size=16, patch_size=4),
+                                         image_size=TINY_TILE, patch_size=4),
                       scale_factor=2, image_token_id=ids["image_token_id"])
         if model_type == "idefics3":
             return tf.Idefics3Config(**common), tf.Idefics3ForConditionalGeneration

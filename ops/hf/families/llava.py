@@ -42,7 +42,7 @@ class Llava(Family):
                     ids: Dict[str, int]):
         import transformers as tf
         return tf.LlavaConfig(
-            text_config=dict(text, model_type="llama"),
+            text_config=dict({"model_type": "llama"}, **text),
             vision_config=clip_vision(vision_hidden),
             image_token_index=ids["image_token_id"], image_seq_length=16,
             vision_feature_layer=-1, vision_feature_select_strategy="default"), \

@@ -61,10 +61,10 @@ class Mistral3(Family):
     def tiny_config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
                     ids: Dict[str, int]):
         import transformers as tf
-        # The real checkpoints' text models have no sliding window (the Tracer raises for
-        # one); MistralConfig's own default is 4096.
+        # The real checkpoints' text models have no sliding window; MistralConfig's own
+        # default is 4096.
         return tf.Mistral3Config(
-            text_config=dict(text, model_type="mistral", sliding_window=None),
+            text_config=dict({"model_type": "mistral", "sliding_window": None}, **text),
             vision_config=dict(model_type="pixtral", hidden_size=vision_hidden,
                                intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=2, head_dim=vision_hidden // 2,

@@ -1,0 +1,50 @@
+"""GLM-4.1V and GLM-4.5V (``glm4v``, ``glm4v_moe``): Qwen-VL's layout under other marker
+names. Each picture is one grid of tokens (patches merged ``spatial_merge_size`` squared
+to one token by the vision tower's downsampling convolution, in the row-major order of the
+merged grid) between ``<|begin_of_image|>`` and ``<|end_of_image|>``; ``image_grid_thw``
+gives each picture's patch grid, and the 3-D rope (``get_rope_index``) numbers the tokens
+by the same grid."""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from .qwen_vl import QwenVL, mrope_section
+
+# The tiny models' video markers (headscope.hf.testing's free ids); their image markers
+# are testing's VISION_START and VISION_END
+VIDEO_START = 510  # <|begin_of_video|>
+VIDEO_END = 511    # <|end_of_video|>
+
+
+class Glm4v(QwenVL):
+    name = "glm4v"
+    model_types = ("glm4v", "glm4v_moe")
+    layout = ("one grid per picture (patches merged 2x2), between <|begin_of_image|> and "
+              "<|end_of_image|>")
+
+    # ---- tiny models ----------------------------------------------------------------------
+
+    def tiny_config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
+                    ids: Dict[str, int]):
+        import transformers as tf
+        # half of each head rotates, as in the checkpoints (partial_rotary_factor 0.5); the
+        # rotated half is split into the temporal, height and width sections
+        rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                    mrope_section=mrope_section(text["head_dim"] // 2))
+        vision = dict(depth=2, hidden_size=vision_hidden, intermediate_size=48, num_heads=2,
+                      out_hidden_size=text["hidden_size"], image_size=16, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=2)
+        markers = dict(image_token_id=ids["image_token_id"],
+                       video_token_id=ids["video_token_id"],
+                       image_start_token_id=ids["vision_start_token_id"],
+                       image_end_token_id=ids["vision_end_token_id"],
+                       video_start_token_id=VIDEO_START, video_end_token_id=VIDEO_END)
+        if model_type == "glm4v":
+            return tf.Glm4vConfig(text_config=dict(text, rope_parameters=rope),
+                                  vision_config=vision, **markers), \
+                tf.Glm4vForConditionalGeneration
+        moe = dict(text, rope_parameters=rope, n_routed_experts=4, num_experts_per_tok=2,
+                   n_shared_experts=1, moe_intermediate_size=text["intermediate_size"] // 2,
+                   first_k_dense_replace=1)
+        return tf.Glm4vMoeConfig(text_config=moe, vision_config=vision, **markers), \
+            tf.Glm4vMoeForConditionalGeneration

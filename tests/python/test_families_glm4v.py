@@ -1,0 +1,169 @@
+"""GLM-4.1V's layout (headscope.hf.families.glm4v) against its real processor
+(Glm4vProcessor with a tiny image processor and tokenizer, built offline): each picture's
+grid and markers for several aspect ratios, a four-coloured picture whose tokens' pixels
+must lie where their boxes say, and grid_regions on it through the tiny models."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("torchvision")
+np = pytest.importorskip("numpy")
+pytest.importorskip("PIL.Image")
+
+from headscope.hf import Tracer, grid_regions  # noqa: E402
+from headscope.hf.families import family_of  # noqa: E402
+from headscope.hf.regions import region_ids  # noqa: E402
+from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START, quarters,  # noqa: E402
+                                  tiny_model, tiny_processor)
+
+IMAGE = "<|begin_of_image|><|image|><|end_of_image|>"
+# (height, width): square, 1:2 wide, 3:1 tall, larger than max_pixels (scaled down),
+# thin, and odd sizes
+SIZES = ((32, 32), (24, 48), (60, 20), (200, 100), (16, 40), (30, 50))
+COLOURS = np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 0]], np.uint8)
+
+
+@pytest.fixture(scope="module", params=["glm4v", "glm4v_moe"])
+def model(request):
+    return tiny_model(request.param)
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return tiny_processor("glm4v")
+
+
+def run_processor(processor, sizes, per_row):
+    """The processor's inputs for prompts of ``per_row`` pictures each (left padding)."""
+    pictures = [quarters(*s, COLOURS) for s in sizes]
+    texts = ["describe " + " and ".join([IMAGE] * count) + " the image ." for count in per_row]
+    processor.tokenizer.padding_side = "left"
+    return processor(text=texts, images=pictures, return_tensors="pt", padding=True)
+
+
+@pytest.mark.parametrize("per_row", [(1,) * len(SIZES), (2, 1, 3)])
+def test_views_follow_the_processors_layout(model, processor, per_row):
+    inputs = run_processor(processor, SIZES, per_row)
+    images = family_of(model).images(model.config, inputs)
+    ids = inputs["input_ids"]
+    assert [len(row) for row in images] == list(per_row)
+    want_tokens = processor._get_num_multimodal_tokens(image_sizes=SIZES).num_image_tokens
+    rid, counts = region_ids(grid_regions(1, 1), images, torch.zeros(*ids.shape, 1))
+    picture = 0
+    for b, row in enumerate(images):
+        for image in row:
+            t, h, w = inputs["image_grid_thw"][picture].tolist()
+            (view,) = image.views
+            assert view.name == "base" and image.grid is view and view.box == (0, 0, 1, 1)
+            assert (view.rows, view.cols) == (h // 2, w // 2) and t == 1
+            assert view.rows * view.cols == want_tokens[picture]
+            # one run of image tokens between the begin and end markers
+            first, last = int(view.positions[0]), int(view.positions[-1])
+            assert torch.equal(view.positions, torch.arange(first, last + 1))
+            assert int(ids[b, first - 1]) == VISION_START and int(ids[b, last + 1]) == VISION_END
+            picture += 1
+        positions = torch.cat([im.positions for im in row])
+        assert torch.equal(positions.sort().values, (ids[b] == IMAGE_TOKEN).nonzero().flatten())
+        assert bool((rid[b][ids[b] != IMAGE_TOKEN] == -1).all())
+        assert bool((rid[b][ids[b] == IMAGE_TOKEN] >= 0).all())
+        assert counts[b] == len(row)
+    assert picture == len(SIZES)
+
+
+def test_a_grid_that_does_not_match_input_ids_raises(model, processor):
+    inputs = run_processor(processor, ((24, 48),), (1,))
+    family = family_of(model)
+    wrong = dict(inputs, image_grid_thw=inputs["image_grid_thw"] * torch.tensor([1, 2, 1]))
+    with pytest.raises(ValueError, match="do not split into whole pictures|more image tokens"):
+        family.images(model.config, wrong)
+    with pytest.raises(ValueError, match="need the image_grid_thw"):
+        family.images(model.config, dict(inputs, image_grid_thw=None))
+
+
+def token_colours(model, processor, inputs, picture: int) -> torch.Tensor:
+    """(tokens, pixels): the index of the nearest of COLOURS for each pixel each token of
+    ``picture`` reads, in the model's token order. The vision tower merges each run of
+    ``merge ** 2`` consecutive patches into one token (its downsampling convolution over
+    ``view(-1, merge, merge, hidden)``), and a patch row holds channels x time x p x p."""
+    vc = model.config.vision_config
+    m, p, T = vc.spatial_merge_size, vc.patch_size, vc.temporal_patch_size
+    sizes = inputs["image_grid_thw"].prod(-1).tolist()
+    start = sum(sizes[:picture])
+    patches = inputs["pixel_values"][start:start + sizes[picture]]
+    pixels = patches.reshape(-1, m * m, vc.in_channels, T, p * p)[:, :, :, 0]
+    pixels = pixels.permute(0, 1, 3, 2).reshape(len(patches) // (m * m), -1, vc.in_channels)
+    ip = processor.image_processor
+    mean, std = torch.tensor(ip.image_mean), torch.tensor(ip.image_std)
+    refs = (torch.from_numpy(COLOURS).float() / 255 - mean) / std  # (4, C)
+    return torch.cdist(pixels.float(), refs[None].expand(len(pixels), -1, -1)).argmin(-1)
+
+
+def test_patches_merge_into_the_processors_token_order(model, processor):
+    """What token_colours assumes, through the model's own vision tower: its downsampling
+    convolution receives the patches in runs of merge ** 2 (one token each)."""
+    inputs = run_processor(processor, ((24, 48),), (1,))
+    got = []
+    hook = model.model.visual.downsample.register_forward_pre_hook(
+        lambda module, args: got.append(args[0].shape))
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        hook.remove()
+    m = model.config.vision_config.spatial_merge_size
+    assert got == [torch.Size([len(inputs["pixel_values"]) // (m * m),
+                               model.config.vision_config.hidden_size, m, m])]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_each_tokens_pixels_carry_the_colour_of_its_boxes_quarter(model, processor, size):
+    inputs = run_processor(processor, (size,), (1,))
+    (image,), = family_of(model).images(model.config, inputs)
+    colours = token_colours(model, processor, inputs, 0)
+    boxes = image.boxes
+    quarter = grid_regions(2, 2).of_boxes(boxes)
+    astride = (((boxes[:, 0] < 0.5) & (boxes[:, 2] > 0.5))
+               | ((boxes[:, 1] < 0.5) & (boxes[:, 3] > 0.5)))
+    assert bool((~astride).any())
+    # every pixel of a token inside one quarter is nearest that quarter's colour
+    assert bool((colours[~astride] == quarter[~astride, None]).all())
+    # a token astride the middle carries its centre's quarter's colour among its own
+    counts = torch.nn.functional.one_hot(colours, 4).sum(1)
+    assert bool((counts[astride].gather(1, quarter[astride, None]) > 0).all())
+
+
+def test_grid_regions_give_each_quarter_one_region_through_the_model(model, processor):
+    sizes = ((32, 32), (24, 48), (60, 20))
+    inputs = run_processor(processor, sizes, (1, 1, 1))
+    ids = inputs["input_ids"]
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        with Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
+            assert torch.equal(model(**inputs).logits, plain)
+    assert tr.num_regions == [4, 4, 4]
+    for b in range(len(sizes)):
+        (image,) = tr.images[b]
+        colours = token_colours(model, processor, inputs, b)
+        rid = tr.region_ids[b, image.positions]
+        single = (colours == colours[:, :1]).all(1)
+        by_colour = {}
+        for colour, region in zip(colours[single, 0].tolist(), rid[single].tolist()):
+            assert by_colour.setdefault(colour, region) == region
+        assert by_colour == {0: 0, 1: 1, 2: 2, 3: 3}  # COLOURS and blocks: row-major quarters
+        assert bool((tr.region_ids[b][ids[b] != IMAGE_TOKEN] == -1).all())
+
+
+def test_generation_keeps_the_prompts_regions(model, processor):
+    """tr.generate hands image_grid_thw to the forward; plain model.generate does not, and
+    the Tracer says so rather than guess the grids."""
+    inputs = run_processor(processor, ((24, 48), (60, 20), (32, 32)), (2, 1))
+    with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
+        model(**inputs)
+        want = tr.region_ids.clone()
+        for _ in tr.generate(**inputs, max_new_tokens=2, do_sample=False):
+            pass
+        assert torch.equal(tr.region_ids[:, :want.shape[1]], want)
+        with pytest.raises(ValueError, match="need the image_grid_thw"):
+            model.generate(**inputs, max_new_tokens=1, do_sample=False)

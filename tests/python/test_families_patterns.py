@@ -1,0 +1,114 @@
+"""Attention patterns other than plain causal through the Tracer and region_effects:
+the contract of tests/python/test_hf.py on decoders the families' parametrisation does not
+build (PaliGemma on Gemma, LLaVA on a Mistral decoder with a sliding window), PaliGemma 2's
+VAS through the q/k op with its soft cap, mask functions the ops cannot express, and the
+pattern read from each composition transformers builds."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+import test_hf as contract  # noqa: E402
+from headscope.hf import Tracer  # noqa: E402
+from headscope.hf.masks import Pattern, mask_function, read_pattern  # noqa: E402
+from headscope.hf.testing import tiny_model  # noqa: E402
+from transformers import masking_utils as mu  # noqa: E402
+
+# model type, the text config over the family's: decoders of other patterns
+VARIANTS = {
+    "paligemma_gemma": ("paligemma", dict(model_type="gemma")),
+    "llava_mistral_window": ("llava", dict(model_type="mistral", sliding_window=8)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def models(request):
+    family, text = VARIANTS[request.param]
+    return (tiny_model(family, text_overrides=text),
+            tiny_model(family, text_overrides=text, attn_implementation="eager"))
+
+
+@pytest.mark.parametrize("check", [
+    contract.test_logits_unchanged_and_model_restored,
+    contract.test_vas_features_equal_seed_on_eager_attentions,
+    contract.test_left_padded_batch_equals_rows_alone,
+    contract.test_left_padded_generation_equals_rows_alone,
+    contract.test_generate_same_tokens_and_span_features_equal_region_pool],
+    ids=lambda f: f.__name__[5:])
+def test_contract(models, check):
+    check(models)
+
+
+def test_mistral_window_binds_in_the_test_prompts(models):
+    """The window must hide keys in the prompts above, or the tests prove nothing."""
+    model, _ = models
+    window = getattr(model.config.text_config, "sliding_window", None)
+    if window is None:
+        pytest.skip("no window")
+    assert contract._prompt(model, batch=2)["input_ids"].shape[1] > 2 * window
+
+
+def test_paligemma2_vas_through_the_qk_op_with_soft_cap(monkeypatch):
+    """PaliGemma 2 runs eager only (its soft cap), whose weights VAS then reads: with them
+    withheld, vas_head_stats_qk gets the window, the prefix block and the soft cap, and
+    gives the reference's features."""
+    model = tiny_model("paligemma")
+    assert model.config.text_config.attn_logit_softcapping
+    inputs = contract._prompt(model, batch=2)
+    _, attns, writes = contract.eager_run(model, inputs)
+    import headscope
+    want, _ = headscope.vas_features(attns, writes, inputs["attention_mask"],
+                                     left_padding=True)
+    observe = Tracer.observe
+    monkeypatch.setattr(Tracer, "observe", lambda self, module, q, k, out, weights, kwargs:
+                        observe(self, module, q, k, out, None, kwargs))
+    with torch.no_grad(), Tracer(model, vas=True) as tr:
+        model(**inputs)
+        got = tr.vas_features()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_patterns_read_from_transformers_compositions():
+    blocks = torch.tensor([[-1, 0, 0, -1]])
+    gemma3_sliding = mu.and_masks(mu.or_masks(mu.causal_mask_function,
+                                              mu.blockwise_overlay(blocks)),
+                                  mu.sliding_window_overlay(3))
+    paligemma2 = mu.or_masks(mu.sliding_window_causal_mask_function(3),
+                             mu.blockwise_overlay(blocks))
+    chunked = mu.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.int64))
+    for fn, want in ((mu.causal_mask_function, dict()),
+                     (mu.sliding_window_causal_mask_function(5), dict(window=5)),
+                     (gemma3_sliding, dict(window=3, window_bounds_blocks=True)),
+                     (paligemma2, dict(window=3, window_bounds_blocks=False)),
+                     (chunked, dict(chunk=4))):
+        pattern = read_pattern(fn)
+        for name, value in want.items():
+            assert getattr(pattern, name) == value, (fn, name)
+        assert (pattern.blocks is not None) == (fn in (gemma3_sliding, paligemma2))
+        # rebuilt, the pattern masks exactly as the original
+        again = mask_function(pattern, 1)
+        q, kv = torch.arange(4)[:, None], torch.arange(4)[None, :]
+        b, h = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        assert torch.equal(fn(b, h, q, kv), again(b, h, q, kv)), fn
+    assert read_pattern(mu.causal_mask_function) == Pattern()
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda b, h, q, kv: q >= kv, "the mask function"),
+    (mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(
+        torch.zeros(1, 4096, dtype=torch.int64))), "packed_sequence_mask_function"),
+    (mu.bidirectional_mask_function, "bidirectional_mask_function")])
+def test_unexpressible_mask_functions_raise(fn, match, monkeypatch):
+    """A mask the ops cannot express stops the traced forward with what it was, never a
+    wrong number."""
+    model = tiny_model("qwen2_vl")
+    inputs = contract._prompt(model)
+    from headscope.hf import backend
+    with Tracer(model, vas=True) as tr:
+        mask = tr.mask
+        monkeypatch.setattr(tr, "mask", lambda *args, **kwargs: mask(
+            *args, **dict(kwargs, mask_function=fn, allow_is_causal_skip=False)))
+        with pytest.raises(NotImplementedError, match=match), torch.no_grad():
+            model(**inputs)
+    assert backend.NAME != model.config.text_config._attn_implementation
