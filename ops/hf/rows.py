@@ -126,7 +126,7 @@ class SpanRows:
         # (the ops read only image keys; generated keys are never image keys)
         self.norms: Dict[int, torch.Tensor] = {}
         self._unit: Optional[torch.Tensor] = None  # (B, 1, capacity) ones: unweighted block
-        self.running: Optional[torch.Tensor] = None  # (B, kmax, L*H) stepped layers' sums
+        self.running: Optional[torch.Tensor] = None  # (B, kmax, width) stepped layers' sums
         self.end = 1  # steps run (the prefill's last row is the first)
         self.first = 0  # step of the oldest row held
         self.open_from: List[Optional[int]] = [0] * batch  # None: the row has finished
@@ -249,11 +249,11 @@ class SpanRows:
         self._drop_before(end)
 
     def _mean_last(self, b: int, rows: int) -> torch.Tensor:
-        """(kmax, blocks*Lh*H), the layers that keep every key in order (per block of
-        :attr:`blocks`): the mean over row b's
-        last ``rows`` query rows of their pooled attention (region_pool_qk normalises the
-        query weights; ``rows`` >= 1: a fold leaves no open span without the row of its
-        last step, which the next step's forward adds before the span can end)."""
+        """(kmax, blocks*Lh*H), the layers that keep every key in order, per block of
+        :attr:`blocks`: the mean over row b's last ``rows`` query rows of their pooled
+        attention (region_pool_qk normalises the query weights; ``rows`` >= 1: a fold
+        leaves no open span without the row of its last step, which the next step's
+        forward adds before the span can end)."""
         layers = sorted(self.queries)
         length = self.keys[layers[0]].shape[2]  # these layers' caches hold every position
         region_ids = self._region_ids(length)[b:b + 1]

@@ -286,14 +286,15 @@ class Tracer(Generation, backend.Binding):
         """(B, H, P) value norms ``||v_j W_O^h||`` of the prompt's image keys from the
         prefill's value cache ``v`` (B, Hkv, P, Dh); 0 at the other keys, which the ops
         never read."""
-        norms = v.new_zeros(v.shape[0], self.num_heads, v.shape[2],
-                            dtype=self._factors_of(layer, module).dtype)
+        factors = self._factors_of(layer, module)
+        norms = v.new_zeros(v.shape[0], self.num_heads, v.shape[2], dtype=factors.dtype)
         keys = self._image_keys.to(v.device)  # (a model split over devices)
-        norms[:, :, keys] = value_norms(v[:, :, keys], self._factors[layer])
+        norms[:, :, keys] = value_norms(v[:, :, keys], factors)
         return norms
 
     def _factors_of(self, layer: int, module) -> torch.Tensor:
-        """The layer's value_norm_factors (H, Dh, Dh), computed once from its o_proj."""
+        """The layer's value_norm_factors (H, min(hidden, Dh), Dh), computed once from its
+        o_proj."""
         if layer not in self._factors:
             self._factors[layer] = value_norm_factors(module.o_proj.weight.detach(),
                                                       self.num_heads)
