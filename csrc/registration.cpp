@@ -2,7 +2,8 @@
 // to their code: csrc/<family>/<backend>/ (docs/DEVELOPING.md, "Where things live").
 // Shared conventions: q/k ops take `float? scale=None` (None: head_dim ** -0.5),
 // `bool causal=True` and `Tensor? key_padding_mask=None` (true = padding); sizes that
-// shape an output are SymInt so torch.compile keeps them symbolic.
+// shape an output are SymInt so torch.compile keeps them symbolic. The region-pooling ops
+// take `key_weights` last (per-key factors on the attention weights, docs/attribution.md).
 #include <torch/library.h>
 
 TORCH_LIBRARY(headscope, m) {
@@ -25,17 +26,17 @@ TORCH_LIBRARY(headscope, m) {
 
   // ---- attribution: vStream region pooling, linear head, correlations, regions ----
   m.def("region_pool(Tensor attn, Tensor query_weights, Tensor region_ids, SymInt num_regions,"
-        " str reduce=\"sum\") -> Tensor", pt2);
+        " str reduce=\"sum\", Tensor? key_weights=None) -> Tensor", pt2);
   m.def("region_pool_qk(Tensor q, Tensor k, Tensor query_weights, Tensor region_ids,"
         " SymInt num_regions, float? scale=None, bool causal=True, Tensor? key_padding_mask=None,"
         " str reduce=\"sum\", int? window=None, int? chunk=None, Tensor? block_ids=None,"
         " float? softcap=None,"
-        " bool window_bounds_blocks=True) -> Tensor", pt2);
+        " bool window_bounds_blocks=True, Tensor? key_weights=None) -> Tensor", pt2);
   m.def("region_pool_qk_layers(Tensor[] q, Tensor[] k, Tensor query_weights, Tensor region_ids,"
         " SymInt num_regions, float[]? scale=None, bool causal=True, Tensor? key_padding_mask=None,"
         " str reduce=\"sum\", int[]? window=None, int[]? chunk=None, Tensor? block_ids=None,"
         " float? softcap=None,"
-        " bool window_bounds_blocks=True) -> Tensor", pt2);
+        " bool window_bounds_blocks=True, Tensor[]? key_weights=None) -> Tensor", pt2);
   m.def("linear_attribution(Tensor features, Tensor weight, Tensor mean, Tensor std,"
         " Tensor? bias=None) -> Tensor", pt2);
   m.def("spearman(Tensor pred, Tensor target, int dim=-1) -> Tensor", pt2);

@@ -1,10 +1,10 @@
 // libFuzzer harness for the attribution family: region_pool, region_pool_qk, spearman,
 // pearson, linear_attribution and ward_regions.
 //
-// Valid inputs (any float dtype and layout, NaN/Inf allowed) are checked against float64
-// evaluations of the documented definitions, layouts against each other bitwise, and
-// ward_regions against the properties of its labels; spoilt region ids and query weights
-// must raise a c10::Error naming the op.
+// Valid inputs (any float dtype and layout, NaN/Inf allowed, per-key weights or none) are
+// checked against float64 evaluations of the documented definitions, layouts against each
+// other bitwise, and ward_regions against the properties of its labels; spoilt region ids,
+// query weights and key weights must raise a c10::Error naming the op.
 #include "attribution/attribution.h"
 #include "fuzz_input.h"
 
@@ -62,6 +62,27 @@ at::Tensor attention(const Input::QK& a, double* logit_range) {
   return A.masked_fill(none, 0.0).masked_fill(bad_row & ~none, NAN);
 }
 
+// The pooling ops' key_weights, drawn or none: (B, Hw, Tk) of either sign, Hw among H, the
+// key-value heads Hkv and 1, in a drawn float dtype and layout.
+std::optional<at::Tensor> draw_key_weights(Input& in, int64_t B, int64_t H, int64_t Hkv,
+                                           int64_t Tk) {
+  if (!in.chance(100)) return std::nullopt;
+  const int64_t Hw = in.pick({H, Hkv, int64_t{1}});
+  return in.layout((in.normal({B, Hw, Tk}) * 2).to(float_dtype(in)));
+}
+
+std::optional<at::Tensor> contiguous(const std::optional<at::Tensor>& t) {
+  return t ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+}
+
+// attn (B, H, Tq, Tk) times the key weights of each head (as the ops read them), float64.
+at::Tensor weighted(const at::Tensor& attn, const std::optional<at::Tensor>& key_weights) {
+  if (!key_weights) return attn;
+  const int64_t H = attn.size(1);
+  auto kw = key_weights->to(at::kDouble).repeat_interleave(H / key_weights->size(1), 1);
+  return attn.to(at::kDouble) * kw.unsqueeze(2);
+}
+
 void fuzz_pool(Input& in) {
   const int64_t B = in.size(1, 2), H = in.size(1, 4), Tq = in.size(1, 12);
   const int64_t Tk = in.size(1, in.chance(24) ? 300 : 40), K = in.size(1, 6);
@@ -72,15 +93,20 @@ void fuzz_pool(Input& in) {
   w.select(1, Tq - 1).add_(0.5);  // a positive sum in every row
   const auto dtype = float_dtype(in);
   at::Tensor out, A;
+  std::optional<at::Tensor> key_weights;
   double logit_range = 0;  // the largest finite |logit| of the qk op
   const bool materialised = in.chance(128);
   if (materialised) {
     auto attn = at::softmax(in.normal({B, H, Tq, Tk}), -1).to(dtype);
     if (in.chance(40)) in.sprinkle(attn);
     attn = in.layout(attn);
-    if (!runs("region_pool", [&] { out = headscope::region_pool(attn, w, rid, K, reduce); }))
+    key_weights = draw_key_weights(in, B, H, H, Tk);
+    if (!runs("region_pool",
+              [&] { out = headscope::region_pool(attn, w, rid, K, reduce, key_weights); }))
       fail("region_pool rejected valid input");
-    expect_same("region_pool", out, headscope::region_pool(attn.contiguous(), w, rid, K, reduce));
+    expect_same("region_pool", out,
+                headscope::region_pool(attn.contiguous(), w, rid, K, reduce,
+                                       contiguous(key_weights)));
     A = attn;
   } else {
     auto args = in.qk(B, H, Tq, Tk, 40, dtype);
@@ -89,17 +115,19 @@ void fuzz_pool(Input& in) {
     const auto& kpm = args->key_padding_mask;
     const bool causal = args->causal;
     const double scale = args->scale;
+    key_weights = draw_key_weights(in, B, H, k.size(1), Tk);
     if (!runs("region_pool_qk", [&] {
           out = headscope::region_pool_qk(q, k, w, rid, K, scale, causal, kpm, reduce,
                                           args->window, args->chunk, args->block_ids,
-                                          args->softcap, args->window_bounds_blocks);
+                                          args->softcap, args->window_bounds_blocks,
+                                          key_weights);
         }))
       fail("region_pool_qk rejected valid input");
     expect_same("region_pool_qk", out,
                 headscope::region_pool_qk(q.contiguous(), k.contiguous(), w, rid, K, scale, causal,
                                           kpm, reduce, args->window, args->chunk,
                                           args->block_ids, args->softcap,
-                                          args->window_bounds_blocks));
+                                          args->window_bounds_blocks, contiguous(key_weights)));
     A = attention(*args, &logit_range);
   }
   // float32 logits carry an absolute error of about their size times 2^-24 (times sqrt(D)),
@@ -109,7 +137,7 @@ void fuzz_pool(Input& in) {
   // qk: a weighted row with non-finite logits makes its head's features NaN
   auto nan_heads = materialised ? at::zeros({B, H}, at::kBool)
                                 : (at::isnan(A).any(-1) & (w > 0).unsqueeze(1)).any(-1);
-  auto want = pool_reference(A, w, rid, K, mean, nan_heads);
+  auto want = pool_reference(weighted(A, key_weights), w, rid, K, mean, nan_heads);
   expect_close(materialised ? "region_pool" : "region_pool_qk", out, want, tol, tol);
 }
 
@@ -222,20 +250,29 @@ void fuzz_ward(Input& in) {
   }
 }
 
-// Spoilt region ids, weights or sizes: an error naming the op, never a crash or a result.
+// Spoilt region ids, weights, key weights or sizes: an error naming the op, never a crash
+// or a result.
 void fuzz_errors(Input& in) {
   const int64_t B = in.size(1, 2), H = in.size(1, 2), Tq = in.size(1, 4), Tk = in.size(1, 6);
   const int64_t K = in.size(-1, 4);
   auto attn = at::rand({B, H, Tq, Tk});
   auto w = at::rand({B, Tq});
   auto rid = at::randint(-1, std::max<int64_t>(K, 1), {B, Tk}, at::kLong);
-  switch (in.size(0, 3)) {
+  std::optional<at::Tensor> key_weights;
+  switch (in.size(0, 4)) {
     case 0: rid[in.size(0, B - 1)][in.size(0, Tk - 1)] = in.pick({int64_t{-2}, K, int64_t{1} << 40}); break;
     case 1: w[in.size(0, B - 1)][in.size(0, Tq - 1)] = in.pick({-1.0, double(NAN), double(INFINITY)}); break;
     case 2: w.zero_(); break;
+    case 3: {  // at an image key: the factors of other keys are never read
+      const int64_t b = in.size(0, B - 1), t = in.size(0, Tk - 1);
+      key_weights = at::rand({B, in.pick({H, int64_t{1}}), Tk});
+      (*key_weights)[b][0][t] = in.pick({double(NAN), double(INFINITY), -double(INFINITY)});
+      rid[b][t] = 0;
+      break;
+    }
     default: if (K >= 1) return; break;  // K < 1
   }
-  if (runs("region_pool", [&] { headscope::region_pool(attn, w, rid, K); }))
+  if (runs("region_pool", [&] { headscope::region_pool(attn, w, rid, K, "sum", key_weights); }))
     fail("region_pool accepted spoilt input");
 }
 

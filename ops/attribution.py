@@ -29,6 +29,10 @@ from torch import Tensor, nn
 FORMAT = "headscope.AttributionHead"
 FORMAT_VERSION = 1
 FEATURE_LAYOUT = "layer_major"  # feature index = layer * num_heads + head
+# What the columns hold: the attention mass on a region, that mass with each key weighted by
+# its value norm ||v_j W_O^h|| (key_weights), or both ([attention | attention*value_norm]).
+# Heads and collections without the field hold "attention".
+FEATURE_SETS = ("attention", "attention*value_norm", "both")
 STD_EPS = 1e-8                   # added to the feature and target stds (as the reference)
 
 __all__ = ["AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "region_pool",
@@ -39,15 +43,22 @@ __all__ = ["AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "re
 # ---- thin wrappers over torch.ops.headscope.* -------------------------------------------
 
 def region_pool(attn: Tensor, query_weights: Tensor, region_ids: Tensor, num_regions: int,
-                reduce: str = "sum") -> Tensor:
+                reduce: str = "sum", key_weights: Optional[Tensor] = None) -> Tensor:
     """``(B, H, Tq, Tk)`` attention probabilities -> ``(B, K, H)`` region features.
 
     ``query_weights`` ``(B, Tq)`` >= 0 selects the span (0 outside it; each row must have a
     positive sum), ``region_ids`` int64 ``(B, Tk)`` in ``[-1, K)`` (-1: not an image token).
     ``reduce="mean"`` divides by the region's size; an empty region gives 0.
+
+    ``key_weights`` ``(B, Hw, Tk)`` float, ``Hw`` dividing ``H``, finite at image keys (the
+    only ones read; other entries may hold anything): every attention
+    weight to key t is multiplied by ``key_weights[b, h // (H // Hw), t]`` before the region
+    sum (``Hw = H``: one factor per head; the key-value heads of grouped-query attention;
+    1: shared by every head), e.g. value norms (:func:`headscope.hf.value_norms`). Any
+    strides: a view of a longer buffer is read in place.
     """
     return torch.ops.headscope.region_pool(attn, query_weights, region_ids, num_regions,
-                                           reduce)
+                                           reduce, key_weights)
 
 
 def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tensor,
@@ -55,7 +66,8 @@ def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tens
                    key_padding_mask: Optional[Tensor] = None, reduce: str = "sum",
                    window: Optional[int] = None, chunk: Optional[int] = None,
                    block_ids: Optional[Tensor] = None,
-                   softcap: Optional[float] = None, window_bounds_blocks: bool = True) -> Tensor:
+                   softcap: Optional[float] = None, window_bounds_blocks: bool = True,
+                   key_weights: Optional[Tensor] = None) -> Tensor:
     """``region_pool(softmax(scale * q k^T))`` without storing the attention matrix.
 
     ``q`` ``(B, H, Tq, D)``, ``k`` ``(B, Hkv, Tk, D)`` with ``Hkv`` dividing ``H`` (grouped
@@ -72,10 +84,14 @@ def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tens
     ``softcap`` (logits become ``softcap * tanh(logits / softcap)``),
     ``window_bounds_blocks`` (False: a query sees its whole block whatever the window and
     chunks, PaliGemma 2's composition; True: Gemma 3's).
+
+    ``key_weights`` ``(B, Hw, Tk)``: per-key factors on the attention weights, as
+    :func:`region_pool`'s (``Hw`` dividing ``H``, so ``Hkv`` is one choice).
     """
     return torch.ops.headscope.region_pool_qk(q, k, query_weights, region_ids, num_regions,
                                               scale, causal, key_padding_mask, reduce, window,
-                                              chunk, block_ids, softcap, window_bounds_blocks)
+                                              chunk, block_ids, softcap, window_bounds_blocks,
+                                              key_weights)
 
 
 def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weights: Tensor,
@@ -87,7 +103,8 @@ def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weight
                           chunk: Union[int, Sequence[Optional[int]], None] = None,
                           block_ids: Optional[Tensor] = None,
                           softcap: Optional[float] = None,
-                          window_bounds_blocks: bool = True) -> Tensor:
+                          window_bounds_blocks: bool = True,
+                          key_weights: Optional[Sequence[Tensor]] = None) -> Tensor:
     """:func:`region_pool_qk` of every layer in one call: ``q[l]`` ``(B, H, Tq, D)`` and
     ``k[l]`` ``(B, Hkv, Tk, D)`` (every layer of the first one's sizes), ``scale`` one per
     layer (default ``D ** -0.5``) -> ``(B, K, L*H)``, column ``l*H + h``: the features of an
@@ -97,6 +114,9 @@ def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weight
     ``window`` and ``chunk``: one length for every layer, or one per layer (None or 0: none
     in that layer; Gemma's sliding and global layers alternate). ``block_ids`` and
     ``softcap`` and ``window_bounds_blocks`` apply to every layer (:func:`region_pool_qk`).
+
+    ``key_weights``: None, or one ``(B, Hw, Tk)`` tensor per layer (:func:`region_pool`'s
+    factors; a list, so that per-layer value norms pass without being stacked).
     """
     def per_layer(v):
         if v is None:
@@ -110,7 +130,9 @@ def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weight
                                                      None if scale is None else list(scale),
                                                      causal, key_padding_mask, reduce,
                                                      per_layer(window), per_layer(chunk),
-                                                     block_ids, softcap, window_bounds_blocks)
+                                                     block_ids, softcap, window_bounds_blocks,
+                                                     None if key_weights is None
+                                                     else list(key_weights))
 
 
 def linear_attribution(features: Tensor, weight: Tensor, mean: Tensor, std: Tensor,
@@ -176,13 +198,14 @@ def lds(pred: Tensor, actual: Tensor) -> LDS:
 
 # ---- the estimator ------------------------------------------------------------------------
 
-def _check_fit_data(where: str, features: Tensor, targets: Tensor, num_features: int):
+def _check_fit_data(where: str, features: Tensor, targets: Tensor, num_features: int,
+                    columns: str):
     if not isinstance(features, Tensor) or not features.is_floating_point():
         raise TypeError(f"headscope.AttributionHead.{where}: argument 'features' must be a "
                         f"floating tensor (..., {num_features}), got {features!r:.80}")
     if features.dim() < 1 or features.shape[-1] != num_features:
         raise ValueError(f"headscope.AttributionHead.{where}: argument 'features' must have "
-                         f"L*H = {num_features} entries in its last dimension, got shape "
+                         f"{columns} = {num_features} entries in its last dimension, got shape "
                          f"{tuple(features.shape)}")
     if not isinstance(targets, Tensor) or targets.shape != features.shape[:-1]:
         raise ValueError(f"headscope.AttributionHead.{where}: argument 'targets' must have "
@@ -242,6 +265,17 @@ def _dist_group(group):
     return None, None
 
 
+def check_feature_set(where: str, feature_set: str) -> None:
+    if feature_set not in FEATURE_SETS:
+        raise ValueError(f"{where}: feature_set must be one of "
+                         f"{', '.join(map(repr, FEATURE_SETS))}, got {feature_set!r}")
+
+
+def feature_blocks(feature_set: str) -> int:
+    """Blocks of L*H columns of a feature set: 2 for "both", else 1."""
+    return 2 if feature_set == "both" else 1
+
+
 class AttributionHead(nn.Module):
     """The vStream estimator: scores = ((features - mean) / std) . weight + bias.
 
@@ -249,14 +283,21 @@ class AttributionHead(nn.Module):
     one score per region, the predicted effect of ablating it (in the targets' units
     after ``fit``). Scriptable with ``torch.jit.script`` (``forward`` and
     ``predict_subsets``).
+
+    ``feature_set`` says what the columns hold (:data:`FEATURE_SETS`): ``"attention"`` (the
+    attention mass, ``L*H`` columns), ``"attention*value_norm"`` (the mass with each key
+    weighted by its value norm, ``L*H``) or ``"both"`` (``2*L*H``: the attention block, then
+    the weighted one). It is saved with the head, and ``load`` can require one.
     """
 
     num_layers: int
     num_heads: int
     reduce: str
+    feature_set: str
+    feature_blocks: int
 
     def __init__(self, num_layers: int, num_heads: int, reduce: str = "sum",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, feature_set: str = "attention"):
         super().__init__()
         if num_layers < 1 or num_heads < 1:
             raise ValueError(f"headscope.AttributionHead: num_layers and num_heads must be "
@@ -264,10 +305,13 @@ class AttributionHead(nn.Module):
         if reduce not in ("sum", "mean"):
             raise ValueError(f"headscope.AttributionHead: reduce must be 'sum' or 'mean', "
                              f"got {reduce!r}")
+        check_feature_set("headscope.AttributionHead", feature_set)
         self.num_layers = int(num_layers)
         self.num_heads = int(num_heads)
         self.reduce = reduce
-        F = self.num_layers * self.num_heads
+        self.feature_set = feature_set
+        self.feature_blocks = feature_blocks(feature_set)
+        F = self.num_features
         self.weight = nn.Parameter(torch.zeros(F, dtype=dtype))
         self.register_buffer("mean", torch.zeros(F, dtype=dtype))
         self.register_buffer("std", torch.ones(F, dtype=dtype))
@@ -275,15 +319,17 @@ class AttributionHead(nn.Module):
 
     @property
     def num_features(self) -> int:
-        return self.num_layers * self.num_heads
+        return self.feature_blocks * self.num_layers * self.num_heads
 
     def forward(self, features: Tensor) -> Tensor:
         # The op would name its 'weight' argument; a head's user thinks in L*H features.
-        F = self.num_layers * self.num_heads
+        F = self.feature_blocks * self.num_layers * self.num_heads
         if features.dim() < 1 or features.size(-1) != F:
-            raise ValueError("headscope.AttributionHead: argument 'features' must have L*H = "
-                             + str(self.num_layers) + "*" + str(self.num_heads) + " = "
-                             + str(F) + " entries in its last dimension, got shape "
+            blocks = "2*" if self.feature_blocks == 2 else ""
+            raise ValueError("headscope.AttributionHead: argument 'features' must have "
+                             + blocks + "L*H = " + blocks + str(self.num_layers) + "*"
+                             + str(self.num_heads) + " = " + str(F) + " entries in its last "
+                             "dimension (feature set '" + self.feature_set + "'), got shape "
                              + str(features.shape))
         return torch.ops.headscope.linear_attribution(features, self.weight, self.mean,
                                                       self.std, self.bias)
@@ -305,6 +351,11 @@ class AttributionHead(nn.Module):
     # ---- fitting (not scripted) ----------------------------------------------------------
 
     @torch.jit.unused
+    def _columns(self) -> str:
+        """What the feature columns count: "L*H", or "2*L*H" for the feature set "both"."""
+        return "2*L*H" if self.feature_blocks == 2 else "L*H"
+
+    @torch.jit.unused
     def _store(self, weight: Tensor, mean: Tensor, std: Tensor, bias: float) -> None:
         with torch.no_grad():
             self.weight.copy_(weight.to(self.weight))
@@ -324,7 +375,8 @@ class AttributionHead(nn.Module):
         units (the reference implementation's, times the targets' std, plus their mean: the
         same ranking and LDS).
         """
-        X, y = _check_fit_data("fit", features, targets, self.num_features)
+        X, y = _check_fit_data("fit", features, targets, self.num_features,
+                               self._columns())
         if X.shape[0] < 2:
             raise ValueError(f"headscope.AttributionHead.fit: need at least 2 samples, got "
                              f"{X.shape[0]}")
@@ -376,7 +428,7 @@ class AttributionHead(nn.Module):
         # Pass 1: n, sum f, sum f^2, sum y, sum y^2, sum f y (float64, all-reduced).
         acc = torch.zeros(3 * F + 3, dtype=torch.float64)
         for features, targets in loader:
-            X, y = _check_fit_data("fit_pearson", features, targets, F)
+            X, y = _check_fit_data("fit_pearson", features, targets, F, self._columns())
             acc[0] += X.shape[0]
             acc[1:1 + F] += X.sum(0)
             acc[1 + F:1 + 2 * F] += (X * X).sum(0)
@@ -408,7 +460,7 @@ class AttributionHead(nn.Module):
         for epoch in range(epochs):
             total, batches = 0.0, 0
             for features, targets in loader:
-                X, y = _check_fit_data("fit_pearson", features, targets, F)
+                X, y = _check_fit_data("fit_pearson", features, targets, F, self._columns())
                 opt.zero_grad()
                 local = moments(X, y, w)
                 glob = all_sum(local.detach().clone())
@@ -428,7 +480,7 @@ class AttributionHead(nn.Module):
         with torch.no_grad():
             m = torch.zeros(6, dtype=torch.float64)
             for features, targets in loader:
-                X, y = _check_fit_data("fit_pearson", features, targets, F)
+                X, y = _check_fit_data("fit_pearson", features, targets, F, self._columns())
                 m += moments(X, y, w.detach())
             all_sum(m)
             n_, sp, sy_, spp, _, spy = m.tolist()
@@ -445,7 +497,8 @@ class AttributionHead(nn.Module):
         return {"format": FORMAT, "format_version": str(FORMAT_VERSION),
                 "num_layers": str(self.num_layers), "num_heads": str(self.num_heads),
                 "num_features": str(self.num_features), "feature_layout": FEATURE_LAYOUT,
-                "reduce": self.reduce, "dtype": str(self.weight.dtype).replace("torch.", "")}
+                "feature_set": self.feature_set, "reduce": self.reduce,
+                "dtype": str(self.weight.dtype).replace("torch.", "")}
 
     @torch.jit.unused
     def save(self, path) -> None:
@@ -461,9 +514,11 @@ class AttributionHead(nn.Module):
 
     @classmethod
     def load(cls, path, num_layers: Optional[int] = None, num_heads: Optional[int] = None,
-             reduce: Optional[str] = None) -> "AttributionHead":
+             reduce: Optional[str] = None,
+             feature_set: Optional[str] = None) -> "AttributionHead":
         """Reads a head written by ``save``; checks the format, version, sizes, layout and
-        values, and (when given) that num_layers / num_heads / reduce match."""
+        values, and (when given) that num_layers / num_heads / reduce / feature_set match
+        (a file without a feature set holds an ``"attention"`` head)."""
         from safetensors import safe_open
         where = f"headscope.AttributionHead.load({str(path)!r})"
         try:
@@ -486,9 +541,16 @@ class AttributionHead(nn.Module):
         except (KeyError, ValueError) as e:
             raise ValueError(f"{where}: metadata num_layers/num_heads/num_features missing or "
                              f"not integers: {json.dumps(meta)}") from e
-        if L < 1 or H < 1 or F != L * H:
-            raise ValueError(f"{where}: metadata num_features={F} must equal num_layers * "
-                             f"num_heads = {L}*{H}")
+        stored_set = meta.get("feature_set", "attention")
+        if stored_set not in FEATURE_SETS:
+            raise ValueError(f"{where}: metadata 'feature_set' must be one of "
+                             f"{', '.join(map(repr, FEATURE_SETS))}, got {stored_set!r}")
+        blocks = feature_blocks(stored_set)
+        if L < 1 or H < 1 or F != blocks * L * H:
+            raise ValueError(f"{where}: metadata num_features={F} must equal "
+                             f"{'2 * ' if blocks == 2 else ''}num_layers * num_heads = "
+                             f"{'2*' if blocks == 2 else ''}{L}*{H} (feature set "
+                             f"{stored_set!r})")
         if meta.get("feature_layout") != FEATURE_LAYOUT:
             raise ValueError(f"{where}: metadata 'feature_layout' must be {FEATURE_LAYOUT!r}, "
                              f"got {meta.get('feature_layout')!r}")
@@ -503,13 +565,17 @@ class AttributionHead(nn.Module):
         if reduce is not None and reduce != meta["reduce"]:
             raise ValueError(f"{where}: the file holds a head with reduce="
                              f"{meta['reduce']!r}, expected {reduce!r}")
+        if feature_set is not None and feature_set != stored_set:
+            raise ValueError(f"{where}: the file holds a head fitted on {stored_set!r} "
+                             f"features, expected {feature_set!r} (fit a head on features "
+                             f"of that set)")
         if keys != {"weight", "mean", "std", "bias"}:
             raise ValueError(f"{where}: tensors must be weight, mean, std, bias; got "
                              f"{sorted(keys)}")
         for name in ("weight", "mean", "std"):
             if tuple(tensors[name].shape) != (F,):
-                raise ValueError(f"{where}: tensor {name!r} must have shape ({F},) = L*H, got "
-                                 f"{tuple(tensors[name].shape)}")
+                raise ValueError(f"{where}: tensor {name!r} must have shape ({F},) = "
+                                 f"num_features, got {tuple(tensors[name].shape)}")
         if tuple(tensors["bias"].shape) != ():
             raise ValueError(f"{where}: tensor 'bias' must be a scalar, got shape "
                              f"{tuple(tensors['bias'].shape)}")
@@ -518,7 +584,8 @@ class AttributionHead(nn.Module):
                 raise ValueError(f"{where}: tensor {name!r} must hold finite floats")
         if not bool((tensors["std"] > 0).all()):
             raise ValueError(f"{where}: tensor 'std' must be positive")
-        head = cls(L, H, reduce=meta["reduce"], dtype=tensors["weight"].dtype)
+        head = cls(L, H, reduce=meta["reduce"], dtype=tensors["weight"].dtype,
+                   feature_set=stored_set)
         head._store(tensors["weight"], tensors["mean"], tensors["std"],
                     float(tensors["bias"]))
         return head

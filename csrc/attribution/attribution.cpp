@@ -6,9 +6,9 @@ namespace headscope {
 
 at::Tensor region_pool(const at::Tensor& attn, const at::Tensor& query_weights,
                        const at::Tensor& region_ids, c10::SymInt num_regions,
-                       c10::string_view reduce) {
+                       c10::string_view reduce, const std::optional<at::Tensor>& key_weights) {
   static const auto op = HEADSCOPE_TYPED_OP(region_pool);
-  return op.call(attn, query_weights, region_ids, std::move(num_regions), reduce);
+  return op.call(attn, query_weights, region_ids, std::move(num_regions), reduce, key_weights);
 }
 
 at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
@@ -17,11 +17,12 @@ at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
                           const std::optional<at::Tensor>& key_padding_mask,
                           c10::string_view reduce, std::optional<int64_t> window,
                           std::optional<int64_t> chunk, const std::optional<at::Tensor>& block_ids,
-                          std::optional<double> softcap, bool window_bounds_blocks) {
+                          std::optional<double> softcap, bool window_bounds_blocks,
+                          const std::optional<at::Tensor>& key_weights) {
   static const auto op = HEADSCOPE_TYPED_OP(region_pool_qk);
   return op.call(q, k, query_weights, region_ids, std::move(num_regions), scale, causal,
                  key_padding_mask, reduce, window, chunk, block_ids, softcap,
-                 window_bounds_blocks);
+                 window_bounds_blocks, key_weights);
 }
 
 at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
@@ -31,11 +32,12 @@ at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
                                  c10::string_view reduce, at::OptionalIntArrayRef window,
                                  at::OptionalIntArrayRef chunk,
                                  const std::optional<at::Tensor>& block_ids,
-                                 std::optional<double> softcap, bool window_bounds_blocks) {
+                                 std::optional<double> softcap, bool window_bounds_blocks,
+                                 std::optional<at::TensorList> key_weights) {
   static const auto op = HEADSCOPE_TYPED_OP(region_pool_qk_layers);
   return op.call(q, k, query_weights, region_ids, std::move(num_regions), scale, causal,
                  key_padding_mask, reduce, window, chunk, block_ids, softcap,
-                 window_bounds_blocks);
+                 window_bounds_blocks, key_weights);
 }
 
 at::Tensor linear_attribution(const at::Tensor& features, const at::Tensor& weight,

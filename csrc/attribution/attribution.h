@@ -15,9 +15,15 @@ namespace headscope {
 // (0 outside the span), region_ids int64 (B, Tk) in [-1, num_regions) (-1: no region).
 // Returns (B, K, H): the query-weighted mean attention mass on each region's keys;
 // reduce "mean" divides by the region's size. float32 out for float32/16/bf16 in.
+// key_weights (B, Hw, Tk) float, Hw dividing H, finite at image keys (the only ones read):
+// each attention weight to key t is multiplied by key_weights[b, h / (H / Hw), t] before
+// the region sum (Hw = H: one weight per head; Hw = Hkv: one per group of grouped-query
+// heads; Hw = 1: shared by all heads), e.g. value norms ||v_t W_O^h|| (docs/attribution.md).
+// Any strides (a view of a longer buffer is read in place).
 at::Tensor region_pool(const at::Tensor& attn, const at::Tensor& query_weights,
                        const at::Tensor& region_ids, c10::SymInt num_regions,
-                       c10::string_view reduce = "sum");
+                       c10::string_view reduce = "sum",
+                       const std::optional<at::Tensor>& key_weights = std::nullopt);
 
 // The same from q (B, H, Tq, D) and k (B, Hkv, Tk, D) (Hkv divides H), streaming:
 // softmax(scale * q k^T) (no scale: D ** -0.5) with causal (bottom-right aligned) and
@@ -25,6 +31,7 @@ at::Tensor region_pool(const at::Tensor& attn, const at::Tensor& query_weights,
 // (B, H, Tq, Tk). The attention pattern, as vas_head_stats_qk's (docs/attribution.md):
 // `window`, `chunk` (0 or none: none), `block_ids` (B, Tk) int64, `softcap` and
 // `window_bounds_blocks` (false: a query sees its whole block whatever the window).
+// key_weights as region_pool's (Hw divides H, so k's Hkv heads are one choice).
 at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& query_weights, const at::Tensor& region_ids,
                           c10::SymInt num_regions, std::optional<double> scale = std::nullopt,
@@ -35,13 +42,15 @@ at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
                           std::optional<int64_t> chunk = std::nullopt,
                           const std::optional<at::Tensor>& block_ids = std::nullopt,
                           std::optional<double> softcap = std::nullopt,
-                          bool window_bounds_blocks = true);
+                          bool window_bounds_blocks = true,
+                          const std::optional<at::Tensor>& key_weights = std::nullopt);
 
 // region_pool_qk of L layers in one call: q[l] (B, H, Tq, D), k[l] (B, Hkv, Tk, D), every
 // layer of the first one's sizes; scale none (D ** -0.5) or one per layer. Returns
 // (B, K, L * H), column l * H + h (the layer-major order of an attribution head's features).
 // window, chunk: none, or one length per layer (0: none in that layer); block_ids and
-// softcap apply to every layer.
+// softcap apply to every layer. key_weights: none, or one (B, Hw, Tk) tensor per layer (the
+// per-layer value norms are computed layer by layer: a list needs no stacking copy).
 at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
                                  const at::Tensor& query_weights, const at::Tensor& region_ids,
                                  c10::SymInt num_regions,
@@ -53,7 +62,8 @@ at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
                                  at::OptionalIntArrayRef chunk = std::nullopt,
                                  const std::optional<at::Tensor>& block_ids = std::nullopt,
                                  std::optional<double> softcap = std::nullopt,
-                          bool window_bounds_blocks = true);
+                                 bool window_bounds_blocks = true,
+                                 std::optional<at::TensorList> key_weights = std::nullopt);
 
 // features (..., F) -> (...): ((features - mean) / std) . weight + bias, bias a 0-dim
 // tensor (none: 0). A std entry that is not finite and positive makes the scores NaN.

@@ -8,6 +8,7 @@
 #include <ATen/ops/ge.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/le.h>
+#include <ATen/ops/logical_and.h>
 #include <ATen/ops/logical_not.h>
 #include <ATen/ops/logical_or.h>
 #include <ATen/ops/lt.h>
@@ -69,14 +70,34 @@ static void check_weights_and_regions(const char* op, const at::Tensor& ref, con
   HEADSCOPE_CHECK_ARG(num_regions >= 1, op, "num_regions", "must be >= 1, got ", num_regions);
 }
 
+// key_weights (B, Hw, Tk): B from ref's dimension 0, Hw dividing ref's H heads (dimension
+// 1), Tk from keys' dimension tk_dim.
+static void check_key_weights(const char* op, const char* arg, const at::Tensor& key_weights,
+                              const at::Tensor& ref, const char* ref_name, const at::Tensor& keys,
+                              const char* keys_name, int64_t tk_dim) {
+  check_dim(op, arg, key_weights, 3);
+  check_dtype_in(op, arg, key_weights, kFloat);
+  check_same_device(op, ref_name, ref, arg, key_weights);
+  check_same_size(op, ref_name, ref, 0, arg, key_weights, 0);
+  const auto H = ref.sym_size(1), Hw = key_weights.sym_size(1);
+  HEADSCOPE_CHECK_ARG(Hw >= 1 && H % Hw == 0, op, arg,
+                      "must have a number of heads (dimension 1) dividing the ", H, " heads of '",
+                      ref_name, "' (one per head, per key-value head, or 1), got ",
+                      describe(key_weights));
+  check_same_size(op, keys_name, keys, tk_dim, arg, key_weights, 2);
+}
+
 void check_region_pool_args(const at::Tensor& attn, const at::Tensor& query_weights,
                             const at::Tensor& region_ids, const c10::SymInt& num_regions,
-                            c10::string_view reduce) {
+                            c10::string_view reduce,
+                            const std::optional<at::Tensor>& key_weights) {
   const char* op = "headscope::region_pool";
   check_dim(op, "attn", attn, 4);
   check_dtype_in(op, "attn", attn, kFloat);
   check_weights_and_regions(op, attn, "attn", query_weights, region_ids, num_regions, 2, attn,
                             "attn", 3);
+  if (key_weights.has_value() && key_weights->defined())
+    check_key_weights(op, "key_weights", *key_weights, attn, "attn", attn, "attn", 3);
   parse_reduce(op, reduce);
 }
 
@@ -118,9 +139,12 @@ void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
                                c10::string_view reduce, const std::optional<int64_t>& window,
                                const std::optional<int64_t>& chunk,
                                const std::optional<at::Tensor>& block_ids,
-                               const std::optional<double>& softcap) {
+                               const std::optional<double>& softcap,
+                               const std::optional<at::Tensor>& key_weights) {
   const char* op = "headscope::region_pool_qk";
   check_qk_layer(op, q, "q", k, "k", query_weights, region_ids, num_regions, key_padding_mask);
+  if (key_weights.has_value() && key_weights->defined())
+    check_key_weights(op, "key_weights", *key_weights, q, "q", k, "k", 2);
   check_scale(op, scale);
   check_pattern(op, q, "q", k, "k", 2, window, chunk, block_ids, softcap);
   parse_reduce(op, reduce);
@@ -135,12 +159,16 @@ void check_region_pool_qk_layers_args(at::TensorList q, at::TensorList k,
                                       c10::string_view reduce, at::OptionalIntArrayRef window,
                                       at::OptionalIntArrayRef chunk,
                                       const std::optional<at::Tensor>& block_ids,
-                                      const std::optional<double>& softcap) {
+                                      const std::optional<double>& softcap,
+                                      std::optional<at::TensorList> key_weights) {
   const char* op = "headscope::region_pool_qk_layers";
   const size_t L = q.size();
   HEADSCOPE_CHECK_ARG(L >= 1, op, "q", "must hold at least one layer, got none");
   HEADSCOPE_CHECK_ARG(k.size() == L, op, "k", "must hold one tensor per layer of 'q' (", L,
                       "), got ", k.size());
+  HEADSCOPE_CHECK_ARG(!key_weights.has_value() || key_weights->size() == L, op, "key_weights",
+                      "must hold one tensor per layer of 'q' (", L, "), got ",
+                      key_weights.has_value() ? key_weights->size() : 0);
   for (size_t l = 0; l < L; ++l) {
     const std::string q_name = "q[" + std::to_string(l) + "]";
     const std::string k_name = "k[" + std::to_string(l) + "]";
@@ -158,6 +186,12 @@ void check_region_pool_qk_layers_args(at::TensorList q, at::TensorList k,
     HEADSCOPE_CHECK_ARG(k[l].sym_sizes() == k[0].sym_sizes(), op, k_name.c_str(),
                         "must have the sizes of 'k[0]' (", k[0].sym_sizes(), "), got ",
                         describe(k[l]));
+    if (key_weights.has_value()) {
+      const std::string w_name = "key_weights[" + std::to_string(l) + "]";
+      check_defined(op, w_name.c_str(), (*key_weights)[l]);
+      check_key_weights(op, w_name.c_str(), (*key_weights)[l], q[l], q_name.c_str(), k[l],
+                        k_name.c_str(), 2);
+    }
   }
   if (scale.has_value()) {
     HEADSCOPE_CHECK_ARG(scale->size() == L, op, "scale", "must hold one value per layer (", L,
@@ -254,6 +288,26 @@ void check_ward_args(const at::Tensor& features, const c10::SymInt& height,
                       "must have a positive sum in every batch row (an empty span has no "
                       "attribution), got all zeros in row ", b);
   std::abort();
+}
+
+[[noreturn]] void fail_key_weight(const char* op, const char* arg, double value, int64_t b,
+                                  int64_t h, int64_t t) {
+  HEADSCOPE_CHECK_ARG(false, op, arg, "must hold finite values, got ", value, " at [", b, ", ",
+                      h, ", ", t, "]");
+  std::abort();
+}
+
+void check_key_weights_values(const char* op, const char* arg, const at::Tensor& key_weights,
+                              const at::Tensor& region_ids) {
+  if (key_weights.numel() == 0) return;
+  const auto bad = at::logical_and(at::logical_not(at::isfinite(key_weights)),
+                                   at::ge(region_ids, 0).unsqueeze(1));
+  if (!at::any(bad).item<bool>()) return;
+  const int64_t flat = at::argmax(bad.flatten().to(at::kInt)).item<int64_t>();
+  const int64_t Hw = key_weights.size(1), Tk = key_weights.size(2);
+  const int64_t b = flat / (Hw * Tk), h = flat / Tk % Hw, t = flat % Tk;
+  fail_key_weight(op, arg, key_weights.select(0, b).select(0, h).select(0, t).item<double>(), b,
+                  h, t);
 }
 
 void check_region_ids_values(const char* op, const at::Tensor& region_ids, int64_t num_regions) {

@@ -20,7 +20,8 @@ bool parse_reduce(const char* op, c10::string_view reduce);
 
 void check_region_pool_args(const at::Tensor& attn, const at::Tensor& query_weights,
                             const at::Tensor& region_ids, const c10::SymInt& num_regions,
-                            c10::string_view reduce);
+                            c10::string_view reduce,
+                            const std::optional<at::Tensor>& key_weights = std::nullopt);
 
 void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& query_weights, const at::Tensor& region_ids,
@@ -31,11 +32,13 @@ void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
                                const std::optional<int64_t>& window = std::nullopt,
                                const std::optional<int64_t>& chunk = std::nullopt,
                                const std::optional<at::Tensor>& block_ids = std::nullopt,
-                               const std::optional<double>& softcap = std::nullopt);
+                               const std::optional<double>& softcap = std::nullopt,
+                               const std::optional<at::Tensor>& key_weights = std::nullopt);
 
 // Every layer's q[l], k[l] as region_pool_qk's q, k (named "q[l]", "k[l]"), all layers of
 // the first one's sizes, scale (when given) one finite value per layer, window and chunk
-// (when given) one length >= 0 per layer.
+// (when given) one length >= 0 per layer, key_weights (when given) one tensor per layer
+// (named "key_weights[l]").
 void check_region_pool_qk_layers_args(at::TensorList q, at::TensorList k,
                                       const at::Tensor& query_weights,
                                       const at::Tensor& region_ids,
@@ -46,7 +49,8 @@ void check_region_pool_qk_layers_args(at::TensorList q, at::TensorList k,
                                       at::OptionalIntArrayRef window = std::nullopt,
                                       at::OptionalIntArrayRef chunk = std::nullopt,
                                       const std::optional<at::Tensor>& block_ids = std::nullopt,
-                                      const std::optional<double>& softcap = std::nullopt);
+                                      const std::optional<double>& softcap = std::nullopt,
+                                      std::optional<at::TensorList> key_weights = std::nullopt);
 
 // Layer l's entry of region_pool_qk_layers' window or chunk list (0 without a list).
 inline int64_t layer_length(at::OptionalIntArrayRef lengths, size_t l) {
@@ -79,6 +83,11 @@ void check_ward_args(const at::Tensor& features, const c10::SymInt& height,
 void check_region_ids_values(const char* op, const at::Tensor& region_ids, int64_t num_regions);
 void check_query_weights_values(const char* op, const at::Tensor& query_weights);
 
+// key_weights (any device): finite at every image key (region_ids >= 0), the only entries
+// the ops read. Throws naming the first bad entry.
+void check_key_weights_values(const char* op, const char* arg, const at::Tensor& key_weights,
+                              const at::Tensor& region_ids);
+
 // Both checks above with a single host synchronisation when the values are valid.
 void check_pool_values(const char* op, const at::Tensor& region_ids, int64_t num_regions,
                        const at::Tensor& query_weights);
@@ -88,5 +97,7 @@ void check_pool_values(const char* op, const at::Tensor& region_ids, int64_t num
                                  int64_t num_regions);
 [[noreturn]] void fail_query_weight(const char* op, double value, int64_t b, int64_t q);
 [[noreturn]] void fail_empty_span(const char* op, int64_t b);
+[[noreturn]] void fail_key_weight(const char* op, const char* arg, double value, int64_t b,
+                                  int64_t h, int64_t t);
 
 }  // namespace headscope::attribution

@@ -5,6 +5,8 @@
   regions) and against one scaled_dot_product_attention decode call per layer;
 * region_pool (from given attention probabilities) against its eager formulation;
 * features and scores for all layers (region_pool_qk per layer + linear_attribution);
+* key_weights (per-key factors such as value norms, one (1, H, Tk) tensor per layer) against
+  none: region_pool_qk_layers and region_pool, the ratio of their times;
 * linear_attribution against ``((f - mean) / std) @ w + b`` written out and, on the CPU,
   against the ATen composite that is its forward on the other backends;
 * ward_regions against scikit-learn's AgglomerativeClustering (grid connectivity);
@@ -146,6 +148,40 @@ def bench_decode(device, quick: bool) -> dict:
             "qk_peak_MiB": mib(m_qk), "eager_peak_MiB": mib(m_eager), "sdpa_peak_MiB": mib(m_sdpa)}
 
 
+def bench_key_weights(device, quick: bool) -> list[dict]:
+    """The cost of key_weights at one decode step: region_pool_qk_layers (all layers) and
+    region_pool (one layer's probabilities) with per-head factors against without, timed
+    in alternating rounds; the ratio is the median of the rounds' ratios."""
+    s = _decode_setup(device, quick)
+    L, H, K, rid, w, scale = s["L"], s["H"], s["K"], s["rid"], s["w"], s["scale"]
+    qs, ks = s["qs"], s["ks"]
+    g = torch.Generator().manual_seed(2)
+    factors = [torch.rand(1, H, s["Tk"], generator=g).to(device) for _ in range(L)]
+    attn = torch.softmax(torch.randn(1, H, 1, s["Tk"], generator=g), -1).to(device)
+    cases = {
+        "region_pool_qk_layers": (
+            lambda: ops.region_pool_qk_layers(qs, ks, w, rid, K, [scale] * L, False, None, "sum"),
+            lambda: ops.region_pool_qk_layers(qs, ks, w, rid, K, [scale] * L, False, None, "sum",
+                                              None, None, None, None, True, factors)),
+        "region_pool (1 layer)": (
+            lambda: ops.region_pool(attn, w, rid, K, "sum"),
+            lambda: ops.region_pool(attn, w, rid, K, "sum", factors[0])),
+    }
+    rows = []
+    for what, (plain, weighted) in cases.items():
+        times = interleaved({"plain": plain, "weighted": weighted}, device,
+                            rounds=3 if quick else 7, pause=0.05)
+        ratio, low, high = round_ratios(times["weighted"], times["plain"])
+        rows.append({"what": what, "ms": 1e3 * statistics.median(times["plain"]),
+                     "key_weights_ms": 1e3 * statistics.median(times["weighted"]),
+                     "ratio": ratio, "ratio_range": f"{low:.2f}-{high:.2f}"})
+    print_table(f"key_weights vs none, decode step: L={L}, H={H}, Hkv={s['Hkv']}, Tk={s['Tk']}, "
+                f"{s['n_img']} image tokens, K={K} ({device.type}, float32; ratio: median over "
+                "alternating rounds)", rows,
+                ["what", "ms", "key_weights_ms", "ratio", "ratio_range"])
+    return rows
+
+
 def bench_linear(device, quick: bool) -> list[dict]:
     """linear_attribution on the scores of one decode step (K = 64 regions of a 28-layer,
     28-head model) and of many rows (a fit's or an evaluation's batch), against the eager
@@ -263,7 +299,9 @@ def bench_window(device, quick: bool) -> dict:
 
 def run(device: torch.device, quick: bool) -> dict:
     t0 = time.perf_counter()
-    out = {"decode": bench_decode(device, quick), "linear": bench_linear(device, quick),
+    out = {"decode": bench_decode(device, quick),
+           "key_weights": bench_key_weights(device, quick),
+           "linear": bench_linear(device, quick),
            "ward": bench_ward(quick), "window": bench_window(device, quick)}
     print(f"\nattribution benchmarks: {time.perf_counter() - t0:.1f} s")
     return out

@@ -267,6 +267,8 @@ def collect(args) -> Tuple[Path, int]:
         remove_temporaries(out)
         write_manifest(out, {"model": str(Path(args.model).resolve()),
                              "num_layers": L, "num_heads": H,
+                             # the Tracer's span features: attention mass
+                             "feature_set": "attention",
                              "data": str(Path(args.data).resolve()),
                              "examples": len(examples), "regions": args.regions,
                              "grid": args.grid,

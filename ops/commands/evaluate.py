@@ -1,5 +1,7 @@
 """``python -m headscope eval``: how faithful a fitted head is on a data set, against raw
-attention (each region's feature mean over the L*H layers and heads) as the baseline.
+attention (each region's feature mean over the L*H layers and heads; of the first L*H
+columns for the feature set "both", its attention block) as the baseline. The head must
+have been fitted on the collection's feature set.
 
 DATA is collected first (``collect``, into ``--work``, resumable) unless it already is a
 collection. Reported for both scorers: LDS per image and its mean (Spearman across
@@ -23,7 +25,7 @@ from ..attribution import AttributionHead, atomic_path
 from . import collect as _collect
 from .errors import UsageError, check_output, given, option, refuse_ignored
 from .metrics import random_baseline, score
-from .shards import MANIFEST, read_collection, read_manifest
+from .shards import MANIFEST, check_feature_columns, feature_set, read_collection, read_manifest
 
 ROWS = (("lds", "LDS (mean over images)"), ("lds_pooled", "LDS (pooled)"),
         ("pearson", "Pearson"), ("subset_lds", "subset LDS"), ("pointing", "pointing accuracy"))
@@ -42,12 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(collect_options=_collect.add_arguments(parser))
 
 
-def _head(path: str, num_layers: int, num_heads: int) -> AttributionHead:
+def _head(path: str, num_layers: int, num_heads: int, features: str) -> AttributionHead:
     if not Path(path).is_file():
         raise UsageError(f"--head {path}: no such file; allowed: a head written by "
                          f"`python -m headscope train`")
     try:
-        return AttributionHead.load(path, num_layers=num_layers, num_heads=num_heads)
+        return AttributionHead.load(path, num_layers=num_layers, num_heads=num_heads,
+                                    feature_set=features)
     except ValueError as e:
         raise UsageError(f"--head {path}: {e}") from e
 
@@ -104,20 +107,25 @@ def run(args) -> int:
         manifest = read_manifest(folder)
         check_collection_options(args, folder, manifest)
         sizes = int(manifest["num_layers"]), int(manifest["num_heads"])
+        data_feature_set = feature_set(manifest)
     else:
         args.out = args.work or str(Path(args.report).with_suffix("")) + ".collect"
         check_output(args.out, "--work", folder=True)
         sizes = _collect.text_sizes(_collect.load_config(args.model))
-    head = _head(args.head, *sizes)
+        data_feature_set = "attention"  # what collect records
+    head = _head(args.head, *sizes, data_feature_set)
     if not is_collection:
         folder, _ = _collect.collect(args)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     data = read_collection(folder)
     features = data.tensors["features"]
+    check_feature_columns(data.manifest, features.shape[-1], "eval")
+    # the raw baseline: the mean of the first L*H columns (the attention block of "both")
+    first_block = features[..., :sizes[0] * sizes[1]]
     with torch.no_grad():
         results = {"head": score(data, head(features)),
-                   "attention": score(data, features.mean(-1)),
+                   "attention": score(data, first_block.mean(-1)),
                    "random": random_baseline(data),
                    "lines": data.tensors["line"].tolist(),
                    "spans": data.num_spans, "collection": str(folder),

@@ -6,14 +6,19 @@ so a shard is either complete or absent: an interrupted collection loses at most
 it was writing. Reading a collection checks each shard against its recorded SHA-256, so
 bytes damaged after the write are an error naming the shard.
 
-A shard's tensors (E examples, S spans, K regions, F = L*H features, M subsets):
+The manifest's ``feature_set`` says what the feature columns hold (``AttributionHead``'s
+feature sets: ``"attention"``, ``"attention*value_norm"``, F = L*H; ``"both"``, F = 2*L*H);
+a manifest without it holds ``"attention"``. One collection holds one feature set: resuming
+with another is refused like any other changed setting.
+
+A shard's tensors (E examples, S spans, K regions, F features, M subsets):
 
 | name | shape | what |
 | --- | --- | --- |
 | ``line`` | (E,) int64 | the example's line in the JSON Lines file |
 | ``span_example`` | (S,) int64 | the span's example, an index into ``line`` |
 | ``span_bounds`` | (S, 2) int64 | the span's generated tokens ``[start, end)`` |
-| ``features`` | (S, K, F) float32 | ``Span.features``: attention mass per layer and head |
+| ``features`` | (S, K, F) float32 | ``Span.features``: per layer and head, of the feature set |
 | ``effects`` | (S, K) float32 | ``region_effects`` of each region on the span |
 | ``subsets`` | (E, M, K) bool | the example's random region sets |
 | ``subset_effects`` | (S, M) float32 | ``region_effects`` of each set on the span |
@@ -37,7 +42,7 @@ from typing import Dict, List
 
 import torch
 
-from ..attribution import atomic_path
+from ..attribution import FEATURE_SETS, atomic_path, feature_blocks
 from .errors import UsageError
 
 FORMAT = "headscope.collect"
@@ -45,6 +50,28 @@ VERSION = 2  # 2: the manifest holds each shard's SHA-256
 MANIFEST = "manifest.json"
 TENSORS = ("line", "span_example", "span_bounds", "features", "effects", "subsets",
            "subset_effects", "grid", "labels", "image_size", "seconds")
+
+
+# manifest fields added after collections were written, with the value an older one means
+DEFAULTS = {"feature_set": "attention"}
+
+
+def feature_set(manifest: Dict) -> str:
+    """The collection's feature set (``"attention"`` for a manifest without one)."""
+    value = manifest.get("feature_set", DEFAULTS["feature_set"])
+    if value not in FEATURE_SETS:
+        raise UsageError(f"manifest: feature_set must be one of "
+                         f"{', '.join(map(repr, FEATURE_SETS))}, got {value!r}")
+    return value
+
+
+def check_feature_columns(manifest: Dict, columns: int, where: str) -> None:
+    """The feature columns agree with the manifest's layers, heads and feature set."""
+    L, H, fs = int(manifest["num_layers"]), int(manifest["num_heads"]), feature_set(manifest)
+    want = feature_blocks(fs) * L * H
+    if columns != want:
+        raise UsageError(f"{where}: features have {columns} columns; the manifest's "
+                         f"{L} layers x {H} heads of feature set {fs!r} make {want}")
 
 
 def shard_path(folder: Path, index: int) -> Path:
@@ -57,6 +84,7 @@ def write_manifest(folder: Path, settings: Dict) -> None:
     path = folder / MANIFEST
     if path.exists():
         old = read_manifest(folder)
+        old = {**DEFAULTS, **old}
         differ = sorted(k for k in settings if old.get(k) != settings[k])
         if differ:
             raise UsageError(f"{path}: this folder holds a collection with other settings "

@@ -11,7 +11,7 @@ import torch
 from ..attribution import AttributionHead
 from .errors import UsageError, check_output, integer, number, refuse_ignored
 from .metrics import score
-from .shards import Collection, read_collection
+from .shards import Collection, check_feature_columns, feature_set, read_collection
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,8 +91,9 @@ def fit(data: Collection, args) -> AttributionHead:
     from tqdm.auto import tqdm
     t = data.tensors
     S, K, F = t["features"].shape
-    L = int(data.manifest["num_layers"])
-    head = AttributionHead(L, F // L)
+    check_feature_columns(data.manifest, F, "train")
+    head = AttributionHead(int(data.manifest["num_layers"]), int(data.manifest["num_heads"]),
+                           feature_set=feature_set(data.manifest))
     if args.loss == "lstsq":
         return head.fit(t["features"], t["effects"], ridge=args.ridge)
     batches = -(-S // args.batch_spans)

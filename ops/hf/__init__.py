@@ -11,6 +11,7 @@ from .mixer import MixerHandle, use_mixer
 from .regions import grid_regions
 from .stream import Span
 from .tracer import Tracer, sentence_end
+from .value_norm import value_norm_factors, value_norms
 
 __all__ = ["MixerHandle", "Span", "Tracer", "grid_regions", "region_effects", "sentence_end",
-           "use_mixer"]
+           "use_mixer", "value_norm_factors", "value_norms"]

@@ -129,6 +129,51 @@ TEST(Attribution, RegionPoolQKLayersIsEveryLayersRegionPoolQK) {
                         at::cat(per_layer, 2)));
 }
 
+TEST(Attribution, RegionPoolKeyWeights) {
+  at::manual_seed(5);
+  const int64_t B = 2, H = 4, Hkv = 2, Tq = 3, Tk = 40, D = 8, K = 5;
+  const auto attn = at::softmax(at::randn({B, H, Tq, Tk}, at::kDouble), -1);
+  const auto w = at::rand({B, Tq}, at::kDouble) + 0.1;
+  const auto rid = random_regions(B, Tk, K);
+  // key weights of one row per query head, or one shared row: the loops on attn * weights
+  for (int64_t Hw : {H, int64_t{1}}) {
+    const auto kw = at::randn({B, Hw, Tk}, at::kDouble);
+    const auto out = headscope::region_pool(attn, w, rid, K, "sum", kw);
+    expect_close(out, ref_pool(attn * kw.repeat_interleave(H / Hw, 1).unsqueeze(2), w, rid, K,
+                               false), 1e-12);
+  }
+  // q/k: a weight row per kv head is that row repeated for each query head of its group
+  const auto q = at::randn({B, H, Tq, D}, at::kDouble), k = at::randn({B, Hkv, Tk, D}, at::kDouble);
+  const auto kw = at::rand({B, Hkv, Tk}, at::kDouble);
+  const auto grouped = headscope::region_pool_qk(q, k, w, rid, K, 0.3, true, std::nullopt, "sum",
+                                                 std::nullopt, std::nullopt, std::nullopt,
+                                                 std::nullopt, true, kw);
+  const auto per_head = headscope::region_pool_qk(q, k, w, rid, K, 0.3, true, std::nullopt,
+                                                  "sum", std::nullopt, std::nullopt, std::nullopt,
+                                                  std::nullopt, true,
+                                                  kw.repeat_interleave(H / Hkv, 1));
+  EXPECT_TRUE(at::equal(grouped, per_head));
+  EXPECT_FALSE(at::allclose(grouped, headscope::region_pool_qk(q, k, w, rid, K, 0.3)));
+  // layers: one tensor per layer
+  const std::vector<at::Tensor> layer_weights = {kw, kw * 2};
+  const auto layers = headscope::region_pool_qk_layers(
+      {q, q}, {k, k}, w, rid, K, std::vector<double>{0.3, 0.3}, true, std::nullopt, "sum",
+      std::nullopt, std::nullopt, std::nullopt, std::nullopt, true, layer_weights);
+  EXPECT_TRUE(at::allclose(layers, at::cat({grouped, grouped * 2}, 2), 1e-14, 0));
+  // a non-finite factor of an image key is an error; other keys' factors are never read
+  auto bad = kw.clone();
+  bad[1][0][3] = NAN;
+  auto image_at_3 = rid.clone(), none_at_3 = rid.clone();
+  image_at_3[1][3] = 0;
+  none_at_3[1][3] = -1;
+  EXPECT_TRUE(at::equal(headscope::region_pool(attn, w, none_at_3, K, "sum", bad),
+                        headscope::region_pool(attn, w, none_at_3, K, "sum", kw)));
+  const auto msg =
+      error_of([&] { headscope::region_pool(attn, w, image_at_3, K, "sum", bad); });
+  EXPECT_NE(msg.find("headscope::region_pool: argument 'key_weights' must hold finite values, "
+                     "got nan at [1, 0, 3]"), std::string::npos) << msg;
+}
+
 // Whether query position i sees key j: window, chunks from 0, causal or the same block
 // (block ids; negative: none), the block bounded by the window and chunks (Gemma 3) or
 // not (PaliGemma 2), written from the definition (docs/attribution.md).

@@ -31,6 +31,14 @@ def softmax(*shape):
     return torch.softmax(rand(*shape), -1)
 
 
+def regions(B, T, K):
+    """Region ids in [-1, K) with key 0 of every row an image token, so that the NaN and
+    Inf cases of key_weights (written at index 0) reach a factor the ops read."""
+    ids = torch.randint(-1, K, (B, T), generator=g)
+    ids[:, 0] = 0
+    return ids
+
+
 def blocks(B, T):
     """block_ids with one bidirectional block per row (the q/k ops' attention pattern)."""
     ids = torch.full((B, T), -1, dtype=torch.long)
@@ -71,23 +79,28 @@ VALID: Dict[str, Tuple] = {
                            "softcap 0": (11, 0.0), "softcap nan": (11, float("nan"))}),
     "vas_aggregate": (["head_stats"], [rand(2, 3, 4, 3)], {"head_stats"},
                       {"last dim 2": (0, rand(2, 3, 4, 2))}),
-    "region_pool": (["attn", "query_weights", "region_ids", "num_regions", "reduce"],
+    "region_pool": (["attn", "query_weights", "region_ids", "num_regions", "reduce",
+                     "key_weights"],
                     [softmax(2, 3, 5, 20), torch.rand(2, 5, generator=g) + 0.1,
-                     torch.randint(-1, 4, (2, 20), generator=g), 4, "sum"],
-                    {"attn", "query_weights"},
-                    {"region id >= K": (2, torch.full((2, 20), 4)),
+                     regions(2, 20, 4), 4, "sum",
+                     torch.rand(2, 3, 20, generator=g)],
+                    {"attn", "query_weights", "key_weights"},
+                    {"key_weights of 2 heads for 3": (5, torch.rand(2, 2, 20, generator=g)),
+                     "region id >= K": (2, torch.full((2, 20), 4)),
                      "region id < -1": (2, torch.full((2, 20), -2)),
                      "num_regions 0": (3, 0), "reduce max": (4, "max"),
                      "negative weights": (1, -torch.ones(2, 5)),
                      "zero weights": (1, torch.zeros(2, 5))}),
     "region_pool_qk": (["q", "k", "query_weights", "region_ids", "num_regions", "scale",
                         "causal", "key_padding_mask", "reduce", "window", "chunk", "block_ids",
-                        "softcap"],
+                        "softcap", "window_bounds_blocks", "key_weights"],
                        [rand(2, 4, 5, 8), rand(2, 2, 20, 8), torch.rand(2, 5, generator=g) + .1,
-                        torch.randint(-1, 4, (2, 20), generator=g), 4, 0.35, True, None, "sum",
-                        20, 20, blocks(2, 20), 3.0],  # window, chunk: key 0 seen (NaN cases)
-                       {"q", "k", "query_weights"},
-                       {"region id >= K": (3, torch.full((2, 20), 4)),
+                        regions(2, 20, 4), 4, 0.35, True, None, "sum",
+                        20, 20, blocks(2, 20), 3.0,  # window, chunk: key 0 seen (NaN cases)
+                        True, torch.rand(2, 2, 20, generator=g)],
+                       {"q", "k", "query_weights", "key_weights"},
+                       {"key_weights of 3 heads for 4": (14, torch.rand(2, 3, 20, generator=g)),
+                        "region id >= K": (3, torch.full((2, 20), 4)),
                         "num_regions -1": (4, -1), "scale nan": (5, float("nan")),
                         "reduce max": (8, "max"), "window < 0": (9, -1), "chunk < 0": (10, -1),
                         "block_ids float": (11, blocks(2, 20).float()),
@@ -96,14 +109,17 @@ VALID: Dict[str, Tuple] = {
     # tensor lists: the bad inputs go to their first tensor ("q[0]", "k[0]")
     "region_pool_qk_layers": (["q", "k", "query_weights", "region_ids", "num_regions", "scale",
                                "causal", "key_padding_mask", "reduce", "window", "chunk",
-                               "block_ids", "softcap"],
+                               "block_ids", "softcap", "window_bounds_blocks", "key_weights"],
                               [[rand(2, 4, 5, 8), rand(2, 4, 5, 8)],
                                [rand(2, 2, 20, 8), rand(2, 2, 20, 8)],
                                torch.rand(2, 5, generator=g) + .1,
-                               torch.randint(-1, 4, (2, 20), generator=g), 4, [0.35, 0.3], True,
-                               None, "sum", [20, 0], [0, 20], blocks(2, 20), 3.0],
-                              {"q[0]", "k[0]", "query_weights"},
-                              {"one layer of k": (1, [rand(2, 2, 20, 8)]),
+                               regions(2, 20, 4), 4, [0.35, 0.3], True,
+                               None, "sum", [20, 0], [0, 20], blocks(2, 20), 3.0, True,
+                               [torch.rand(2, 2, 20, generator=g),
+                                torch.rand(2, 4, 20, generator=g)]],
+                              {"q[0]", "k[0]", "query_weights", "key_weights[0]"},
+                              {"one layer of key_weights": (14, [torch.rand(2, 2, 20)]),
+                               "one layer of k": (1, [rand(2, 2, 20, 8)]),
                                "layers of two dtypes": (0, [rand(2, 4, 5, 8),
                                                             rand(2, 4, 5, 8).double()]),
                                "no layer": (0, []),

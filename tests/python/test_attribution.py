@@ -24,9 +24,13 @@ OPS = torch.ops.headscope
 
 # ---- eager references ---------------------------------------------------------------------
 
-def ref_region_pool(attn, w, rid, K, reduce="sum"):
-    """Eager formulation: one-hot regions, weighted mean over queries (float64)."""
+def ref_region_pool(attn, w, rid, K, reduce="sum", key_weights=None):
+    """Eager formulation: one-hot regions, weighted mean over queries (float64); key_weights
+    (B, Hw, Tk) multiply the attention weights, head h taking row h // (H // Hw)."""
     B, H, Tq, Tk = attn.shape
+    if key_weights is not None:
+        per_head = key_weights.double().repeat_interleave(H // key_weights.shape[1], dim=1)
+        attn = attn.double() * per_head[:, :, None, :]
     onehot = torch.zeros(B, Tk, K + 1, dtype=torch.float64, device=attn.device)
     onehot.scatter_(2, (rid + 1).unsqueeze(-1), 1.0)
     onehot = onehot[..., 1:]
@@ -216,6 +220,126 @@ def test_bad_inputs_region_pool_qk_layers():
         with pytest.raises(RuntimeError,
                            match=r"headscope::region_pool_qk_layers: argument " + msg):
             OPS.region_pool_qk_layers(**{**rest, **over})
+
+
+# ---- key_weights ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_region_pool_key_weights_match_eager(device, dtype, reduce):
+    gen = torch.Generator().manual_seed(40)
+    B, H, Tq, Tk, K = 2, 6, 4, 37, 5
+    attn = torch.softmax(torch.randn(B, H, Tq, Tk, generator=gen, dtype=dtype), -1).to(device)
+    w = (torch.rand(B, Tq, generator=gen, dtype=dtype) + 0.1).to(device)
+    rid = random_regions(B, Tk, K, gen, device=device)
+    for Hw in (H, 3, 1):
+        kw = (torch.randn(B, Hw, Tk, generator=gen, dtype=dtype) * 3).to(device)  # any sign
+        out = headscope.region_pool(attn, w, rid, K, reduce, kw)
+        torch.testing.assert_close(out.double(), ref_region_pool(attn, w, rid, K, reduce, kw),
+                                   **tol(dtype))
+    # a view of a longer buffer, in float16 (read as the accumulation dtype)
+    buf = torch.rand(B, 3, Tk + 9, generator=gen).to(device, torch.float16)
+    kw = buf[:, :, 4:4 + Tk]
+    torch.testing.assert_close(headscope.region_pool(attn, w, rid, K, reduce, kw).double(),
+                               ref_region_pool(attn, w, rid, K, reduce, kw), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", QK_CASES, ids=lambda c: "B{}H{}kv{}q{}k{}D{}{}{}".format(
+    *c[:6], "c" if c[6] else "", "p" if c[7] else ""))
+def test_region_pool_qk_key_weights_match_softmax(device, dtype, case):
+    B, H, Hkv, Tq, Tk, D, causal, padding = case
+    gen = torch.Generator().manual_seed(41)
+    K = 6
+    q = (torch.randn(B, H, Tq, D, generator=gen, dtype=dtype) * 2).to(device)
+    k = torch.randn(B, Hkv, Tk, D, generator=gen, dtype=dtype).to(device)
+    w = (torch.rand(B, Tq, generator=gen, dtype=dtype) + 0.1).to(device)
+    rid = random_regions(B, Tk, K, gen, device=device)
+    pad = (torch.rand(B, Tk, generator=gen) < 0.2).to(device) if padding else None
+    attn = ref_softmax_attn(q, k, 0.3, causal, pad)
+    for Hw in sorted({H, Hkv, 1}):
+        kw = (torch.rand(B, Hw, Tk, generator=gen, dtype=dtype) * 4).to(device)
+        for reduce in ("sum", "mean"):
+            out = headscope.region_pool_qk(q, k, w, rid, K, 0.3, causal, pad, reduce,
+                                           key_weights=kw)
+            torch.testing.assert_close(out.double(),
+                                       ref_region_pool(attn, w, rid, K, reduce, kw), **tol(dtype))
+
+
+def test_region_pool_qk_key_weights_of_one_change_nothing(device):
+    gen = torch.Generator().manual_seed(42)
+    q, k = torch.randn(2, 4, 5, 8, generator=gen).to(device), torch.randn(2, 2, 300, 8, generator=gen).to(device)
+    w = (torch.rand(2, 5, generator=gen) + 0.1).to(device)
+    rid = random_regions(2, 300, 4, gen, device=device)
+    plain = headscope.region_pool_qk(q, k, w, rid, 4)
+    assert torch.equal(headscope.region_pool_qk(q, k, w, rid, 4, key_weights=torch.ones(2, 2, 300, device=device)), plain)
+    doubled = headscope.region_pool_qk(q, k, w, rid, 4, key_weights=torch.full((2, 1, 300), 2.0, device=device))
+    torch.testing.assert_close(doubled, 2 * plain)
+
+
+@pytest.mark.parametrize("case", QK_CASES[1:4], ids=lambda c: "B{}H{}kv{}q{}k{}".format(*c[:5]))
+def test_region_pool_qk_layers_key_weights_are_per_layer(device, case):
+    B, H, Hkv, Tq, Tk, D, causal, padding = case
+    gen = torch.Generator().manual_seed(43)
+    L, K = 3, 5
+    q = [torch.randn(B, H, Tq, D, generator=gen).to(device) for _ in range(L)]
+    k = [torch.randn(B, Hkv, Tk, D, generator=gen).to(device) for _ in range(L)]
+    w = (torch.rand(B, Tq, generator=gen) + 0.1).to(device)
+    rid = random_regions(B, Tk, K, gen, device=device)
+    pad = (torch.rand(B, Tk, generator=gen) < 0.2).to(device) if padding else None
+    # one tensor per layer, of different head counts; one a view of a longer buffer
+    kw = [torch.rand(B, H, Tk, generator=gen).to(device),
+          torch.rand(B, Hkv, Tk + 5, generator=gen).to(device)[:, :, 5:],
+          torch.rand(B, 1, Tk, generator=gen).to(device)]
+    for reduce in ("sum", "mean"):
+        out = headscope.region_pool_qk_layers(q, k, w, rid, K, None, causal, pad, reduce,
+                                              key_weights=kw)
+        per_layer = [headscope.region_pool_qk(q[l], k[l], w, rid, K, None, causal, pad, reduce,
+                                              key_weights=kw[l]) for l in range(L)]
+        assert torch.equal(out, headscope.stack_layers(per_layer))
+        plain = headscope.region_pool_qk_layers(q, k, w, rid, K, None, causal, pad, reduce)
+        assert not torch.allclose(out, plain)
+
+
+def test_bad_inputs_key_weights():
+    a = _qk_args()
+    attn = torch.softmax(torch.randn(1, 4, 2, 10), -1)
+    kw = torch.ones(1, 2, 10)
+    cases = [
+        (torch.ones(1, 3, 10), r"'key_weights' must have a number of heads \(dimension 1\) "
+                               r"dividing the 4 heads"),
+        (torch.ones(1, 2, 9), r"'key_weights' must have size 10 in dimension 2"),
+        (torch.ones(2, 2, 10), r"'key_weights' must have size 1 in dimension 0"),
+        (torch.ones(2, 10), r"'key_weights' must have 3 dimensions"),
+        (torch.ones(1, 2, 10, dtype=torch.long), r"'key_weights' must have dtype"),
+        (kw.index_put((torch.tensor(0), torch.tensor(1), torch.tensor(7)), torch.tensor(float("nan"))),
+         r"'key_weights' must hold finite values, got nan at \[0, 1, 7\]"),
+        (kw.index_put((torch.tensor(0), torch.tensor(0), torch.tensor(2)), torch.tensor(float("-inf"))),
+         r"'key_weights' must hold finite values, got -inf at \[0, 0, 2\]"),
+    ]
+    for bad, msg in cases:
+        with pytest.raises(RuntimeError, match=r"headscope::region_pool_qk: argument " + msg):
+            OPS.region_pool_qk(**a, key_weights=bad)
+        with pytest.raises(RuntimeError, match=r"headscope::region_pool: argument " + msg):
+            OPS.region_pool(attn, a["query_weights"], a["region_ids"], 3, "sum", bad)
+        layer_msg = msg.replace("'key_weights'", r"'key_weights\[1\]'")
+        with pytest.raises(RuntimeError,
+                           match=r"headscope::region_pool_qk_layers: argument " + layer_msg):
+            OPS.region_pool_qk_layers([a["q"]] * 2, [a["k"]] * 2, a["query_weights"],
+                                      a["region_ids"], 3, key_weights=[kw, bad])
+    # factors of keys outside every region are never read: any value, unchecked
+    rid = a["region_ids"].clone()
+    rid[0, 4] = -1
+    nan_off_image = kw.index_put((torch.tensor(0), torch.tensor(1), torch.tensor(4)),
+                                 torch.tensor(float("nan")))
+    assert torch.equal(OPS.region_pool_qk(**{**a, "region_ids": rid}, key_weights=nan_off_image),
+                       OPS.region_pool_qk(**{**a, "region_ids": rid}, key_weights=kw))
+    assert torch.equal(OPS.region_pool(attn, a["query_weights"], rid, 3, "sum", nan_off_image),
+                       OPS.region_pool(attn, a["query_weights"], rid, 3, "sum", kw))
+    with pytest.raises(RuntimeError, match=r"region_pool_qk_layers: argument 'key_weights' must "
+                                           r"hold one tensor per layer of 'q' \(2\), got 1"):
+        OPS.region_pool_qk_layers([a["q"]] * 2, [a["k"]] * 2, a["query_weights"],
+                                  a["region_ids"], 3, key_weights=[kw])
 
 
 # ---- linear_attribution ----------------------------------------------------------------------
@@ -662,6 +786,54 @@ def test_head_save_load(tmp_path):
         headscope.AttributionHead.load(p)
 
 
+def test_head_feature_sets(tmp_path):
+    from safetensors.torch import save_file
+    gen = torch.Generator().manual_seed(45)
+    L, H, K = 2, 3, 5
+    both = headscope.AttributionHead(L, H, feature_set="both")
+    assert both.num_features == 2 * L * H and both.weight.shape == (2 * L * H,)
+    X, y = torch.randn(60, 2 * L * H, generator=gen), torch.randn(60, generator=gen)
+    both.fit(X, y)
+    with pytest.raises(ValueError, match=r"'features' must have 2\*L\*H = 2\*2\*3 = 12 entries in "
+                                         r"its last dimension \(feature set 'both'\)"):
+        both(torch.randn(K, L * H))
+    with pytest.raises(ValueError, match=r"'features' must have 2\*L\*H = 12 entries"):
+        both.fit(torch.randn(60, L * H), y)
+    path = tmp_path / "both.safetensors"
+    both.save(path)
+    back = headscope.AttributionHead.load(path, feature_set="both")
+    assert back.feature_set == "both"
+    f = torch.randn(K, 2 * L * H, generator=gen)
+    torch.testing.assert_close(back(f), both(f))
+    with pytest.raises(ValueError, match=r"the file holds a head fitted on 'both' features, "
+                                         r"expected 'attention'"):
+        headscope.AttributionHead.load(path, feature_set="attention")
+    scripted = torch.jit.script(back)
+    torch.testing.assert_close(scripted(f), both(f))
+    with pytest.raises(ValueError, match=r"feature_set must be one of 'attention', "
+                                         r"'attention\*value_norm', 'both', got 'norms'"):
+        headscope.AttributionHead(L, H, feature_set="norms")
+    # a file written before feature sets existed holds an "attention" head
+    plain = headscope.AttributionHead(L, H).fit(X[:, :L * H], y)
+    meta = {k: v for k, v in plain.metadata().items() if k != "feature_set"}
+    tensors = {k: getattr(plain, k).detach().contiguous() for k in ("weight", "mean", "std", "bias")}
+    old = tmp_path / "old.safetensors"
+    save_file(tensors, str(old), metadata=meta)
+    assert headscope.AttributionHead.load(old, feature_set="attention").feature_set == "attention"
+    with pytest.raises(ValueError, match=r"fitted on 'attention' features, expected "
+                                         r"'attention\*value_norm'"):
+        headscope.AttributionHead.load(old, feature_set="attention*value_norm")
+    # metadata that disagrees with itself
+    bad = tmp_path / "bad.safetensors"
+    save_file(tensors, str(bad), metadata={**plain.metadata(), "feature_set": "both"})
+    with pytest.raises(ValueError, match=r"num_features=6 must equal 2 \* num_layers \* "
+                                         r"num_heads = 2\*2\*3 \(feature set 'both'\)"):
+        headscope.AttributionHead.load(bad)
+    save_file(tensors, str(bad), metadata={**plain.metadata(), "feature_set": "norms"})
+    with pytest.raises(ValueError, match=r"metadata 'feature_set' must be one of"):
+        headscope.AttributionHead.load(bad)
+
+
 def test_head_torchscript(tmp_path):
     head = headscope.AttributionHead(2, 3).fit(torch.randn(40, 6), torch.randn(40))
     scripted = torch.jit.script(head)
@@ -772,6 +944,8 @@ def _op_samples(device):
     q = torch.randn(B, H, Tq, D, generator=gen).to(device)
     k = torch.randn(B, Hkv, Tk, D, generator=gen).to(device)
     pad = (torch.rand(B, Tk, generator=gen) < 0.2).to(device)
+    kw_heads = torch.rand(B, H, Tk, generator=gen).to(device)
+    kw_kv = torch.rand(B, Hkv, Tk, generator=gen).to(device)
     F = 6
     f = torch.randn(3, K, F, generator=gen, dtype=torch.float64).to(device)
     wt, mu = (torch.randn(F, generator=gen, dtype=torch.float64).to(device) for _ in range(2))
@@ -786,6 +960,12 @@ def _op_samples(device):
         (OPS.region_pool_qk_layers.default, ([q, q * 2], [k, k + 1], w, rid, K, [0.3, 0.2], True,
                                              pad, "sum")),
         (OPS.region_pool_qk_layers.default, ([q], [k], w, rid, K, None, False, None, "mean")),
+        (OPS.region_pool.default, (attn, w, rid, K, "mean", kw_heads)),
+        (OPS.region_pool_qk.default, (q, k, w, rid, K, 0.3, True, pad, "sum", None, None, None,
+                                      None, True, kw_kv)),
+        (OPS.region_pool_qk_layers.default, ([q, q * 2], [k, k + 1], w, rid, K, [0.3, 0.2], True,
+                                             pad, "sum", None, None, None, None, True,
+                                             [kw_kv, kw_heads])),
         (OPS.linear_attribution.default,
          (f.requires_grad_(), wt.requires_grad_(), mu.requires_grad_(), sd.requires_grad_(),
           torch.tensor(0.5, dtype=torch.float64, device=device, requires_grad=True))),
@@ -869,6 +1049,32 @@ def test_compile_dynamic_sizes_do_not_recompile():
     for h, w_, K in ((3, 4, 3), (4, 5, 6)):
         x = torch.randn(h * w_, 3, generator=gen)
         assert torch.equal(ward(x, h, w_, K), OPS.ward_regions(x, h, w_, K))
+    assert counter.frame_count == 1
+
+
+def test_compile_key_weights_with_symbolic_sizes():
+    """key_weights of each op under torch.compile: one graph for every Tk and K."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def pool(attn, q, k, w, rid, K, kw_h, kw_kv):
+        return (headscope.region_pool(attn, w, rid, K, key_weights=kw_h),
+                headscope.region_pool_qk(q, k, w, rid, K, key_weights=kw_kv),
+                headscope.region_pool_qk_layers([q, q], [k, k], w, rid, K,
+                                                key_weights=[kw_kv, kw_h]))
+
+    compiled = torch.compile(pool, backend=counter, dynamic=True, fullgraph=True)
+    gen = torch.Generator().manual_seed(44)
+    for Tk, K in ((20, 5), (27, 7)):
+        q, k = torch.randn(2, 4, 3, 8, generator=gen), torch.randn(2, 2, Tk, 8, generator=gen)
+        attn = torch.softmax(torch.randn(2, 4, 3, Tk, generator=gen), -1)
+        w = torch.rand(2, 3, generator=gen) + 0.1
+        rid = random_regions(2, Tk, K, gen)
+        kw_h, kw_kv = torch.rand(2, 4, Tk, generator=gen), torch.rand(2, 2, Tk, generator=gen)
+        args = (attn, q, k, w, rid, K, kw_h, kw_kv)
+        for got, want in zip(compiled(*args), pool(*args)):
+            torch.testing.assert_close(got, want)
     assert counter.frame_count == 1
 
 

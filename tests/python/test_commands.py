@@ -207,6 +207,12 @@ def test_help_and_errors(files, tmp_path, capsys):
     assert "shard-00000.safetensors: missing" in error(
         "train", "--data", tmp_path / "broken", "--out", tmp_path / "h")
     from headscope import AttributionHead
+    sizes = json.loads((collection / "manifest.json").read_text())
+    AttributionHead(sizes["num_layers"], sizes["num_heads"], feature_set="both").save(
+        tmp_path / "both.safetensors")
+    assert "fitted on 'both' features, expected 'attention'" in error(
+        "eval", "--model", model, "--head", tmp_path / "both.safetensors", "--data",
+        collection, "--report", tmp_path / "r.json")
     AttributionHead(3, 4).save(tmp_path / "wrong.safetensors")
     assert "num_layers=3, expected 2" in error(
         "eval", "--model", model, "--head", tmp_path / "wrong.safetensors", "--data",
@@ -361,6 +367,29 @@ def test_resume_records_the_checksum_of_a_shard_written_just_before_a_kill(files
     assert f"collected 0 examples now, {IMAGES} in total" in out.stdout
     assert not list(copy.glob(".*.tmp"))
     _same(read_collection(copy), read_collection(collection))
+
+
+def test_manifest_feature_sets(tmp_path):
+    """One feature set per collection; a manifest from before feature sets holds
+    "attention" (resumable as such); feature columns must match it."""
+    from headscope.commands.errors import UsageError
+    from headscope.commands.shards import (MANIFEST, check_feature_columns, feature_set,
+                                           read_manifest, write_manifest)
+    settings = {"model": "m", "num_layers": 2, "num_heads": 3}
+    write_manifest(tmp_path, settings)  # an older collect's settings: no feature_set
+    assert feature_set(read_manifest(tmp_path)) == "attention"
+    write_manifest(tmp_path, {**settings, "feature_set": "attention"})  # resumes
+    with pytest.raises(UsageError, match=r"feature_set: 'attention', now 'both'"):
+        write_manifest(tmp_path, {**settings, "feature_set": "both"})
+    manifest = read_manifest(tmp_path)
+    check_feature_columns(manifest, 6, "train")
+    with pytest.raises(UsageError, match=r"train: features have 12 columns; the manifest's 2 "
+                                         r"layers x 3 heads of feature set 'attention' make 6"):
+        check_feature_columns(manifest, 12, "train")
+    check_feature_columns({**manifest, "feature_set": "both"}, 12, "train")
+    with pytest.raises(UsageError, match=r"feature_set must be one of"):
+        feature_set({**manifest, "feature_set": "values"})
+    assert (tmp_path / MANIFEST).is_file()
 
 
 def test_readme_loop_commands_parse():

@@ -120,9 +120,15 @@ def test_window_keeps_one_meaning_during_decode():
 
 # ---- region_pool_qk ---------------------------------------------------------------------------
 
-def ref_pool(q, k, w, rid, K, scale, causal, pad, reduce, pattern):
+def ref_pool(q, k, w, rid, K, scale, causal, pad, reduce, pattern, key_weights=None):
     A = ref.attention_from_qk(q, k, scale, causal, pad, dtype=torch.float64, **pattern)
-    return ref_region_pool(A, w, rid, K, reduce)
+    return ref_region_pool(A, w, rid, K, reduce, key_weights)
+
+
+def random_key_weights(B, H, Hkv, Tk, gen, dtype=torch.float32, device="cpu"):
+    """(B, Hw, Tk) factors of either sign, Hw drawn among H, Hkv and 1."""
+    Hw = (H, Hkv, 1)[int(torch.randint(0, 3, (1,), generator=gen))]
+    return (torch.randn(B, Hw, Tk, generator=gen, dtype=dtype) * 2).to(device)
 
 
 @pytest.mark.parametrize("name", sorted(PATTERNS))
@@ -145,9 +151,14 @@ def test_region_pool_qk_pattern_equals_materialised_softmax(name, causal, shape,
     pad[0, :13] = True
     pad = pad.to(device)
     pattern = on(device, PATTERNS[name](Tk, B, gen))
+    kw = random_key_weights(B, H, Hkv, Tk, gen, device=device)
     for reduce in ("sum", "mean"):
         out = headscope.region_pool_qk(q, k, w, rid, K, 0.3, causal, pad, reduce, **pattern)
         want = ref_pool(q, k, w, rid, K, 0.3, causal, pad, reduce, pattern)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+        out = headscope.region_pool_qk(q, k, w, rid, K, 0.3, causal, pad, reduce, **pattern,
+                                       key_weights=kw)
+        want = ref_pool(q, k, w, rid, K, 0.3, causal, pad, reduce, pattern, kw)
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
 
 
@@ -161,6 +172,11 @@ def test_region_pool_qk_pattern_float64(device):
     out = headscope.region_pool_qk(q, k, w, rid, K, 0.4, True, None, "sum", **pattern)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, ref_pool(q, k, w, rid, K, 0.4, True, None, "sum", pattern),
+                               rtol=1e-10, atol=1e-12)
+    kw = random_key_weights(B, H, H, T, gen, torch.float64, device)
+    out = headscope.region_pool_qk(q, k, w, rid, K, 0.4, True, None, "sum", **pattern,
+                                   key_weights=kw)
+    torch.testing.assert_close(out, ref_pool(q, k, w, rid, K, 0.4, True, None, "sum", pattern, kw),
                                rtol=1e-10, atol=1e-12)
 
 

@@ -2,6 +2,7 @@
 // inputs once, the per-batch list of image tokens, and the softmax numerators.
 #pragma once
 
+#include "attribution/attribution_checks.h"
 #include "common/cpu_math.h"
 
 #include <ATen/core/Tensor.h>
@@ -9,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace headscope::attribution::cpu {
@@ -28,6 +30,44 @@ struct SpanWeights {
   std::vector<std::vector<double>> weight;   // [b] -> w / sum (aligned with active)
 };
 SpanWeights build_span_weights(const char* op, const at::Tensor& query_weights);
+
+// key_weights (B, Hw, Tk) read in place as acc_t (converted once if of another dtype):
+// row(b, h)[t * s2] is query head h's factor on key t, Hw dividing H. None: given is false.
+template <typename acc_t>
+struct KeyWeights {
+  at::Tensor values;  // owns a converted copy
+  const acc_t* data = nullptr;
+  int64_t s0 = 0, s1 = 0, s2 = 0, group = 1;  // group: query heads per weight head
+  bool given = false;
+  // query head h's factors of batch row b; key t at [t * s2]
+  const acc_t* row(int64_t b, int64_t h) const { return data + b * s0 + h / group * s1; }
+};
+
+// Reads key_weights for H query heads and checks that the factors of the image keys (the
+// only ones read) are finite; throws naming arg.
+template <typename acc_t>
+KeyWeights<acc_t> read_key_weights(const char* op, const char* arg,
+                                   const std::optional<at::Tensor>& key_weights, int64_t H,
+                                   const RegionLists& regions) {
+  KeyWeights<acc_t> w;
+  if (!key_weights.has_value() || !key_weights->defined()) return w;
+  w.values = key_weights->to(c10::CppTypeToScalarType<acc_t>::value);
+  w.s0 = w.values.stride(0);
+  w.s1 = w.values.stride(1);
+  w.s2 = w.values.stride(2);
+  const int64_t B = w.values.size(0), Hw = w.values.size(1);
+  w.group = H / Hw;
+  w.given = true;
+  w.data = w.values.template const_data_ptr<acc_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hw; ++h) {
+      const acc_t* row = w.data + b * w.s0 + h * w.s1;
+      for (const int64_t t : regions.pos[b])
+        if (!std::isfinite(row[t * w.s2]))
+          fail_key_weight(op, arg, static_cast<double>(row[t * w.s2]), b, h, t);
+    }
+  return w;
+}
 
 // x[i] = exp(x[i] - m) for i < n (m >= every x[i]; -inf gives 0); returns the sum of the
 // results.

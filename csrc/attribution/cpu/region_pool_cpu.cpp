@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 namespace headscope::attribution::cpu {
@@ -39,9 +40,10 @@ void write_column(out_t* out, const acc_t* acc, int64_t b, int64_t h, int64_t H,
 
 at::Tensor region_pool_cpu(const at::Tensor& attn, const at::Tensor& query_weights,
                            const at::Tensor& region_ids, int64_t num_regions,
-                           c10::string_view reduce) {
+                           c10::string_view reduce,
+                           const std::optional<at::Tensor>& key_weights) {
   const char* op = "headscope::region_pool";
-  check_region_pool_args(attn, query_weights, region_ids, num_regions, reduce);
+  check_region_pool_args(attn, query_weights, region_ids, num_regions, reduce, key_weights);
   const bool mean = parse_reduce(op, reduce);
   const int64_t B = attn.size(0), H = attn.size(1), K = num_regions;
   const RegionLists regions = build_region_lists(op, region_ids, K);
@@ -56,6 +58,7 @@ at::Tensor region_pool_cpu(const at::Tensor& attn, const at::Tensor& query_weigh
     const int64_t s0 = attn.stride(0), s1 = attn.stride(1), s2 = attn.stride(2),
                   s3 = attn.stride(3);
     acc_t* o = out.mutable_data_ptr<acc_t>();
+    const auto kw = read_key_weights<acc_t>(op, "key_weights", key_weights, H, regions);
     // Work of one (b, h): the image tokens times the span's queries; threads only pay off
     // for a few tens of thousands of multiply-adds each.
     int64_t work = 1;
@@ -64,17 +67,25 @@ at::Tensor region_pool_cpu(const at::Tensor& attn, const at::Tensor& query_weigh
                                          static_cast<int64_t>(span.active[b].size()));
     const int64_t grain = std::max<int64_t>(1, 32768 / work);
     at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> acc(K);
+      std::vector<acc_t> acc(K), key_factor;
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / H, h = bh % H;
         std::fill(acc.begin(), acc.end(), acc_t(0));
         const auto& pos = regions.pos[b];
         const auto& reg = regions.reg[b];
         const int64_t n = static_cast<int64_t>(pos.size());
+        if (kw.given) {  // the image tokens' factors, gathered once per (b, h)
+          const acc_t* kr = kw.row(b, h);
+          key_factor.resize(n);
+          for (int64_t i = 0; i < n; ++i) key_factor[i] = kr[pos[i] * kw.s2];
+        }
         for (size_t qi = 0; qi < span.active[b].size(); ++qi) {
           const acc_t w = static_cast<acc_t>(span.weight[b][qi]);
           const scalar_t* row = a + b * s0 + h * s1 + span.active[b][qi] * s2;
-          if (s3 == 1) {
+          if (kw.given) {
+            for (int64_t i = 0; i < n; ++i)
+              acc[reg[i]] += w * static_cast<acc_t>(row[pos[i] * s3]) * key_factor[i];
+          } else if (s3 == 1) {
             for (int64_t i = 0; i < n; ++i) acc[reg[i]] += w * static_cast<acc_t>(row[pos[i]]);
           } else {
             for (int64_t i = 0; i < n; ++i)
@@ -154,14 +165,16 @@ void scores_tile(const T* Q, const T* Kt, int64_t ldk, T* S, int64_t R, int64_t 
 
 // region_pool_qk of layers l = 0..L-1 (q[l], k[l], scales[l], windows[l], chunks[l]; every
 // layer of q[0]'s and k[0]'s sizes) into out[b, k, l * H + h], in one pass over every
-// layer's work items.
+// layer's work items. key_weights: empty, or layer l's (named key_weights_names[l]).
 at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
                           const at::Tensor& query_weights, const at::Tensor& region_ids,
                           int64_t num_regions, const std::vector<double>& scales, bool causal,
                           const std::optional<at::Tensor>& key_padding_mask, bool mean,
                           const std::vector<int64_t>& windows, const std::vector<int64_t>& chunks,
                           const std::optional<at::Tensor>& block_ids,
-                          std::optional<double> softcap, bool window_bounds_blocks) {
+                          std::optional<double> softcap, bool window_bounds_blocks,
+                          const std::vector<std::optional<at::Tensor>>& key_weights,
+                          const std::vector<std::string>& key_weights_names) {
   const int64_t L = static_cast<int64_t>(q.size());
   const int64_t B = q[0].size(0), H = q[0].size(1), Tq = q[0].size(2), D = q[0].size(3);
   const int64_t Hkv = k_in[0].size(1), Tk = k_in[0].size(2), K = num_regions, G = H / Hkv;
@@ -222,6 +235,10 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
     // the items of one (layer, b, kv head) in a fixed order (deterministic).
     std::vector<acc_t> part(items * G * K, acc_t(0));  // not an ATen op: a cold call's cost
     acc_t* part_p = part.data();
+    std::vector<KeyWeights<acc_t>> kw(L);
+    for (size_t l = 0; l < key_weights.size(); ++l)
+      kw[l] = read_key_weights<acc_t>(op, key_weights_names[l].c_str(), key_weights[l], H,
+                                      regions);
 
     at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> Qb, S, Kbuf, acc, m, z;
@@ -328,10 +345,19 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
               m[r] = tmax;
             }
             z[r] += exp_shift_sum(s, n, m[r]);
-            for (size_t i = 0; i < tile_pos.size(); ++i) {
-              if (tile_pos[i] < c0) continue;
-              if (tile_pos[i] >= c0 + n) break;
-              ar[tile_reg[i]] += s[tile_pos[i] - c0];
+            if (kw[l].given) {
+              const acc_t* kr = kw[l].row(b, hk * G + r % G) + t0 * kw[l].s2;
+              for (size_t i = 0; i < tile_pos.size(); ++i) {
+                if (tile_pos[i] < c0) continue;
+                if (tile_pos[i] >= c0 + n) break;
+                ar[tile_reg[i]] += s[tile_pos[i] - c0] * kr[tile_pos[i] * kw[l].s2];
+              }
+            } else {
+              for (size_t i = 0; i < tile_pos.size(); ++i) {
+                if (tile_pos[i] < c0) continue;
+                if (tile_pos[i] >= c0 + n) break;
+                ar[tile_reg[i]] += s[tile_pos[i] - c0];
+              }
             }
           }
         }
@@ -380,14 +406,17 @@ at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k,
                               c10::string_view reduce, std::optional<int64_t> window,
                               std::optional<int64_t> chunk,
                               const std::optional<at::Tensor>& block_ids,
-                              std::optional<double> softcap, bool window_bounds_blocks) {
+                              std::optional<double> softcap, bool window_bounds_blocks,
+                              const std::optional<at::Tensor>& key_weights) {
   const char* op = "headscope::region_pool_qk";
   check_region_pool_qk_args(q, k, query_weights, region_ids, num_regions, scale,
-                            key_padding_mask, reduce, window, chunk, block_ids, softcap);
+                            key_padding_mask, reduce, window, chunk, block_ids, softcap,
+                            key_weights);
   return pool_qk_layers(op, {q}, {k}, query_weights, region_ids, num_regions,
                         {scale_or_default(scale, q.size(3))}, causal, key_padding_mask,
                         parse_reduce(op, reduce), {window.value_or(0)}, {chunk.value_or(0)},
-                        block_ids, softcap, window_bounds_blocks);
+                        block_ids, softcap, window_bounds_blocks, {key_weights},
+                        {"key_weights"});
 }
 
 at::Tensor region_pool_qk_layers_cpu(at::TensorList q, at::TensorList k,
@@ -398,10 +427,12 @@ at::Tensor region_pool_qk_layers_cpu(at::TensorList q, at::TensorList k,
                                      c10::string_view reduce, at::OptionalIntArrayRef window,
                                      at::OptionalIntArrayRef chunk,
                                      const std::optional<at::Tensor>& block_ids,
-                                     std::optional<double> softcap, bool window_bounds_blocks) {
+                                     std::optional<double> softcap, bool window_bounds_blocks,
+                                     std::optional<at::TensorList> key_weights) {
   const char* op = "headscope::region_pool_qk_layers";
   check_region_pool_qk_layers_args(q, k, query_weights, region_ids, num_regions, scale,
-                                   key_padding_mask, reduce, window, chunk, block_ids, softcap);
+                                   key_padding_mask, reduce, window, chunk, block_ids, softcap,
+                                   key_weights);
   std::vector<double> scales(q.size(), scale_or_default(std::nullopt, q[0].size(3)));
   if (scale.has_value()) scales.assign(scale->begin(), scale->end());
   std::vector<int64_t> windows(q.size()), chunks(q.size());
@@ -409,9 +440,16 @@ at::Tensor region_pool_qk_layers_cpu(at::TensorList q, at::TensorList k,
     windows[l] = layer_length(window, l);
     chunks[l] = layer_length(chunk, l);
   }
+  std::vector<std::optional<at::Tensor>> layer_weights;
+  std::vector<std::string> names;
+  if (key_weights.has_value())
+    for (size_t l = 0; l < q.size(); ++l) {
+      layer_weights.emplace_back((*key_weights)[l]);
+      names.push_back("key_weights[" + std::to_string(l) + "]");
+    }
   return pool_qk_layers(op, q, k, query_weights, region_ids, num_regions, scales, causal,
                         key_padding_mask, parse_reduce(op, reduce), windows, chunks, block_ids,
-                        softcap, window_bounds_blocks);
+                        softcap, window_bounds_blocks, layer_weights, names);
 }
 
 }  // namespace

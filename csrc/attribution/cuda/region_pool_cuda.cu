@@ -12,6 +12,8 @@
 //   pass B, one block per (b, h): combines the splits of every active row of batch b,
 //     acc / z at the common max, weighted by the row's normalised weight.
 // Rows with zero weight are never computed (only the active rows are launched).
+// key_weights (converted to the accumulation dtype, any strides) multiply each key's
+// softmax numerator (pass A) or folded attention (region_pool) before its region's sum.
 #include "attribution/attribution_checks.h"
 #include "common/attention_pattern_host.h"
 #include "common/checks.h"
@@ -45,6 +47,43 @@ __device__ __forceinline__ double exp_acc(double x) { return exp(x); }
 constexpr int kThreads = 256;
 constexpr int kTile = 256;  // keys per shared-memory tile in pass A
 
+// key_weights as the kernels read them: factor of query head h on key t at
+// p[b * s0 + (h / group) * s1 + t * s2]; p null: none.
+template <typename acc_t>
+struct KeyFactors {
+  const acc_t* p = nullptr;
+  int64_t s0 = 0, s1 = 0, s2 = 0, group = 1, heads = 0;
+  __device__ __forceinline__ acc_t at(int64_t b, int64_t h, int64_t t) const {
+    return p[b * s0 + h / group * s1 + t * s2];
+  }
+};
+
+// key_weights converted to acc (a view when already of that dtype), for H query heads.
+template <typename acc_t>
+KeyFactors<acc_t> key_factors(const std::optional<at::Tensor>& key_weights, int64_t H,
+                              at::Tensor& holder) {
+  KeyFactors<acc_t> f;
+  if (!key_weights.has_value() || !key_weights->defined()) return f;
+  holder = key_weights->to(c10::CppTypeToScalarType<acc_t>::value);
+  f.p = holder.const_data_ptr<acc_t>();
+  f.s0 = holder.stride(0);
+  f.s1 = holder.stride(1);
+  f.s2 = holder.stride(2);
+  f.heads = holder.size(1);
+  f.group = H / f.heads;
+  return f;
+}
+
+// The factors of accumulation dtype acc_t (the last argument's type) of the two prepared.
+inline const KeyFactors<float>& select_factors(const KeyFactors<float>& f,
+                                               const KeyFactors<double>&, float) {
+  return f;
+}
+inline const KeyFactors<double>& select_factors(const KeyFactors<float>&,
+                                                const KeyFactors<double>& d, double) {
+  return d;
+}
+
 // ---- region_pool ----------------------------------------------------------------------------
 
 template <typename scalar_t, typename acc_t>
@@ -52,7 +91,8 @@ __global__ void region_pool_kernel(const scalar_t* __restrict__ attn, int64_t s0
                                    int64_t s2, int64_t s3, const acc_t* __restrict__ wn,
                                    const int64_t* __restrict__ rid, int64_t r0, int64_t r1,
                                    int64_t H, int64_t Tq, int64_t Tk, int64_t K, bool mean,
-                                   bool use_shared, acc_t* __restrict__ gacc,
+                                   KeyFactors<acc_t> kw, bool use_shared,
+                                   acc_t* __restrict__ gacc,
                                    int* __restrict__ gcnt, acc_t* __restrict__ out) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int64_t bh = blockIdx.x;
@@ -81,7 +121,7 @@ __global__ void region_pool_kernel(const scalar_t* __restrict__ attn, int64_t s0
       const acc_t wq = w[q];
       if (wq != acc_t(0)) v += wq * static_cast<acc_t>(a[q * s2 + t * s3]);
     }
-    atomicAdd(acc + r, v);
+    atomicAdd(acc + r, kw.p != nullptr ? v * kw.at(b, h, t) : v);
     if (mean) atomicAdd(cnt + r, 1);
   }
   __syncthreads();
@@ -94,12 +134,13 @@ __global__ void region_pool_kernel(const scalar_t* __restrict__ attn, int64_t s0
 
 // Checks the values of region_ids and query_weights and normalises the weights, one block
 // per batch row: flag bit 1 marks a region id outside [-1, K), bit 2 a negative or
-// non-finite weight, bit 4 a row whose weights sum to <= 0 (in float64).
+// non-finite weight, bit 4 a row whose weights sum to <= 0 (in float64), bit 8 a
+// non-finite key weight at an image key (the only ones read).
 template <typename w_t, typename acc_t>
 __global__ void pool_prepare_kernel(const w_t* __restrict__ w, int64_t w0, int64_t w1, int64_t Tq,
                                     const int64_t* __restrict__ rid, int64_t r0, int64_t r1,
-                                    int64_t Tk, int64_t K, acc_t* __restrict__ wn,
-                                    int* __restrict__ flag) {
+                                    int64_t Tk, int64_t K, KeyFactors<acc_t> kw,
+                                    acc_t* __restrict__ wn, int* __restrict__ flag) {
   __shared__ double red[32];
   const int64_t b = blockIdx.x;
   int bad = 0;
@@ -116,15 +157,21 @@ __global__ void pool_prepare_kernel(const w_t* __restrict__ w, int64_t w0, int64
   for (int64_t t = threadIdx.x; t < Tk; t += blockDim.x) {
     const int64_t r = rid[b * r0 + t * r1];
     if (r < -1 || r >= K) bad |= 1;
+    if (kw.p != nullptr && r >= 0)
+      for (int64_t h = 0; h < kw.heads; ++h)
+        if (!isfinite(kw.p[b * kw.s0 + h * kw.s1 + t * kw.s2])) bad |= 8;
   }
   if (bad) atomicOr(flag, bad);
 }
 
-// The values check of both pooling ops and the normalised span weights (B, Tq) in acc dtype:
-// one launch and one host synchronisation; the detailed checks (which word the error) run
-// only when the flag is set.
+// The values check of both pooling ops (key weights kw when given) and the normalised span
+// weights (B, Tq) in acc dtype: one launch and one host synchronisation; the detailed checks
+// (which word the error) run only when the flag is set.
+template <typename acc_t>
 at::Tensor checked_normalised_weights(const char* op, const at::Tensor& query_weights,
-                                      const at::Tensor& region_ids, int64_t K, at::ScalarType acc) {
+                                      const at::Tensor& region_ids, int64_t K,
+                                      const KeyFactors<acc_t>& kw, const at::Tensor& kw_values) {
+  const auto acc = c10::CppTypeToScalarType<acc_t>::value;
   const int64_t B = query_weights.size(0), Tq = query_weights.size(1), Tk = region_ids.size(1);
   auto wn = at::empty({B, Tq}, query_weights.options().dtype(acc));
   if (B == 0) return wn;
@@ -133,18 +180,17 @@ at::Tensor checked_normalised_weights(const char* op, const at::Tensor& query_we
   const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query_weights.scalar_type(),
                                   "headscope_pool_prepare", [&] {
-    auto launch = [&](auto* out) {
-      using acc_t = std::remove_pointer_t<decltype(out)>;
-      pool_prepare_kernel<scalar_t, acc_t><<<static_cast<unsigned>(B), kThreads, 0, stream>>>(
-          query_weights.const_data_ptr<scalar_t>(), query_weights.stride(0),
-          query_weights.stride(1), Tq, region_ids.const_data_ptr<int64_t>(), region_ids.stride(0),
-          region_ids.stride(1), Tk, K, out, flag.mutable_data_ptr<int>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (acc == at::kDouble) launch(wn.mutable_data_ptr<double>());
-    else launch(wn.mutable_data_ptr<float>());
+    pool_prepare_kernel<scalar_t, acc_t><<<static_cast<unsigned>(B), kThreads, 0, stream>>>(
+        static_cast<const scalar_t*>(query_weights.const_data_ptr()), query_weights.stride(0),
+        query_weights.stride(1), Tq, region_ids.const_data_ptr<int64_t>(), region_ids.stride(0),
+        region_ids.stride(1), Tk, K, kw, static_cast<acc_t*>(wn.mutable_data_ptr()),
+        flag.mutable_data_ptr<int>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  if (flag.item<int>() != 0) check_pool_values(op, region_ids, K, query_weights);  // throws
+  if (flag.item<int>() != 0) {  // throws
+    check_pool_values(op, region_ids, K, query_weights);
+    if (kw_values.defined()) check_key_weights_values(op, "key_weights", kw_values, region_ids);
+  }
   return wn;
 }
 
@@ -152,21 +198,25 @@ size_t pool_smem_bytes(int64_t K, size_t acc_size) { return K * (acc_size + size
 
 at::Tensor region_pool_cuda(const at::Tensor& attn, const at::Tensor& query_weights,
                             const at::Tensor& region_ids, int64_t num_regions,
-                            c10::string_view reduce) {
+                            c10::string_view reduce,
+                            const std::optional<at::Tensor>& key_weights) {
   const char* op = "headscope::region_pool";
-  check_region_pool_args(attn, query_weights, region_ids, num_regions, reduce);
+  check_region_pool_args(attn, query_weights, region_ids, num_regions, reduce, key_weights);
   const bool mean = parse_reduce(op, reduce);
   const c10::cuda::CUDAGuard guard(attn.device());
   const int64_t B = attn.size(0), H = attn.size(1), Tq = attn.size(2), Tk = attn.size(3);
   const int64_t K = num_regions;
   const auto acc_type = accum_dtype(attn.scalar_type());
-  const auto wn = checked_normalised_weights(op, query_weights, region_ids, K, acc_type);
   auto out = at::empty({B, K, H}, attn.options().dtype(acc_type));
-  if (out.numel() == 0) return out;
   const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, attn.scalar_type(),
                                   "headscope_region_pool_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
+    at::Tensor kw_values;
+    const auto kw = key_factors<acc_t>(key_weights, H, kw_values);
+    const auto wn = checked_normalised_weights<acc_t>(op, query_weights, region_ids, K, kw,
+                                                      kw_values);
+    if (out.numel() == 0) return;
     auto kernel = region_pool_kernel<scalar_t, acc_t>;
     const size_t smem = pool_smem_bytes(K, sizeof(acc_t));
     const bool use_shared = try_enable_smem(reinterpret_cast<const void*>(kernel), smem);
@@ -180,7 +230,7 @@ at::Tensor region_pool_cuda(const at::Tensor& attn, const at::Tensor& query_weig
     kernel<<<blocks, kThreads, smem_launch, stream>>>(
         attn.const_data_ptr<scalar_t>(), attn.stride(0), attn.stride(1), attn.stride(2),
         attn.stride(3), wn.const_data_ptr<acc_t>(), region_ids.const_data_ptr<int64_t>(),
-        region_ids.stride(0), region_ids.stride(1), H, Tq, Tk, K, mean, use_shared,
+        region_ids.stride(0), region_ids.stride(1), H, Tq, Tk, K, mean, kw, use_shared,
         use_shared ? nullptr : gacc.mutable_data_ptr<acc_t>(),
         use_shared ? nullptr : gcnt.mutable_data_ptr<int>(), out.mutable_data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -205,7 +255,7 @@ struct QKParams {
 // Pass A. Grid: n_active * H * nsplit blocks. Shared: q (D), scores (kTile), acc (K),
 // reduction scratch (32).
 template <typename scalar_t, typename acc_t>
-__global__ void qk_split_kernel(QKParams p, const scalar_t* __restrict__ q,
+__global__ void qk_split_kernel(QKParams p, KeyFactors<acc_t> kw, const scalar_t* __restrict__ q,
                                 const scalar_t* __restrict__ k,
                                 const int64_t* __restrict__ active,  // (n_active, 2): b, q; nullptr: (row, 0)
                                 const int64_t* __restrict__ rid, const bool* __restrict__ pad,
@@ -285,7 +335,7 @@ __global__ void qk_split_kernel(QKParams p, const scalar_t* __restrict__ q,
       const acc_t e = exp_acc(sc[j] - m_new);  // exp(-inf) = 0 for masked keys
       lz += e;
       const int64_t r = rid[b * p.r0 + (t0 + j) * p.r1];
-      if (r >= 0) atomicAdd(acc + r, e);
+      if (r >= 0) atomicAdd(acc + r, kw.p != nullptr ? e * kw.at(b, h, t0 + j) : e);
     }
     const acc_t tz = block_sum(lz, red);
     if (threadIdx.x == 0) {
@@ -361,14 +411,28 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
                                c10::string_view reduce, std::optional<int64_t> window,
                                std::optional<int64_t> chunk,
                                const std::optional<at::Tensor>& block_ids,
-                               std::optional<double> softcap, bool window_bounds_blocks) {
+                               std::optional<double> softcap, bool window_bounds_blocks,
+                               const std::optional<at::Tensor>& key_weights) {
   const char* op = "headscope::region_pool_qk";
   check_region_pool_qk_args(q, k_in, query_weights, region_ids, num_regions, scale,
-                            key_padding_mask, reduce, window, chunk, block_ids, softcap);
+                            key_padding_mask, reduce, window, chunk, block_ids, softcap,
+                            key_weights);
   const bool mean = parse_reduce(op, reduce);
   const c10::cuda::CUDAGuard guard(q.device());
   const auto acc_type = accum_dtype(q.scalar_type());
-  const auto wn = checked_normalised_weights(op, query_weights, region_ids, num_regions, acc_type);
+  // key factors and span weights in the accumulation dtype (float or double)
+  at::Tensor kw_values, wn;
+  KeyFactors<float> kw_float;
+  KeyFactors<double> kw_double;
+  if (acc_type == at::kDouble) {
+    kw_double = key_factors<double>(key_weights, q.size(1), kw_values);
+    wn = checked_normalised_weights<double>(op, query_weights, region_ids, num_regions,
+                                            kw_double, kw_values);
+  } else {
+    kw_float = key_factors<float>(key_weights, q.size(1), kw_values);
+    wn = checked_normalised_weights<float>(op, query_weights, region_ids, num_regions, kw_float,
+                                           kw_values);
+  }
   QKParams p{};
   p.B = q.size(0);
   p.H = q.size(1);
@@ -446,7 +510,7 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
                 " needs more shared memory per block (", smem, " bytes) than this GPU has");
     const unsigned blocks_a = static_cast<unsigned>(rows * p.nsplit);
     split_kernel<<<blocks_a, kThreads, smem, stream>>>(
-        p, q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(),
+        p, select_factors(kw_float, kw_double, acc_t(0)), q.const_data_ptr<scalar_t>(), k.const_data_ptr<scalar_t>(),
         active.defined() ? active.const_data_ptr<int64_t>() : nullptr,
         region_ids.const_data_ptr<int64_t>(), pad,
         part_m.mutable_data_ptr<acc_t>(), part_z.mutable_data_ptr<acc_t>(),

@@ -11,8 +11,9 @@ namespace {
 
 at::Tensor region_pool_meta(const at::Tensor& attn, const at::Tensor& query_weights,
                             const at::Tensor& region_ids, c10::SymInt num_regions,
-                            c10::string_view reduce) {
-  check_region_pool_args(attn, query_weights, region_ids, num_regions, reduce);
+                            c10::string_view reduce,
+                            const std::optional<at::Tensor>& key_weights) {
+  check_region_pool_args(attn, query_weights, region_ids, num_regions, reduce, key_weights);
   return at::empty_symint({attn.sym_size(0), num_regions, attn.sym_size(1)},
                           attn.options().dtype(accum_dtype(attn.scalar_type())));
 }
@@ -24,9 +25,11 @@ at::Tensor region_pool_qk_meta(const at::Tensor& q, const at::Tensor& k,
                                c10::string_view reduce, std::optional<int64_t> window,
                                std::optional<int64_t> chunk,
                                const std::optional<at::Tensor>& block_ids,
-                               std::optional<double> softcap, bool window_bounds_blocks) {
+                               std::optional<double> softcap, bool window_bounds_blocks,
+                               const std::optional<at::Tensor>& key_weights) {
   check_region_pool_qk_args(q, k, query_weights, region_ids, num_regions, scale,
-                            key_padding_mask, reduce, window, chunk, block_ids, softcap);
+                            key_padding_mask, reduce, window, chunk, block_ids, softcap,
+                            key_weights);
   return at::empty_symint({q.sym_size(0), num_regions, q.sym_size(1)},
                           q.options().dtype(accum_dtype(q.scalar_type())));
 }
