@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 
-SIZES = ("steps", "batch", "seed", "hidden", "layers", "intermediate", "vision_width",
-         "vision_depth", "vision_mlp_ratio", "warmup")
+SIZES = ("steps", "batch", "seed", "hidden", "layers", "heads", "kv_heads", "intermediate",
+         "vision_width", "vision_depth", "vision_mlp_ratio", "warmup", "max_objects")
 PROG = "python -m headscope.shapes"
 
 
@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=number(0, above=True), default=defaults.lr)
     p.add_argument("--eval-scenes", type=count, default=200,
                    help="held-out scenes for the caption accuracy at the end")
+    p.add_argument("--checkpoint-every", type=count, default=100,
+                   help="steps between checkpoints (and entries of the loss log)")
 
     p = sub.add_parser("demo", help="describe held-out scenes with span attributions")
     p.add_argument("--out", type=Path, default=Path("shapes-demo"), help="output folder")
@@ -134,7 +136,8 @@ def _run(args) -> None:
     if args.command == "train":
         from .train import Settings, train
         settings = Settings(lr=args.lr, **{k: getattr(args, k) for k in SIZES})
-        report = train(args.out, settings, eval_scenes=args.eval_scenes)
+        report = train(args.out, settings, eval_scenes=args.eval_scenes,
+                       checkpoint_every=args.checkpoint_every)
         print(json.dumps(report, indent=2))
     elif args.command == "demo":
         from ..hf.regions import parse_grid

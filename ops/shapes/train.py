@@ -2,8 +2,9 @@
 fresh scenes every step, AdamW with warm-up and cosine decay; resumable from an atomic
 checkpoint, deterministic in its seed (for a given number of threads).
 
-Example ``i`` of the run (``i = step * batch + j``) is ``scene(i, 1 + i % 4)``: training
-sees scene seeds ``0 .. steps * batch - 1``, all below ``HELD_OUT_SEED``.
+Example ``i`` of the run (``i = step * batch + j``) is ``scene(i, 1 + i % max_objects)``:
+training sees scene seeds ``0 .. steps * batch - 1``, all below ``HELD_OUT_SEED``. The data
+of a step is a function of its index, so a checkpoint needs no random state.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from ..attribution import atomic_path
 from .accuracy import HELD_OUT_SEED, caption_accuracy, held_out_scenes
 from .model import build_model, training_batch
 from .processor import build_processor
-from .world import describe, scene
+from .world import MAX_OBJECTS, describe, scene
 
 STATE_FILE = "train_state.pt"
 REPORT_FILE = "training.json"
@@ -35,16 +36,22 @@ class Settings:
     seed: int = 0
     hidden: int = 96
     layers: int = 3
+    heads: int = 4
+    kv_heads: int = 2
     intermediate: int = 256
     vision_width: int = 96
     vision_depth: int = 3
     vision_mlp_ratio: int = 4
+    max_objects: int = 4
 
     def check(self) -> None:
         for name in ("steps", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"headscope.shapes.train: argument '{name}' must be >= 1, "
                                  f"got {getattr(self, name)}")
+        if not 1 <= self.max_objects <= MAX_OBJECTS:
+            raise ValueError(f"headscope.shapes.train: argument 'max_objects' must be in "
+                             f"[1, {MAX_OBJECTS}], got {self.max_objects}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"headscope.shapes.train: argument 'lr' must be > 0, got {self.lr}")
         if self.steps * self.batch > HELD_OUT_SEED:
@@ -52,8 +59,10 @@ class Settings:
                              "scene seeds")
 
 
-def _batch(processor, step: int, size: int):
-    scenes = [scene(i, 1 + i % 4) for i in range(step * size, (step + 1) * size)]
+def _batch(processor, step: int, settings: Settings):
+    size = settings.batch
+    scenes = [scene(i, 1 + i % settings.max_objects)
+              for i in range(step * size, (step + 1) * size)]
     return training_batch(processor, [image for image, _ in scenes],
                           [describe(objects) for _, objects in scenes])
 
@@ -81,7 +90,8 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
     out.mkdir(parents=True, exist_ok=True)
     processor = build_processor()
     model = build_model(processor, settings.seed, hidden=settings.hidden,
-                        layers=settings.layers, intermediate=settings.intermediate,
+                        layers=settings.layers, heads=settings.heads,
+                        kv_heads=settings.kv_heads, intermediate=settings.intermediate,
                         vision_width=settings.vision_width, vision_depth=settings.vision_depth,
                         vision_mlp_ratio=settings.vision_mlp_ratio)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.01,
@@ -89,6 +99,8 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(settings))
     state_path = out / STATE_FILE
     step, elapsed = 0, 0.0
+    # [step, mean training loss over the steps since the previous entry], one per checkpoint
+    losses, window = [], []
     if state_path.is_file():
         state = torch.load(state_path, weights_only=False)
         if state["settings"] != asdict(settings):
@@ -98,12 +110,12 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        step, elapsed = state["step"], state["elapsed"]
+        step, elapsed, losses = state["step"], state["elapsed"], state["losses"]
 
     def checkpoint() -> None:
         with atomic_path(state_path) as tmp:
             torch.save({"settings": asdict(settings), "step": step, "elapsed": elapsed,
-                        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "losses": losses, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict()}, tmp)
 
     model.train()
@@ -113,7 +125,7 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
     try:
         while step < stop:
             started = time.perf_counter()
-            loss = model(**_batch(processor, step, settings.batch)).loss
+            loss = model(**_batch(processor, step, settings)).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -121,9 +133,12 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
             scheduler.step()
             step += 1
             elapsed += time.perf_counter() - started
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            window.append(loss.item())
+            bar.set_postfix(loss=f"{window[-1]:.3f}")
             bar.update()
             if step % checkpoint_every == 0 or step == stop:
+                losses.append([step, round(sum(window) / len(window), 4)])
+                window = []
                 checkpoint()
     except KeyboardInterrupt:
         checkpoint()
@@ -140,7 +155,7 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
               "threads": torch.get_num_threads(),
               "train_scene_seeds": [0, settings.steps * settings.batch - 1],
               "held_out_scene_seeds": [HELD_OUT_SEED, HELD_OUT_SEED + eval_scenes - 1],
-              "held_out_accuracy": accuracy}
+              "held_out_accuracy": accuracy, "training_loss": losses}
     with atomic_path(out / REPORT_FILE) as tmp:
         Path(tmp).write_text(json.dumps(report, indent=2) + "\n")
     state_path.unlink()
