@@ -1,5 +1,5 @@
 """python -m headscope.shapes {train,demo,accuracy,latency,data,hallucination,faithfulness,
-reproduce}: the embedded shapes model.
+head-eval,reproduce}: the embedded shapes model.
 
   train     train the model from scratch into a folder (resumable: rerun the same command)
   demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
@@ -8,6 +8,8 @@ reproduce}: the embedded shapes model.
   data      write scenes as a DATA folder for python -m headscope collect|eval
   hallucination  AUROC of VASDetector and of the mean token log-probability on hard scenes
   faithfulness   LDS and R^2 against time per token: head, raw attention, gradients, ablation
+  head-eval      the head against raw attention on a fixed seed range: per-image LDS with
+                 the paired difference's interval, pointing
   reproduce      every measurement above in one resumable run (results.json, results.md)
 """
 from __future__ import annotations
@@ -29,6 +31,14 @@ def _model_folder(text: str) -> Path:
         raise argparse.ArgumentTypeError(
             f"must be a model folder (with config.json, as `{PROG} train --out` writes), "
             f"got {text!r}")
+    return Path(text)
+
+
+def _head_file(text: str) -> Path:
+    """An argparse type: an attribution head file (as `python -m headscope train` writes)."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"must be a head file (head.safetensors, as `python "
+                                         f"-m headscope train --out` writes), got {text!r}")
     return Path(text)
 
 
@@ -107,6 +117,18 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=count, default=7, help="latency rounds")
     p.add_argument("--tokens", type=count, default=40, help="tokens per latency round")
 
+    p = sub.add_parser("head-eval", help="the head against raw attention, with intervals")
+    p.add_argument("--seeds", choices=("dev", "reported"), default="dev",
+                   help="seed range: dev (for choosing settings) or reported (for the "
+                        "reported numbers only)")
+    p.add_argument("--scenes", type=count, default=300)
+    p.add_argument("--grid", type=grid(TOKEN_GRID, TOKEN_GRID, image_tokens), default="3x3",
+                   metavar="ROWSxCOLS", help="regions: a grid (default 3x3, the world's cells)")
+    p.add_argument("--model", **model)
+    p.add_argument("--head", type=_head_file, default=None,
+                   help="head file (default: the model folder's head.safetensors)")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+
     p = sub.add_parser("reproduce", help="every measurement of docs/shapes.md, resumable")
     p.add_argument("--out", type=Path, required=True,
                    help="folder for results.json, results.md and each step's files")
@@ -160,6 +182,14 @@ def _run(args) -> None:
                                       model_dir=args.model)
         print(table(result))
         print(json.dumps(write_faithfulness(args.out, result)))
+    elif args.command == "head-eval":
+        from ..hf.regions import parse_grid
+        from .head_eval import evaluate_head, table
+        result = evaluate_head(args.seeds, args.scenes, regions=parse_grid(args.grid),
+                               model_dir=args.model, head_path=args.head)
+        print(table(result))
+        if args.json is not None:
+            _write_json(args.json, result)
     elif args.command == "reproduce":
         from .reproduce import reproduce
         reproduce(args.out, quick=args.quick, model_dir=args.model)
@@ -171,9 +201,13 @@ def _run(args) -> None:
         result = measure_latency(args.rounds, args.tokens, args.model)
         format_latency(result)
         if args.json is not None:
-            from ..attribution import atomic_path
-            with atomic_path(args.json) as tmp:
-                Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
+            _write_json(args.json, result)
+
+
+def _write_json(path: Path, result: dict) -> None:
+    from ..attribution import atomic_path
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
