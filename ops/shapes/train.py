@@ -115,7 +115,8 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
     def checkpoint() -> None:
         with atomic_path(state_path) as tmp:
             torch.save({"settings": asdict(settings), "step": step, "elapsed": elapsed,
-                        "losses": losses, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "losses": losses, "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict()}, tmp)
 
     model.train()
