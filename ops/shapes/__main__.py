@@ -34,6 +34,19 @@ def _model_folder(text: str) -> Path:
     return Path(text)
 
 
+def _object_range(text: str) -> tuple:
+    """An argparse type: ``LO-HI`` objects per scene, 1 <= LO <= HI <= 9."""
+    from .world import MAX_OBJECTS
+    try:
+        lo, hi = (int(n) for n in text.split("-"))
+    except ValueError:
+        lo = hi = 0
+    if not 1 <= lo <= hi <= MAX_OBJECTS:
+        raise argparse.ArgumentTypeError(f"must be LO-HI with 1 <= LO <= HI <= "
+                                         f"{MAX_OBJECTS} (e.g. 5-9), got {text!r}")
+    return lo, hi
+
+
 def _head_file(text: str) -> Path:
     """An argparse type: an attribution head file (as `python -m headscope train` writes)."""
     if not Path(text).is_file():
@@ -86,6 +99,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("accuracy", help="caption accuracy on held-out scenes")
     p.add_argument("--model", **model)
     p.add_argument("--scenes", type=count, default=200)
+    p.add_argument("--objects", type=_object_range, default=(1, 4), metavar="LO-HI",
+                   help="objects per scene, cycling from LO to HI (default 1-4)")
 
     p = sub.add_parser("latency", help="per-token latency with streaming attribution")
     p.add_argument("--model", **model)
@@ -170,7 +185,8 @@ def _run(args) -> None:
         from .accuracy import caption_accuracy, held_out_scenes
         from .model import load
         model, processor, _ = load(args.model, head=False)
-        print(json.dumps(caption_accuracy(model, processor, held_out_scenes(args.scenes))))
+        scenes = held_out_scenes(args.scenes, objects=args.objects)
+        print(json.dumps(caption_accuracy(model, processor, scenes)))
     elif args.command == "hallucination":
         from .hallucination import measure_hallucination
         print(json.dumps(measure_hallucination(args.fit, args.test, args.model), indent=2))
