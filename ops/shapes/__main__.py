@@ -80,6 +80,8 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=number(0, above=True), default=defaults.lr)
     p.add_argument("--eval-scenes", type=count, default=200,
                    help="held-out scenes for the caption accuracy at the end")
+    p.add_argument("--finish-at", type=count, default=None, metavar="STEP",
+                   help="end the run at STEP of its --steps schedule and save it as done")
     p.add_argument("--checkpoint-every", type=count, default=100,
                    help="steps between checkpoints (and entries of the loss log)")
 
@@ -174,7 +176,7 @@ def _run(args) -> None:
         from .train import Settings, train
         settings = Settings(lr=args.lr, **{k: getattr(args, k) for k in SIZES})
         report = train(args.out, settings, eval_scenes=args.eval_scenes,
-                       checkpoint_every=args.checkpoint_every)
+                       checkpoint_every=args.checkpoint_every, finish_at=args.finish_at)
         print(json.dumps(report, indent=2))
     elif args.command == "demo":
         from ..hf.regions import parse_grid

@@ -77,11 +77,15 @@ def _schedule(settings: Settings):
 
 
 def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int = 100,
-          stop_after: Optional[int] = None, eval_scenes: int = 200, progress: bool = True) -> dict:
+          stop_after: Optional[int] = None, finish_at: Optional[int] = None,
+          eval_scenes: int = 200, progress: bool = True) -> dict:
     """Trains (or resumes training) into ``out``; when done, saves the model and processor
     there (``from_pretrained`` format), measures caption accuracy on ``eval_scenes``
-    held-out scenes and writes ``training.json``. ``stop_after``: leave after that many
-    steps of this call with the checkpoint saved (for tests). Returns the report
+    held-out scenes of 1 to 4 objects and as many of 5 to 9 and writes ``training.json``.
+    ``finish_at``: end the run at that step of the schedule, which keeps its length
+    ``settings.steps`` (the learning rate is where the full run would have it), and save
+    it as done (for a run that cannot take its full time). ``stop_after``: leave after
+    that many steps of this call with the checkpoint saved (for tests). Returns the report
     (None when stopped early)."""
     from tqdm import tqdm
 
@@ -119,10 +123,17 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
                         "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict()}, tmp)
 
+    if finish_at is not None and not 1 <= finish_at <= settings.steps:
+        raise ValueError(f"headscope.shapes.train: argument 'finish_at' must be in "
+                         f"[1, {settings.steps}] (the steps), got {finish_at}")
+    end = settings.steps if finish_at is None else finish_at
+    if step > end:
+        raise ValueError(f"headscope.shapes.train: {state_path} is at step {step}, past "
+                         f"finish_at {finish_at}")
+    stop = end if stop_after is None else min(end, step + stop_after)
     model.train()
-    bar = tqdm(total=settings.steps, initial=step, desc="train shapes model",
-               disable=not progress, unit="step")
-    stop = settings.steps if stop_after is None else min(settings.steps, step + stop_after)
+    bar = tqdm(total=end, initial=step, desc="train shapes model", disable=not progress,
+               unit="step")
     try:
         while step < stop:
             started = time.perf_counter()
@@ -146,17 +157,20 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
         raise
     finally:
         bar.close()
-    if step < settings.steps:
+    if step < end:
         return None
     model.eval()
     accuracy = caption_accuracy(model, processor, held_out_scenes(eval_scenes))
+    crowded = caption_accuracy(model, processor, held_out_scenes(eval_scenes, objects=(5, 9)))
     model.save_pretrained(out)
     processor.save_pretrained(out)
     report = {"settings": asdict(settings), "train_seconds": round(elapsed, 1),
               "threads": torch.get_num_threads(),
-              "train_scene_seeds": [0, settings.steps * settings.batch - 1],
+              "finished_at_step": step,
+              "train_scene_seeds": [0, step * settings.batch - 1],
               "held_out_scene_seeds": [HELD_OUT_SEED, HELD_OUT_SEED + eval_scenes - 1],
-              "held_out_accuracy": accuracy, "training_loss": losses}
+              "held_out_accuracy": accuracy, "held_out_accuracy_5_to_9_objects": crowded,
+              "training_loss": losses}
     with atomic_path(out / REPORT_FILE) as tmp:
         Path(tmp).write_text(json.dumps(report, indent=2) + "\n")
     state_path.unlink()

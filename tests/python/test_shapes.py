@@ -296,17 +296,39 @@ def test_training_resumes_to_the_same_weights(tmp_path):
         train(tmp_path / "other", replace(settings, lr=1e-4), progress=False)
 
 
+def test_training_finished_early_keeps_the_schedule(tmp_path):
+    from headscope.shapes.train import STATE_FILE, Settings, train
+    torch.set_num_threads(1)
+    settings = Settings(**TINY)
+    assert train(tmp_path / "cut", settings, stop_after=1, progress=False) is None
+    report = train(tmp_path / "cut", settings, finish_at=3, eval_scenes=2, progress=False)
+    assert report["finished_at_step"] == 3 and report["settings"]["steps"] == 4
+    assert report["train_scene_seeds"] == [0, 3 * settings.batch - 1]
+    assert [step for step, _ in report["training_loss"]] == [1, 3]
+    assert report["held_out_accuracy_5_to_9_objects"]["count"] == 2
+    assert not (tmp_path / "cut" / STATE_FILE).exists()
+    # the same weights as the first 3 steps of the full run: the schedule is the full run's
+    train(tmp_path / "full", settings, stop_after=3, progress=False)
+    full = torch.load(tmp_path / "full" / STATE_FILE, weights_only=False)["model"]
+    cut = shapes.load(tmp_path / "cut")[0].state_dict()
+    assert cut.keys() == full.keys() and all(torch.equal(full[k], cut[k]) for k in cut)
+    with pytest.raises(ValueError, match="finish_at"):
+        train(tmp_path / "full", settings, finish_at=5, progress=False)
+    with pytest.raises(ValueError, match="past finish_at"):
+        train(tmp_path / "full", settings, finish_at=2, progress=False)
+
+
 def test_training_checkpoints_on_interrupt(tmp_path, monkeypatch):
     from headscope.shapes import train as train_module
     settings = train_module.Settings(**TINY)
     calls = []
     real = train_module._batch
 
-    def interrupting(processor, step, size):
+    def interrupting(processor, step, settings):
         calls.append(step)
         if step == 2:
             raise KeyboardInterrupt
-        return real(processor, step, size)
+        return real(processor, step, settings)
 
     monkeypatch.setattr(train_module, "_batch", interrupting)
     with pytest.raises(KeyboardInterrupt):
