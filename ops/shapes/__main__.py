@@ -82,6 +82,8 @@ def main(argv=None) -> int:
                    help="held-out scenes for the caption accuracy at the end")
     p.add_argument("--finish-at", type=count, default=None, metavar="STEP",
                    help="end the run at STEP of its --steps schedule and save it as done")
+    p.add_argument("--stop-after", type=count, default=None, metavar="N",
+                   help="leave after N steps of this call, with the checkpoint saved")
     p.add_argument("--checkpoint-every", type=count, default=100,
                    help="steps between checkpoints (and entries of the loss log)")
 
@@ -176,8 +178,10 @@ def _run(args) -> None:
         from .train import Settings, train
         settings = Settings(lr=args.lr, **{k: getattr(args, k) for k in SIZES})
         report = train(args.out, settings, eval_scenes=args.eval_scenes,
-                       checkpoint_every=args.checkpoint_every, finish_at=args.finish_at)
-        print(json.dumps(report, indent=2))
+                       checkpoint_every=args.checkpoint_every, finish_at=args.finish_at,
+                       stop_after=args.stop_after)
+        print(json.dumps(report, indent=2) if report is not None else
+              f"stopped with the checkpoint in {args.out}; rerun to resume")
     elif args.command == "demo":
         from ..hf.regions import parse_grid
         from .demo import run_demo

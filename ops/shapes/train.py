@@ -105,21 +105,30 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
     step, elapsed = 0, 0.0
     # [step, mean training loss over the steps since the previous entry], one per checkpoint
     losses, window = [], []
+    # [step, the schedule's length from that step on]: a resumed run may change its length
+    lengths = [[0, settings.steps]]
     if state_path.is_file():
         state = torch.load(state_path, weights_only=False)
-        if state["settings"] != asdict(settings):
+        if {**state["settings"], "steps": settings.steps} != asdict(settings):
             raise ValueError(f"headscope.shapes.train: {state_path} was written with settings "
                              f"{state['settings']}, not {asdict(settings)}; use the same ones "
-                             f"or another --out")
+                             f"(only --steps may change) or another --out")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, elapsed, losses = state["step"], state["elapsed"], state["losses"]
+        lengths = state.get("lengths", [[0, state["settings"]["steps"]]])
+        if settings.steps != lengths[-1][1]:
+            if step >= settings.steps:
+                raise ValueError(f"headscope.shapes.train: {state_path} is at step {step}; "
+                                 f"--steps must be above it, got {settings.steps}")
+            # the schedule goes on from here as if the run had this length
+            lengths.append([step, settings.steps])
 
     def checkpoint() -> None:
         with atomic_path(state_path) as tmp:
             torch.save({"settings": asdict(settings), "step": step, "elapsed": elapsed,
-                        "losses": losses, "model": model.state_dict(),
+                        "losses": losses, "lengths": lengths, "model": model.state_dict(),
                         "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict()}, tmp)
 
@@ -166,7 +175,7 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
     processor.save_pretrained(out)
     report = {"settings": asdict(settings), "train_seconds": round(elapsed, 1),
               "threads": torch.get_num_threads(),
-              "finished_at_step": step,
+              "finished_at_step": step, "schedule_lengths": lengths,
               "train_scene_seeds": [0, step * settings.batch - 1],
               "held_out_scene_seeds": [HELD_OUT_SEED, HELD_OUT_SEED + eval_scenes - 1],
               "held_out_accuracy": accuracy, "held_out_accuracy_5_to_9_objects": crowded,

@@ -318,6 +318,25 @@ def test_training_finished_early_keeps_the_schedule(tmp_path):
         train(tmp_path / "full", settings, finish_at=2, progress=False)
 
 
+def test_training_resumed_with_another_length_continues_its_schedule(tmp_path):
+    from headscope.shapes.train import Settings, _schedule, train
+    torch.set_num_threads(1)
+    settings = Settings(**TINY)
+    train(tmp_path, settings, stop_after=2, progress=False)
+    with pytest.raises(ValueError, match="--steps must be above it"):
+        train(tmp_path, replace(settings, steps=2), progress=False)
+    longer = replace(settings, steps=6)
+    assert train(tmp_path, longer, stop_after=1, progress=False) is None
+    state = torch.load(tmp_path / "train_state.pt", weights_only=False)
+    assert state["lengths"] == [[0, 4], [2, 6]] and state["settings"]["steps"] == 6
+    # the learning rate after step 3 is the 6-step schedule's
+    lr = state["optimizer"]["param_groups"][0]["lr"]
+    assert lr == pytest.approx(settings.lr * _schedule(longer)(3))
+    assert lr != pytest.approx(settings.lr * _schedule(settings)(3))
+    report = train(tmp_path, longer, eval_scenes=2, progress=False)
+    assert report["schedule_lengths"] == [[0, 4], [2, 6]] and report["finished_at_step"] == 6
+
+
 def test_training_checkpoints_on_interrupt(tmp_path, monkeypatch):
     from headscope.shapes import train as train_module
     settings = train_module.Settings(**TINY)
