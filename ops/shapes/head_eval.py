@@ -65,13 +65,17 @@ def bootstrap_interval(values: torch.Tensor, resamples: int = 10_000, level: flo
     return float(low), float(high)
 
 
-def mean_with_interval(values: torch.Tensor) -> Dict[str, float]:
-    """Mean, standard error and bootstrap 95% interval of ``values`` (1-D)."""
+def mean_with_interval(values: torch.Tensor) -> Dict[str, Optional[float]]:
+    """Mean, standard error and bootstrap 95% interval of ``values`` (1-D); None where
+    there are too few values (no mean without values, no spread with one)."""
     values = torch.as_tensor(values, dtype=torch.float64).flatten()
-    low, high = bootstrap_interval(values)
+    n = int(values.numel())
+    if n < 2:
+        return {"mean": float(values.mean()) if n else None, "se": None,
+                "interval95": None, "n": n}
     return {"mean": float(values.mean()),
-            "se": float(values.std(unbiased=True) / math.sqrt(values.numel())),
-            "interval95": [low, high], "n": int(values.numel())}
+            "se": float(values.std(unbiased=True) / math.sqrt(n)),
+            "interval95": list(bootstrap_interval(values)), "n": n}
 
 
 def special_only(token_ids: Sequence[int], special_ids: Sequence[int]) -> bool:
@@ -125,6 +129,9 @@ def summarise(records: List[dict]) -> dict:
     """Per-image LDS of each scorer, their paired difference (head minus attention) with
     its standard error and bootstrap 95% interval over scenes, and pointing."""
     scored = [r for r in records if r["spans"]]
+    if not scored:
+        raise ValueError(f"{WHO}: no scene has a span to score (every span is only special "
+                         f"tokens)")
     effects = torch.cat([r["effects"] for r in scored])
     span_scene = torch.repeat_interleave(torch.arange(len(scored)),
                                          torch.tensor([r["spans"] for r in scored]))
@@ -180,6 +187,8 @@ def evaluate_head(which: str = "reported", scenes: int = 300, *,
 def table(result: dict) -> str:
     """The result as markdown: per-image LDS with intervals, the difference, pointing."""
     def cell(m):
+        if m["interval95"] is None:
+            return "n/a" if m["mean"] is None else f"{m['mean']:.3f} (one scene)"
         return f"{m['mean']:.3f} ± {m['se']:.3f} [{m['interval95'][0]:.3f}, " \
                f"{m['interval95'][1]:.3f}]"
 

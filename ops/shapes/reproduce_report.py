@@ -3,6 +3,7 @@ step, its numbers as tables."""
 from __future__ import annotations
 
 from .faithfulness import table as faithfulness_table
+from .head_eval import table as head_vs_attention_table
 from .latency import LABELS as LATENCY_LABELS
 
 
@@ -71,6 +72,8 @@ def _hallucination(r: dict) -> list:
 
 
 SECTIONS = {"accuracy": ("Caption accuracy", _accuracy),
+            "head_vs_attention": ("The head against raw attention",
+                                  lambda r: [head_vs_attention_table(r)]),
             "head_eval": ("Attribution head", _head_eval),
             "head_eval_grid": ("Attribution head on the world's cells",
                                lambda r: _head_eval(r, "the world's 3x3 cells as regions")),

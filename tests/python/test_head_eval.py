@@ -48,6 +48,9 @@ def test_bootstrap_interval_of_a_known_mean():
     assert m["se"] == pytest.approx(float(values.std()) / 20)
     with pytest.raises(ValueError, match="at least 2"):
         bootstrap_interval(torch.tensor([1.0]))
+    assert mean_with_interval(torch.tensor([0.5])) == {"mean": 0.5, "se": None,
+                                                      "interval95": None, "n": 1}
+    assert mean_with_interval(torch.tensor([]))["mean"] is None
 
 
 def test_special_only_spans():
