@@ -125,6 +125,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", **model)
     p.add_argument("--fit", type=count, default=1000, help="answers to fit the detector on")
     p.add_argument("--test", type=count, default=1000, help="answers to measure AUROC on")
+    p.add_argument("--objects", type=_object_range, default=(1, 4), metavar="LO-HI",
+                   help="objects per scene, cycling from LO to HI (default 1-4; 5-9: the "
+                        "hard scenes)")
 
     p = sub.add_parser("faithfulness", help="faithfulness against time per token (figure)")
     p.add_argument("--out", type=Path, required=True,
@@ -195,7 +198,8 @@ def _run(args) -> None:
         print(json.dumps(caption_accuracy(model, processor, scenes)))
     elif args.command == "hallucination":
         from .hallucination import measure_hallucination
-        print(json.dumps(measure_hallucination(args.fit, args.test, args.model), indent=2))
+        print(json.dumps(measure_hallucination(args.fit, args.test, args.model,
+                                               objects=args.objects), indent=2))
     elif args.command == "faithfulness":
         from .faithfulness import measure_faithfulness, table
         from .faithfulness_figure import write_faithfulness

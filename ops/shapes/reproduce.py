@@ -1,9 +1,9 @@
 """``python -m headscope.shapes reproduce``: every measurement of docs/shapes.md in one
 command, in order: caption accuracy, the shipped head against raw attention on the
 reported seed range (per-image LDS with the paired difference's interval, pointing), the
-shipped head against raw attention and random pointing (``python -m headscope eval`` on the held-out scenes, with Ward regions and with
-the world's 3 x 3 cells; the head is the shipped one, not refitted), latency, the
-faithfulness figure and hallucination detection.
+shipped head against raw attention and random pointing (``python -m headscope eval`` on
+the held-out scenes, with Ward regions and with the world's 3 x 3 cells; the head is the
+shipped one, not refitted), latency, the faithfulness figure and hallucination detection.
 
 Each step's result goes into ``OUT/results.json`` (and ``OUT/results.md``) as soon as it
 finishes, written atomically; a rerun skips the steps already there with the same

@@ -29,20 +29,20 @@ REPORT_FILE = "training.json"
 
 @dataclass(frozen=True)
 class Settings:
-    steps: int = 3000
+    steps: int = 3300
     batch: int = 16
-    lr: float = 3e-3
-    warmup: int = 100
+    lr: float = 2e-3
+    warmup: int = 200
     seed: int = 0
-    hidden: int = 96
-    layers: int = 3
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate: int = 256
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 4
+    intermediate: int = 384
     vision_width: int = 96
     vision_depth: int = 3
     vision_mlp_ratio: int = 4
-    max_objects: int = 4
+    max_objects: int = 9
 
     def check(self) -> None:
         for name in ("steps", "batch"):

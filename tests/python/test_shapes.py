@@ -266,7 +266,7 @@ def test_ctrl_c_during_the_demo_is_one_line_and_exit_130(tmp_path):
 
 # ---- the training script -------------------------------------------------------------------
 
-TINY = dict(steps=4, batch=2, warmup=2, hidden=32, layers=1, intermediate=64)
+TINY = dict(steps=4, batch=2, warmup=2, hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64)
 
 
 def _weights(folder: Path) -> dict:
