@@ -37,8 +37,8 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     assert (tmp_path / "faithfulness" / "faithfulness.png").is_file()
     assert steps["hallucination"]["result"]["test_answers"] == 2
     text = (tmp_path / "results.md").read_text()
-    for title in ("Caption accuracy", "The head against raw attention", "Attribution head", "Attribution head on the world's "
-                  "cells", "Latency",
+    for title in ("Caption accuracy", "The head against raw attention", "Attribution head",
+                  "Attribution head on the world's cells", "Latency",
                   "Faithfulness against time", "Hallucination detection"):
         assert f"## {title}" in text
     assert "random region (expected)" in text
