@@ -79,18 +79,23 @@ def measure_hallucination(fit_count: int = 1000, test_count: int = 1000, model_d
     with a bootstrap 95% interval. ``objects``: objects per scene, ``(lo, hi)``."""
     fit = answers(fit_count, 0, model_dir, progress=progress, objects=objects)
     test = answers(test_count, fit_count, model_dir, progress=progress, objects=objects)
-    detector = VASDetector().fit(fit["features"], fit["hallucinated"])
-    # does VAS add to the baseline? the same regression on the 36 features and the log-prob
-    both = VASDetector(fit["features"].shape[1] + 1).fit(_with_logprob(fit), fit["hallucinated"])
     labels = test["hallucinated"]
-    scores = {"vas_detector": detector.predict_proba(test["features"]),
-              "mean_logprob": -test["logprob"],
-              "vas_and_logprob": both.predict_proba(_with_logprob(test))}
+    scores = {"vas_detector": None, "mean_logprob": -test["logprob"], "vas_and_logprob": None}
+    # the regressions need both classes among the fitting answers (a model that rarely errs
+    # may give none of one in a small sample): without them only the baseline is measured
+    if fit["hallucinated"].any() and not fit["hallucinated"].all():
+        detector = VASDetector().fit(fit["features"], fit["hallucinated"])
+        # does VAS add to the baseline? the same regression on the features and the log-prob
+        both = VASDetector(fit["features"].shape[1] + 1).fit(_with_logprob(fit),
+                                                             fit["hallucinated"])
+        scores["vas_detector"] = detector.predict_proba(test["features"])
+        scores["vas_and_logprob"] = both.predict_proba(_with_logprob(test))
     result = {"fit_answers": fit_count, "test_answers": test_count, "objects": list(objects),
               "fit_hallucinated": float(fit["hallucinated"].double().mean()),
               "test_hallucinated": float(labels.double().mean())}
-    result.update({f"auroc_{name}": auroc(s, labels) for name, s in scores.items()})
-    result["auroc_95_interval"] = {name: bootstrap_interval(s, labels)
+    result.update({f"auroc_{name}": None if s is None else auroc(s, labels)
+                   for name, s in scores.items()})
+    result["auroc_95_interval"] = {name: None if s is None else bootstrap_interval(s, labels)
                                    for name, s in scores.items()}
     result["seeds"] = [HELD_OUT_SEED + OFFSET, HELD_OUT_SEED + OFFSET + fit_count
                        + test_count - 1]

@@ -29,7 +29,7 @@ REPORT_FILE = "training.json"
 
 @dataclass(frozen=True)
 class Settings:
-    steps: int = 3300
+    steps: int = 3800
     batch: int = 16
     lr: float = 2e-3
     warmup: int = 200

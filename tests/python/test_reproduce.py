@@ -36,10 +36,12 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     assert faith["latency"] == steps["latency"]["result"]  # one latency measurement
     assert (tmp_path / "faithfulness" / "faithfulness.png").is_file()
     assert steps["hallucination"]["result"]["test_answers"] == 2
+    assert steps["hallucination_hard"]["result"]["objects"] == [5, 9]
     text = (tmp_path / "results.md").read_text()
     for title in ("Caption accuracy", "The head against raw attention", "Attribution head",
                   "Attribution head on the world's cells", "Latency",
-                  "Faithfulness against time", "Hallucination detection"):
+                  "Faithfulness against time", "Hallucination detection",
+                  "Hallucination detection on hard scenes"):
         assert f"## {title}" in text
     assert "random region (expected)" in text
     assert [line.endswith("...") for line in said].count(True) == len(STEPS)
@@ -51,7 +53,7 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     again = reproduce(tmp_path, quick=True, echo=said.append)
     skipped = [line for line in said if line.endswith("skipped")]
     ran = [line for line in said if line.endswith("...")]
-    assert len(skipped) == 5 and len(ran) == 2
+    assert len(skipped) == 6 and len(ran) == 2
     assert "faithfulness" in ran[0] and "hallucination" in ran[1]
     assert again["steps"]["accuracy"] == steps["accuracy"]
     assert json.loads((tmp_path / RESULTS).read_text())["steps"].keys() == set(STEPS)

@@ -389,6 +389,26 @@ def test_hallucination_answers_are_labelled_by_the_scene(shipped):
     assert auroc(torch.tensor([0.1, 0.4]), torch.tensor([1, 1])) is None
 
 
+def test_hallucination_with_one_class_among_the_fitting_answers(monkeypatch):
+    from headscope.shapes import hallucination
+    g = torch.Generator().manual_seed(0)
+
+    def fake_answers(count, start, model_dir, progress, objects):
+        # no fitting answer is hallucinated; the test answers hold both classes
+        labels = torch.zeros(count, dtype=torch.bool) if start == 0 else \
+            torch.arange(count) % 2 == 0
+        return {"features": torch.randn(count, 36, generator=g),
+                "logprob": -labels.double() - torch.rand(count, generator=g, dtype=torch.float64),
+                "hallucinated": labels, "texts": [""] * count}
+
+    monkeypatch.setattr(hallucination, "answers", fake_answers)
+    result = hallucination.measure_hallucination(6, 8, objects=(5, 9))
+    assert result["objects"] == [5, 9] and result["fit_hallucinated"] == 0
+    assert result["auroc_vas_detector"] is None and result["auroc_vas_and_logprob"] is None
+    assert result["auroc_95_interval"]["vas_detector"] is None
+    assert result["auroc_mean_logprob"] == 1.0  # the fake log-probabilities separate them
+
+
 def test_auroc_bootstrap_interval_holds_the_estimate_and_narrows_with_more_answers():
     from headscope.shapes.hallucination import auroc, bootstrap_interval
     g = torch.Generator().manual_seed(0)
