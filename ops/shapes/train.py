@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,6 +75,18 @@ def _schedule(settings: Settings):
         progress = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     return factor
+
+
+def _save_complete(out: Path, model, processor) -> None:
+    """Saves the model and processor into ``out`` through a temporary folder inside it,
+    moving each file into place only once all are written (an interrupted save leaves the
+    checkpoint and no half-written file; rerunning finishes it)."""
+    import tempfile
+    with tempfile.TemporaryDirectory(dir=out, prefix=".saving-") as tmp:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        for path in sorted(Path(tmp).iterdir()):
+            os.replace(path, out / path.name)
 
 
 def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int = 100,
@@ -171,8 +184,7 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
     model.eval()
     accuracy = caption_accuracy(model, processor, held_out_scenes(eval_scenes))
     crowded = caption_accuracy(model, processor, held_out_scenes(eval_scenes, objects=(5, 9)))
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
+    _save_complete(out, model, processor)
     report = {"settings": asdict(settings), "train_seconds": round(elapsed, 1),
               "threads": torch.get_num_threads(),
               "finished_at_step": step, "schedule_lengths": lengths,

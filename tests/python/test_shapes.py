@@ -285,6 +285,7 @@ def test_training_resumes_to_the_same_weights(tmp_path):
     assert not (tmp_path / "resumed" / "model.safetensors").exists()
     resumed = train(tmp_path / "resumed", settings, eval_scenes=2, progress=False)
     assert not (tmp_path / "resumed" / STATE_FILE).exists()
+    assert not list((tmp_path / "resumed").glob(".saving-*"))
     a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert straight["held_out_accuracy"]["count"] == 2
