@@ -30,7 +30,7 @@ REPORT_FILE = "training.json"
 
 @dataclass(frozen=True)
 class Settings:
-    steps: int = 3800
+    steps: int = 3500
     batch: int = 16
     lr: float = 2e-3
     warmup: int = 200
