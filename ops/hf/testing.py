@@ -144,6 +144,29 @@ def quarters(height: int, width: int, colours):
     return Image.fromarray(pixels)
 
 
+def assert_quarter_colours(boxes: torch.Tensor, colours: torch.Tensor,
+                           ignore: Optional[int] = None) -> None:
+    """The geometry tests' check of a picture made by :func:`quarters`: ``boxes``
+    ``(N, 4)`` are N image tokens' boxes on it, ``colours`` ``(N, P)`` the index (0 to 3)
+    of the quarter colour nearest each of a token's P pixels as the model sees them
+    (``ignore``: an index that may also appear, such as the black of padding). Every
+    pixel of a token whose box lies in one quarter has that quarter's colour (resizing
+    blurs the edges by less than half the distance between two colours); a token astride
+    the picture's middle lines carries, among its own, the colour of the quarter holding
+    its box's centre (where ``grid_regions(2, 2)`` puts it)."""
+    from .regions import grid_regions
+    quarter = grid_regions(2, 2).of_boxes(boxes)
+    astride = ((boxes[:, 0] < 0.5) & (boxes[:, 2] > 0.5)) | \
+        ((boxes[:, 1] < 0.5) & (boxes[:, 3] > 0.5))
+    assert bool((~astride).any()), "no token lies within one quarter"
+    matches = colours == quarter[:, None]
+    allowed = matches if ignore is None else matches | (colours == ignore)
+    bad = (~allowed[~astride]).any(1).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} tokens within one quarter read another colour"
+    assert bool(matches[astride].any(1).all()), \
+        "a token astride the middle lacks the colour of its centre's quarter"
+
+
 def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwargs):
     """The way attention is inspected without headscope: a model loaded with eager
     attention, run with ``output_attentions=True`` and forward hooks on the o_proj inputs.
