@@ -21,6 +21,11 @@ o_proj inputs), in one process, alternating:
   and synthetic images, the time of plain generation, of the span features the Tracer
   adds, and of the ablation passes.
 
+Prefill and decode run twice: on the Qwen2-VL model below, and on a Gemma-3-4B-shaped
+decoder cut to 6 layers (5 sliding-window, 1 global; one 256-token image and 64 text
+tokens, the prompt then grown to 4096 tokens), whose sliding layers the tracer pools step
+by step.
+
 Model: Qwen2-VL-2B-shaped text decoder (hidden 1536, 12 heads, 2 KV heads, head dim 128,
 intermediate 8960, vocabulary 151936), 4 layers, random weights, a one-block vision tower;
 one image of 1024 tokens and 64 text tokens (``--quick``: 256 image tokens, 2 layers).
@@ -37,18 +42,41 @@ from ._util import interleaved, mib, peak_bytes, print_table, round_ratios
 K_REGIONS = 16
 
 
-def _model(quick: bool, attn: str):
+def _model(quick: bool, attn: str, spec: str = "qwen2_vl"):
     from headscope.hf.testing import tiny_model
+    if spec == "gemma3":
+        return _gemma3(quick, attn)
     return tiny_model("qwen2_vl", hidden=1536, layers=2 if quick else 4, heads=12, kv_heads=2,
                       intermediate=8960, vocab=151936, vision_hidden=64,
                       attn_implementation=attn)
 
 
-def _inputs(model, image_side: int, device):
+def _gemma3(quick: bool, attn: str):
+    """Gemma-3-4B's decoder cut to 6 layers, 5 sliding-window (1024) and 1 global, its
+    head counts and sizes (8 query and 4 key/value heads of 256), 256 tokens per image;
+    a 32k vocabulary (262k would only add the embedding's memory: logits_to_keep=1).
+    ``quick``: one sliding and one global layer of a quarter of the width, window 64."""
+    from headscope.hf.testing import tiny_model
+    layers = ["sliding_attention"] + (["full_attention"] if quick else
+                                      ["sliding_attention"] * 4 + ["full_attention"])
+    head_dim = 64 if quick else 256
+    return tiny_model(
+        "gemma3", hidden=640 if quick else 2560, layers=len(layers), heads=8, kv_heads=4,
+        intermediate=2560 if quick else 10240, vocab=32768, vision_hidden=64,
+        attn_implementation=attn,
+        overrides={"mm_tokens_per_image": 64 if quick else 256,
+                   "vision_config": {"image_size": 32 if quick else 64},
+                   "text_config": {"sliding_window": 64 if quick else 1024, "layer_types": layers,
+                                   "head_dim": head_dim, "query_pre_attn_scalar": head_dim}})
+
+
+def _inputs(model, image_side: int, device, text: int = 64):
+    """One image prompt of ``text`` text tokens (20 before the image): Qwen2-VL's image
+    is image_side x image_side tokens ((2 image_side)^2 patches), Gemma 3's its fixed
+    size."""
     from headscope.hf.testing import image_prompt
-    # image_side x image_side tokens = (2 image_side)^2 patches; 64 text tokens in all
     inputs = image_prompt(model, grids=((2 * image_side, 2 * image_side),), text_before=(20,),
-                          text_after=(42,))
+                          text_after=(text - 22,))
     return {k: v.to(device) for k, v in inputs.items()}
 
 
@@ -94,9 +122,10 @@ def _traced_forward(tracer, model, inputs):
 
 
 @torch.no_grad()
-def bench_prefill(device, quick: bool) -> dict:
+def bench_prefill(device, quick: bool, spec: str = "qwen2_vl") -> dict:
     from headscope.hf import Tracer
-    model, eager = _model(quick, "sdpa").to(device), _model(quick, "eager").to(device)
+    model = _model(quick, "sdpa", spec).to(device)
+    eager = _model(quick, "eager", spec).to(device)
     side = 16 if quick else 32
     inputs = _inputs(model, side, device)
     T = inputs["input_ids"].shape[1]
@@ -125,8 +154,12 @@ def bench_prefill(device, quick: bool) -> dict:
              "range": f"{r_eager[1]:.3f}-{r_eager[2]:.3f}",
              "peak_MiB": mib(peak_bytes(lambda: _eager_today(eager, inputs), device))}]
     growth = []
-    for s in ((8, 16) if quick else (16, 32, 48)):
-        inp = _inputs(model, s, device)
+    if spec == "gemma3":  # a fixed image: the prompt grows by its text
+        sizes = [(side, n) for n in ((64, 512) if quick else (64, 1024, 4096 - 256))]
+    else:
+        sizes = [(s, 64) for s in ((8, 16) if quick else (16, 32, 48))]
+    for s, text in sizes:
+        inp = _inputs(model, s, device, text)
         growth.append({"what": "peak growth", "T": inp["input_ids"].shape[1],
                        "plain_MiB": mib(peak_bytes(lambda: model(**inp, logits_to_keep=1),
                                                    device)),
@@ -134,7 +167,7 @@ def bench_prefill(device, quick: bool) -> dict:
                                                     device)),
                        "eager_MiB": mib(peak_bytes(lambda: _eager_today(eager, inp), device))})
     L = model.config.text_config.num_hidden_layers
-    print_table(f"prefill, one image prompt, {L} layers ({device.type}, float32)", rows,
+    print_table(f"prefill, {spec}, one image prompt, {L} layers ({device.type}, float32)", rows,
                 ["what", "T", "ms", "vs_plain", "range", "peak_MiB"])
     print_table("extra peak memory against prompt length", growth,
                 ["what", "T", "plain_MiB", "traced_MiB", "eager_MiB"])
@@ -142,9 +175,10 @@ def bench_prefill(device, quick: bool) -> dict:
 
 
 @torch.no_grad()
-def bench_decode(device, quick: bool) -> dict:
+def bench_decode(device, quick: bool, spec: str = "qwen2_vl") -> dict:
     from headscope.hf import Tracer
-    model, eager = _model(quick, "sdpa").to(device), _model(quick, "eager").to(device)
+    model = _model(quick, "sdpa", spec).to(device)
+    eager = _model(quick, "eager", spec).to(device)
     inputs = _inputs(model, 16 if quick else 32, device)
     new = 16 if quick else 64
     gen = dict(max_new_tokens=new, do_sample=False, eos_token_id=None)
@@ -239,8 +273,9 @@ def bench_decode(device, quick: bool) -> dict:
              "peak_MiB": mib(peak_bytes(today, device))},
             {"what": "answer VAS (extra forward)", "ms": 1e3 * t_vas,
              "vs_prefill": t_vas / t_prefill}]
-    print_table(f"decode, {new} new tokens after a {inputs['input_ids'].shape[1]}-token prompt "
-                f"({device.type}, float32)", rows,
+    T = inputs["input_ids"].shape[1]
+    print_table(f"decode, {spec}, {new} new tokens after a {T}-token prompt ({device.type}, "
+                f"float32)", rows,
                 ["what", "ms_per_token", "vs_plain", "range", "vs_attention", "peak_MiB", "ms",
                  "vs_prefill"])
     return {"rows": rows}
@@ -368,4 +403,6 @@ def run(device, quick: bool = False) -> dict:
         return {}
     transformers.logging.set_verbosity_error()  # the vision tower's sdpa warns on attentions
     return {"prefill": bench_prefill(device, quick), "decode": bench_decode(device, quick),
+            "prefill_gemma3": bench_prefill(device, quick, "gemma3"),
+            "decode_gemma3": bench_decode(device, quick, "gemma3"),
             "effects": bench_effects(device, quick), "collect": bench_collect(device, quick)}

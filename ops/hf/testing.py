@@ -45,7 +45,7 @@ def tiny_model(family: str = "qwen2_vl", *, hidden: int = 64, layers: int = 2,
                vision_hidden: int = 32, vocab: int = VOCAB,
                attn_implementation: str = "sdpa",
                dtype: torch.dtype = torch.float32, seed: int = 0,
-               text_overrides: Optional[Dict] = None):
+               text_overrides: Optional[Dict] = None, overrides: Optional[Dict] = None):
     """A randomly initialised VLM of model type ``family`` (one of :data:`FAMILIES`) in
     eval mode. The text decoder has ``layers`` layers of ``heads`` query and ``kv_heads``
     key/value heads of width ``hidden // heads`` and a vocabulary of ``vocab`` (>=
@@ -53,7 +53,9 @@ def tiny_model(family: str = "qwen2_vl", *, hidden: int = 64, layers: int = 2,
     small blocks (the family module's ``tiny_config``). ``attn_implementation`` is the
     family's ``tiny_attention`` where it has one (PaliGemma 2: eager).
     ``text_overrides``: text config entries over the family's own (another decoder's
-    ``model_type``, a ``sliding_window``)."""
+    ``model_type``, a ``sliding_window``); ``overrides``: config entries set on the built
+    config before the model is made, a dict value setting entries of that sub-config (the
+    benchmarks' real sizes: ``{"text_config": {"sliding_window": 1024}}``)."""
     from .families import family_of
     if family not in FAMILIES:
         raise ValueError(f"headscope.hf.testing.tiny_model: family must be one of {FAMILIES}, "
@@ -66,6 +68,12 @@ def tiny_model(family: str = "qwen2_vl", *, hidden: int = 64, layers: int = 2,
                vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
     family_module = family_of(SimpleNamespace(model_type=family))
     config, cls = family_module.tiny_config(family, text, vision_hidden, ids)
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict):
+            for name, entry in value.items():
+                setattr(getattr(config, key), name, entry)
+        else:
+            setattr(config, key, value)
     config.text_config._attn_implementation_internal = family_module.tiny_attention or \
         attn_implementation
     config.vision_config._attn_implementation_internal = "sdpa"
@@ -134,6 +142,29 @@ def quarters(height: int, width: int, colours):
     pixels[:top, :left], pixels[:top, left:] = colours[0], colours[1]
     pixels[top:, :left], pixels[top:, left:] = colours[2], colours[3]
     return Image.fromarray(pixels)
+
+
+def assert_quarter_colours(boxes: torch.Tensor, colours: torch.Tensor,
+                           ignore: Optional[int] = None) -> None:
+    """The geometry tests' check of a picture made by :func:`quarters`: ``boxes``
+    ``(N, 4)`` are N image tokens' boxes on it, ``colours`` ``(N, P)`` the index (0 to 3)
+    of the quarter colour nearest each of a token's P pixels as the model sees them
+    (``ignore``: an index that may also appear, such as the black of padding). Every
+    pixel of a token whose box lies in one quarter has that quarter's colour (resizing
+    blurs the edges by less than half the distance between two colours); a token astride
+    the picture's middle lines carries, among its own, the colour of the quarter holding
+    its box's centre (where ``grid_regions(2, 2)`` puts it)."""
+    from .regions import grid_regions
+    quarter = grid_regions(2, 2).of_boxes(boxes)
+    astride = ((boxes[:, 0] < 0.5) & (boxes[:, 2] > 0.5)) | \
+        ((boxes[:, 1] < 0.5) & (boxes[:, 3] > 0.5))
+    assert bool((~astride).any()), "no token lies within one quarter"
+    matches = colours == quarter[:, None]
+    allowed = matches if ignore is None else matches | (colours == ignore)
+    bad = (~allowed[~astride]).any(1).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} tokens within one quarter read another colour"
+    assert bool(matches[astride].any(1).all()), \
+        "a token astride the middle lacks the colour of its centre's quarter"
 
 
 def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwargs):

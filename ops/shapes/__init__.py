@@ -6,7 +6,7 @@
     ids = model.generate(**inputs, max_new_tokens=48)
 
 ``python -m headscope.shapes train|demo|accuracy|latency|data|hallucination|faithfulness|
-reproduce``; see docs/shapes.md.
+head-eval|reproduce``; see docs/shapes.md.
 Needs ``transformers`` (``pip install headscope[hf]``).
 """
 from .model import load, prompt

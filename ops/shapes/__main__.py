@@ -1,5 +1,5 @@
 """python -m headscope.shapes {train,demo,accuracy,latency,data,hallucination,faithfulness,
-reproduce}: the embedded shapes model.
+head-eval,reproduce}: the embedded shapes model.
 
   train     train the model from scratch into a folder (resumable: rerun the same command)
   demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
@@ -8,6 +8,8 @@ reproduce}: the embedded shapes model.
   data      write scenes as a DATA folder for python -m headscope collect|eval
   hallucination  AUROC of VASDetector and of the mean token log-probability on hard scenes
   faithfulness   LDS and R^2 against time per token: head, raw attention, gradients, ablation
+  head-eval      the head against raw attention on a fixed seed range: per-image LDS with
+                 the paired difference's interval, pointing
   reproduce      every measurement above in one resumable run (results.json, results.md)
 """
 from __future__ import annotations
@@ -18,8 +20,8 @@ import sys
 from pathlib import Path
 
 
-SIZES = ("steps", "batch", "seed", "hidden", "layers", "intermediate", "vision_width",
-         "vision_depth", "vision_mlp_ratio", "warmup")
+SIZES = ("steps", "batch", "seed", "hidden", "layers", "heads", "kv_heads", "intermediate",
+         "vision_width", "vision_depth", "vision_mlp_ratio", "warmup", "max_objects")
 PROG = "python -m headscope.shapes"
 
 
@@ -29,6 +31,27 @@ def _model_folder(text: str) -> Path:
         raise argparse.ArgumentTypeError(
             f"must be a model folder (with config.json, as `{PROG} train --out` writes), "
             f"got {text!r}")
+    return Path(text)
+
+
+def _object_range(text: str) -> tuple:
+    """An argparse type: ``LO-HI`` objects per scene, 1 <= LO <= HI <= 9."""
+    from .world import MAX_OBJECTS
+    try:
+        lo, hi = (int(n) for n in text.split("-"))
+    except ValueError:
+        lo = hi = 0
+    if not 1 <= lo <= hi <= MAX_OBJECTS:
+        raise argparse.ArgumentTypeError(f"must be LO-HI with 1 <= LO <= HI <= "
+                                         f"{MAX_OBJECTS} (e.g. 5-9), got {text!r}")
+    return lo, hi
+
+
+def _head_file(text: str) -> Path:
+    """An argparse type: an attribution head file (as `python -m headscope train` writes)."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"must be a head file (head.safetensors, as `python "
+                                         f"-m headscope train --out` writes), got {text!r}")
     return Path(text)
 
 
@@ -57,6 +80,12 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=number(0, above=True), default=defaults.lr)
     p.add_argument("--eval-scenes", type=count, default=200,
                    help="held-out scenes for the caption accuracy at the end")
+    p.add_argument("--finish-at", type=count, default=None, metavar="STEP",
+                   help="end the run at STEP of its --steps schedule and save it as done")
+    p.add_argument("--stop-after", type=count, default=None, metavar="N",
+                   help="leave after N steps of this call, with the checkpoint saved")
+    p.add_argument("--checkpoint-every", type=count, default=100,
+                   help="steps between checkpoints (and entries of the loss log)")
 
     p = sub.add_parser("demo", help="describe held-out scenes with span attributions")
     p.add_argument("--out", type=Path, default=Path("shapes-demo"), help="output folder")
@@ -74,6 +103,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("accuracy", help="caption accuracy on held-out scenes")
     p.add_argument("--model", **model)
     p.add_argument("--scenes", type=count, default=200)
+    p.add_argument("--objects", type=_object_range, default=(1, 4), metavar="LO-HI",
+                   help="objects per scene, cycling from LO to HI (default 1-4)")
 
     p = sub.add_parser("latency", help="per-token latency with streaming attribution")
     p.add_argument("--model", **model)
@@ -94,6 +125,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", **model)
     p.add_argument("--fit", type=count, default=1000, help="answers to fit the detector on")
     p.add_argument("--test", type=count, default=1000, help="answers to measure AUROC on")
+    p.add_argument("--objects", type=_object_range, default=(1, 4), metavar="LO-HI",
+                   help="objects per scene, cycling from LO to HI (default 1-4; 5-9: the "
+                        "hard scenes)")
 
     p = sub.add_parser("faithfulness", help="faithfulness against time per token (figure)")
     p.add_argument("--out", type=Path, required=True,
@@ -104,6 +138,18 @@ def main(argv=None) -> int:
                    help="Ward regions per image")
     p.add_argument("--rounds", type=count, default=7, help="latency rounds")
     p.add_argument("--tokens", type=count, default=40, help="tokens per latency round")
+
+    p = sub.add_parser("head-eval", help="the head against raw attention, with intervals")
+    p.add_argument("--seeds", choices=("dev", "reported"), default="dev",
+                   help="seed range: dev (for choosing settings) or reported (for the "
+                        "reported numbers only)")
+    p.add_argument("--scenes", type=count, default=300)
+    p.add_argument("--grid", type=grid(TOKEN_GRID, TOKEN_GRID, image_tokens), default="3x3",
+                   metavar="ROWSxCOLS", help="regions: a grid (default 3x3, the world's cells)")
+    p.add_argument("--model", **model)
+    p.add_argument("--head", type=_head_file, default=None,
+                   help="head file (default: the model folder's head.safetensors)")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
 
     p = sub.add_parser("reproduce", help="every measurement of docs/shapes.md, resumable")
     p.add_argument("--out", type=Path, required=True,
@@ -134,8 +180,11 @@ def _run(args) -> None:
     if args.command == "train":
         from .train import Settings, train
         settings = Settings(lr=args.lr, **{k: getattr(args, k) for k in SIZES})
-        report = train(args.out, settings, eval_scenes=args.eval_scenes)
-        print(json.dumps(report, indent=2))
+        report = train(args.out, settings, eval_scenes=args.eval_scenes,
+                       checkpoint_every=args.checkpoint_every, finish_at=args.finish_at,
+                       stop_after=args.stop_after)
+        print(json.dumps(report, indent=2) if report is not None else
+              f"stopped with the checkpoint in {args.out}; rerun to resume")
     elif args.command == "demo":
         from ..hf.regions import parse_grid
         from .demo import run_demo
@@ -145,10 +194,12 @@ def _run(args) -> None:
         from .accuracy import caption_accuracy, held_out_scenes
         from .model import load
         model, processor, _ = load(args.model, head=False)
-        print(json.dumps(caption_accuracy(model, processor, held_out_scenes(args.scenes))))
+        scenes = held_out_scenes(args.scenes, objects=args.objects)
+        print(json.dumps(caption_accuracy(model, processor, scenes)))
     elif args.command == "hallucination":
         from .hallucination import measure_hallucination
-        print(json.dumps(measure_hallucination(args.fit, args.test, args.model), indent=2))
+        print(json.dumps(measure_hallucination(args.fit, args.test, args.model,
+                                               objects=args.objects), indent=2))
     elif args.command == "faithfulness":
         from .faithfulness import measure_faithfulness, table
         from .faithfulness_figure import write_faithfulness
@@ -157,6 +208,14 @@ def _run(args) -> None:
                                       model_dir=args.model)
         print(table(result))
         print(json.dumps(write_faithfulness(args.out, result)))
+    elif args.command == "head-eval":
+        from ..hf.regions import parse_grid
+        from .head_eval import evaluate_head, table
+        result = evaluate_head(args.seeds, args.scenes, regions=parse_grid(args.grid),
+                               model_dir=args.model, head_path=args.head)
+        print(table(result))
+        if args.json is not None:
+            _write_json(args.json, result)
     elif args.command == "reproduce":
         from .reproduce import reproduce
         reproduce(args.out, quick=args.quick, model_dir=args.model)
@@ -168,9 +227,13 @@ def _run(args) -> None:
         result = measure_latency(args.rounds, args.tokens, args.model)
         format_latency(result)
         if args.json is not None:
-            from ..attribution import atomic_path
-            with atomic_path(args.json) as tmp:
-                Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
+            _write_json(args.json, result)
+
+
+def _write_json(path: Path, result: dict) -> None:
+    from ..attribution import atomic_path
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,24 +1,30 @@
 """Caption accuracy of a shapes model on held-out scenes."""
 from __future__ import annotations
 
-from typing import Dict, Iterable, List
+from typing import Dict, Iterable, List, Tuple
 
 import torch
 
 from .processor import IMAGE_TEXT
-from .world import PROMPT, describe, match_object, parse_description, scene
+from .world import MAX_OBJECTS, PROMPT, describe, match_object, parse_description, scene
 
 # Scene seeds at or above this are never used in training (training uses 0, 1, 2, ...).
 HELD_OUT_SEED = 1_000_000_000
 
 
-def held_out_scenes(count: int, start: int = 0, noise=None) -> List[tuple]:
+def held_out_scenes(count: int, start: int = 0, noise=None,
+                    objects: Tuple[int, int] = (1, 4)) -> List[tuple]:
     """``count`` held-out scenes ``(seed, image, objects)``: seeds ``HELD_OUT_SEED +
-    start + k`` with ``1 + (k % 4)`` objects, as in training."""
+    start + k`` with ``lo + k % (hi - lo + 1)`` objects for ``objects = (lo, hi)``
+    (default 1 to 4, the scenes of the head's measurements)."""
+    lo, hi = objects
+    if not 1 <= lo <= hi <= MAX_OBJECTS:
+        raise ValueError(f"headscope.shapes.held_out_scenes: argument 'objects' must be "
+                         f"(lo, hi) with 1 <= lo <= hi <= {MAX_OBJECTS}, got {objects!r}")
     out = []
     for k in range(start, start + count):
         seed = HELD_OUT_SEED + k
-        image, objects = scene(seed, 1 + k % 4, noise=noise)
+        image, objects = scene(seed, lo + k % (hi - lo + 1), noise=noise)
         out.append((seed, image, objects))
     return out
 

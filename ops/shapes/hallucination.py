@@ -4,7 +4,7 @@ the image does not hold (wrong shape, colour or place) is hallucinated, by const
 token log-probability, AUROC on held-out answers."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -20,19 +20,21 @@ OFFSET = 2_000_000
 
 
 def answers(count: int, start: int = 0, model_dir=None, max_new_tokens: int = 64,
-            progress: bool = True) -> dict:
+            progress: bool = True, objects: Tuple[int, int] = (1, 4)) -> dict:
     """For ``count`` held-out scenes (seeds ``HELD_OUT_SEED + OFFSET + start + k``,
-    ``1 + k % 4`` objects): the answer's VAS features ``(N, 36)``, its mean token
-    log-probability ``(N,)``, whether it is hallucinated ``(N,)`` and the texts."""
+    ``lo + k % (hi - lo + 1)`` objects for ``objects = (lo, hi)``): the answer's VAS
+    features ``(N, 36)``, its mean token log-probability ``(N,)``, whether it is
+    hallucinated ``(N,)`` and the texts."""
     from tqdm import tqdm
 
     from ..hf import Tracer
 
+    lo, hi = objects
     model, processor, _ = load(model_dir, head=False)
     eos = processor.tokenizer.eos_token_id
     features, logprob, hallucinated, texts = [], [], [], []
     for k in tqdm(range(start, start + count), desc="answers", disable=not progress):
-        image, objects = scene(HELD_OUT_SEED + OFFSET + k, 1 + k % 4)
+        image, truth = scene(HELD_OUT_SEED + OFFSET + k, lo + k % (hi - lo + 1))
         inputs = prompt(processor, image)
         P = inputs["input_ids"].shape[1]
         with torch.no_grad():
@@ -54,7 +56,7 @@ def answers(count: int, start: int = 0, model_dir=None, max_new_tokens: int = 64
         text = processor.tokenizer.decode(answer, skip_special_tokens=True)
         texts.append(text)
         parsed = parse_description(text)
-        hallucinated.append(not parsed or any(match_object(p, objects) is None
+        hallucinated.append(not parsed or any(match_object(p, truth) is None
                                               for p in parsed))
     return {"features": torch.stack(features), "logprob": torch.tensor(logprob),
             "hallucinated": torch.tensor(hallucinated), "texts": texts}
@@ -69,26 +71,31 @@ def auroc(scores: torch.Tensor, labels: torch.Tensor) -> Optional[float]:
 
 
 def measure_hallucination(fit_count: int = 1000, test_count: int = 1000, model_dir=None,
-                          progress: bool = True) -> dict:
+                          progress: bool = True, objects: Tuple[int, int] = (1, 4)) -> dict:
     """Fits :class:`VASDetector` on the answers of ``fit_count`` held-out scenes and
     measures, on the next ``test_count``, its AUROC and that of the baseline (minus the
     answer's mean token log-probability: less confident, more likely hallucinated), and
     of the same regression on the VAS features and the log-probability together, each
-    with a bootstrap 95% interval."""
-    fit = answers(fit_count, 0, model_dir, progress=progress)
-    test = answers(test_count, fit_count, model_dir, progress=progress)
-    detector = VASDetector().fit(fit["features"], fit["hallucinated"])
-    # does VAS add to the baseline? the same regression on the 36 features and the log-prob
-    both = VASDetector(fit["features"].shape[1] + 1).fit(_with_logprob(fit), fit["hallucinated"])
+    with a bootstrap 95% interval. ``objects``: objects per scene, ``(lo, hi)``."""
+    fit = answers(fit_count, 0, model_dir, progress=progress, objects=objects)
+    test = answers(test_count, fit_count, model_dir, progress=progress, objects=objects)
     labels = test["hallucinated"]
-    scores = {"vas_detector": detector.predict_proba(test["features"]),
-              "mean_logprob": -test["logprob"],
-              "vas_and_logprob": both.predict_proba(_with_logprob(test))}
-    result = {"fit_answers": fit_count, "test_answers": test_count,
+    scores = {"vas_detector": None, "mean_logprob": -test["logprob"], "vas_and_logprob": None}
+    # the regressions need both classes among the fitting answers (a model that rarely errs
+    # may give none of one in a small sample): without them only the baseline is measured
+    if fit["hallucinated"].any() and not fit["hallucinated"].all():
+        detector = VASDetector().fit(fit["features"], fit["hallucinated"])
+        # does VAS add to the baseline? the same regression on the features and the log-prob
+        both = VASDetector(fit["features"].shape[1] + 1).fit(_with_logprob(fit),
+                                                             fit["hallucinated"])
+        scores["vas_detector"] = detector.predict_proba(test["features"])
+        scores["vas_and_logprob"] = both.predict_proba(_with_logprob(test))
+    result = {"fit_answers": fit_count, "test_answers": test_count, "objects": list(objects),
               "fit_hallucinated": float(fit["hallucinated"].double().mean()),
               "test_hallucinated": float(labels.double().mean())}
-    result.update({f"auroc_{name}": auroc(s, labels) for name, s in scores.items()})
-    result["auroc_95_interval"] = {name: bootstrap_interval(s, labels)
+    result.update({f"auroc_{name}": None if s is None else auroc(s, labels)
+                   for name, s in scores.items()})
+    result["auroc_95_interval"] = {name: None if s is None else bootstrap_interval(s, labels)
                                    for name, s in scores.items()}
     result["seeds"] = [HELD_OUT_SEED + OFFSET, HELD_OUT_SEED + OFFSET + fit_count
                        + test_count - 1]

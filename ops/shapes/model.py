@@ -15,25 +15,30 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 HEAD_FILE = "head.safetensors"
 
 
-def build_model(processor, seed: int, *, hidden: int = 96, layers: int = 3,
-                intermediate: int = 256, vision_width: int = 64, vision_depth: int = 2,
-                vision_mlp_ratio: int = 2):
+def build_model(processor, seed: int, *, hidden: int = 96, layers: int = 3, heads: int = 4,
+                kv_heads: int = 2, intermediate: int = 256, vision_width: int = 64,
+                vision_depth: int = 2, vision_mlp_ratio: int = 2):
     """A randomly initialised ``Qwen2VLForConditionalGeneration`` for ``processor``'s
     vocabulary, initialised from ``seed``: a text decoder of ``layers`` layers of width
-    ``hidden`` (4 query heads, 2 key/value heads) and a vision tower of ``vision_depth``
-    blocks of width ``vision_width`` on 8-pixel patches, merged 2 x 2 into one image
-    token."""
+    ``hidden`` (``heads`` query heads sharing ``kv_heads`` key/value heads) and a vision
+    tower of ``vision_depth`` blocks of width ``vision_width`` (4 heads) on 8-pixel
+    patches, merged 2 x 2 into one image token."""
     import transformers as tf
+
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(f"headscope.shapes.build_model: 'hidden' ({hidden}) must be a "
+                         f"multiple of 'heads' ({heads}) and 'heads' a multiple of "
+                         f"'kv_heads' ({kv_heads})")
 
     tok = processor.tokenizer
     ids = {name: tok.convert_tokens_to_ids(token) for name, token in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"),
         ("vision_end_token_id", "<|vision_end|>"))}
-    heads = 4
     head_dim = hidden // heads
     text = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate,
-                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
+                num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
                 head_dim=head_dim, max_position_embeddings=256, tie_word_embeddings=True,
                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                 bos_token_id=None,

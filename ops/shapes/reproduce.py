@@ -1,8 +1,10 @@
 """``python -m headscope.shapes reproduce``: every measurement of docs/shapes.md in one
-command, in order: caption accuracy, the shipped head against raw attention and random
-pointing (``python -m headscope eval`` on the held-out scenes, with Ward regions and with
-the world's 3 x 3 cells; the head is the shipped one, not refitted), latency, the
-faithfulness figure and hallucination detection.
+command, in order: caption accuracy, the shipped head against raw attention on the
+reported seed range (per-image LDS with the paired difference's interval, pointing), the
+shipped head against raw attention and random pointing (``python -m headscope eval`` on
+the held-out scenes, with Ward regions and with the world's 3 x 3 cells; the head is the
+shipped one, not refitted), latency, the faithfulness figure and hallucination detection
+(on ordinary scenes of 1 to 4 objects and on hard ones of 5 to 9).
 
 Each step's result goes into ``OUT/results.json`` (and ``OUT/results.md``) as soon as it
 finishes, written atomically; a rerun skips the steps already there with the same
@@ -22,24 +24,28 @@ from .accuracy import HELD_OUT_SEED
 from .faithfulness import EVAL_OFFSET
 
 RESULTS = "results.json"
-STEPS = ("accuracy", "head_eval", "head_eval_grid", "latency", "faithfulness",
-         "hallucination")
+STEPS = ("accuracy", "head_vs_attention", "head_eval", "head_eval_grid", "latency",
+         "faithfulness", "hallucination", "hallucination_hard")
 FULL = {"accuracy": {"scenes": 200},
+        "head_vs_attention": {"seeds": "reported", "scenes": 300, "grid": [3, 3]},
         "head_eval": {"scenes": 60, "regions": 8, "max_new_tokens": 48, "subsets": 8},
         "head_eval_grid": {"scenes": 60, "grid": "3x3", "max_new_tokens": 48, "subsets": 8},
         "latency": {"rounds": 9, "tokens": 40},
         "faithfulness": {"scenes": 40, "regions": 8},
-        "hallucination": {"fit": 1000, "test": 1000}}
+        "hallucination": {"fit": 1000, "test": 1000, "objects": [1, 4]},
+        "hallucination_hard": {"fit": 500, "test": 500, "objects": [5, 9]}}
 QUICK = {"accuracy": {"scenes": 4},
+         "head_vs_attention": {"seeds": "reported", "scenes": 2, "grid": [3, 3]},
          "head_eval": {"scenes": 2, "regions": 8, "max_new_tokens": 48, "subsets": 2},
          "head_eval_grid": {"scenes": 2, "grid": "3x3", "max_new_tokens": 48, "subsets": 2},
          "latency": {"rounds": 1, "tokens": 8},
          "faithfulness": {"scenes": 1, "regions": 8},
-         "hallucination": {"fit": 2, "test": 2}}
+         "hallucination": {"fit": 2, "test": 2, "objects": [1, 4]},
+         "hallucination_hard": {"fit": 2, "test": 2, "objects": [5, 9]}}
 # A step's format: raised when what it measures changes (latency 2: time per token is the
 # decode's time over its steps, span ends included).
-FORMATS = {"accuracy": 1, "head_eval": 1, "head_eval_grid": 1, "latency": 2,
-           "faithfulness": 2, "hallucination": 1}
+FORMATS = {"accuracy": 1, "head_vs_attention": 1, "head_eval": 1, "head_eval_grid": 1, "latency": 2,
+           "faithfulness": 2, "hallucination": 1, "hallucination_hard": 1}
 USES = {"faithfulness": ("latency",)}  # steps whose result this one takes in
 EVAL_KEYS = ("lds", "lds_pooled", "pearson", "subset_lds", "pointing", "pointing_spans")
 
@@ -50,6 +56,12 @@ def _accuracy(out: Path, s: dict, done: dict, model_dir) -> dict:
     model, processor, _ = load(model_dir, head=False)
     return {"seeds": [HELD_OUT_SEED, HELD_OUT_SEED + s["scenes"] - 1],
             **caption_accuracy(model, processor, held_out_scenes(s["scenes"]))}
+
+
+def _head_vs_attention(out: Path, s: dict, done: dict, model_dir) -> dict:
+    from .head_eval import evaluate_head
+    return evaluate_head(s["seeds"], s["scenes"], regions=tuple(s["grid"]),
+                         model_dir=model_dir)
 
 
 def _head_eval(out: Path, s: dict, done: dict, model_dir) -> dict:
@@ -92,13 +104,15 @@ def _faithfulness(out: Path, s: dict, done: dict, model_dir) -> dict:
 
 def _hallucination(out: Path, s: dict, done: dict, model_dir) -> dict:
     from .hallucination import measure_hallucination
-    return measure_hallucination(s["fit"], s["test"], model_dir)
+    return measure_hallucination(s["fit"], s["test"], model_dir, objects=tuple(s["objects"]))
 
 
-RUN: Dict[str, Callable] = {"accuracy": _accuracy, "head_eval": _head_eval,
+RUN: Dict[str, Callable] = {"accuracy": _accuracy, "head_vs_attention": _head_vs_attention,
+                            "head_eval": _head_eval,
                             "head_eval_grid": _head_eval,
                             "latency": _latency, "faithfulness": _faithfulness,
-                            "hallucination": _hallucination}
+                            "hallucination": _hallucination,
+                            "hallucination_hard": _hallucination}
 
 
 def _save(out: Path, results: dict) -> None:

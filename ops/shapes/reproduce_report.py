@@ -3,6 +3,7 @@ step, its numbers as tables."""
 from __future__ import annotations
 
 from .faithfulness import table as faithfulness_table
+from .head_eval import table as head_vs_attention_table
 from .latency import LABELS as LATENCY_LABELS
 
 
@@ -57,8 +58,10 @@ def _faithfulness(r: dict) -> list:
 
 
 def _hallucination(r: dict) -> list:
+    objects = "{}-{}".format(*r["objects"])
     lines = [f"Hallucination detection ({r['fit_answers']} fitting and {r['test_answers']} "
-             f"test answers, seeds {r['seeds'][0]}..{r['seeds'][1]}; "
+             f"test answers, scenes of {objects} objects, seeds {r['seeds'][0]}.."
+             f"{r['seeds'][1]}; "
              f"{100 * r['test_hallucinated']:.1f}% of the test answers hallucinated):", "",
              "| scores | AUROC | 95% interval |", "| --- | --- | --- |"]
     for key, label in (("vas_detector", "VASDetector (36 VAS features)"),
@@ -71,12 +74,15 @@ def _hallucination(r: dict) -> list:
 
 
 SECTIONS = {"accuracy": ("Caption accuracy", _accuracy),
+            "head_vs_attention": ("The head against raw attention",
+                                  lambda r: [head_vs_attention_table(r)]),
             "head_eval": ("Attribution head", _head_eval),
             "head_eval_grid": ("Attribution head on the world's cells",
                                lambda r: _head_eval(r, "the world's 3x3 cells as regions")),
             "latency": ("Latency", _latency),
             "faithfulness": ("Faithfulness against time", _faithfulness),
-            "hallucination": ("Hallucination detection", _hallucination)}
+            "hallucination": ("Hallucination detection", _hallucination),
+            "hallucination_hard": ("Hallucination detection on hard scenes", _hallucination)}
 
 
 def markdown(results: dict) -> str:

@@ -2,13 +2,15 @@
 fresh scenes every step, AdamW with warm-up and cosine decay; resumable from an atomic
 checkpoint, deterministic in its seed (for a given number of threads).
 
-Example ``i`` of the run (``i = step * batch + j``) is ``scene(i, 1 + i % 4)``: training
-sees scene seeds ``0 .. steps * batch - 1``, all below ``HELD_OUT_SEED``.
+Example ``i`` of the run (``i = step * batch + j``) is ``scene(i, 1 + i % max_objects)``:
+training sees scene seeds ``0 .. steps * batch - 1``, all below ``HELD_OUT_SEED``. The data
+of a step is a function of its index, so a checkpoint needs no random state.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from ..attribution import atomic_path
 from .accuracy import HELD_OUT_SEED, caption_accuracy, held_out_scenes
 from .model import build_model, training_batch
 from .processor import build_processor
-from .world import describe, scene
+from .world import MAX_OBJECTS, describe, scene
 
 STATE_FILE = "train_state.pt"
 REPORT_FILE = "training.json"
@@ -28,23 +30,29 @@ REPORT_FILE = "training.json"
 
 @dataclass(frozen=True)
 class Settings:
-    steps: int = 3000
+    steps: int = 3500
     batch: int = 16
-    lr: float = 3e-3
-    warmup: int = 100
+    lr: float = 2e-3
+    warmup: int = 200
     seed: int = 0
-    hidden: int = 96
-    layers: int = 3
-    intermediate: int = 256
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 4
+    intermediate: int = 384
     vision_width: int = 96
     vision_depth: int = 3
     vision_mlp_ratio: int = 4
+    max_objects: int = 9
 
     def check(self) -> None:
         for name in ("steps", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"headscope.shapes.train: argument '{name}' must be >= 1, "
                                  f"got {getattr(self, name)}")
+        if not 1 <= self.max_objects <= MAX_OBJECTS:
+            raise ValueError(f"headscope.shapes.train: argument 'max_objects' must be in "
+                             f"[1, {MAX_OBJECTS}], got {self.max_objects}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"headscope.shapes.train: argument 'lr' must be > 0, got {self.lr}")
         if self.steps * self.batch > HELD_OUT_SEED:
@@ -52,8 +60,10 @@ class Settings:
                              "scene seeds")
 
 
-def _batch(processor, step: int, size: int):
-    scenes = [scene(i, 1 + i % 4) for i in range(step * size, (step + 1) * size)]
+def _batch(processor, step: int, settings: Settings):
+    size = settings.batch
+    scenes = [scene(i, 1 + i % settings.max_objects)
+              for i in range(step * size, (step + 1) * size)]
     return training_batch(processor, [image for image, _ in scenes],
                           [describe(objects) for _, objects in scenes])
 
@@ -67,12 +77,28 @@ def _schedule(settings: Settings):
     return factor
 
 
+def _save_complete(out: Path, model, processor) -> None:
+    """Saves the model and processor into ``out`` through a temporary folder inside it,
+    moving each file into place only once all are written (an interrupted save leaves the
+    checkpoint and no half-written file; rerunning finishes it)."""
+    import tempfile
+    with tempfile.TemporaryDirectory(dir=out, prefix=".saving-") as tmp:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        for path in sorted(Path(tmp).iterdir()):
+            os.replace(path, out / path.name)
+
+
 def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int = 100,
-          stop_after: Optional[int] = None, eval_scenes: int = 200, progress: bool = True) -> dict:
+          stop_after: Optional[int] = None, finish_at: Optional[int] = None,
+          eval_scenes: int = 200, progress: bool = True) -> dict:
     """Trains (or resumes training) into ``out``; when done, saves the model and processor
     there (``from_pretrained`` format), measures caption accuracy on ``eval_scenes``
-    held-out scenes and writes ``training.json``. ``stop_after``: leave after that many
-    steps of this call with the checkpoint saved (for tests). Returns the report
+    held-out scenes of 1 to 4 objects and as many of 5 to 9 and writes ``training.json``.
+    ``finish_at``: end the run at that step of the schedule, which keeps its length
+    ``settings.steps`` (the learning rate is where the full run would have it), and save
+    it as done (for a run that cannot take its full time). ``stop_after``: leave after
+    that many steps of this call with the checkpoint saved (for tests). Returns the report
     (None when stopped early)."""
     from tqdm import tqdm
 
@@ -81,7 +107,8 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
     out.mkdir(parents=True, exist_ok=True)
     processor = build_processor()
     model = build_model(processor, settings.seed, hidden=settings.hidden,
-                        layers=settings.layers, intermediate=settings.intermediate,
+                        layers=settings.layers, heads=settings.heads,
+                        kv_heads=settings.kv_heads, intermediate=settings.intermediate,
                         vision_width=settings.vision_width, vision_depth=settings.vision_depth,
                         vision_mlp_ratio=settings.vision_mlp_ratio)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.01,
@@ -89,31 +116,50 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(settings))
     state_path = out / STATE_FILE
     step, elapsed = 0, 0.0
+    # [step, mean training loss over the steps since the previous entry], one per checkpoint
+    losses, window = [], []
+    # [step, the schedule's length from that step on]: a resumed run may change its length
+    lengths = [[0, settings.steps]]
     if state_path.is_file():
         state = torch.load(state_path, weights_only=False)
-        if state["settings"] != asdict(settings):
+        if {**state["settings"], "steps": settings.steps} != asdict(settings):
             raise ValueError(f"headscope.shapes.train: {state_path} was written with settings "
                              f"{state['settings']}, not {asdict(settings)}; use the same ones "
-                             f"or another --out")
+                             f"(only --steps may change) or another --out")
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        step, elapsed = state["step"], state["elapsed"]
+        step, elapsed, losses = state["step"], state["elapsed"], state["losses"]
+        lengths = state.get("lengths", [[0, state["settings"]["steps"]]])
+        if settings.steps != lengths[-1][1]:
+            if step >= settings.steps:
+                raise ValueError(f"headscope.shapes.train: {state_path} is at step {step}; "
+                                 f"--steps must be above it, got {settings.steps}")
+            # the schedule goes on from here as if the run had this length
+            lengths.append([step, settings.steps])
 
     def checkpoint() -> None:
         with atomic_path(state_path) as tmp:
             torch.save({"settings": asdict(settings), "step": step, "elapsed": elapsed,
-                        "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "losses": losses, "lengths": lengths, "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict()}, tmp)
 
+    if finish_at is not None and not 1 <= finish_at <= settings.steps:
+        raise ValueError(f"headscope.shapes.train: argument 'finish_at' must be in "
+                         f"[1, {settings.steps}] (the steps), got {finish_at}")
+    end = settings.steps if finish_at is None else finish_at
+    if step > end:
+        raise ValueError(f"headscope.shapes.train: {state_path} is at step {step}, past "
+                         f"finish_at {finish_at}")
+    stop = end if stop_after is None else min(end, step + stop_after)
     model.train()
-    bar = tqdm(total=settings.steps, initial=step, desc="train shapes model",
-               disable=not progress, unit="step")
-    stop = settings.steps if stop_after is None else min(settings.steps, step + stop_after)
+    bar = tqdm(total=end, initial=step, desc="train shapes model", disable=not progress,
+               unit="step")
     try:
         while step < stop:
             started = time.perf_counter()
-            loss = model(**_batch(processor, step, settings.batch)).loss
+            loss = model(**_batch(processor, step, settings)).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
@@ -121,26 +167,31 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
             scheduler.step()
             step += 1
             elapsed += time.perf_counter() - started
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            window.append(loss.item())
+            bar.set_postfix(loss=f"{window[-1]:.3f}")
             bar.update()
             if step % checkpoint_every == 0 or step == stop:
+                losses.append([step, round(sum(window) / len(window), 4)])
+                window = []
                 checkpoint()
     except KeyboardInterrupt:
         checkpoint()
         raise
     finally:
         bar.close()
-    if step < settings.steps:
+    if step < end:
         return None
     model.eval()
     accuracy = caption_accuracy(model, processor, held_out_scenes(eval_scenes))
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
+    crowded = caption_accuracy(model, processor, held_out_scenes(eval_scenes, objects=(5, 9)))
+    _save_complete(out, model, processor)
     report = {"settings": asdict(settings), "train_seconds": round(elapsed, 1),
               "threads": torch.get_num_threads(),
-              "train_scene_seeds": [0, settings.steps * settings.batch - 1],
+              "finished_at_step": step, "schedule_lengths": lengths,
+              "train_scene_seeds": [0, step * settings.batch - 1],
               "held_out_scene_seeds": [HELD_OUT_SEED, HELD_OUT_SEED + eval_scenes - 1],
-              "held_out_accuracy": accuracy}
+              "held_out_accuracy": accuracy, "held_out_accuracy_5_to_9_objects": crowded,
+              "training_loss": losses}
     with atomic_path(out / REPORT_FILE) as tmp:
         Path(tmp).write_text(json.dumps(report, indent=2) + "\n")
     state_path.unlink()

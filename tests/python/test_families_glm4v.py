@@ -15,8 +15,9 @@ pytest.importorskip("PIL.Image")
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.regions import region_ids  # noqa: E402
-from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START, quarters,  # noqa: E402
-                                  tiny_model, tiny_processor)
+from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
+                                  assert_quarter_colours, quarters, tiny_model,
+                                  tiny_processor)
 
 IMAGE = "<|begin_of_image|><|image|><|end_of_image|>"
 # (height, width): square, 1:2 wide, 3:1 tall, larger than max_pixels (scaled down),
@@ -122,16 +123,7 @@ def test_each_tokens_pixels_carry_the_colour_of_its_boxes_quarter(model, process
     inputs = run_processor(processor, (size,), (1,))
     (image,), = family_of(model).images(model.config, inputs)
     colours = token_colours(model, processor, inputs, 0)
-    boxes = image.boxes
-    quarter = grid_regions(2, 2).of_boxes(boxes)
-    astride = (((boxes[:, 0] < 0.5) & (boxes[:, 2] > 0.5))
-               | ((boxes[:, 1] < 0.5) & (boxes[:, 3] > 0.5)))
-    assert bool((~astride).any())
-    # every pixel of a token inside one quarter is nearest that quarter's colour
-    assert bool((colours[~astride] == quarter[~astride, None]).all())
-    # a token astride the middle carries its centre's quarter's colour among its own
-    counts = torch.nn.functional.one_hot(colours, 4).sum(1)
-    assert bool((counts[astride].gather(1, quarter[astride, None]) > 0).all())
+    assert_quarter_colours(image.boxes, colours)
 
 
 def test_grid_regions_give_each_quarter_one_region_through_the_model(model, processor):

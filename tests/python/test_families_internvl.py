@@ -18,7 +18,8 @@ from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.internvl import IMAGE_END, IMAGE_START  # noqa: E402
 from headscope.hf.regions import region_ids  # noqa: E402
-from headscope.hf.testing import IMAGE_TOKEN, quarters, tiny_model, tiny_processor  # noqa: E402
+from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours, quarters,  # noqa: E402
+                                  tiny_model, tiny_processor)
 
 TILE = 16  # the tiny processor's tile side in pixels
 MAX_TILES = 6
@@ -149,15 +150,7 @@ def test_each_tokens_pixels_carry_the_colour_of_its_boxes_quarter(model, process
     inputs = run_processor(processor, (size,), (1,))
     (image,), = family_of(model).images(model.config, inputs)
     colours = colours_at(model, processor, inputs, 0, 0, image.positions)
-    boxes = image.boxes
-    quarter = grid_regions(2, 2).of_boxes(boxes)
-    astride = ((boxes[:, 0] < 0.5) & (boxes[:, 2] > 0.5)) | \
-        ((boxes[:, 1] < 0.5) & (boxes[:, 3] > 0.5))
-    assert bool((~astride).any())
-    # every pixel of a token off the picture's middle lines is nearest its quarter's colour
-    assert bool((colours[~astride] == quarter[~astride, None]).all())
-    counts = torch.nn.functional.one_hot(colours, 4).sum(1)
-    assert bool((counts[astride].gather(1, quarter[astride, None]) > 0).all())
+    assert_quarter_colours(image.boxes, colours)
 
 
 def test_grid_regions_give_each_quarter_one_region_in_every_view(model, processor):

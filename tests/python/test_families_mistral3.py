@@ -16,7 +16,8 @@ from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.regions import region_ids  # noqa: E402
 from headscope.hf.families.mistral3 import IMAGE_BREAK, IMAGE_END  # noqa: E402
-from headscope.hf.testing import IMAGE_TOKEN, quarters, tiny_model, tiny_processor  # noqa: E402
+from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours, quarters,  # noqa: E402
+                                  tiny_model, tiny_processor)
 
 # (height, width) of the pictures given to the processor: square, 2:1 wide, 1:3 tall
 # (rounded up to multiples of 8 pixels: 8 x 3 tokens), larger than the longest edge (scaled
@@ -164,19 +165,7 @@ def test_each_tokens_pixels_carry_the_colour_of_its_boxes_quarter(model, process
     inputs = run_processor(processor, (size,), (1,))
     (image,), = family_of(model).images(model.config, inputs)
     colours = colours_at(model, processor, inputs, 0, 0, image.positions)
-    boxes = image.boxes
-    quarter = grid_regions(2, 2).of_boxes(boxes)
-    counts = torch.nn.functional.one_hot(colours, 4).sum(1)  # (tokens, 4)
-    # a token astride the picture's middle reads two colours; its centre lies on the line
-    astride_x = (boxes[:, 0] < 0.5) & (boxes[:, 2] > 0.5)
-    astride_y = (boxes[:, 1] < 0.5) & (boxes[:, 3] > 0.5)
-    whole = ~(astride_x | astride_y)
-    assert bool(whole.any())
-    # every pixel of such a token is nearest its quarter's colour (resizing blurs the
-    # colour edges, by less than half the distance between two colours)
-    assert bool((colours[whole] == quarter[whole, None]).all())
-    # a token astride the middle carries the colour of its centre's quarter among its own
-    assert bool((counts[~whole].gather(1, quarter[~whole, None]) > 0).all())
+    assert_quarter_colours(image.boxes, colours)
 
 
 def test_grid_regions_give_each_quarter_one_region_through_the_model(model, processor):

@@ -19,6 +19,10 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     assert results["quick"] is True and list(results["steps"]) == list(STEPS)
     steps = results["steps"]
     assert 0 <= steps["accuracy"]["result"]["recall"] <= 1
+    versus = steps["head_vs_attention"]["result"]
+    assert versus["seed_range"] == "reported" and versus["scenes"] == 2
+    assert versus["seeds"] == [1_004_000_000, 1_004_000_001]
+    assert versus["regions"] == "3x3 grid" and versus["special_spans_left_out"] >= 1
     head_eval = steps["head_eval"]["result"]
     assert head_eval["seeds"] == [1_000_500_000, 1_000_500_001]
     assert 0 <= head_eval["random"]["pointing"] <= 1
@@ -32,10 +36,12 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     assert faith["latency"] == steps["latency"]["result"]  # one latency measurement
     assert (tmp_path / "faithfulness" / "faithfulness.png").is_file()
     assert steps["hallucination"]["result"]["test_answers"] == 2
+    assert steps["hallucination_hard"]["result"]["objects"] == [5, 9]
     text = (tmp_path / "results.md").read_text()
-    for title in ("Caption accuracy", "Attribution head", "Attribution head on the world's "
-                  "cells", "Latency",
-                  "Faithfulness against time", "Hallucination detection"):
+    for title in ("Caption accuracy", "The head against raw attention", "Attribution head",
+                  "Attribution head on the world's cells", "Latency",
+                  "Faithfulness against time", "Hallucination detection",
+                  "Hallucination detection on hard scenes"):
         assert f"## {title}" in text
     assert "random region (expected)" in text
     assert [line.endswith("...") for line in said].count(True) == len(STEPS)
@@ -47,7 +53,7 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     again = reproduce(tmp_path, quick=True, echo=said.append)
     skipped = [line for line in said if line.endswith("skipped")]
     ran = [line for line in said if line.endswith("...")]
-    assert len(skipped) == 4 and len(ran) == 2
+    assert len(skipped) == 6 and len(ran) == 2
     assert "faithfulness" in ran[0] and "hallucination" in ran[1]
     assert again["steps"]["accuracy"] == steps["accuracy"]
     assert json.loads((tmp_path / RESULTS).read_text())["steps"].keys() == set(STEPS)

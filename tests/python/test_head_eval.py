@@ -1,0 +1,115 @@
+"""The head-against-attention evaluation: its seed ranges, the bootstrap interval on known
+cases, the paired per-image LDS on hand-made records, the exclusion of special-token-only
+spans, and the command end to end on the shipped model."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("torchvision")
+from headscope.shapes.head_eval import (  # noqa: E402
+    RANGE_SIZE, SEED_RANGES, bootstrap_interval, mean_with_interval, range_scenes,
+    special_only, summarise)
+
+
+def test_seed_ranges_are_disjoint_from_every_other_use():
+    from headscope.shapes.accuracy import HELD_OUT_SEED
+    from headscope.shapes.demo import DEMO_OFFSET
+    from headscope.shapes.faithfulness import EVAL_OFFSET
+    from headscope.shapes.hallucination import OFFSET as HALLUCINATION_OFFSET
+    others = [HELD_OUT_SEED + o for o in (0, EVAL_OFFSET, DEMO_OFFSET, HALLUCINATION_OFFSET)]
+    firsts = sorted(SEED_RANGES.values())
+    assert firsts[0] >= max(others) + RANGE_SIZE  # past every other range's first million
+    assert firsts[1] - firsts[0] >= RANGE_SIZE
+    dev = range_scenes("dev", 5)
+    assert dev[0] == (SEED_RANGES["dev"], 1) and [n for _, n in dev] == [1, 2, 3, 4, 1]
+    with pytest.raises(ValueError, match="one of"):
+        range_scenes("test", 5)
+    with pytest.raises(ValueError, match="'count'"):
+        range_scenes("dev", 0)
+
+
+def test_bootstrap_interval_of_a_known_mean():
+    values = 0.3 + torch.randn(400, generator=torch.Generator().manual_seed(1),
+                               dtype=torch.float64)
+    low, high = bootstrap_interval(values)
+    mean, half = float(values.mean()), 1.96 * float(values.std()) / math.sqrt(400)
+    assert low < mean < high
+    # the normal-theory interval, to the bootstrap's resampling error
+    assert abs(low - (mean - half)) < 0.02 and abs(high - (mean + half)) < 0.02
+    assert bootstrap_interval(torch.full((10,), 0.25)) == pytest.approx((0.25, 0.25))
+    assert bootstrap_interval(values) == bootstrap_interval(values)  # seeded
+    m = mean_with_interval(values)
+    assert m["n"] == 400 and m["mean"] == pytest.approx(mean)
+    assert m["se"] == pytest.approx(float(values.std()) / 20)
+    with pytest.raises(ValueError, match="at least 2"):
+        bootstrap_interval(torch.tensor([1.0]))
+    assert mean_with_interval(torch.tensor([0.5])) == {"mean": 0.5, "se": None,
+                                                      "interval95": None, "n": 1}
+    assert mean_with_interval(torch.tensor([]))["mean"] is None
+
+
+def test_special_only_spans():
+    special = [0, 1, 2]
+    assert special_only([1], special)
+    assert special_only([1, 0], special)
+    assert not special_only([9, 1], special)
+    assert not special_only([9], special)
+
+
+def _record(head, attention, effects, pointing=(), special=0):
+    return {"spans": len(effects), "special_spans": special,
+            "effects": torch.tensor(effects, dtype=torch.float32),
+            "scores": {"head": torch.tensor(head, dtype=torch.float32),
+                       "attention": torch.tensor(attention, dtype=torch.float32)},
+            "pointing": list(pointing)}
+
+
+def test_summary_pairs_scenes_and_leaves_out_special_spans():
+    up, down = [[1.0, 2.0, 3.0]], [[3.0, 2.0, 1.0]]
+    records = [
+        # head ranks like the effects (LDS 1), attention reversed (-1): difference 2
+        _record(up, down, up, pointing=[({"head": True, "attention": False}, 1 / 3)],
+                special=1),
+        # two spans: head 1 and -1 (mean 0), attention -1 and 1 (mean 0): difference 0
+        _record(up + down, down + up, up + up,
+                pointing=[({"head": True, "attention": True}, 1 / 3)], special=1),
+        # only the end-of-text span: nothing scored, counted as left out
+        {"spans": 0, "special_spans": 1},
+    ]
+    s = summarise(records)
+    assert s["scenes"] == 3 and s["scenes_scored"] == 2 and s["spans"] == 3
+    assert s["special_spans_left_out"] == 3
+    assert s["lds"]["head"]["mean"] == pytest.approx(0.5)
+    assert s["lds"]["attention"]["mean"] == pytest.approx(-0.5)
+    d = s["lds_difference"]
+    assert d["mean"] == pytest.approx(1.0) and d["n"] == 2
+    assert d["se"] == pytest.approx(1.0)  # std of (2, 0) is sqrt(2), over sqrt(2)
+    assert d["interval95"] == pytest.approx([0.0, 2.0])
+    assert s["pointing_spans"] == 2
+    assert s["pointing"] == pytest.approx({"head": 1.0, "attention": 0.5, "random": 1 / 3})
+
+
+def test_head_eval_command_on_the_shipped_model(tmp_path, capsys):
+    from headscope.shapes.__main__ import main
+    out = tmp_path / "result.json"
+    assert main(["--threads", "1", "head-eval", "--seeds", "dev", "--scenes", "4",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["seeds"] == [SEED_RANGES["dev"], SEED_RANGES["dev"] + 3]
+    assert result["regions"] == "3x3 grid" and result["scenes"] == 4
+    # every description that ends within the token budget ends with a special-only span
+    assert 1 <= result["special_spans_left_out"] <= 4
+    for name in ("head", "attention"):
+        assert -1 <= result["lds"][name]["mean"] <= 1
+    assert result["pointing"]["random"] == pytest.approx(1 / 9)
+    printed = capsys.readouterr().out
+    assert "special-token-only spans left out" in printed and "| head - raw attention" in printed
+    with pytest.raises(SystemExit) as e:
+        main(["head-eval", "--head", str(tmp_path / "missing.safetensors")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--head" in err and "missing.safetensors" in err, err
