@@ -33,6 +33,9 @@ FEATURE_LAYOUT = "layer_major"  # feature index = layer * num_heads + head
 # its value norm ||v_j W_O^h|| (key_weights), or both ([attention | attention*value_norm]).
 # Heads and collections without the field hold "attention".
 FEATURE_SETS = ("attention", "attention*value_norm", "both")
+# Each set's blocks of L*H columns, in column order.
+FEATURE_BLOCKS = {"attention": ("attention",), "attention*value_norm": ("attention*value_norm",),
+                  "both": ("attention", "attention*value_norm")}
 STD_EPS = 1e-8                   # added to the feature and target stds (as the reference)
 
 __all__ = ["AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "region_pool",
@@ -273,7 +276,7 @@ def check_feature_set(where: str, feature_set: str) -> None:
 
 def feature_blocks(feature_set: str) -> int:
     """Blocks of L*H columns of a feature set: 2 for "both", else 1."""
-    return 2 if feature_set == "both" else 1
+    return len(FEATURE_BLOCKS[feature_set])
 
 
 class AttributionHead(nn.Module):

@@ -8,8 +8,9 @@ o_proj inputs), in one process, alternating:
   how the peak grows with the prompt's length;
 * decode: time per generated token (the decode's time over its steps) of plain
   ``generate`` vs ``Tracer.generate`` streaming span attribution to a loop vs
-  ``Tracer.generate_with`` (spans to a callback) vs eager ``generate`` with
-  ``output_attentions=True``; the cost of the answer's VAS (one extra forward); peak
+  ``Tracer.generate_with`` (spans to a callback) vs ``Tracer.generate`` with
+  ``features="both"`` (attention and value-norm-weighted columns) vs eager ``generate``
+  with ``output_attentions=True``; the cost of the answer's VAS (one extra forward); peak
   memory of each generation.
 
 * effects: ``region_effects`` of K = 8 regions on a 16-token answer after a 256-token
@@ -183,7 +184,9 @@ def bench_decode(device, quick: bool, spec: str = "qwen2_vl") -> dict:
     gen = dict(max_new_tokens=new, do_sample=False, eos_token_id=None)
     tracer = Tracer(model, regions=K_REGIONS, vas=True)
     tracer.detach()
-    per_token = {"plain": [], "traced": [], "callback": [], "eager": []}
+    tracer_both = Tracer(model, regions=K_REGIONS, vas=True, features="both")
+    tracer_both.detach()
+    per_token = {"plain": [], "traced": [], "callback": [], "both": [], "eager": []}
     spans = []
 
     def plain():
@@ -211,6 +214,16 @@ def bench_decode(device, quick: bool, spec: str = "qwen2_vl") -> dict:
         assert len(got) == 1 and got[0].end == new
         per_token["callback"].append(clock.mean_per_token())
 
+    def both():
+        clock = _Clock()
+        tracer_both.attach()
+        try:
+            got = list(tracer_both.generate(**inputs, **gen, streamer=clock))
+        finally:
+            tracer_both.detach()
+        assert len(got) == 1 and got[0].features.shape[1] == 2 * spans[0].features.shape[1]
+        per_token["both"].append(clock.mean_per_token())
+
     def today():
         clock = _Clock()
         eager.generate(**inputs, **gen, streamer=clock, output_attentions=True,
@@ -218,12 +231,14 @@ def bench_decode(device, quick: bool, spec: str = "qwen2_vl") -> dict:
         per_token["eager"].append(clock.mean_per_token())
 
     for _ in range(2 if quick else 3):
-        for fn in (plain, traced, callback, today):
+        for fn in (plain, traced, callback, both, today):
             fn()
     assert len(spans) == 1 and spans[0].end == new
     ratio = round_ratios(per_token["traced"], per_token["plain"])
     ratio_cb = round_ratios(per_token["callback"], per_token["plain"])
     ratio_eager = round_ratios(per_token["eager"], per_token["plain"])
+    ratio_both = round_ratios(per_token["both"], per_token["plain"])
+    both_vs_attention = round_ratios(per_token["both"], per_token["traced"])
 
     def answer_vas():
         tracer.attach()
@@ -248,6 +263,10 @@ def bench_decode(device, quick: bool, spec: str = "qwen2_vl") -> dict:
              "ms_per_token": 1e3 * statistics.median(per_token["callback"]),
              "vs_plain": ratio_cb[0], "range": f"{ratio_cb[1]:.3f}-{ratio_cb[2]:.3f}",
              "peak_MiB": mib(peak_bytes(callback, device))},
+            {"what": 'Tracer.generate, features="both"',
+             "ms_per_token": 1e3 * statistics.median(per_token["both"]),
+             "vs_plain": ratio_both[0], "range": f"{ratio_both[1]:.3f}-{ratio_both[2]:.3f}",
+             "vs_attention": both_vs_attention[0], "peak_MiB": mib(peak_bytes(both, device))},
             {"what": "eager + output_attentions",
              "ms_per_token": 1e3 * statistics.median(per_token["eager"]),
              "vs_plain": ratio_eager[0], "range": f"{ratio_eager[1]:.3f}-{ratio_eager[2]:.3f}",
@@ -257,7 +276,7 @@ def bench_decode(device, quick: bool, spec: str = "qwen2_vl") -> dict:
     T = inputs["input_ids"].shape[1]
     print_table(f"decode, {spec}, {new} new tokens after a {T}-token prompt ({device.type}, "
                 f"float32)", rows,
-                ["what", "ms_per_token", "vs_plain", "range", "peak_MiB", "ms",
+                ["what", "ms_per_token", "vs_plain", "range", "vs_attention", "peak_MiB", "ms",
                  "vs_prefill"])
     return {"rows": rows}
 

@@ -19,6 +19,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from ..attribution import FEATURE_SETS
 from .data import Example, image_size, load_image, read_examples
 from .errors import UsageError, check_output, given, grid, integer, refuse_ignored
 from .shards import (record_missing_checksums, remove_temporaries, shard_path,
@@ -48,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> List[str]:
                             help="ablations per forward (default 8)"),
         parser.add_argument("--shard-size", type=integer(1), default=8,
                             help="examples per shard file (default 8)"),
+        parser.add_argument("--features", choices=FEATURE_SETS, default="attention",
+                            help="the span features (default attention: the attention mass "
+                                 "on each region, L*H columns; attention*value_norm: each "
+                                 "key's weight times its value norm, L*H; both: 2*L*H)"),
         parser.add_argument("--seed", type=int, default=0,
                             help="seed of the random region sets"),
         parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
@@ -208,7 +213,8 @@ def collect_example(model, processor, example: Example, args) -> Dict:
     spans: List = []
     t0 = time.perf_counter()
     with torch.no_grad(), Tracer(model, regions=regions, vas=False,
-                                 tokenizer=processor.tokenizer) as tracer:
+                                 tokenizer=processor.tokenizer,
+                                 features=args.features) as tracer:
         tracer.generate_with(spans.append, **inputs, max_new_tokens=args.max_new_tokens,
                              do_sample=False)
     t1 = time.perf_counter()
@@ -267,8 +273,7 @@ def collect(args) -> Tuple[Path, int]:
         remove_temporaries(out)
         write_manifest(out, {"model": str(Path(args.model).resolve()),
                              "num_layers": L, "num_heads": H,
-                             # the Tracer's span features: attention mass
-                             "feature_set": "attention",
+                             "feature_set": args.features,
                              "data": str(Path(args.data).resolve()),
                              "examples": len(examples), "regions": args.regions,
                              "grid": args.grid,

@@ -1,10 +1,11 @@
-"""``python -m headscope eval``: how faithful a fitted head is on a data set, against raw
-attention (each region's feature mean over the L*H layers and heads; of the first L*H
-columns for the feature set "both", its attention block) as the baseline. The head must
-have been fitted on the collection's feature set.
+"""``python -m headscope eval``: how faithful a fitted head is on a data set, against the raw
+features of each block of the feature set as baselines (each region's feature mean over the
+L*H layers and heads of the block: raw attention, raw value-norm-weighted attention, or
+both for the feature set "both"). The head must have been fitted on the collection's
+feature set.
 
-DATA is collected first (``collect``, into ``--work``, resumable) unless it already is a
-collection. Reported for both scorers: LDS per image and its mean (Spearman across
+DATA is collected first (``collect``, into ``--work``, resumable; ``--features`` defaults to
+the head's feature set) unless it already is a collection. Reported for both scorers: LDS per image and its mean (Spearman across
 regions, per span, averaged over an image's spans), the pooled LDS over every
 span-region pair, Pearson, the subset-level LDS (predicted joint effect of each random
 region set = the sum of its regions' scores) and pointing accuracy (spans whose text holds
@@ -18,10 +19,11 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-from ..attribution import AttributionHead, atomic_path
+from ..attribution import FEATURE_BLOCKS, AttributionHead, atomic_path
 from . import collect as _collect
 from .errors import UsageError, check_output, given, option, refuse_ignored
 from .metrics import random_baseline, score
@@ -44,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(collect_options=_collect.add_arguments(parser))
 
 
-def _head(path: str, num_layers: int, num_heads: int, features: str) -> AttributionHead:
+def _head(path: str, num_layers: int, num_heads: int, features: Optional[str]) -> AttributionHead:
     if not Path(path).is_file():
         raise UsageError(f"--head {path}: no such file; allowed: a head written by "
                          f"`python -m headscope train`")
@@ -72,6 +74,8 @@ def check_collection_options(args, folder: Path, manifest) -> None:
         if name in ("regions", "grid"):
             ours, theirs = (_regions(args.regions, args.grid),
                             _regions(manifest["regions"], manifest["grid"]))
+        elif name == "features":  # recorded as the manifest's feature_set
+            ours, theirs = f"--features {args.features}", f"--features {feature_set(manifest)}"
         else:
             ours = f"{option(name)} {getattr(args, name)}"
             theirs = f"{option(name)} {manifest[name]}" if name in manifest else None
@@ -82,20 +86,25 @@ def check_collection_options(args, folder: Path, manifest) -> None:
 
 
 def table(results: dict) -> str:
-    head, attention, random = results["head"], results["attention"], results["random"]
+    """The head, the raw baseline of each feature block and random, one column each."""
+    names = ["head", *results["baselines"]]
+    scorers = [results[name] for name in names]
+    random = results["random"]
+    widths = [max(10, len(name) + 2) for name in names]
 
     def cell(v) -> str:
         return "n/a" if v is None else f"{v:.4f}"
-    lines = [f"{'':24}{'head':>10}{'attention':>11}{'random':>9}"]
+    lines = [f"{'':24}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths)) + f"{'random':>9}"]
     for key, label in ROWS:
-        lines.append(f"{label:24}{cell(head[key]):>10}{cell(attention[key]):>11}"
-                     f"{cell(random[key]) if key in random else '':>9}")
-    lines.append(f"{'(pointing spans)':24}{head['pointing_spans']:>10}"
-                 f"{attention['pointing_spans']:>11}{random['pointing_spans']:>9}")
-    lines.append("LDS per image (line: head / attention):")
-    for line, h, a in zip(results["lines"], head["lds_per_image"],
-                          attention["lds_per_image"]):
-        lines.append(f"  {line:>6}: {cell(h)} / {cell(a)}")
+        lines.append(f"{label:24}" + "".join(f"{cell(s[key]):>{w}}"
+                                             for s, w in zip(scorers, widths))
+                     + f"{cell(random[key]) if key in random else '':>9}")
+    lines.append(f"{'(pointing spans)':24}" + "".join(f"{s['pointing_spans']:>{w}}"
+                                                      for s, w in zip(scorers, widths))
+                 + f"{random['pointing_spans']:>9}")
+    lines.append(f"LDS per image (line: {' / '.join(names)}):")
+    for i, line in enumerate(results["lines"]):
+        lines.append(f"  {line:>6}: " + " / ".join(cell(s["lds_per_image"][i]) for s in scorers))
     return "\n".join(lines)
 
 
@@ -112,8 +121,10 @@ def run(args) -> int:
         args.out = args.work or str(Path(args.report).with_suffix("")) + ".collect"
         check_output(args.out, "--work", folder=True)
         sizes = _collect.text_sizes(_collect.load_config(args.model))
-        data_feature_set = "attention"  # what collect records
+        # collect the head's feature set unless told otherwise (then they must agree)
+        data_feature_set = args.features if "features" in given(args) else None
     head = _head(args.head, *sizes, data_feature_set)
+    args.features = head.feature_set
     if not is_collection:
         folder, _ = _collect.collect(args)
     if int(os.environ.get("RANK", "0")) != 0:
@@ -121,11 +132,14 @@ def run(args) -> int:
     data = read_collection(folder)
     features = data.tensors["features"]
     check_feature_columns(data.manifest, features.shape[-1], "eval")
-    # the raw baseline: the mean of the first L*H columns (the attention block of "both")
-    first_block = features[..., :sizes[0] * sizes[1]]
+    # a raw baseline per block of L*H columns: its mean over layers and heads
+    LH = sizes[0] * sizes[1]
+    baselines = FEATURE_BLOCKS[feature_set(data.manifest)]
     with torch.no_grad():
         results = {"head": score(data, head(features)),
-                   "attention": score(data, first_block.mean(-1)),
+                   **{name: score(data, features[..., i * LH:(i + 1) * LH].mean(-1))
+                      for i, name in enumerate(baselines)},
+                   "baselines": list(baselines),
                    "random": random_baseline(data),
                    "lines": data.tensors["line"].tolist(),
                    "spans": data.num_spans, "collection": str(folder),

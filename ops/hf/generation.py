@@ -130,10 +130,10 @@ class Generation:
         self._end_generation(kwargs, sequences, P, eos)
 
     def _make_span(self, b: int, start: int, token_ids: List[int], finished: bool) -> Span:
-        """Row b's open span, on the generating thread: its pooled features (K_b, L*H), the
-        head's scores and its text."""
+        """Row b's open span, on the generating thread: its pooled features (K_b, F) (F the
+        tracer's feature_width), the head's scores and its text."""
         if self._rows is None:
-            features = torch.zeros(0, self.num_layers * self.num_heads)
+            features = torch.zeros(0, self.feature_width)
         else:
             features = self._rows.pool(b, len(token_ids), finished)
             features = features[:self.num_regions[b]]
@@ -145,24 +145,26 @@ class Generation:
                     features.float().cpu(), scores, text)
 
     def _check_head(self, head) -> None:
-        """A head must map a span's (K, L*H) features to (K,) scores: tried once here on
-        zeros, so that a head that does not fit fails now, not inside generation."""
+        """A head must map a span's (K, F) features (F = L*H, 2*L*H for features="both")
+        to (K,) scores: tried once here on zeros, so that a head that does not fit fails
+        now, not inside generation."""
         if head is None:
             return
+        F = "2*L*H" if self.features == "both" else "L*H"
         if not callable(head):
             raise TypeError(f"headscope.hf.Tracer: argument 'head' must be an AttributionHead "
-                            f"or a callable (K, L*H) -> (K,), got {type(head).__name__}")
-        LH = self.num_layers * self.num_heads
+                            f"or a callable (K, {F}) -> (K,), got {type(head).__name__}")
+        LH = self.feature_width
         probe = torch.zeros(2, LH, device=self._find_head_device(head))
         try:
             with torch.no_grad():
                 scores = head(probe)
         except Exception as e:
-            raise ValueError(f"headscope.hf.Tracer: argument 'head' must map features (K, L*H = "
+            raise ValueError(f"headscope.hf.Tracer: argument 'head' must map features (K, {F} = "
                              f"{LH}) to scores (K,); on (2, {LH}) zeros it raised "
                              f"{type(e).__name__}: {e}") from e
         if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != (2,):
-            raise ValueError(f"headscope.hf.Tracer: argument 'head' must map features (K, L*H = "
+            raise ValueError(f"headscope.hf.Tracer: argument 'head' must map features (K, {F} = "
                              f"{LH}) to scores (K,); on (2, {LH}) zeros it returned "
                              + (f"shape {tuple(scores.shape)}" if isinstance(scores, torch.Tensor)
                                 else type(scores).__name__))

@@ -7,13 +7,18 @@ one key added per step, the bottom-right aligned causal mask gives each row exac
 keys it saw. Sliding-window and chunked layers' caches drop keys, so their rows are pooled
 at each step against the keys that step saw (one call per step for all of them) into each
 row's running sum.
+
+Value-norm-weighted features (``Tracer(features=...)``) pool the same rows with each
+prompt key's attention weight times its value norm ``||v_j W_O^h||`` (``key_weights``);
+"both" pools every layer twice in the same call, once per block of columns.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..attribution import FEATURE_BLOCKS
 from .masks import MaskCall
 
 
@@ -104,16 +109,24 @@ class SpanRows:
     FOLD = 256  # rows held per layer before they are pooled into running sums
 
     def __init__(self, num_layers: int, num_heads: int, batch: int, region_ids: torch.Tensor,
-                 kmax: int):
+                 kmax: int, feature_set: str = "attention"):
         self.num_heads = num_heads
+        # per block of L*H columns: whether its keys are weighted by their value norms
+        self.blocks: Tuple[bool, ...] = tuple(name == "attention*value_norm"
+                                              for name in FEATURE_BLOCKS[feature_set])
+        self.block_width = num_layers * num_heads
         self.queries: Dict[int, LayerRows] = {}
         self.keys: Dict[int, torch.Tensor] = {}
         self.scales: Dict[int, float] = {}
         self.held_mask: Optional[MaskCall] = None  # the prefill's mask of those layers
         self.held_softcap: Optional[float] = None
         self.stepped: Dict[str, _StepLayers] = {}  # mask kind -> its layers
-        self.width = num_layers * num_heads
-        self.running: Optional[torch.Tensor] = None  # (B, kmax, L*H) stepped layers' sums
+        self.width = len(self.blocks) * self.block_width
+        # layer -> (B, H, capacity) value norms of the prompt's image keys, 0 elsewhere
+        # (the ops read only image keys; generated keys are never image keys)
+        self.norms: Dict[int, torch.Tensor] = {}
+        self._unit: Optional[torch.Tensor] = None  # (B, 1, capacity) ones: unweighted block
+        self.running: Optional[torch.Tensor] = None  # (B, kmax, width) stepped layers' sums
         self.end = 1  # steps run (the prefill's last row is the first)
         self.first = 0  # step of the oldest row held
         self.open_from: List[Optional[int]] = [0] * batch  # None: the row has finished
@@ -126,9 +139,13 @@ class SpanRows:
         self.folded: Dict[int, torch.Tensor] = {}  # row -> sum over its folded rows
 
     def start(self, layer: int, q: torch.Tensor, k: torch.Tensor, scale: float,
-              mask: MaskCall, softcap: Optional[float]) -> None:
+              mask: MaskCall, softcap: Optional[float],
+              norms: Optional[torch.Tensor] = None) -> None:
         """The prefill's call of one layer: its last query row (copied, so that the whole
-        q is not kept alive), keys, scale, mask and soft cap."""
+        q is not kept alive), keys, scale, mask and soft cap, and the prompt keys' value
+        norms ``(B, H, P)`` when a block is weighted."""
+        if any(self.blocks):
+            self.norms[layer] = norms
         row = q[:, :, -1:]
         if mask.pattern.drops_keys:
             group = self.stepped.setdefault(mask.pattern.kind, _StepLayers())
@@ -168,12 +185,16 @@ class SpanRows:
             mask = group.mask
             B = q[0].shape[0]
             pattern = mask.op_pattern(group.softcap)
-            region_ids = self._region_ids(mask.kv_offset + mask.kv_length)[:, mask.kv_offset:]
+            end = mask.kv_offset + mask.kv_length
+            region_ids = self._region_ids(end)[:, mask.kv_offset:]
+            q, k, key_weights = self._blocks_of(q, k, group.layers, slice(None),
+                                                mask.kv_offset, end)
             pooled = torch.ops.headscope.region_pool_qk_layers(
                 q, k, self._weights(B, 1, region_ids.device), region_ids, self.kmax,
-                [group.scales[layer] for layer in group.layers], True, mask.padding, "sum",
-                [pattern["window"] or 0] * len(q), [pattern["chunk"] or 0] * len(q),
-                pattern["block_ids"], group.softcap, pattern["window_bounds_blocks"])
+                [group.scales[layer] for layer in group.layers] * len(self.blocks), True,
+                mask.padding, "sum", [pattern["window"] or 0] * len(q),
+                [pattern["chunk"] or 0] * len(q), pattern["block_ids"], group.softcap,
+                pattern["window_bounds_blocks"], key_weights)
             if self.running is None:
                 self.running = pooled.new_zeros(B, self.kmax, self.width)
             if group.columns is None:
@@ -204,7 +225,7 @@ class SpanRows:
             folded = self.folded.pop(b, None)
             if folded is not None:
                 held = (held * rows + folded) / steps
-            if pooled is None and len(self.queries) * self.num_heads == self.width:
+            if pooled is None and len(self.queries) * self.num_heads == self.block_width:
                 pooled = held
             else:
                 if pooled is None:
@@ -228,10 +249,11 @@ class SpanRows:
         self._drop_before(end)
 
     def _mean_last(self, b: int, rows: int) -> torch.Tensor:
-        """(kmax, Lh*H), the layers that keep every key in order: the mean over row b's
-        last ``rows`` query rows of their pooled attention (region_pool_qk normalises the
-        query weights; ``rows`` >= 1: a fold leaves no open span without the row of its
-        last step, which the next step's forward adds before the span can end)."""
+        """(kmax, blocks*Lh*H), the layers that keep every key in order, per block of
+        :attr:`blocks`: the mean over row b's last ``rows`` query rows of their pooled
+        attention (region_pool_qk normalises the query weights; ``rows`` >= 1: a fold
+        leaves no open span without the row of its last step, which the next step's
+        forward adds before the span can end)."""
         layers = sorted(self.queries)
         length = self.keys[layers[0]].shape[2]  # these layers' caches hold every position
         region_ids = self._region_ids(length)[b:b + 1]
@@ -248,11 +270,43 @@ class SpanRows:
         k = [self.keys[layer] for layer in layers]
         if not one_row:
             q, k = [x[b:b + 1] for x in q], [x[b:b + 1] for x in k]
+        q, k, key_weights = self._blocks_of(q, k, layers, slice(b, b + 1), 0, length)
         pooled = torch.ops.headscope.region_pool_qk_layers(
             q, k, self._weights(1, rows, region_ids.device), region_ids, self.kmax,
-            [self.scales[layer] for layer in layers], True, padding, "sum", None, None,
-            block_ids, self.held_softcap, pattern.window_bounds_blocks)
+            [self.scales[layer] for layer in layers] * len(self.blocks), True, padding, "sum",
+            None, None, block_ids, self.held_softcap, pattern.window_bounds_blocks,
+            key_weights)
         return pooled[0]
+
+    def _blocks_of(self, q: List[torch.Tensor], k: List[torch.Tensor], layers: List[int],
+                   batch_rows: slice, start: int, end: int) -> tuple:
+        """q, k and key_weights of one pooling call over keys [start, end) of ``layers``:
+        the layers once per block of :attr:`blocks` (so the output's columns are block,
+        layer, head), each weighted block with the layer's value norms, the others with
+        ones (None when no block is weighted: the plain op)."""
+        if not any(self.blocks):
+            return q, k, None
+        batch = q[0].shape[0]
+        key_weights = []
+        for weighted in self.blocks:
+            for layer in layers:
+                if weighted:
+                    norms = self.norms[layer]
+                    if norms.shape[2] < end:  # generated keys: 0, never read
+                        norms = self.norms[layer] = torch.nn.functional.pad(
+                            norms, (0, max(end - norms.shape[2], 64)))
+                    key_weights.append(norms[batch_rows, :, start:end])
+                else:
+                    key_weights.append(self._unit_weights(batch, end - start, q[0].device))
+        return q * len(self.blocks), k * len(self.blocks), key_weights
+
+    def _unit_weights(self, batch: int, length: int, device) -> torch.Tensor:
+        """(batch, 1, length) ones, a view of one buffer that grows as needed."""
+        unit = self._unit
+        if unit is None or unit.shape[0] < batch or unit.shape[2] < length:
+            unit = self._unit = torch.ones(max(batch, 0 if unit is None else unit.shape[0]),
+                                           1, max(length, 64), device=device)
+        return unit[:batch, :, :length]
 
     def _weights(self, batch: int, rows: int, device) -> torch.Tensor:
         weights = self._ones.get((batch, rows))
@@ -261,9 +315,12 @@ class SpanRows:
         return weights
 
     def _columns(self, layers: List[int], device) -> torch.Tensor:
+        """The feature columns of a pooling call's output over ``layers`` (block, layer,
+        head), each block after the previous one's L*H columns."""
         H = self.num_heads
-        return torch.tensor([layer * H + h for layer in layers for h in range(H)],
-                            device=device)
+        return torch.tensor([block * self.block_width + layer * H + h
+                             for block in range(len(self.blocks))
+                             for layer in layers for h in range(H)], device=device)
 
     def _region_ids(self, length: int) -> torch.Tensor:
         """(B, length) region ids of positions [0, length)."""

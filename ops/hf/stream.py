@@ -27,7 +27,9 @@ class Span:
     ``start``/``end``: the range ``[start, end)`` of generated-token indices (0 is the
     first generated token). ``features`` ``(K, L*H)`` float32 on the CPU: the attention
     mass layer l, head h put on region k (index ``l*H + h``), averaged over the query rows
-    that predicted the span's tokens. ``scores`` ``(K,)``: the head's predicted effect of
+    that predicted the span's tokens; with the tracer's ``features="attention*value_norm"``
+    each key's weight times its value norm instead, with ``"both"`` ``(K, 2*L*H)``, the
+    attention columns then the weighted ones. ``scores`` ``(K,)``: the head's predicted effect of
     ablating each region (None without a head). ``text``: the span decoded (None without a
     tokenizer).
     """

@@ -20,6 +20,7 @@ from .families import ImageTokens, family_of
 from .masks import MaskCall
 from .regions import Regions, region_ids as _region_ids
 from .rows import SpanRows
+from .value_norm import value_norm_factors, value_norms
 from .generation import Generation, sentence_end
 
 _WRITES = ("heads", "residual")
@@ -44,17 +45,25 @@ class Tracer(Generation, backend.Binding):
     head's write into the residual stream, through its block of ``o_proj``).
     ``splitter``: a callable that gets a row's generated ids so far and says whether the
     last one ends a span (default: sentence ends, given a tokenizer; else one span per
-    answer).
+    answer). ``features``: what a span's features hold (see docs/hf.md):
+    ``"attention"`` (``(K, L*H)``, the attention mass on each region),
+    ``"attention*value_norm"`` (``(K, L*H)``, each prompt key's attention weight times its
+    value norm ``||v_j W_O^h||``) or ``"both"`` (``(K, 2*L*H)``: the attention columns,
+    then the weighted ones); column ``l*H + h`` within a block.
     """
 
     who = "headscope.hf.Tracer"
 
     def __init__(self, model, regions: Optional[Regions] = None, vas: bool = True,
                  head: Optional[Callable] = None, tokenizer=None, *, writes: str = "heads",
-                 splitter: Optional[Callable[[Sequence[int]], bool]] = None):
+                 splitter: Optional[Callable[[Sequence[int]], bool]] = None,
+                 features: str = "attention"):
         if writes not in _WRITES:
             raise ValueError(f"headscope.hf.Tracer: argument 'writes' must be one of {_WRITES}, "
                              f"got {writes!r}")
+        if not isinstance(features, str) or features not in _attr.FEATURE_SETS:
+            raise ValueError(f"headscope.hf.Tracer: argument 'features' must be one of "
+                             f"{', '.join(map(repr, _attr.FEATURE_SETS))}, got {features!r}")
         if regions is not None and not (isinstance(regions, (int, torch.Tensor))
                                         or callable(regions)) or isinstance(regions, bool):
             raise TypeError(f"headscope.hf.Tracer: argument 'regions' must be an int, an int64 "
@@ -79,6 +88,13 @@ class Tracer(Generation, backend.Binding):
         if isinstance(head, _attr.AttributionHead) and (head.num_layers, head.num_heads) != (L, H):
             raise ValueError(f"headscope.hf.Tracer: the head was fitted for L={head.num_layers}, "
                              f"H={head.num_heads}; this model has L={L}, H={H}")
+        if isinstance(head, _attr.AttributionHead) and head.feature_set != features:
+            raise ValueError(f"headscope.hf.Tracer: the head was fitted on feature set "
+                             f"{head.feature_set!r} but this tracer computes "
+                             f"features={features!r}; pass features={head.feature_set!r} "
+                             f"or a head fitted on {features!r} features")
+        self.features = features
+        self.feature_width = _attr.feature_blocks(features) * L * H
         self.regions, self.vas, self.head, self.tokenizer = regions, bool(vas), head, tokenizer
         self.writes = writes
         self.splitter = splitter if splitter is not None else (
@@ -105,7 +121,9 @@ class Tracer(Generation, backend.Binding):
         self._seen: set = set()
         self._rows: Optional[SpanRows] = None
         self._final: Optional[tuple] = None  # (final sequence's inputs, prompt length)
+        self._factors: Dict[int, torch.Tensor] = {}  # layer -> value_norm_factors of o_proj
         self._R: Dict[int, torch.Tensor] = {}  # layer -> R^T per head (writes="residual")
+        self._image_keys: Optional[torch.Tensor] = None  # prompt positions of image keys
         self._head_device = None
         self.attach()
 
@@ -156,7 +174,7 @@ class Tracer(Generation, backend.Binding):
                 self._rows.queries[layer].append(query)
                 self._rows.keys[layer] = key
         elif self.observing:
-            self.observe(module, query, key, out, weights, kwargs)
+            self.observe(module, query, key, value, out, weights, kwargs)
         return out, weights
 
     def mask(self, *args, **kwargs):
@@ -232,10 +250,14 @@ class Tracer(Generation, backend.Binding):
         self._rows = None
         if pooling and self._kmax > 0:
             self._rows = SpanRows(self.num_layers, self.num_heads, B, self.region_ids,
-                                  self._kmax)
+                                  self._kmax, self.features)
+            if any(self._rows.blocks):  # once per prompt: every layer's norms take them
+                is_image = (self.region_ids >= 0).any(0)
+                self._image_keys = torch.nonzero(is_image).flatten().to(embeds.device)
 
-    def observe(self, module, q: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
-                weights: Optional[torch.Tensor], kwargs: Dict[str, Any]) -> None:
+    def observe(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor, weights: Optional[torch.Tensor],
+                kwargs: Dict[str, Any]) -> None:
         layer = self._layers[id(module)]
         mask = self._checked_mask(layer, module, kwargs, k)
         scale = kwargs.get("scaling")
@@ -256,7 +278,27 @@ class Tracer(Generation, backend.Binding):
             self._stats[:, layer] = stats
             self._seen.add(layer)
         if self._pool_now:
-            self._rows.start(layer, q, k, scale, mask, softcap)
+            norms = self._prompt_value_norms(layer, module, v) if any(self._rows.blocks) \
+                else None
+            self._rows.start(layer, q, k, scale, mask, softcap, norms)
+
+    def _prompt_value_norms(self, layer: int, module, v: torch.Tensor) -> torch.Tensor:
+        """(B, H, P) value norms ``||v_j W_O^h||`` of the prompt's image keys from the
+        prefill's value cache ``v`` (B, Hkv, P, Dh); 0 at the other keys, which the ops
+        never read."""
+        factors = self._factors_of(layer, module)
+        norms = v.new_zeros(v.shape[0], self.num_heads, v.shape[2], dtype=factors.dtype)
+        keys = self._image_keys.to(v.device)  # (a model split over devices)
+        norms[:, :, keys] = value_norms(v[:, :, keys], factors)
+        return norms
+
+    def _factors_of(self, layer: int, module) -> torch.Tensor:
+        """The layer's value_norm_factors (H, min(hidden, Dh), Dh), computed once from its
+        o_proj."""
+        if layer not in self._factors:
+            self._factors[layer] = value_norm_factors(module.o_proj.weight.detach(),
+                                                      self.num_heads)
+        return self._factors[layer]
 
     def _check_decode_step(self, layer: int, module, q: torch.Tensor, k: torch.Tensor,
                            kwargs) -> MaskCall:
@@ -298,10 +340,7 @@ class Tracer(Generation, backend.Binding):
     def _residual_factor(self, layer: int, module) -> torch.Tensor:
         """R^T per head, where W_O^h = Q R: (O_h R^T)(O_h R^T)^T = O_h W_O^h^T W_O^h O_h^T."""
         if layer not in self._R:
-            W = module.o_proj.weight.detach().float()  # (hidden, H * Dh)
-            Dh = W.shape[1] // self.num_heads
-            per_head = W.reshape(W.shape[0], self.num_heads, Dh).permute(1, 0, 2)
-            R = torch.linalg.qr(per_head, mode="r").R  # (H, Dh, Dh)
+            R = self._factors_of(layer, module).float()  # (H, Dh, Dh)
             self._R[layer] = R.transpose(-1, -2).unsqueeze(0)
         return self._R[layer]
 

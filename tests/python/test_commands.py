@@ -133,6 +133,44 @@ def test_train_and_eval_report_numbers(files, tmp_path):
     assert json.loads((tmp_path / "again.json").read_text())["spans"] == col.num_spans
 
 
+def test_value_norm_features_through_collect_train_eval(files, tmp_path):
+    """collect --features both records the feature set and holds the default collection's
+    features as its first block; train fits a head of that set; eval collects with the
+    head's set, scores a raw baseline per block, and refuses another --features."""
+    root, model, data, collection = files
+    both = tmp_path / "both"
+    headscope("collect", "--model", model, "--data", data, "--out", both, *COLLECT,
+              "--features", "both")
+    got, plain = read_collection(both), read_collection(collection)
+    assert got.manifest["feature_set"] == "both" and plain.manifest["feature_set"] == "attention"
+    features = got.tensors["features"]
+    assert features.shape == (plain.num_spans, 4, 2 * 2 * 4)
+    assert torch.equal(features[..., :8], plain.tensors["features"])
+    assert not torch.allclose(features[..., 8:], features[..., :8])
+    assert torch.equal(got.tensors["effects"], plain.tensors["effects"])
+    head = tmp_path / "head.safetensors"
+    headscope("train", "--data", both, "--out", head)
+    from headscope import AttributionHead
+    assert AttributionHead.load(head).feature_set == "both"
+    report = tmp_path / "report.json"
+    out = headscope("eval", "--model", model, "--head", head, "--data", data,
+                    "--report", report, *COLLECT)
+    results = json.loads(report.read_text())
+    assert results["manifest"]["feature_set"] == "both"
+    assert results["baselines"] == ["attention", "attention*value_norm"]
+    for scorer in ("head", "attention", "attention*value_norm"):
+        assert -1 <= results[scorer]["lds"] <= 1 and scorer in out.stdout.splitlines()[0]
+    assert results["attention"] != results["attention*value_norm"]
+    error = headscope("eval", "--model", model, "--head", head, "--data", data, "--report",
+                      tmp_path / "r.json", "--work", tmp_path / "w", "--features",
+                      "attention", *COLLECT, check=False).stderr
+    assert "fitted on 'both' features, expected 'attention'" in error
+    error = headscope("eval", "--model", model, "--head", head, "--data", both, "--report",
+                      tmp_path / "r.json", "--features", "attention", check=False).stderr
+    assert "--features attention: has no effect when --data is a collection (it was made " \
+        "with --features both)" in error
+
+
 def test_resume_after_kill_equals_straight_run(files, tmp_path):
     root, model, data, collection = files
     out = tmp_path / "resumed"

@@ -6,6 +6,7 @@ batches with left padding equal their rows alone, and the span stream neither dr
 nor leaks."""
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -318,11 +319,12 @@ def test_generation_keeps_only_the_open_spans_query_rows():
     assert len(spans) == 8 and max(held) == 3 and min(held) == 1
 
 
-def test_long_spans_are_folded_into_running_sums_exactly(monkeypatch):
+@pytest.mark.parametrize("features", ["attention", "both"])
+def test_long_spans_are_folded_into_running_sums_exactly(monkeypatch, features):
     """Past FOLD rows per layer the held rows are pooled into each open span's running sum:
     a span that never ends holds at most FOLD rows, and every span's features equal those
     pooled from all its rows at once (spans of different lengths in a left-padded batch,
-    folds falling inside and across them)."""
+    folds falling inside and across them; value-norm weighted columns too)."""
     from headscope.hf.rows import SpanRows
     model = tiny_model("qwen2_vl")
     inputs = _prompt(model, batch=2)
@@ -332,7 +334,7 @@ def test_long_spans_are_folded_into_running_sums_exactly(monkeypatch):
     def spans_with(fold):
         monkeypatch.setattr(SpanRows, "FOLD", fold)
         held = []
-        with Tracer(model, regions=3, vas=False) as tr:
+        with Tracer(model, regions=3, vas=False, features=features) as tr:
             def splitter(ids):
                 held.append(len(tr._rows.queries[0]))
                 return len(ids) % every[len(held) % 2] == 0
@@ -388,6 +390,118 @@ def test_head_scores_spans():
         torch.testing.assert_close(s.scores, head(s.features))
     with pytest.raises(ValueError, match="fitted for L=3"):
         Tracer(model, head=headscope.AttributionHead(3, H))
+
+
+# ---- value-norm-weighted features (Tracer(features=...)) ---------------------------------
+
+def _value_norm_reference(model_eager, inputs, rid, rows: slice, K):
+    """(B, K, L*H) float64 features of ``Tracer(features="attention*value_norm")`` without
+    headscope: each layer's eager attentions times ``||W_O^h v_j||`` (the values from its
+    v_proj, the head's columns of o_proj), summed over each region's keys and averaged over
+    the query rows ``rows`` (a range of positions). One row without padding: transformers'
+    float64 eager attention turns a left-padded row into NaN."""
+    from headscope.hf.families import family_of
+    layers = family_of(model_eager).decoder(model_eager).layers
+    values, hooks = [], []
+    for layer in layers:
+        hooks.append(layer.self_attn.v_proj.register_forward_hook(
+            lambda module, args, out: values.append(out)))
+    try:
+        _, attns, _ = eager_reference(model_eager, inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    regions = torch.nn.functional.one_hot(rid.clamp(min=0), K).double() * (rid >= 0)[..., None]
+    features = []
+    for layer, a, v in zip(layers, attns, values):
+        W = layer.self_attn.o_proj.weight.double()                 # (hidden, H*Dh)
+        B, H, T = a.shape[:3]
+        Wh = W.reshape(W.shape[0], H, -1)                          # (hidden, H, Dh)
+        v = v.double().reshape(B, T, -1, Wh.shape[2])               # (B, T, Hkv, Dh)
+        v = v.repeat_interleave(H // v.shape[2], dim=2)             # head h reads h // G
+        norms = torch.linalg.vector_norm(torch.einsum("ohd,bthd->bhto", Wh, v), dim=-1)
+        features.append(torch.einsum("bhqt,bht,btk->bkh", a[:, :, rows].double(), norms,
+                                     regions) / (rows.stop - rows.start))
+    return torch.cat(features, dim=-1)
+
+
+@pytest.mark.parametrize("family_name", ["qwen2_vl", "gemma3"])  # causal; sliding + full
+def test_value_norm_span_features_equal_eager_float64_reference(family_name):
+    """Span features with features="attention*value_norm" equal eager attentions times the
+    value norms of the model's own value projections, in float64; "both" is the attention
+    block (the default tracer's features, bit for bit) then that one. Gemma 3's sliding
+    layers are pooled at each step against the keys their cache still holds, over spans
+    that outgrow the window. Three layers: Gemma 3's projector starts at zero, so its image
+    tokens enter the first layer as zeros (value norm 0) and only the third layer is a
+    sliding one that sees them otherwise."""
+    L, H = 3, 4
+    model = tiny_model(family_name, layers=L, heads=H)
+    eager = tiny_model(family_name, layers=L, heads=H, attn_implementation="eager",
+                       dtype=torch.float64)
+    inputs = _prompt(model, batch=2)
+    n = 10
+    gen = dict(max_new_tokens=n, do_sample=False, eos_token_id=None)
+    every4 = lambda ids: len(ids) % 4 == 0  # noqa: E731
+    spans = {}
+    for features in ("attention", "attention*value_norm", "both"):
+        with Tracer(model, regions=4, vas=False, splitter=every4, features=features) as tr:
+            spans[features] = list(tr.generate(**inputs, **gen))
+            prompt_rid, K = tr.region_ids, max(tr.num_regions)
+    window = getattr(model.config.get_text_config(), "sliding_window", None)
+    if window is not None:  # the window hides prompt keys from the spans' rows
+        assert inputs["input_ids"].shape[1] > window
+    P = inputs["input_ids"].shape[1]
+    full = dict(inputs, input_ids=tr.sequences, pixel_values=inputs["pixel_values"].double(),
+                attention_mask=torch.nn.functional.pad(inputs["attention_mask"], (0, n),
+                                                       value=1))
+    full.update(_continued(model, inputs, n))
+    rid = torch.nn.functional.pad(prompt_rid, (0, n), value=-1)
+    weighted = spans["attention*value_norm"]
+    assert [(s.batch_index, s.start, s.end) for s in weighted] == \
+        [(b, 0, 4) for b in range(2)] + [(b, 4, 8) for b in range(2)] + \
+        [(b, 8, 10) for b in range(2)]
+    for s, plain, both in zip(weighted, spans["attention"], spans["both"]):
+        b, k = s.batch_index, tr.num_regions[s.batch_index]
+        keep = full["attention_mask"][b].bool()
+        start = P - int((~keep).sum())  # the row's prompt length without its padding
+        rows = slice(start + s.start - 1, start + s.end - 1)  # rows that predicted the span
+        want = _value_norm_reference(eager, _row_alone(model, full, b), rid[b:b + 1, keep],
+                                     rows, K)[0]
+        assert s.features.shape == plain.features.shape == (k, L * H)
+        torch.testing.assert_close(s.features.double(), want[:k], atol=1e-5, rtol=1e-5)
+        if s.start == 0:  # the last layer's rows saw image keys (in Gemma's window too)
+            assert s.features[:, -H:].abs().max() > 1e-3
+        assert not torch.allclose(s.features, plain.features, atol=1e-3)  # norms matter
+        assert both.features.shape == (k, 2 * L * H)
+        assert torch.equal(both.features, torch.cat([plain.features, s.features], dim=1))
+
+
+def test_features_option_checks_its_value_and_the_heads_feature_set():
+    model = tiny_model("qwen2_vl")
+    L, H = 2, 4
+    for bad in ("value_norm", None, "Both"):
+        with pytest.raises(ValueError, match=r"argument 'features' must be one of 'attention', "
+                                             r"'attention\*value_norm', 'both', got"):
+            Tracer(model, features=bad)
+    for fitted, asked in (("attention", "both"), ("both", "attention"),
+                          ("attention*value_norm", "attention")):
+        head = headscope.AttributionHead(L, H, feature_set=fitted)
+        with pytest.raises(ValueError, match=re.escape(
+                f"head was fitted on feature set '{fitted}' but this tracer computes "
+                f"features='{asked}'; pass features='{fitted}'")):
+            Tracer(model, regions=2, head=head, features=asked)
+    # a plain callable is checked on the width of the feature set
+    with pytest.raises(ValueError, match=r"'head' must map features \(K, 2\*L\*H = 16\)"):
+        Tracer(model, regions=2, head=torch.nn.Linear(L * H, 1), features="both")
+    assert model.config.text_config._attn_implementation == "sdpa"  # none stayed bound
+    head = headscope.AttributionHead(L, H, feature_set="both")
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(2 * L * H))
+    with Tracer(model, regions=3, vas=False, head=head, features="both") as tr:
+        spans = list(tr.generate(**_prompt(model), max_new_tokens=4, do_sample=False))
+    assert spans
+    for s in spans:
+        torch.testing.assert_close(s.scores, head(s.features))
 
 
 def test_bfloat16_model():
