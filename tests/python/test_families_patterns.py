@@ -61,8 +61,8 @@ def test_paligemma2_vas_through_the_qk_op_with_soft_cap(monkeypatch):
     want, _ = headscope.vas_features(attns, writes, inputs["attention_mask"],
                                      left_padding=True)
     observe = Tracer.observe
-    monkeypatch.setattr(Tracer, "observe", lambda self, module, q, k, out, weights, kwargs:
-                        observe(self, module, q, k, out, None, kwargs))
+    monkeypatch.setattr(Tracer, "observe", lambda self, module, q, k, v, out, weights, kwargs:
+                        observe(self, module, q, k, v, out, None, kwargs))
     with torch.no_grad(), Tracer(model, vas=True) as tr:
         model(**inputs)
         got = tr.vas_features()
