@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .layout import ImageTokens
+from .layout import ImageTokens, View
 
 
 class Family:
@@ -110,6 +110,29 @@ def image_positions(input_ids: torch.Tensor, token_ids: Sequence[int]) -> List[t
     """Per batch row, the sequence positions of its image tokens (on the CPU)."""
     is_image = torch.isin(input_ids.cpu(), torch.tensor(list(token_ids)))
     return [row.nonzero().flatten() for row in is_image]
+
+
+def square_pictures(who: str, inputs: Dict[str, Any], token_ids: Sequence[int],
+                    side: int) -> List[List[ImageTokens]]:
+    """Per batch row, its pictures for a model that lays every picture out as one
+    ``side x side`` grid of image tokens (one "base" view)."""
+    per_row = image_positions(inputs["input_ids"], token_ids)
+    count = sum(len(p) for p in per_row)
+    pictures = split_images(who, per_row, [side * side] * (count // (side * side)))
+    return [[ImageTokens((View("base", p, side, side),)) for p in row] for row in pictures]
+
+
+def image_runs(who: str, positions: torch.Tensor, side: int) -> List[torch.Tensor]:
+    """One row's image positions cut into runs of consecutive positions, each checked to
+    hold one ``side x side`` tile or global image."""
+    breaks = (positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1
+    runs = list(torch.tensor_split(positions, breaks.tolist()))
+    for run in runs:
+        if len(run) != side * side:
+            raise ValueError(f"{who}: a run of {len(run)} image tokens at position "
+                             f"{int(run[0])}; each tile and global image of this model is "
+                             f"{side * side} tokens ({side} x {side})")
+    return runs
 
 
 def split_images(who: str, per_row: List[torch.Tensor], sizes: Sequence[int]

@@ -10,8 +10,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .base import Family, image_positions, split_images
-from .layout import ImageTokens, View
+from .base import Family, square_pictures
+from .layout import ImageTokens
 
 WHO = "headscope.hf.Tracer"
 
@@ -26,11 +26,7 @@ class Gemma3(Family):
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         side = math.isqrt(int(config.mm_tokens_per_image))
-        per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
-        count = sum(len(p) for p in per_row)
-        pictures = split_images(WHO, per_row, [side * side] * (count // (side * side)))
-        return [[ImageTokens((View("base", p, side, side),)) for p in row]
-                for row in pictures]
+        return square_pictures(WHO, inputs, self.image_token_ids(config), side)
 
     def prompt_types(self, model, is_image: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {"token_type_ids": is_image.to(torch.int64)}

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .base import Family, image_positions
+from .base import Family, image_positions, image_runs
 from .layout import WHOLE, ImageTokens, View
 
 WHO = "headscope.hf.Tracer"
@@ -64,13 +64,7 @@ class Idefics3(Family):
              ) -> List[ImageTokens]:
         if not len(positions):
             return []
-        breaks = (positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1
-        runs = list(torch.tensor_split(positions, breaks.tolist()))
-        for run in runs:
-            if len(run) != side * side:
-                raise ValueError(f"{WHO}: a run of {len(run)} image tokens at position "
-                                 f"{int(run[0])}; each tile and global image of this model is "
-                                 f"{side * side} tokens (image_seq_len)")
+        runs = image_runs(WHO, positions, side)
         global_marker = int(ids[runs[-1][0] - 1])  # every picture ends with its global image
         pictures, rows = [], []
         for run in runs:

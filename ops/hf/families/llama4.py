@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .base import Family, image_positions, missing_input
+from .base import Family, image_positions, image_runs, missing_input
 from .layout import WHOLE, ImageTokens, View
 
 WHO = "headscope.hf.Tracer"
@@ -130,13 +130,7 @@ def _pictures(ids: torch.Tensor, positions: torch.Tensor, side: int, begin: int)
     at ``begin`` (``<|image_start|>``)."""
     if not len(positions):
         return []
-    breaks = (positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1
-    runs = list(torch.tensor_split(positions, breaks.tolist()))
-    for run in runs:
-        if len(run) != side * side:
-            raise ValueError(f"{WHO}: a run of {len(run)} image tokens at position "
-                             f"{int(run[0])}; each tile and global image of this model is "
-                             f"{side} x {side} tokens")
+    runs = image_runs(WHO, positions, side)
     starts = (ids == begin).nonzero().flatten()
     which = torch.searchsorted(starts, torch.stack([run[0] for run in runs]), right=True) - 1
     if bool((which < 0).any()):

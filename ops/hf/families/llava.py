@@ -7,8 +7,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .base import Family, image_positions, split_images
-from .layout import ImageTokens, View
+from .base import Family, square_pictures
+from .layout import ImageTokens
 
 WHO = "headscope.hf.Tracer"
 # Towers that see every picture at one fixed square size (a Pixtral tower keeps the
@@ -32,11 +32,7 @@ class Llava(Family):
                 f"{WHO}: a LLaVA model with a {vision.model_type} vision tower has no fixed "
                 f"square patch grid; supported towers: {', '.join(_FIXED_GRID_TOWERS)}")
         side = int(vision.image_size) // int(vision.patch_size)
-        per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
-        count = sum(len(p) for p in per_row)
-        pictures = split_images(WHO, per_row, [side * side] * (count // (side * side)))
-        return [[ImageTokens((View("base", p, side, side),)) for p in row]
-                for row in pictures]
+        return square_pictures(WHO, inputs, self.image_token_ids(config), side)
 
     def tiny_config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
                     ids: Dict[str, int]):

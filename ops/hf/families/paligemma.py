@@ -5,13 +5,14 @@ causally (1). PaliGemma 2's Gemma 2 decoder alternates sliding-window and full l
 soft-caps its logits (eager attention only)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 
-from .base import Family, image_positions, split_images
+from .base import Family, square_pictures
 from .gemma3 import alternating_layers
-from .layout import ImageTokens, View
+from .layout import ImageTokens
+from .llava import Llava
 
 WHO = "headscope.hf.Tracer"
 
@@ -26,11 +27,7 @@ class PaliGemma(Family):
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         vision = config.vision_config
         side = int(vision.image_size) // int(vision.patch_size)
-        per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
-        count = sum(len(p) for p in per_row)
-        pictures = split_images(WHO, per_row, [side * side] * (count // (side * side)))
-        return [[ImageTokens((View("base", p, side, side),)) for p in row]
-                for row in pictures]
+        return square_pictures(WHO, inputs, self.image_token_ids(config), side)
 
     def prompt_types(self, model, is_image: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {"token_type_ids": torch.zeros_like(is_image, dtype=torch.int64)}
@@ -47,13 +44,7 @@ class PaliGemma(Family):
                     ids: Dict[str, int]):
         return tiny_paligemma_config(text, vision_hidden, ids)
 
-    def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
-                   ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        from ..testing import IMAGE_TOKEN
-        vc = model.config.vision_config
-        side = vc.image_size // vc.patch_size
-        pixels = torch.randn(1, 3, vc.image_size, vc.image_size, generator=generator)
-        return torch.full((side * side,), IMAGE_TOKEN), {"pixel_values": pixels}
+    tiny_image = Llava.tiny_image  # one square patch grid per picture, no markers
 
 
 def tiny_paligemma_config(text: Dict[str, Any], vision_hidden: int, ids: Dict[str, int]):
