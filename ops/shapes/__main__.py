@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 SIZES = ("steps", "batch", "seed", "hidden", "layers", "heads", "kv_heads", "intermediate",
-         "vision_width", "vision_depth", "vision_mlp_ratio", "warmup", "max_objects")
+         "vision_width", "vision_depth", "vision_mlp_ratio", "warmup", "max_objects", "mixer_rank")
 PROG = "python -m headscope.shapes"
 
 
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True,
                    help="folder for the checkpoint and the trained model (from_pretrained)")
     for name in SIZES:
-        kind = int if name == "seed" else integer(0 if name == "warmup" else 1)
+        kind = int if name == "seed" else integer(0 if name in ("warmup", "mixer_rank") else 1)
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults, name))
     p.add_argument("--lr", type=number(0, above=True), default=defaults.lr)
     p.add_argument("--eval-scenes", type=count, default=200,

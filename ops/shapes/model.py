@@ -17,12 +17,14 @@ HEAD_FILE = "head.safetensors"
 
 def build_model(processor, seed: int, *, hidden: int = 96, layers: int = 3, heads: int = 4,
                 kv_heads: int = 2, intermediate: int = 256, vision_width: int = 64,
-                vision_depth: int = 2, vision_mlp_ratio: int = 2):
+                vision_depth: int = 2, vision_mlp_ratio: int = 2, mixer_rank: int = 0):
     """A randomly initialised ``Qwen2VLForConditionalGeneration`` for ``processor``'s
     vocabulary, initialised from ``seed``: a text decoder of ``layers`` layers of width
     ``hidden`` (``heads`` query heads sharing ``kv_heads`` key/value heads) and a vision
     tower of ``vision_depth`` blocks of width ``vision_width`` (4 heads) on 8-pixel
-    patches, merged 2 x 2 into one image token."""
+    patches, merged 2 x 2 into one image token. ``mixer_rank`` > 0 puts the mixer of that
+    rank (:func:`headscope.hf.use_mixer`) in every vision layer in place of softmax
+    attention."""
     import transformers as tf
 
     if hidden % heads or heads % kv_heads:
@@ -57,6 +59,9 @@ def build_model(processor, seed: int, *, hidden: int = 96, layers: int = 3, head
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.do_sample = False
+    if mixer_rank:
+        from ..hf.mixer import use_mixer
+        use_mixer(model, mixer_rank)
     return model
 
 
@@ -87,11 +92,29 @@ def prompt_ids(processor, grid_thw: torch.Tensor) -> list:
     return processor.tokenizer(text)["input_ids"]
 
 
+def mixer_rank(path: Path) -> int:
+    """The rank of the vision mixers saved in the model folder ``path``; 0 for a model
+    with softmax vision attention."""
+    from safetensors import safe_open
+
+    from ..hf.mixer import SUBMODULE
+    ranks = set()
+    for file in sorted(Path(path).glob("model*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            ranks |= {f.get_slice(k).get_shape()[-1] for k in f.keys()
+                      if f".{SUBMODULE}.w_q" in f".{k}"}
+    if len(ranks) > 1:
+        raise ValueError(f"headscope.shapes.load: the vision mixers in {path} have different "
+                         f"ranks {sorted(ranks)}")
+    return ranks.pop() if ranks else 0
+
+
 def load(path: Optional[Path] = None, *, head: bool = True):
     """``(model, processor, head)`` of the shapes model in ``path`` (default: the one
     shipped in the package's data folder): the model in eval mode on the CPU, its
     ``Qwen2VLProcessor`` (``processor.tokenizer`` is the tokenizer) and its
-    :class:`~headscope.AttributionHead` (None when the folder has none or ``head=False``)."""
+    :class:`~headscope.AttributionHead` (None when the folder has none or ``head=False``).
+    A model trained with vision mixers gets them back (:func:`mixer_rank`)."""
     import transformers as tf
 
     path = Path(path) if path is not None else DATA_DIR
@@ -99,6 +122,10 @@ def load(path: Optional[Path] = None, *, head: bool = True):
         raise FileNotFoundError(f"headscope.shapes.load: no model in {path} (config.json "
                                 f"missing); train one with python -m headscope.shapes train")
     model = tf.Qwen2VLForConditionalGeneration.from_pretrained(path).eval()
+    rank = mixer_rank(path)
+    if rank:
+        from ..hf.mixer import use_mixer
+        use_mixer(model, rank).load(path)
     processor = tf.AutoProcessor.from_pretrained(path)
     attribution_head = None
     if head and (path / HEAD_FILE).is_file():

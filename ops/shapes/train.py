@@ -44,12 +44,16 @@ class Settings:
     vision_depth: int = 3
     vision_mlp_ratio: int = 4
     max_objects: int = 9
+    mixer_rank: int = 0  # 0: softmax vision attention; r: the mixer of rank r in every layer
 
     def check(self) -> None:
         for name in ("steps", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"headscope.shapes.train: argument '{name}' must be >= 1, "
                                  f"got {getattr(self, name)}")
+        if self.mixer_rank < 0:
+            raise ValueError(f"headscope.shapes.train: argument 'mixer_rank' must be >= 0 "
+                             f"(0: softmax), got {self.mixer_rank}")
         if not 1 <= self.max_objects <= MAX_OBJECTS:
             raise ValueError(f"headscope.shapes.train: argument 'max_objects' must be in "
                              f"[1, {MAX_OBJECTS}], got {self.max_objects}")
@@ -110,7 +114,8 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
                         layers=settings.layers, heads=settings.heads,
                         kv_heads=settings.kv_heads, intermediate=settings.intermediate,
                         vision_width=settings.vision_width, vision_depth=settings.vision_depth,
-                        vision_mlp_ratio=settings.vision_mlp_ratio)
+                        vision_mlp_ratio=settings.vision_mlp_ratio,
+                        mixer_rank=settings.mixer_rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.01,
                                   betas=(0.9, 0.98))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(settings))
