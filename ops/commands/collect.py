@@ -203,7 +203,7 @@ def random_subsets(count: int, regions: int, seed: int, line: int) -> torch.Tens
 
 def collect_example(model, processor, example: Example, args) -> Dict:
     """Generation, span features and ablation effects of one example."""
-    from ..hf import Tracer, grid_regions, region_effects
+    from ..hf import Tracer, grid_regions, region_effects, special_only
     from ..hf.regions import parse_grid
     image = load_image(example)
     device = next(model.parameters()).device
@@ -228,7 +228,10 @@ def collect_example(model, processor, example: Example, args) -> Dict:
         ablation=args.ablation, batch_size=args.batch_size, progress=False)
     t2 = time.perf_counter()
     (img,) = tracer.images[0]
+    special = processor.tokenizer.all_special_ids
     return {"features": torch.stack([s.features for s in spans]),
+            "special_only": torch.tensor([special_only(s.token_ids.tolist(), special)
+                                          for s in spans], dtype=torch.bool),
             "effects": effects.cpu(), "subset_effects": subset_effects.cpu(),
             "span_bounds": torch.tensor([[s.start, s.end] for s in spans]),
             "subsets": subsets, "grid": torch.tensor([img.rows, img.cols]),
@@ -244,7 +247,8 @@ def _shard_tensors(records: List[Dict]) -> Dict[str, torch.Tensor]:
             "span_example": torch.repeat_interleave(torch.arange(len(records)),
                                                     torch.tensor(spans)),
             **{k: torch.cat([r[k] for r in records]) for k in
-               ("span_bounds", "features", "effects", "subset_effects", "labels")},
+               ("span_bounds", "features", "effects", "subset_effects", "labels",
+                "special_only")},
             **{k: torch.stack([r[k] for r in records]) for k in
                ("subsets", "grid", "image_size", "seconds")}}
 

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ..attribution import FEATURE_BLOCKS, AttributionHead, atomic_path
+from ..attribution import FEATURE_BLOCKS, AttributionHead, atomic_path, feature_columns
 from . import collect as _collect
 from .errors import UsageError, check_output, given, option, refuse_ignored
 from .metrics import random_baseline, score
@@ -133,12 +133,12 @@ def run(args) -> int:
     features = data.tensors["features"]
     check_feature_columns(data.manifest, features.shape[-1], "eval")
     # a raw baseline per block of L*H columns: its mean over layers and heads
-    LH = sizes[0] * sizes[1]
-    baselines = FEATURE_BLOCKS[feature_set(data.manifest)]
+    collected = feature_set(data.manifest)
+    baselines = FEATURE_BLOCKS[collected]
     with torch.no_grad():
         results = {"head": score(data, head(features)),
-                   **{name: score(data, features[..., i * LH:(i + 1) * LH].mean(-1))
-                      for i, name in enumerate(baselines)},
+                   **{name: score(data, feature_columns(features, collected, name).mean(-1))
+                      for name in baselines},
                    "baselines": list(baselines),
                    "random": random_baseline(data),
                    "lines": data.tensors["line"].tolist(),

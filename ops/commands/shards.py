@@ -26,6 +26,10 @@ A shard's tensors (E examples, S spans, K regions, F features, M subsets):
 | ``labels`` | (sum rows*cols,) int64 | each image token's region, row-major, examples in order |
 | ``image_size`` | (E, 2) int64 | the image's width and height in pixels |
 | ``seconds`` | (E, 2) float64 | time of generation (with features) and of the ablations |
+| ``special_only`` | (S,) bool | the span is only special tokens (the end-of-text span) |
+
+``special_only`` is absent from shards of collections made before it was recorded; a
+collection reads it only when every shard holds it.
 
 Metadata ``texts`` (JSON list of the spans' text) and ``boxes`` (JSON list of each
 example's boxes).
@@ -50,6 +54,7 @@ VERSION = 2  # 2: the manifest holds each shard's SHA-256
 MANIFEST = "manifest.json"
 TENSORS = ("line", "span_example", "span_bounds", "features", "effects", "subsets",
            "subset_effects", "grid", "labels", "image_size", "seconds")
+OPTIONAL_TENSORS = ("special_only",)  # absent from shards written before they were added
 
 
 # manifest fields added after collections were written, with the value an older one means
@@ -159,7 +164,8 @@ def write_shard(folder: Path, index: int, tensors: Dict[str, torch.Tensor],
                 texts: List[str], boxes: List[Dict]) -> None:
     """Writes shard ``index`` and records the SHA-256 of the bytes written."""
     from safetensors.torch import save
-    data = save({k: tensors[k].contiguous() for k in TENSORS},
+    data = save({k: tensors[k].contiguous() for k in TENSORS + OPTIONAL_TENSORS
+                 if k in TENSORS or k in tensors},
                 metadata={"format": FORMAT, "texts": json.dumps(texts),
                           "boxes": json.dumps(boxes)})
     with atomic_path(shard_path(folder, index)) as tmp:
@@ -171,7 +177,8 @@ def write_shard(folder: Path, index: int, tensors: Dict[str, torch.Tensor],
 class Collection:
     """Every shard of a collection, joined (spans of all examples, in DATA order)."""
     manifest: Dict
-    tensors: Dict[str, torch.Tensor]  # as in a shard; span_example indexes the joined line
+    tensors: Dict[str, torch.Tensor]  # as in a shard; span_example indexes the joined line;
+    # an optional tensor only when every shard has it
     texts: List[str]
     boxes: List[Dict]
 
@@ -186,7 +193,7 @@ def read_collection(folder: Path) -> Collection:
     from safetensors import safe_open
     manifest = read_manifest(folder)
     count = -(-int(manifest["examples"]) // int(manifest["shard_size"]))
-    parts: Dict[str, List[torch.Tensor]] = {k: [] for k in TENSORS}
+    parts: Dict[str, List[torch.Tensor]] = {k: [] for k in TENSORS + OPTIONAL_TENSORS}
     texts, boxes = [], []
     examples = 0
     for index in range(count):
@@ -205,16 +212,17 @@ def read_collection(folder: Path) -> Collection:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
-                shard = {k: f.get_tensor(k) for k in TENSORS}
+                shard = {k: f.get_tensor(k) for k in TENSORS + OPTIONAL_TENSORS
+                         if k in TENSORS or k in f.keys()}
             shard_texts, shard_boxes = json.loads(meta["texts"]), json.loads(meta["boxes"])
         except Exception as e:  # safetensors raises several types for damaged files
             raise UsageError(f"{path}: not a readable shard (truncated or damaged?): "
                              f"{e}") from e
         shard["span_example"] = shard["span_example"] + examples
         examples += shard["line"].shape[0]
-        for k in TENSORS:
+        for k in shard:
             parts[k].append(shard[k])
         texts += shard_texts
         boxes += shard_boxes
-    tensors = {k: torch.cat(v) for k, v in parts.items()}
+    tensors = {k: torch.cat(v) for k, v in parts.items() if len(v) == count}
     return Collection(manifest, tensors, texts, boxes)

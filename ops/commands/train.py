@@ -1,6 +1,8 @@
 """``python -m headscope train``: fits an :class:`~headscope.AttributionHead` to a
 collection's span features and ablation effects (every span-region pair is a sample),
-optionally holding images out for a validation LDS."""
+optionally holding images out for a validation LDS. Spans made only of special tokens
+(the end-of-text span) are left out unless ``--keep-special-spans``: they name nothing of
+the image, and ``headscope.shapes head-eval`` leaves them out of its scores too."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..attribution import AttributionHead
+from ..attribution import FEATURE_SETS, AttributionHead, feature_columns
 from .errors import UsageError, check_output, integer, number, refuse_ignored
 from .metrics import score
 from .shards import Collection, check_feature_columns, feature_set, read_collection
@@ -32,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of images held out; their LDS is reported (default 0)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the held-out choice (with --val-fraction)")
+    parser.add_argument("--features", choices=FEATURE_SETS, default=None,
+                        help="the feature set to fit on: the collection's (default) or one "
+                             "whose blocks it holds (attention or attention*value_norm out "
+                             "of a collection made with --features both)")
+    parser.add_argument("--keep-special-spans", action="store_true",
+                        help="fit on spans made only of special tokens (the end-of-text "
+                             "span) too; by default they are left out")
 
 
 PEARSON_ONLY = ("epochs", "lr", "batch_spans")
@@ -81,10 +90,37 @@ def split(data: Collection, fraction: float, seed: int) -> tuple:
 def subset(data: Collection, spans: torch.Tensor) -> Collection:
     """The collection restricted to the spans ``spans`` (bool mask); examples kept."""
     t = dict(data.tensors)
-    for k in ("span_example", "span_bounds", "features", "effects", "subset_effects"):
-        t[k] = t[k][spans]
+    for k in ("span_example", "span_bounds", "features", "effects", "subset_effects",
+              "special_only"):
+        if k in t:
+            t[k] = t[k][spans]
     texts = [x for x, keep in zip(data.texts, spans.tolist()) if keep]
     return Collection(data.manifest, t, texts, data.boxes)
+
+
+def with_features(data: Collection, wanted: str, folder: str) -> Collection:
+    """The collection with only the columns of feature set ``wanted``."""
+    have = feature_set(data.manifest)
+    try:
+        features = feature_columns(data.tensors["features"], have, wanted)
+    except ValueError as e:
+        raise UsageError(f"--features {wanted}: the collection {folder} holds feature set "
+                         f"{have!r}, without the columns of {wanted!r}; collect with "
+                         f"--features {wanted} or both") from e
+    return Collection({**data.manifest, "feature_set": wanted},
+                      {**data.tensors, "features": features}, data.texts, data.boxes)
+
+
+def fitted_spans(data: Collection, folder: str, keep_special: bool) -> torch.Tensor:
+    """Boolean mask over spans: the ones to fit and validate on (all with
+    ``keep_special``, else those not made only of special tokens)."""
+    if keep_special:
+        return torch.ones(data.num_spans, dtype=torch.bool)
+    if "special_only" not in data.tensors:
+        raise UsageError(f"--data {folder}: the collection does not record which spans are "
+                         f"only special tokens (collected by an older headscope); collect it "
+                         f"again, or pass --keep-special-spans to fit on every span")
+    return ~data.tensors["special_only"]
 
 
 def fit(data: Collection, args) -> AttributionHead:
@@ -105,7 +141,11 @@ def fit(data: Collection, args) -> AttributionHead:
 def run(args) -> int:
     check_arguments(args)
     data = read_collection(Path(args.data))
+    if args.features is not None:
+        data = with_features(data, args.features, args.data)
+    kept = fitted_spans(data, args.data, args.keep_special_spans)
     train_spans, val_spans = split(data, args.val_fraction, args.seed)
+    train_spans, val_spans = train_spans & kept, val_spans & kept
     train = subset(data, train_spans)
     if train.num_spans < 2:
         raise UsageError(f"{args.data}: {train.num_spans} training span(s); need at least 2")
@@ -113,8 +153,10 @@ def run(args) -> int:
     head.save(args.out)
     with torch.no_grad():
         fitted = score(train, head(train.tensors["features"]))
+    left_out = "" if args.keep_special_spans else \
+        f" ({int((~kept).sum())} special-token-only spans left out)"
     print(f"fitted a {args.loss} head on {train.num_spans} spans x "
-          f"{data.tensors['effects'].shape[1]} regions -> {args.out}")
+          f"{data.tensors['effects'].shape[1]} regions{left_out} -> {args.out}")
     print(f"train LDS {_fmt(fitted['lds'])}")
     if val_spans.any():
         val = subset(data, val_spans)

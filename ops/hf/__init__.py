@@ -9,9 +9,9 @@ imports it.
 from .effects import region_effects
 from .mixer import MixerHandle, use_mixer
 from .regions import grid_regions
-from .stream import Span
+from .stream import Span, special_only
 from .tracer import Tracer, sentence_end
 from .value_norm import value_norm_factors, value_norms
 
 __all__ = ["MixerHandle", "Span", "Tracer", "grid_regions", "region_effects", "sentence_end",
-           "use_mixer", "value_norm_factors", "value_norms"]
+           "special_only", "use_mixer", "value_norm_factors", "value_norms"]

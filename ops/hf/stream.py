@@ -42,6 +42,13 @@ class Span:
     text: Optional[str] = None
 
 
+def special_only(token_ids: Sequence[int], special_ids: Sequence[int]) -> bool:
+    """Whether every token of a span is a special token, such as the end-of-text span:
+    such a span names nothing of the image, so fitting and scoring the head leave it out."""
+    special = set(int(t) for t in special_ids)
+    return all(int(t) in special for t in token_ids)
+
+
 class InterruptLatch:
     """Ctrl-C stops a generation whatever the timing. While entered on the main thread
     (with Python's default SIGINT handler in place), SIGINT raises KeyboardInterrupt as

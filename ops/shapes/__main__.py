@@ -8,8 +8,9 @@ head-eval,reproduce}: the embedded shapes model.
   data      write scenes as a DATA folder for python -m headscope collect|eval
   hallucination  AUROC of VASDetector and of the mean token log-probability on hard scenes
   faithfulness   LDS and R^2 against time per token: head, raw attention, gradients, ablation
-  head-eval      the head against raw attention on a fixed seed range: per-image LDS with
-                 the paired difference's interval, pointing
+  head-eval      the head against raw attention (and value-norm-weighted attention) on a
+                 fixed seed range: per-image LDS with the paired difference's interval,
+                 pointing
   reproduce      every measurement above in one resumable run (results.json, results.md)
 """
 from __future__ import annotations
@@ -58,6 +59,7 @@ def _head_file(text: str) -> Path:
 def main(argv=None) -> int:
     from ..commands.errors import (INTERRUPTED, USAGE, Parser, UsageError, check_output, grid,
                                    integer, number)
+    from ..attribution import FEATURE_SETS
     from .processor import TOKEN_GRID
     parser = Parser(prog=PROG, description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -147,8 +149,14 @@ def main(argv=None) -> int:
     p.add_argument("--grid", type=grid(TOKEN_GRID, TOKEN_GRID, image_tokens), default="3x3",
                    metavar="ROWSxCOLS", help="regions: a grid (default 3x3, the world's cells)")
     p.add_argument("--model", **model)
-    p.add_argument("--head", type=_head_file, default=None,
-                   help="head file (default: the model folder's head.safetensors)")
+    p.add_argument("--head", type=_head_file, action="append", default=None,
+                   help="head file (default: the model folder's head.safetensors); given "
+                        "several times, the heads are compared on the same spans, each "
+                        "labelled head:NAME by its file's name")
+    p.add_argument("--features", choices=FEATURE_SETS, default=None,
+                   help="the feature set to trace (default: the heads' own; 'both' for "
+                        "heads of different sets): each of its blocks is scored as a raw "
+                        "baseline, and it must hold every head's blocks")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
 
     p = sub.add_parser("reproduce", help="every measurement of docs/shapes.md, resumable")
@@ -212,7 +220,8 @@ def _run(args) -> None:
         from ..hf.regions import parse_grid
         from .head_eval import evaluate_head, table
         result = evaluate_head(args.seeds, args.scenes, regions=parse_grid(args.grid),
-                               model_dir=args.model, head_path=args.head)
+                               model_dir=args.model, head_path=args.head,
+                               features=args.features)
         print(table(result))
         if args.json is not None:
             _write_json(args.json, result)

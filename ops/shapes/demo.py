@@ -58,8 +58,9 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
         traced, regions_name = regions, f"{regions} Ward regions"
     else:
         traced, regions_name = grid_regions(*regions), "a {}x{} grid".format(*regions)
+    features = head.feature_set if head is not None else "attention"
     with torch.no_grad(), Tracer(model, regions=traced, vas=True, head=head,
-                                 tokenizer=processor.tokenizer) as tr:
+                                 tokenizer=processor.tokenizer, features=features) as tr:
         for i in range(num_images):
             seed = HELD_OUT_SEED + DEMO_OFFSET + i
             image, objects = scene(seed, 1 + i % 4)

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..attribution import feature_columns, feature_set_holding
 from ..commands.metrics import defined_mean, lds_per_image
 from ..hf.effects import region_effects
 from .accuracy import HELD_OUT_SEED
@@ -63,17 +64,21 @@ def scene_record(model, processor, head, seed: int, num_objects: int, regions: i
     image, _ = scene(seed, num_objects)
     inputs = dict(prompt(processor, image))  # region_effects takes a plain dict
     spans = []
+    # the head's columns and raw attention's
+    features = feature_set_holding([head.feature_set, "attention"])
     with torch.no_grad(), Tracer(model, regions=regions, vas=False,
-                                 tokenizer=processor.tokenizer) as tr:
+                                 tokenizer=processor.tokenizer, features=features) as tr:
         tr.generate_with(spans.append, **inputs, max_new_tokens=max_new_tokens,
                          do_sample=False)
-    features = torch.stack([s.features for s in spans])  # (S, K, L*H)
+    traced = torch.stack([s.features for s in spans])  # (S, K, F)
+    head_features = feature_columns(traced, features, head.feature_set)
+    attention = feature_columns(traced, features, "attention")
     scores = {}
     with torch.no_grad():
         t0 = time.perf_counter()
-        scores["head"] = head(features).float()
+        scores["head"] = head(head_features).float()
         t1 = time.perf_counter()
-        scores["attention"] = features.mean(-1)
+        scores["attention"] = attention.mean(-1)
         t2 = time.perf_counter()
         effects = region_effects(model, inputs, tr.sequences, spans, tr.region_ids,
                                  ablation="mask", progress=False)

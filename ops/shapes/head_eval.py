@@ -11,21 +11,26 @@ demo: ``+ 900_000``; hallucination: ``+ 2_000_000``):
   used to choose anything.
 
 Scene ``k`` of a range has ``1 + k % 4`` objects. Each scene's description is generated
-inside a ``Tracer`` with the world's 3 x 3 cells as regions (by default) and every span is
-scored by the head and by raw attention (the pooled attention mass averaged over layers
-and heads) against its true effects (``region_effects``, ``ablation="mask"``). Spans made
-only of special tokens (the end-of-text span) are left out of every score: they name
-nothing, and their count is reported.
+inside a ``Tracer`` with the world's 3 x 3 cells as regions (by default) and the head's
+feature set (``features``: the set every head evaluated reads from; "both" when heads of
+different sets are compared), and every span is scored by each head and by the raw
+baseline of each feature block (``FEATURE_BLOCKS``: the block's pooled mass averaged over
+layers and heads: raw attention, and raw value-norm-weighted attention) against its true
+effects (``region_effects``, ``ablation="mask"``). Spans made only of special tokens (the
+end-of-text span) are left out of every score: they name nothing, and their count is
+reported; ``python -m headscope train`` leaves them out of the fit by default too.
 """
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..attribution import FEATURE_BLOCKS, feature_columns, feature_set_holding
 from ..commands.metrics import in_box, lds_per_image, random_pointing
+from ..hf.stream import special_only
 from .accuracy import HELD_OUT_SEED
 from .demo import WORLD_GRID
 from .figures import region_centroids
@@ -34,9 +39,10 @@ from .world import IMAGE_SIZE, match_object, parse_sentence, scene
 
 SEED_RANGES = {"dev": HELD_OUT_SEED + 3_000_000, "reported": HELD_OUT_SEED + 4_000_000}
 RANGE_SIZE = 1_000_000  # scenes per range: the next range starts past it
-SCORERS = ("head", "attention")
+HEAD = "head"  # a single head's label
+RAW_NAMES = {"attention": "raw attention",
+             "attention*value_norm": "raw value-norm-weighted attention"}
 WHO = "headscope.shapes.head_eval"
-
 
 def range_scenes(which: str, count: int) -> List[Tuple[int, int]]:
     """``(seed, num_objects)`` of the first ``count`` scenes of the ``which`` range."""
@@ -78,23 +84,33 @@ def mean_with_interval(values: torch.Tensor) -> Dict[str, Optional[float]]:
             "interval95": list(bootstrap_interval(values)), "n": n}
 
 
-def special_only(token_ids: Sequence[int], special_ids: Sequence[int]) -> bool:
-    """Whether every token of a span is a special token (such as the end-of-text span)."""
-    special = set(int(t) for t in special_ids)
-    return all(int(t) in special for t in token_ids)
+def check_traced(heads: Mapping[str, "AttributionHead"], features: str) -> None:
+    """Every head's blocks are among those of the traced feature set."""
+    if features not in FEATURE_BLOCKS:
+        raise ValueError(f"{WHO}: features must be one of {sorted(FEATURE_BLOCKS)}, got "
+                         f"{features!r}")
+    for label, head in heads.items():
+        missing = [b for b in FEATURE_BLOCKS[head.feature_set]
+                   if b not in FEATURE_BLOCKS[features]]
+        if missing:
+            raise ValueError(f"{WHO}: {label} reads feature set {head.feature_set!r}, whose "
+                             f"{missing[0]!r} block features={features!r} does not trace; "
+                             f"trace {head.feature_set!r} or 'both'")
 
 
-def scene_record(model, processor, head, regions, seed: int, num_objects: int,
-                 max_new_tokens: int) -> dict:
-    """One scene: each kept span's head and attention scores, true effects and pointing.
-    ``regions``: as ``Tracer`` takes them."""
+def scene_record(model, processor, heads: Mapping[str, "AttributionHead"], regions, seed: int,
+                 num_objects: int, max_new_tokens: int, features: str = "attention") -> dict:
+    """One scene: each kept span's scores (each head's, by its label, and each raw block's,
+    by the block's name), true effects and pointing. ``regions``: as ``Tracer`` takes them;
+    ``features``: the set traced, holding every head's blocks."""
     from ..hf import Tracer, region_effects
 
     image, objects = scene(seed, num_objects)
     inputs = prompt(processor, image)
     spans = []
     # region_effects attaches to the model itself, so the tracer is closed before it runs
-    with Tracer(model, regions=regions, vas=False, tokenizer=processor.tokenizer) as tracer:
+    with Tracer(model, regions=regions, vas=False, tokenizer=processor.tokenizer,
+                features=features) as tracer:
         tracer.generate_with(spans.append, **inputs, max_new_tokens=max_new_tokens,
                              do_sample=False)
     (picture,) = tracer.images[0]
@@ -107,102 +123,148 @@ def scene_record(model, processor, head, regions, seed: int, num_objects: int,
               "special_spans": len(spans) - len(kept)}
     if not kept:
         return record
-    features = torch.stack([s.features for s in kept]).float()  # (S, K, L*H)
+    traced = torch.stack([s.features for s in kept]).float()  # (S, K, F)
     record["effects"] = region_effects(model, inputs, tracer.sequences, kept,
                                        tracer.region_ids, ablation="mask", progress=False)
-    record["scores"] = {"head": head(features).float(), "attention": features.mean(-1)}
+    record["scores"] = {
+        **{label: head(feature_columns(traced, features, head.feature_set)).float()
+           for label, head in heads.items()},
+        **{block: feature_columns(traced, features, block).mean(-1)
+           for block in FEATURE_BLOCKS[features]}}
     pointing = []  # (hit per scorer, chance of a random region) per span naming an object
     for i, s in enumerate(kept):
         text = processor.tokenizer.decode(s.token_ids, skip_special_tokens=True)
         obj = match_object(parse_sentence(text), objects)
         if obj is None:
             continue
-        hits = {name: bool(in_box(*centroids[int(record["scores"][name][i].argmax())],
-                                  obj.box)) for name in SCORERS}
+        hits = {name: bool(in_box(*centroids[int(scores[i].argmax())], obj.box))
+                for name, scores in record["scores"].items()}
         cell = torch.as_tensor(centroids, dtype=torch.float64)
         pointing.append((hits, random_pointing([(None, cell, obj.box)])))
     record["pointing"] = pointing
     return record
 
 
-def summarise(records: List[dict]) -> dict:
-    """Per-image LDS of each scorer, their paired difference (head minus attention) with
-    its standard error and bootstrap 95% interval over scenes, and pointing."""
+def summarise(records: List[dict], heads: Sequence[str] = (HEAD,),
+              baselines: Sequence[str] = ("attention",)) -> dict:
+    """Per-image LDS of each head (by label) and each raw baseline (by block name), the
+    paired difference of each head to each baseline (``lds_difference["head - attention"]``)
+    with its standard error and bootstrap 95% interval over scenes, and pointing. Scenes
+    count where every scorer's LDS is defined."""
     scored = [r for r in records if r["spans"]]
     if not scored:
         raise ValueError(f"{WHO}: no scene has a span to score (every span is only special "
                          f"tokens)")
+    scorers = [*heads, *baselines]
     effects = torch.cat([r["effects"] for r in scored])
     span_scene = torch.repeat_interleave(torch.arange(len(scored)),
                                          torch.tensor([r["spans"] for r in scored]))
     lds = {name: lds_per_image(torch.cat([r["scores"][name] for r in scored]), effects,
-                               span_scene, len(scored)) for name in SCORERS}
-    both = ~(torch.isnan(lds["head"]) | torch.isnan(lds["attention"]))
+                               span_scene, len(scored)) for name in scorers}
+    defined = ~torch.stack([torch.isnan(lds[name]) for name in scorers]).any(0)
     cases = [c for r in scored for c in r["pointing"]]
-    out = {"scenes": len(records), "scenes_scored": int(both.sum()),
+    out = {"scenes": len(records), "scenes_scored": int(defined.sum()),
            "spans": int(span_scene.numel()),
            "special_spans_left_out": sum(r["special_spans"] for r in records),
-           "lds": {name: mean_with_interval(lds[name][both]) for name in SCORERS},
-           "lds_difference": mean_with_interval(lds["head"][both] - lds["attention"][both]),
+           "heads": list(heads), "baselines": list(baselines),
+           "lds": {name: mean_with_interval(lds[name][defined]) for name in scorers},
+           "lds_difference": {f"{h} - {b}": mean_with_interval(lds[h][defined]
+                                                               - lds[b][defined])
+                              for h in heads for b in baselines},
            "pointing_spans": len(cases),
            "pointing": {name: (sum(hits[name] for hits, _ in cases) / len(cases)
-                               if cases else None) for name in SCORERS}}
+                               if cases else None) for name in scorers}}
     out["pointing"]["random"] = (sum(chance for _, chance in cases) / len(cases)
                                  if cases else None)
     return out
 
 
+def head_labels(paths: Sequence[Path]) -> List[str]:
+    """``"head"`` for one head file; ``"head:NAME"`` for several, NAME each file's name
+    without its suffix (never a raw baseline's name)."""
+    if len(paths) == 1:
+        return [HEAD]
+    labels = [f"{HEAD}:{Path(p).stem}" for p in paths]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"{WHO}: the head files {[str(p) for p in paths]} share a name; "
+                         f"name them apart (each result is labelled by its file's name)")
+    return labels
+
+
 def evaluate_head(which: str = "reported", scenes: int = 300, *,
                   regions: Union[int, Tuple[int, int]] = WORLD_GRID, model_dir=None,
-                  head_path: Optional[Path] = None, max_new_tokens: int = 48,
+                  head_path: Union[None, Path, Sequence[Path]] = None,
+                  features: Optional[str] = None, max_new_tokens: int = 48,
                   progress: bool = True) -> dict:
-    """The head against raw attention on the first ``scenes`` scenes of the ``which`` seed
-    range (``"dev"`` or ``"reported"``); ``regions``: ``(rows, cols)`` for a grid (the
-    world's cells by default) or K for Ward regions; ``head_path``: a head other than the
-    model folder's. Returns :func:`summarise`'s result with the settings."""
+    """The head against the raw baseline of each feature block on the first ``scenes``
+    scenes of the ``which`` seed range (``"dev"`` or ``"reported"``); ``regions``:
+    ``(rows, cols)`` for a grid (the world's cells by default) or K for Ward regions;
+    ``head_path``: a head file other than the model folder's, or several (compared on the
+    same spans, labelled ``head:NAME`` by file name); ``features``: the set to trace (default:
+    the heads' own set, "both" for heads of different sets), which must hold every head's
+    blocks; its blocks are the raw baselines. Returns :func:`summarise`'s result with the
+    settings."""
     from tqdm import tqdm
 
     from ..attribution import AttributionHead
     from ..hf import grid_regions
 
     chosen = range_scenes(which, scenes)
-    model, processor, head = load(model_dir, head=head_path is None)
-    if head_path is not None:
-        head = AttributionHead.load(str(head_path))
-    if head is None:
+    paths = [head_path] if isinstance(head_path, (str, Path)) else list(head_path or [])
+    model, processor, head = load(model_dir, head=not paths)
+    if paths:
+        heads = {label: AttributionHead.load(str(path))
+                 for label, path in zip(head_labels(paths), paths)}
+    elif head is None:
         raise FileNotFoundError(f"{WHO}: the model folder has no attribution head "
                                 f"(head.safetensors); pass a head file")
+    else:
+        heads = {HEAD: head}
+    features = features or feature_set_holding(h.feature_set for h in heads.values())
+    check_traced(heads, features)
     traced = regions if isinstance(regions, int) else grid_regions(*regions)
     records = []
     with torch.no_grad():
-        for seed, num_objects in tqdm(chosen, desc=f"head vs attention ({which} seeds)",
+        for seed, num_objects in tqdm(chosen, desc=f"head vs raw baselines ({which} seeds)",
                                       disable=not progress):
-            records.append(scene_record(model, processor, head, traced, seed, num_objects,
-                                        max_new_tokens))
+            records.append(scene_record(model, processor, heads, traced, seed, num_objects,
+                                        max_new_tokens, features))
     return {"seed_range": which, "seeds": [chosen[0][0], chosen[-1][0]],
             "regions": regions if isinstance(regions, int) else "{}x{} grid".format(*regions),
-            "max_new_tokens": max_new_tokens, **summarise(records)}
+            "max_new_tokens": max_new_tokens, "features": features,
+            "head_feature_sets": {label: h.feature_set for label, h in heads.items()},
+            **summarise(records, list(heads), list(FEATURE_BLOCKS[features]))}
 
 
 def table(result: dict) -> str:
-    """The result as markdown: per-image LDS with intervals, the difference, pointing."""
+    """The result as markdown: per-image LDS with intervals of each head and raw baseline,
+    each head's paired difference to each baseline, pointing."""
     def cell(m):
         if m["interval95"] is None:
             return "n/a" if m["mean"] is None else f"{m['mean']:.3f} (one scene)"
         return f"{m['mean']:.3f} ± {m['se']:.3f} [{m['interval95'][0]:.3f}, " \
                f"{m['interval95'][1]:.3f}]"
 
+    def name(scorer):
+        if scorer in RAW_NAMES:
+            return RAW_NAMES[scorer]
+        sets = result.get("head_feature_sets", {})
+        return f"{scorer} ({sets[scorer]})" if scorer in sets else scorer
+
     p = result["pointing"]
     pct = {k: "n/a" if v is None else f"{100 * v:.1f}%" for k, v in p.items()}
+    rows = [f"| {name(s)} | {cell(result['lds'][s])} | {pct[s]} |"
+            for s in [*result["heads"], *result["baselines"]]]
+    rows += [f"| {name(h)} - {name(b)} (paired) | "
+             f"{cell(result['lds_difference'][f'{h} - {b}'])} | |"
+             for h in result["heads"] for b in result["baselines"]]
+    features = f", features {result['features']}" if "features" in result else ""
     return "\n".join([
         f"{result['scenes']} scenes ({result['seed_range']} seeds {result['seeds'][0]}.."
-        f"{result['seeds'][1]}, {result['regions']}), {result['scenes_scored']} with both "
-        f"LDS defined; {result['spans']} spans, {result['special_spans_left_out']} "
-        f"special-token-only spans left out; {result['pointing_spans']} spans name an "
-        f"object of the image (pointing).", "",
+        f"{result['seeds'][1]}, {result['regions']}{features}), {result['scenes_scored']} "
+        f"with every LDS defined; {result['spans']} spans, "
+        f"{result['special_spans_left_out']} special-token-only spans left out; "
+        f"{result['pointing_spans']} spans name an object of the image (pointing).", "",
         "| scores | per-image LDS (mean ± s.e. [bootstrap 95%]) | pointing |",
-        "| --- | --- | --- |",
-        f"| head | {cell(result['lds']['head'])} | {pct['head']} |",
-        f"| raw attention | {cell(result['lds']['attention'])} | {pct['attention']} |",
-        f"| head - raw attention (paired) | {cell(result['lds_difference'])} | |",
+        "| --- | --- | --- |", *rows,
         f"| a uniformly random region (expected) | | {pct['random']} |"])

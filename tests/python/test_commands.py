@@ -80,6 +80,9 @@ def test_collection_holds_tracer_features_and_region_effects(files):
         tr.generate_with(spans.append, **inputs, max_new_tokens=6, do_sample=False)
     mine = t["span_example"] == 1
     assert t["span_bounds"][mine].tolist() == [[s.start, s.end] for s in spans]
+    special = processor.tokenizer.all_special_ids
+    assert t["special_only"][mine].tolist() == [all(int(i) in special for i in s.token_ids)
+                                                for s in spans]
     torch.testing.assert_close(t["features"][mine], torch.stack([s.features for s in spans]))
     subsets = random_subsets(3, 4, 0, example.line)
     assert torch.equal(t["subsets"][1], subsets)
@@ -405,6 +408,80 @@ def test_resume_records_the_checksum_of_a_shard_written_just_before_a_kill(files
     assert f"collected 0 examples now, {IMAGES} in total" in out.stdout
     assert not list(copy.glob(".*.tmp"))
     _same(read_collection(copy), read_collection(collection))
+
+
+def _written_collection(folder, feature_set, special=None):
+    """A collection of 2 examples, 6 spans, 3 regions, 2 layers x 2 heads, written with the
+    shards' own writer; ``special``: each span's special_only flag (None: not recorded,
+    as an older collect wrote it)."""
+    from headscope.commands.shards import write_manifest, write_shard
+    g = torch.Generator().manual_seed(5)
+    S, K, F = 6, 3, 4 * (2 if feature_set == "both" else 1)
+    features = torch.rand(S, K, F, generator=g)
+    folder.mkdir()
+    # the effects follow feature 1, with noise: each subset of spans has its own fit
+    effects = features[..., 1] + 0.01 * torch.randn(S, K, generator=g)
+    write_manifest(folder, {"model": "m", "num_layers": 2, "num_heads": 2,
+                            "feature_set": feature_set, "examples": 2, "shard_size": 2})
+    tensors = {"line": torch.tensor([1, 2]), "span_example": torch.tensor([0, 0, 0, 1, 1, 1]),
+               "span_bounds": torch.tensor([[i, i + 1] for i in range(S)]),
+               "features": features, "effects": effects,
+               "subsets": torch.zeros(2, 0, K, dtype=torch.bool),
+               "subset_effects": torch.zeros(S, 0), "grid": torch.tensor([[1, 3], [1, 3]]),
+               "labels": torch.tensor([0, 1, 2, 0, 1, 2]),
+               "image_size": torch.tensor([[3, 1], [3, 1]]),
+               "seconds": torch.ones(2, 2, dtype=torch.float64)}
+    if special is not None:
+        tensors["special_only"] = torch.tensor(special)
+    write_shard(folder, 0, tensors, ["a."] * S, [{}, {}])
+    return features, effects
+
+
+def test_train_leaves_special_spans_out_and_fits_a_block_of_both(tmp_path, capsys):
+    """train fits on the spans that are not only special tokens (as head-eval scores), or
+    on all with --keep-special-spans; --features takes one block out of a 'both'
+    collection; a collection that does not record special spans is refused by default."""
+    from headscope.attribution import AttributionHead
+    special = [False, False, True, False, False, True]
+    features, effects = _written_collection(tmp_path / "both", "both", special)
+    ordinary = ~torch.tensor(special)
+
+    def fitted(*extra):
+        out = tmp_path / f"head{len(list(tmp_path.glob('*.safetensors')))}.safetensors"
+        assert main(["train", "--data", str(tmp_path / "both"), "--out", str(out),
+                     *extra]) == 0
+        return AttributionHead.load(str(out))
+
+    def same(head, expected):
+        assert head.feature_set == expected.feature_set
+        for name in ("weight", "bias", "mean", "std"):
+            assert torch.equal(getattr(head, name), getattr(expected, name)), name
+
+    same(fitted(), AttributionHead(2, 2, feature_set="both").fit(features[ordinary],
+                                                                 effects[ordinary]))
+    assert "on 4 spans x 3 regions (2 special-token-only spans left out)" in \
+        capsys.readouterr().out
+    same(fitted("--keep-special-spans"),
+         AttributionHead(2, 2, feature_set="both").fit(features, effects))
+    same(fitted("--features", "attention"),
+         AttributionHead(2, 2).fit(features[ordinary][..., :4], effects[ordinary]))
+    same(fitted("--features", "attention*value_norm"),
+         AttributionHead(2, 2, feature_set="attention*value_norm").fit(
+             features[ordinary][..., 4:], effects[ordinary]))
+    # a held-out image is scored on its ordinary spans only
+    fitted("--val-fraction", "0.5")
+    assert "validation LDS" in capsys.readouterr().out
+    _written_collection(tmp_path / "attention", "attention", special)
+    err = _usage_error(capsys, "train", "--data", tmp_path / "attention", "--out",
+                       tmp_path / "h.safetensors", "--features", "both")
+    assert "--features both: the collection" in err and "holds feature set 'attention'" in err
+    _written_collection(tmp_path / "older", "attention")
+    err = _usage_error(capsys, "train", "--data", tmp_path / "older", "--out",
+                       tmp_path / "h.safetensors")
+    assert "does not record which spans are only special tokens" in err
+    assert "--keep-special-spans" in err
+    assert main(["train", "--data", str(tmp_path / "older"), "--out",
+                 str(tmp_path / "older.safetensors"), "--keep-special-spans"]) == 0
 
 
 def test_manifest_feature_sets(tmp_path):

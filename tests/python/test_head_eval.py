@@ -1,6 +1,7 @@
-"""The head-against-attention evaluation: its seed ranges, the bootstrap interval on known
-cases, the paired per-image LDS on hand-made records, the exclusion of special-token-only
-spans, and the command end to end on the shipped model."""
+"""The head-against-raw-baselines evaluation: its seed ranges, the bootstrap interval on
+known cases, the paired per-image LDS on hand-made records (one head and one baseline, and
+several of each), the exclusion of special-token-only spans, the traced feature set that
+follows the heads, and the command end to end on the shipped model."""
 from __future__ import annotations
 
 import json
@@ -11,9 +12,10 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
+from headscope.hf import special_only  # noqa: E402
 from headscope.shapes.head_eval import (  # noqa: E402
-    RANGE_SIZE, SEED_RANGES, bootstrap_interval, mean_with_interval, range_scenes,
-    special_only, summarise)
+    RANGE_SIZE, SEED_RANGES, bootstrap_interval, check_traced, head_labels,
+    mean_with_interval, range_scenes, summarise)
 
 
 def test_seed_ranges_are_disjoint_from_every_other_use():
@@ -86,12 +88,59 @@ def test_summary_pairs_scenes_and_leaves_out_special_spans():
     assert s["special_spans_left_out"] == 3
     assert s["lds"]["head"]["mean"] == pytest.approx(0.5)
     assert s["lds"]["attention"]["mean"] == pytest.approx(-0.5)
-    d = s["lds_difference"]
+    assert s["heads"] == ["head"] and s["baselines"] == ["attention"]
+    d = s["lds_difference"]["head - attention"]
+    assert list(s["lds_difference"]) == ["head - attention"]
     assert d["mean"] == pytest.approx(1.0) and d["n"] == 2
     assert d["se"] == pytest.approx(1.0)  # std of (2, 0) is sqrt(2), over sqrt(2)
     assert d["interval95"] == pytest.approx([0.0, 2.0])
     assert s["pointing_spans"] == 2
     assert s["pointing"] == pytest.approx({"head": 1.0, "attention": 0.5, "random": 1 / 3})
+
+
+def test_summary_pairs_every_head_with_every_baseline():
+    """Two heads, two raw baselines: four paired differences, each of its own pair; a
+    scene where one scorer's LDS is undefined (constant scores) counts for none."""
+    up, down, flat = [[1.0, 2.0, 3.0]], [[3.0, 2.0, 1.0]], [[1.0, 1.0, 1.0]]
+
+    def record(a, b, raw, weighted, hits):
+        return {"spans": 1, "special_spans": 1, "effects": torch.tensor(up),
+                "scores": {k: torch.tensor(v) for k, v in (("head:a", a), ("head:b", b),
+                                                          ("attention", raw),
+                                                          ("attention*value_norm", weighted))},
+                "pointing": [(hits, 0.25)]}
+
+    hits = {"head:a": True, "head:b": False, "attention": True, "attention*value_norm": False}
+    records = [record(up, down, up, down, hits), record(up, up, down, down, hits),
+               record(up, up, up, flat, hits)]
+    s = summarise(records, ["head:a", "head:b"], ["attention", "attention*value_norm"])
+    assert s["scenes"] == 3 and s["scenes_scored"] == 2  # the flat scene has no LDS
+    assert {k: v["mean"] for k, v in s["lds"].items()} == pytest.approx(
+        {"head:a": 1.0, "head:b": 0.0, "attention": 0.0, "attention*value_norm": -1.0})
+    assert {k: v["mean"] for k, v in s["lds_difference"].items()} == pytest.approx(
+        {"head:a - attention": 1.0, "head:a - attention*value_norm": 2.0,
+         "head:b - attention": 0.0, "head:b - attention*value_norm": 1.0})
+    assert s["lds_difference"]["head:b - attention"]["interval95"] == pytest.approx(
+        [-2.0, 2.0])  # differences -2 and 2
+    assert s["pointing"] == pytest.approx({**{k: float(v) for k, v in hits.items()},
+                                           "random": 0.25})
+
+
+def test_head_labels_and_traced_features():
+    from headscope.attribution import AttributionHead
+    assert head_labels(["x/h.safetensors"]) == ["head"]
+    assert head_labels(["x/attention.safetensors", "y/both.safetensors"]) == \
+        ["head:attention", "head:both"]  # never a raw baseline's name
+    with pytest.raises(ValueError, match="share a name"):
+        head_labels(["x/h.safetensors", "y/h.safetensors"])
+    weighted = {"head": AttributionHead(2, 2, feature_set="attention*value_norm")}
+    check_traced(weighted, "attention*value_norm")
+    check_traced(weighted, "both")
+    with pytest.raises(ValueError, match=r"'attention\*value_norm' block features='attention' "
+                                         r"does not trace"):
+        check_traced(weighted, "attention")
+    with pytest.raises(ValueError, match="features must be one of"):
+        check_traced(weighted, "values")
 
 
 def test_head_eval_command_on_the_shipped_model(tmp_path, capsys):
@@ -100,15 +149,30 @@ def test_head_eval_command_on_the_shipped_model(tmp_path, capsys):
     assert main(["--threads", "1", "head-eval", "--seeds", "dev", "--scenes", "4",
                  "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    from headscope.shapes import load
+    _, _, shipped = load()
+    assert result["features"] == shipped.feature_set  # the tracer follows the head
+    assert result["head_feature_sets"] == {"head": shipped.feature_set}
     assert result["seeds"] == [SEED_RANGES["dev"], SEED_RANGES["dev"] + 3]
     assert result["regions"] == "3x3 grid" and result["scenes"] == 4
     # every description that ends within the token budget ends with a special-only span
     assert 1 <= result["special_spans_left_out"] <= 4
-    for name in ("head", "attention"):
+    for name in ("head", *result["baselines"]):
         assert -1 <= result["lds"][name]["mean"] <= 1
     assert result["pointing"]["random"] == pytest.approx(1 / 9)
     printed = capsys.readouterr().out
-    assert "special-token-only spans left out" in printed and "| head - raw attention" in printed
+    assert "special-token-only spans left out" in printed
+    assert f"| head ({shipped.feature_set}) - raw " in printed
+    # traced with both blocks, the same head scores the same spans exactly as before (its
+    # columns are the same numbers), and each block is a raw baseline
+    both = tmp_path / "both.json"
+    assert main(["--threads", "1", "head-eval", "--seeds", "dev", "--scenes", "4",
+                 "--features", "both", "--json", str(both)]) == 0
+    both = json.loads(both.read_text())
+    assert both["baselines"] == ["attention", "attention*value_norm"]
+    for name in ("head", *result["baselines"]):
+        assert both["lds"][name] == result["lds"][name], name
+    assert "| raw value-norm-weighted attention |" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         main(["head-eval", "--head", str(tmp_path / "missing.safetensors")])
     err = capsys.readouterr().err
