@@ -1,8 +1,8 @@
 """``python -m headscope eval``: how faithful a fitted head is on a data set, against the raw
 features of each block of the feature set as baselines (each region's feature mean over the
 L*H layers and heads of the block: raw attention, raw value-norm-weighted attention, or
-both for the feature set "both"). The head must have been fitted on the collection's
-feature set.
+both for the feature set "both"). The collection must hold the head's feature set: the
+same set, or "both" (the head then reads its own block, and both blocks are baselines).
 
 DATA is collected first (``collect``, into ``--work``, resumable; ``--features`` defaults to
 the head's feature set) unless it already is a collection. Reported for both scorers: LDS per image and its mean (Spearman across
@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from ..attribution import FEATURE_BLOCKS, AttributionHead, atomic_path, feature_columns
+from ..attribution import (FEATURE_BLOCKS, AttributionHead, atomic_path, feature_columns,
+                           feature_set_holding)
 from . import collect as _collect
 from .errors import UsageError, check_output, given, option, refuse_ignored
 from .metrics import random_baseline, score
@@ -55,6 +56,14 @@ def _head(path: str, num_layers: int, num_heads: int, features: Optional[str]) -
                                     feature_set=features)
     except ValueError as e:
         raise UsageError(f"--head {path}: {e}") from e
+
+
+def _head_on(path: str, num_layers: int, num_heads: int, collected: str) -> AttributionHead:
+    """The head, which must read columns the collection's feature set holds."""
+    head = _head(path, num_layers, num_heads, None)
+    if feature_set_holding([head.feature_set, collected]) != collected:
+        _head(path, num_layers, num_heads, collected)  # raises the mismatch, named
+    return head
 
 
 def _regions(regions: int, grid) -> str:
@@ -117,14 +126,17 @@ def run(args) -> int:
         check_collection_options(args, folder, manifest)
         sizes = int(manifest["num_layers"]), int(manifest["num_heads"])
         data_feature_set = feature_set(manifest)
+        head = _head_on(args.head, *sizes, data_feature_set)
     else:
         args.out = args.work or str(Path(args.report).with_suffix("")) + ".collect"
         check_output(args.out, "--work", folder=True)
         sizes = _collect.text_sizes(_collect.load_config(args.model))
-        # collect the head's feature set unless told otherwise (then they must agree)
-        data_feature_set = args.features if "features" in given(args) else None
-    head = _head(args.head, *sizes, data_feature_set)
-    args.features = head.feature_set
+        # collect the head's feature set unless told otherwise (then it must hold it)
+        if "features" in given(args):
+            head = _head_on(args.head, *sizes, args.features)
+        else:
+            head = _head(args.head, *sizes, None)
+            args.features = head.feature_set
     if not is_collection:
         folder, _ = _collect.collect(args)
     if int(os.environ.get("RANK", "0")) != 0:
@@ -136,7 +148,8 @@ def run(args) -> int:
     collected = feature_set(data.manifest)
     baselines = FEATURE_BLOCKS[collected]
     with torch.no_grad():
-        results = {"head": score(data, head(features)),
+        results = {"head": score(data, head(feature_columns(features, collected,
+                                                            head.feature_set))),
                    **{name: score(data, feature_columns(features, collected, name).mean(-1))
                       for name in baselines},
                    "baselines": list(baselines),

@@ -1,10 +1,11 @@
 """``python -m headscope.shapes reproduce``: every measurement of docs/shapes.md in one
-command, in order: caption accuracy, the shipped head against raw attention on the
-reported seed range (per-image LDS with the paired difference's interval, pointing), the
-shipped head against raw attention and random pointing (``python -m headscope eval`` on
-the held-out scenes, with Ward regions and with the world's 3 x 3 cells; the head is the
-shipped one, not refitted), latency, the faithfulness figure and hallucination detection
-(on ordinary scenes of 1 to 4 objects and on hard ones of 5 to 9).
+command, in order: caption accuracy, the shipped head against raw attention and raw
+value-norm-weighted attention on the reported seed range (per-image LDS with the paired
+differences' intervals, pointing), the shipped head against the same raw baselines and
+random pointing (``python -m headscope eval`` on the held-out scenes, with Ward regions and
+with the world's 3 x 3 cells; the head is the shipped one, not refitted), latency, the
+faithfulness figure and hallucination detection (on ordinary scenes of 1 to 4 objects and
+on hard ones of 5 to 9).
 
 Each step's result goes into ``OUT/results.json`` (and ``OUT/results.md``) as soon as it
 finishes, written atomically; a rerun skips the steps already there with the same
@@ -27,25 +28,32 @@ RESULTS = "results.json"
 STEPS = ("accuracy", "head_vs_attention", "head_eval", "head_eval_grid", "latency",
          "faithfulness", "hallucination", "hallucination_hard")
 FULL = {"accuracy": {"scenes": 200},
-        "head_vs_attention": {"seeds": "reported", "scenes": 300, "grid": [3, 3]},
-        "head_eval": {"scenes": 60, "regions": 8, "max_new_tokens": 48, "subsets": 8},
-        "head_eval_grid": {"scenes": 60, "grid": "3x3", "max_new_tokens": 48, "subsets": 8},
+        "head_vs_attention": {"seeds": "reported", "scenes": 300, "grid": [3, 3],
+                              "features": "both"},
+        "head_eval": {"scenes": 60, "regions": 8, "max_new_tokens": 48, "subsets": 8,
+                      "features": "both"},
+        "head_eval_grid": {"scenes": 60, "grid": "3x3", "max_new_tokens": 48, "subsets": 8,
+                           "features": "both"},
         "latency": {"rounds": 9, "tokens": 40},
         "faithfulness": {"scenes": 40, "regions": 8},
         "hallucination": {"fit": 1000, "test": 1000, "objects": [1, 4]},
         "hallucination_hard": {"fit": 500, "test": 500, "objects": [5, 9]}}
 QUICK = {"accuracy": {"scenes": 4},
-         "head_vs_attention": {"seeds": "reported", "scenes": 2, "grid": [3, 3]},
-         "head_eval": {"scenes": 2, "regions": 8, "max_new_tokens": 48, "subsets": 2},
-         "head_eval_grid": {"scenes": 2, "grid": "3x3", "max_new_tokens": 48, "subsets": 2},
+         "head_vs_attention": {"seeds": "reported", "scenes": 2, "grid": [3, 3],
+                               "features": "both"},
+         "head_eval": {"scenes": 2, "regions": 8, "max_new_tokens": 48, "subsets": 2,
+                       "features": "both"},
+         "head_eval_grid": {"scenes": 2, "grid": "3x3", "max_new_tokens": 48, "subsets": 2,
+                            "features": "both"},
          "latency": {"rounds": 1, "tokens": 8},
          "faithfulness": {"scenes": 1, "regions": 8},
          "hallucination": {"fit": 2, "test": 2, "objects": [1, 4]},
          "hallucination_hard": {"fit": 2, "test": 2, "objects": [5, 9]}}
 # A step's format: raised when what it measures changes (latency 2: time per token is the
-# decode's time over its steps, span ends included).
-FORMATS = {"accuracy": 1, "head_vs_attention": 1, "head_eval": 1, "head_eval_grid": 1, "latency": 2,
-           "faithfulness": 2, "hallucination": 1, "hallucination_hard": 1}
+# decode's time over its steps, span ends included; the head evaluations 2: a raw baseline
+# per feature block, the head reading its own block of features="both").
+FORMATS = {"accuracy": 1, "head_vs_attention": 2, "head_eval": 2, "head_eval_grid": 2,
+           "latency": 2, "faithfulness": 2, "hallucination": 1, "hallucination_hard": 1}
 USES = {"faithfulness": ("latency",)}  # steps whose result this one takes in
 EVAL_KEYS = ("lds", "lds_pooled", "pearson", "subset_lds", "pointing", "pointing_spans")
 
@@ -61,7 +69,7 @@ def _accuracy(out: Path, s: dict, done: dict, model_dir) -> dict:
 def _head_vs_attention(out: Path, s: dict, done: dict, model_dir) -> dict:
     from .head_eval import evaluate_head
     return evaluate_head(s["seeds"], s["scenes"], regions=tuple(s["grid"]),
-                         model_dir=model_dir)
+                         model_dir=model_dir, features=s["features"])
 
 
 def _head_eval(out: Path, s: dict, done: dict, model_dir) -> dict:
@@ -77,15 +85,16 @@ def _head_eval(out: Path, s: dict, done: dict, model_dir) -> dict:
         report, regions = out / "head-eval.json", ["--regions", str(s["regions"])]
     code = commands_main(["eval", "--model", str(folder), "--head", str(folder / HEAD_FILE),
                           "--data", str(data), "--report", str(report), *regions,
-                          "--subsets", str(s["subsets"]),
+                          "--subsets", str(s["subsets"]), "--features", s["features"],
                           "--max-new-tokens", str(s["max_new_tokens"])])
     if code != 0:
         raise RuntimeError(f"headscope.shapes reproduce: python -m headscope eval exited "
                            f"{code}")
     results = json.loads(report.read_text())
     return {"seeds": [first, first + s["scenes"] - 1], "spans": results["spans"],
+            "baselines": results["baselines"],
             **{scorer: {k: results[scorer][k] for k in EVAL_KEYS if k in results[scorer]}
-               for scorer in ("head", "attention", "random")}}
+               for scorer in ("head", *results["baselines"], "random")}}
 
 
 def _latency(out: Path, s: dict, done: dict, model_dir) -> dict:

@@ -3,7 +3,7 @@ step, its numbers as tables."""
 from __future__ import annotations
 
 from .faithfulness import table as faithfulness_table
-from .head_eval import table as head_vs_attention_table
+from .head_eval import RAW_NAMES, table as head_vs_attention_table
 from .latency import LABELS as LATENCY_LABELS
 
 
@@ -22,14 +22,15 @@ def _accuracy(r: dict) -> list:
 
 
 def _head_eval(r: dict, regions: str = "8 Ward regions") -> list:
-    lines = [f"The shipped head against raw attention and a random region (`python -m "
+    lines = [f"The shipped head against the raw baseline of each feature block and a random "
+             f"region (`python -m "
              f"headscope eval`, {regions}, seeds {r['seeds'][0]}..{r['seeds'][1]}, "
              f"{r['spans']} spans, {r['head']['pointing_spans']} pointing cases):", "",
              "| scores | LDS (mean over images) | LDS pooled | Pearson | subset LDS | pointing |",
              "| --- | --- | --- | --- | --- | --- |"]
-    for scorer in ("head", "attention"):
+    for scorer in ("head", *r["baselines"]):
         m = r[scorer]
-        lines.append(f"| {scorer} | " + " | ".join(_cell(m[k]) for k in
+        lines.append(f"| {RAW_NAMES.get(scorer, scorer)} | " + " | ".join(_cell(m[k]) for k in
                                                   ("lds", "lds_pooled", "pearson",
                                                    "subset_lds", "pointing")) + " |")
     lines.append(f"| random region (expected) | | | | | {_cell(r['random']['pointing'])} |")
@@ -74,7 +75,7 @@ def _hallucination(r: dict) -> list:
 
 
 SECTIONS = {"accuracy": ("Caption accuracy", _accuracy),
-            "head_vs_attention": ("The head against raw attention",
+            "head_vs_attention": ("The head against raw attention (per feature block)",
                                   lambda r: [head_vs_attention_table(r)]),
             "head_eval": ("Attribution head", _head_eval),
             "head_eval_grid": ("Attribution head on the world's cells",

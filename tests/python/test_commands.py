@@ -139,7 +139,8 @@ def test_train_and_eval_report_numbers(files, tmp_path):
 def test_value_norm_features_through_collect_train_eval(files, tmp_path):
     """collect --features both records the feature set and holds the default collection's
     features as its first block; train fits a head of that set; eval collects with the
-    head's set, scores a raw baseline per block, and refuses another --features."""
+    head's set, scores a raw baseline per block, refuses a --features without the head's
+    columns, and scores a one-block head on a 'both' collection from its own block."""
     root, model, data, collection = files
     both = tmp_path / "both"
     headscope("collect", "--model", model, "--data", data, "--out", both, *COLLECT,
@@ -164,6 +165,20 @@ def test_value_norm_features_through_collect_train_eval(files, tmp_path):
     for scorer in ("head", "attention", "attention*value_norm"):
         assert -1 <= results[scorer]["lds"] <= 1 and scorer in out.stdout.splitlines()[0]
     assert results["attention"] != results["attention*value_norm"]
+    # a head of one block, on a collection of both: it reads its own block (equal to the
+    # single-set collection's, so its scores are the same), and both blocks are baselines
+    attention_head = tmp_path / "attention.safetensors"
+    headscope("train", "--data", both, "--out", attention_head, "--features", "attention",
+              "--keep-special-spans")
+    for folder, name in ((both, "on_both.json"), (collection, "on_plain.json")):
+        headscope("eval", "--model", model, "--head", attention_head, "--data", folder,
+                  "--report", tmp_path / name)
+    on_both, on_plain = (json.loads((tmp_path / n).read_text())
+                         for n in ("on_both.json", "on_plain.json"))
+    assert on_both["baselines"] == ["attention", "attention*value_norm"]
+    assert on_plain["baselines"] == ["attention"]
+    for scorer in ("head", "attention"):
+        assert on_both[scorer] == on_plain[scorer], scorer
     error = headscope("eval", "--model", model, "--head", head, "--data", data, "--report",
                       tmp_path / "r.json", "--work", tmp_path / "w", "--features",
                       "attention", *COLLECT, check=False).stderr
