@@ -145,12 +145,20 @@ def scene_record(model, processor, heads: Mapping[str, "AttributionHead"], regio
     return record
 
 
+def compared_pairs(heads: Sequence[str], baselines: Sequence[str]) -> List[Tuple[str, str]]:
+    """The paired differences reported: each head against each baseline, then each head
+    against each later head."""
+    return [(h, b) for h in heads for b in baselines] + \
+        [(a, b) for i, a in enumerate(heads) for b in heads[i + 1:]]
+
+
 def summarise(records: List[dict], heads: Sequence[str] = (HEAD,),
               baselines: Sequence[str] = ("attention",)) -> dict:
     """Per-image LDS of each head (by label) and each raw baseline (by block name), the
     paired difference of each head to each baseline (``lds_difference["head - attention"]``)
-    with its standard error and bootstrap 95% interval over scenes, and pointing. Scenes
-    count where every scorer's LDS is defined."""
+    and, with several heads, of each head to each later one, with its standard error and
+    bootstrap 95% interval over scenes, and pointing. Scenes count where every scorer's LDS
+    is defined."""
     scored = [r for r in records if r["spans"]]
     if not scored:
         raise ValueError(f"{WHO}: no scene has a span to score (every span is only special "
@@ -168,9 +176,9 @@ def summarise(records: List[dict], heads: Sequence[str] = (HEAD,),
            "special_spans_left_out": sum(r["special_spans"] for r in records),
            "heads": list(heads), "baselines": list(baselines),
            "lds": {name: mean_with_interval(lds[name][defined]) for name in scorers},
-           "lds_difference": {f"{h} - {b}": mean_with_interval(lds[h][defined]
+           "lds_difference": {f"{a} - {b}": mean_with_interval(lds[a][defined]
                                                                - lds[b][defined])
-                              for h in heads for b in baselines},
+                              for a, b in compared_pairs(heads, baselines)},
            "pointing_spans": len(cases),
            "pointing": {name: (sum(hits[name] for hits, _ in cases) / len(cases)
                                if cases else None) for name in scorers}}
@@ -255,9 +263,9 @@ def table(result: dict) -> str:
     pct = {k: "n/a" if v is None else f"{100 * v:.1f}%" for k, v in p.items()}
     rows = [f"| {name(s)} | {cell(result['lds'][s])} | {pct[s]} |"
             for s in [*result["heads"], *result["baselines"]]]
-    rows += [f"| {name(h)} - {name(b)} (paired) | "
-             f"{cell(result['lds_difference'][f'{h} - {b}'])} | |"
-             for h in result["heads"] for b in result["baselines"]]
+    rows += [f"| {name(a)} - {name(b)} (paired) | "
+             f"{cell(result['lds_difference'][f'{a} - {b}'])} | |"
+             for a, b in compared_pairs(result["heads"], result["baselines"])]
     features = f", features {result['features']}" if "features" in result else ""
     return "\n".join([
         f"{result['scenes']} scenes ({result['seed_range']} seeds {result['seeds'][0]}.."

@@ -99,8 +99,9 @@ def test_summary_pairs_scenes_and_leaves_out_special_spans():
 
 
 def test_summary_pairs_every_head_with_every_baseline():
-    """Two heads, two raw baselines: four paired differences, each of its own pair; a
-    scene where one scorer's LDS is undefined (constant scores) counts for none."""
+    """Two heads, two raw baselines: four paired differences of a head to a baseline and
+    one of the heads to each other, each of its own pair; a scene where one scorer's LDS
+    is undefined (constant scores) counts for none."""
     up, down, flat = [[1.0, 2.0, 3.0]], [[3.0, 2.0, 1.0]], [[1.0, 1.0, 1.0]]
 
     def record(a, b, raw, weighted, hits):
@@ -119,7 +120,8 @@ def test_summary_pairs_every_head_with_every_baseline():
         {"head:a": 1.0, "head:b": 0.0, "attention": 0.0, "attention*value_norm": -1.0})
     assert {k: v["mean"] for k, v in s["lds_difference"].items()} == pytest.approx(
         {"head:a - attention": 1.0, "head:a - attention*value_norm": 2.0,
-         "head:b - attention": 0.0, "head:b - attention*value_norm": 1.0})
+         "head:b - attention": 0.0, "head:b - attention*value_norm": 1.0,
+         "head:a - head:b": 1.0})
     assert s["lds_difference"]["head:b - attention"]["interval95"] == pytest.approx(
         [-2.0, 2.0])  # differences -2 and 2
     assert s["pointing"] == pytest.approx({**{k: float(v) for k, v in hits.items()},
