@@ -1106,3 +1106,26 @@ def test_torch_export():
         a = _pipeline_inputs(Tk=T)
         for got, want in zip(ep.module()(*a), mod(*a)):
             torch.testing.assert_close(got, want)
+
+
+def test_feature_columns_and_the_set_that_holds_them():
+    from headscope.attribution import feature_columns, feature_set_holding
+    both = torch.arange(2 * 3 * 8, dtype=torch.float32).reshape(2, 3, 8)  # L*H = 4
+    assert torch.equal(feature_columns(both, "both", "attention"), both[..., :4])
+    assert torch.equal(feature_columns(both, "both", "attention*value_norm"), both[..., 4:])
+    assert torch.equal(feature_columns(both, "both", "both"), both)
+    one = both[..., :4]
+    assert torch.equal(feature_columns(one, "attention", "attention"), one)
+    with pytest.raises(ValueError, match=r"set 'attention' \(blocks \['attention'\]\) have no "
+                                         r"'attention\*value_norm' block, which set 'both'"):
+        feature_columns(one, "attention", "both")
+    with pytest.raises(ValueError, match="7 columns do not split into the 2 blocks"):
+        feature_columns(torch.zeros(3, 7), "both", "attention")
+    with pytest.raises(ValueError, match="feature_set must be one of"):
+        feature_columns(one, "attention", "values")
+    assert feature_set_holding(["attention", "attention"]) == "attention"
+    assert feature_set_holding(["attention*value_norm"]) == "attention*value_norm"
+    assert feature_set_holding(["attention*value_norm", "attention"]) == "both"
+    assert feature_set_holding(["both", "attention"]) == "both"
+    with pytest.raises(ValueError, match="feature_set must be one of"):
+        feature_set_holding(["attention", "values"])
