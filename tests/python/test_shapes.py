@@ -297,6 +297,38 @@ def test_training_resumes_to_the_same_weights(tmp_path):
         train(tmp_path / "other", replace(settings, lr=1e-4), progress=False)
 
 
+def test_training_with_vision_mixers_saves_and_loads_them(tmp_path):
+    from headscope.hf.mixer import SUBMODULE
+    from headscope.shapes.model import mixer_rank
+    from headscope.shapes.train import Settings, train
+    torch.set_num_threads(1)
+    settings = Settings(**TINY, mixer_rank=3)
+    report = train(tmp_path, settings, eval_scenes=2, progress=False)
+    assert report["settings"]["mixer_rank"] == 3 and mixer_rank(tmp_path) == 3
+    saved = {k: v for k, v in _weights(tmp_path).items() if SUBMODULE in k}
+    assert len(saved) == 2 * settings.vision_depth  # w_q and w_k of every vision layer
+    # trained: no longer the identity-like initialisation
+    assert all(not torch.equal(v, saved[next(iter(saved))].new_zeros(v.shape)) for v in saved.values())
+    model, processor, _ = shapes.load(tmp_path)
+    assert model.config.vision_config._attn_implementation == SUBMODULE
+    loaded = {n: p for n, p in model.named_parameters() if SUBMODULE in n}
+    assert len(loaded) == len(saved)
+    for name, param in loaded.items():
+        key = next(k for k in saved if f".{name}".endswith(f".{k}"))
+        assert torch.equal(param, saved[key])
+    # the swapped tower is the one that ran: without mixers the logits move
+    from headscope.shapes.accuracy import held_out_scenes
+    _, image, _ = held_out_scenes(1)[0]
+    inputs = shapes.prompt(processor, image)
+    with torch.no_grad():
+        mixed = model(**inputs).logits
+        for module in model.model.visual.blocks:
+            module.attn._modules.pop(SUBMODULE)
+        plain = model(**inputs).logits
+    assert not torch.allclose(mixed, plain, atol=1e-4)
+    assert mixer_rank(DATA_DIR) == 0
+
+
 def test_training_finished_early_keeps_the_schedule(tmp_path):
     from headscope.shapes.train import STATE_FILE, Settings, train
     torch.set_num_threads(1)
