@@ -25,10 +25,10 @@ from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa
 # the processor's pan-and-scan settings, its crops' least side cut to the tiny pictures'
 PAN_AND_SCAN = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=8,
                     pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2)
-# (height, width): 5:2 wide (3 crops of 17, 17, 16 pixels), 3:1 tall (3 of 20), square
-# and 7:6 (below the ratio that cuts: none), 45:8 wide (4 crops, 23, 23, 23, 21: the
-# uneven last crop moves every edge off the quarters of the picture), 20:9 tall (2 of
-# 20), 17:25 wide (2 of 25); even sides, so that the quarters meet at the middle
+# (height, width), as width:height: 5:2 wide (3 crops of 17, 17, 16 pixels), 1:3 tall (3
+# of 20), square and 7:6 (below the ratio that cuts: none), 45:8 wide (4 crops of 23, 23,
+# 23, 21: the uneven last crop moves every edge off the quarters of the picture), 9:20
+# tall (2 of 20), 25:17 wide (2 of 25); even sides, so that the quarters meet at the middle
 SIZES = ((20, 50), (60, 20), (30, 30), (24, 28), (16, 90), (40, 18), (34, 50))
 CROPS = (3, 3, 0, 0, 4, 2, 2)
 COLOURS = np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 0]], np.uint8)
