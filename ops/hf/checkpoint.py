@@ -40,6 +40,7 @@ INTERNVL_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "<IMG_CONTEXT> ")
 LLAMA4_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "<|image|> ")
 GLM4V_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ",
                                         "<|begin_of_image|><|image|><|end_of_image|> ")
+GEMMA3_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "<start_of_image> ")
 
 
 def special_tokens(family: str) -> Dict[int, str]:
@@ -67,6 +68,9 @@ def special_tokens(family: str) -> Dict[int, str]:
                 VISION_END: "<|image_end|>", TILE_X_SEPARATOR: "<|tile_x_separator|>",
                 TILE_Y_SEPARATOR: "<|tile_y_separator|>", GLOBAL_MARKER: "<|image|>",
                 EOS: "</s>"}
+    if family == "gemma3":
+        return {IMAGE_TOKEN: "<image_soft_token>", VISION_START: "<start_of_image>",
+                VISION_END: "<end_of_image>", EOS: "</s>"}
     if family in ("glm4v", "glm4v_moe"):
         from .families.glm4v import VIDEO_END, VIDEO_START
         return {IMAGE_TOKEN: "<|image|>", VIDEO_TOKEN: "<|video|>",
@@ -115,6 +119,8 @@ def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
         "internvl": {"start_image_token": "<img>", "end_image_token": "</img>",
                      "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
         "glm4v": glm, "glm4v_moe": glm,
+        "gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                   "image_token": "<image_soft_token>"},
     }.get(family, qwen)
     return word_level_tokenizer(names, list(special.values()), eos,
                                 extra_special_tokens=extra)
@@ -131,7 +137,8 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
     tiles of 16 x 16 pixels and a thumbnail, 4 tokens each; Idefics3: longest edge 48
     pixels, up to 3 x 3 tiles of 16 x 16 pixels and a global image, 4 tokens each; Llama 4:
     a canvas of up to ``max_tiles`` tiles of 16 x 16 pixels and a global image, 4 tokens
-    each; GLM-4.1V: Qwen's sizes), :func:`tiny_tokenizer` and a chat template. All but
+    each; Gemma 3: 32 x 32 pixels, 16 tokens, pan-and-scan when the call asks for it;
+    GLM-4.1V: Qwen's sizes), :func:`tiny_tokenizer` and a chat template. All but
     LLaVA need torchvision (their processors do in transformers 5)."""
     import transformers as tf
 
@@ -183,6 +190,12 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
                                          max_patches=max_tiles)
         return tf.Llama4Processor(image_processor=images, tokenizer=tokenizer, patch_size=4,
                                   pixel_shuffle_ratio=0.5, chat_template=LLAMA4_TEMPLATE)
+    if family == "gemma3":
+        from .families.gemma3 import siglip_vision
+        side = siglip_vision(32)["image_size"]
+        images = tf.Gemma3ImageProcessor(size={"height": side, "width": side})
+        return tf.Gemma3Processor(image_processor=images, tokenizer=tokenizer,
+                                  image_seq_length=16, chat_template=GEMMA3_TEMPLATE)
     if family == "internvl":
         images = tf.GotOcr2ImageProcessor(size={"height": 16, "width": 16}, crop_to_patches=True,
                                           min_patches=1, max_patches=max_tiles)

@@ -167,6 +167,44 @@ def assert_quarter_colours(boxes: torch.Tensor, colours: torch.Tensor,
         "a token astride the middle lacks the colour of its centre's quarter"
 
 
+def assert_quarters_are_regions(model, inputs: Dict[str, torch.Tensor], colours):
+    """The geometry tests' check through the model, on a processor's ``inputs`` of one
+    :func:`quarters` picture per row: ``colours(b, image)`` gives, for row b's picture
+    (an ``ImageTokens``), the ``(tokens, P)`` indices of its tokens' pixels' colours in the
+    order of ``image.positions`` (as :func:`assert_quarter_colours` takes them). Traces
+    ``model(**inputs)`` with ``grid_regions(2, 2)``: the logits are bitwise the untraced
+    model's, each row has 4 regions, every token whose pixels read one colour has that
+    colour's region (the colours and the blocks are both numbered row-major), the tokens
+    of each kind of view read all four colours, and every other position is -1. Returns
+    the detached tracer."""
+    from .families import family_of
+    from .regions import grid_regions
+    from .tracer import Tracer
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        with Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
+            assert torch.equal(model(**inputs).logits, plain)
+    B = inputs["input_ids"].shape[0]
+    assert tr.num_regions == [4] * B
+    is_image = torch.isin(inputs["input_ids"],
+                          torch.tensor(family_of(model).image_token_ids(model.config)))
+    for b in range(B):
+        (image,) = tr.images[b]
+        read = colours(b, image)
+        single = (read == read[:, :1]).all(1)  # tokens whose pixels read one colour only
+        regions = tr.region_ids[b, image.positions]
+        names = [v.name for v in image.views for _ in range(len(v.positions))]
+        seen: Dict[str, set] = {}
+        for colour, region, name, one in zip(read[:, 0].tolist(), regions.tolist(), names,
+                                             single.tolist()):
+            if one:
+                assert region == colour, (b, name, colour, region)
+                seen.setdefault(name, set()).add(colour)
+        assert seen == {name: {0, 1, 2, 3} for name in names}, (b, seen)
+        assert bool((tr.region_ids[b][~is_image[b]] == -1).all())
+    return tr
+
+
 def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwargs):
     """The way attention is inspected without headscope: a model loaded with eager
     attention, run with ``output_attentions=True`` and forward hooks on the o_proj inputs.
