@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..commands.metrics import defined_mean, lds_per_image
+from ..metrics import defined_mean, lds_per_image
 from ..hf.effects import region_effects
 from .accuracy import HELD_OUT_SEED
 from .demo import DEFAULT_REGIONS
