@@ -8,23 +8,23 @@ The data extend the generator of vStream's reference implementation
 noise) with what real pooled attention has. Per image, span, region k, layer l and head h:
 
 - attention ``A``: the span's attention mass on each region, a softmax over the K regions
-  of Gaussian logits (non-negative, summing to 1 per head);
+  of Gaussian logits (std 1; non-negative, summing to 1 per head);
 - value norms ``N``: per image, region, layer and head, log-normal, each head with its own
-  scale (log-scales of spread ``HEAD_SPREAD`` across heads, ``KEY_SPREAD`` across an
-  image's regions); shared by the image's spans, as a region's keys are;
-- true effect ``sum_{l,h} w[l,h] * A * N`` plus Gaussian noise of standard deviation
-  ``NOISE`` times the mean absolute deviation of that signal (the reference's rule, whose
-  signal has mean 0), ``w`` half-normal (ablating a region a head reads lowers the span's
-  likelihood in proportion to what the head carries from it).
+  scale (log-scales of std 1.0 across heads, 0.5 across an image's regions); shared by the
+  image's spans, as a region's keys are;
+- true effect ``sum_{l,h} w[l,h] * A * N`` plus Gaussian noise of std 0.7 times the mean
+  absolute deviation of that signal (the reference's rule, whose signal has mean 0), ``w``
+  half-normal (ablating a region a head reads lowers the span's likelihood in proportion
+  to what the head carries from it).
 
 A head of each feature set (``"attention"``: A; ``"attention*value_norm"``: A*N; ``"both"``)
 is fitted with ``AttributionHead.fit`` on the training images and scored on the test
-images with raw attention (A's mean over layers and heads), raw weighted attention (A*N's
-mean) and, as the ceiling the noise leaves, the noiseless truth: per-image LDS (Spearman across regions per span, averaged over the image's spans),
-each scorer's mean with its standard error and bootstrap 95% interval over images, and
-its paired difference to raw attention. ``--seed dev`` draws the data for developing the
-generator and the command; ``reported`` (the default) the numbers docs/attribution.md
-reports.
+images beside raw attention (A's mean over layers and heads), raw weighted attention (A*N's
+mean) and the noiseless truth (the ceiling the noise leaves): per-image LDS (Spearman
+across regions per span, averaged over the image's spans), each scorer's mean with its
+standard error and bootstrap 95% interval over images, and its paired difference to raw
+attention. ``--seed dev`` draws the data that served to develop the generator and the
+command; ``reported`` (the default), the data of the numbers docs/attribution.md reports.
 """
 from __future__ import annotations
 
@@ -40,16 +40,16 @@ from ..metrics import lds_per_image, mean_with_interval
 from .errors import check_output
 
 SEEDS = {"dev": 1, "reported": 2}
-HEAD_SPREAD = 1.0   # std of the heads' log value-norm scales
-KEY_SPREAD = 0.5    # std of a head's log value norms across regions
+HEAD_SPREAD = 1.0       # std of the heads' log value-norm scales
+KEY_SPREAD = 0.5        # std of a head's log value norms across regions
 ATTENTION_SPREAD = 1.0  # std of the attention logits over regions
-NOISE = 0.7         # noise std over the signal's mean absolute deviation (the reference's)
+NOISE = 0.7             # noise std over the signal's mean absolute deviation
 
 # layers, heads, regions, spans per image, training images, test images
 SIZES = {"full": dict(layers=12, heads=12, regions=16, spans=4, train=500, test=300),
          "quick": dict(layers=4, heads=4, regions=9, spans=2, train=120, test=60)}
 RAW = ("raw attention", "raw attention*value_norm")
-CEILING = "noiseless truth"  # the best any scorer can do under the noise
+CEILING = "noiseless truth"  # what a scorer can at best expect under the noise
 SCORERS = tuple(f"head: {s}" for s in FEATURE_SETS) + RAW + (CEILING,)
 
 
