@@ -1,13 +1,17 @@
-"""Tiny model folders that load like a real checkpoint, offline: a randomly initialised
-model of :func:`~headscope.hf.testing.tiny_model` saved with a real processor (image
-processor, a small word-level tokenizer, a chat template, the image special tokens), so
-that ``AutoProcessor.from_pretrained(folder)`` and
-``AutoModelForImageTextToText.from_pretrained(folder)`` work without a hub.
+"""What makes a tiny model folder load like a real checkpoint, offline: a real processor
+for each family of :data:`~headscope.hf.tiny.FAMILIES` (image processor, a small
+word-level tokenizer, a chat template, the image special tokens at the tiny vocabulary's
+ids), so that :func:`~headscope.hf.testing.tiny_checkpoint` saves a folder that
+``AutoProcessor.from_pretrained(folder)`` and
+``AutoModelForImageTextToText.from_pretrained(folder)`` load without a hub; and a DATA
+folder of synthetic images (``tiny_dataset``).
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Dict, Sequence, Union
+
+from .tiny import EOS, FAMILIES, IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START, VOCAB
 
 # Words of the tiny vocabulary, ids 2.. in this order (0 = padding, 1 = unknown); the
 # remaining ids up to the special tokens are filler words w<id>.
@@ -46,7 +50,6 @@ GEMMA3_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "<start_of_image> ")
 def special_tokens(family: str) -> Dict[int, str]:
     """The special tokens of ``family``'s tiny vocabulary, by id (the ids
     :mod:`headscope.hf.testing`'s models use)."""
-    from .testing import EOS, IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START
     if family == "llava_onevision":
         return {IMAGE_TOKEN: "<image>", VIDEO_TOKEN: "<video>", EOS: "</s>"}
     if family in LLAVA_FAMILIES:
@@ -100,7 +103,7 @@ def word_level_tokenizer(tokens: Sequence[str], special: Sequence[str], eos: str
                                    pad_token="<pad>", eos_token=eos, **kwargs)
 
 
-def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
+def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = VOCAB):
     """A word-level tokenizer (:func:`word_level_tokenizer`) of ``vocab`` ids for
     ``family``: padding 0, unknown 1, :data:`WORDS`, filler words, and the family's
     special tokens at the ids of :func:`special_tokens`."""
@@ -217,24 +220,10 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
         video = tf.Qwen3VLVideoProcessor(**sizes)
         cls = tf.Qwen3VLProcessor
     else:
-        from .testing import FAMILIES
         raise ValueError(f"headscope.hf.testing.tiny_processor: family must be one of "
                          f"{FAMILIES}, got {family!r}")
     return cls(image_processor=images, tokenizer=tokenizer, video_processor=video,
                chat_template=QWEN_TEMPLATE)
-
-
-def tiny_checkpoint(path: Union[str, Path], family: str = "qwen2_vl", **model_kwargs) -> Path:
-    """Saves a tiny random ``family`` model (``tiny_model(family, **model_kwargs)``) and
-    its :func:`tiny_processor` into the folder ``path`` (created), loadable offline with
-    ``AutoModelForImageTextToText.from_pretrained(path)`` and
-    ``AutoProcessor.from_pretrained(path)``. Returns the folder."""
-    from .testing import tiny_model
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tiny_model(family, **model_kwargs).save_pretrained(path)
-    tiny_processor(family).save_pretrained(path)
-    return path
 
 
 def tiny_dataset(path: Union[str, Path], count: int = 4, *, size: tuple = (48, 40),

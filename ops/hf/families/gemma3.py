@@ -76,7 +76,7 @@ class Gemma3(Family):
 
     def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        from ..testing import IMAGE_TOKEN, VISION_END, VISION_START
+        from ..tiny import IMAGE_TOKEN, VISION_END, VISION_START
         vc = model.config.vision_config
         pixels = torch.randn(1, 3, vc.image_size, vc.image_size, generator=generator)
         tokens = torch.full((int(model.config.mm_tokens_per_image),), IMAGE_TOKEN)
