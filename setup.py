@@ -50,7 +50,7 @@ setup(
                 "KL projection and thin mixer",
     packages=["headscope", "headscope.bench", "headscope.commands", "headscope.hf",
               "headscope.hf.families", "headscope.shapes"],
-    package_data={"headscope.shapes": ["data/*"]},
+    package_data={"headscope.shapes": ["data/*", "data/mixer/*"]},
     package_dir={"headscope": "ops"},
     # The library is a plain shared object loaded with torch.ops.load_library, not a
     # Python extension module: its file name carries no ABI tag.

@@ -3,7 +3,9 @@
 // Shared conventions: q/k ops take `float? scale=None` (None: head_dim ** -0.5),
 // `bool causal=True` and `Tensor? key_padding_mask=None` (true = padding); sizes that
 // shape an output are SymInt so torch.compile keeps them symbolic. The region-pooling ops
-// take `key_weights` last (per-key factors on the attention weights, docs/attribution.md).
+// take `key_weights` after the pattern (per-key factors on the attention weights,
+// docs/attribution.md); every q/k op takes `chunk_origin` last (where each row's chunks start:
+// a pattern argument added after key_weights, so that positional calls keep their meaning).
 #include <torch/library.h>
 
 TORCH_LIBRARY(headscope, m) {
@@ -21,7 +23,7 @@ TORCH_LIBRARY(headscope, m) {
   m.def("vas_head_stats_qk(Tensor q, Tensor k, Tensor head_writes, Tensor lengths, float? scale=None,"
         " bool causal=True, Tensor? offsets=None, Tensor? key_padding_mask=None, int? window=None,"
         " int? chunk=None, Tensor? block_ids=None, float? softcap=None,"
-        " bool window_bounds_blocks=True) -> Tensor", pt2);
+        " bool window_bounds_blocks=True, Tensor? chunk_origin=None) -> Tensor", pt2);
   m.def("vas_aggregate(Tensor head_stats) -> Tensor", pt2);
 
   // ---- attribution: vStream region pooling, linear head, correlations, regions ----
@@ -31,12 +33,14 @@ TORCH_LIBRARY(headscope, m) {
         " SymInt num_regions, float? scale=None, bool causal=True, Tensor? key_padding_mask=None,"
         " str reduce=\"sum\", int? window=None, int? chunk=None, Tensor? block_ids=None,"
         " float? softcap=None,"
-        " bool window_bounds_blocks=True, Tensor? key_weights=None) -> Tensor", pt2);
+        " bool window_bounds_blocks=True, Tensor? key_weights=None, Tensor? chunk_origin=None)"
+        " -> Tensor", pt2);
   m.def("region_pool_qk_layers(Tensor[] q, Tensor[] k, Tensor query_weights, Tensor region_ids,"
         " SymInt num_regions, float[]? scale=None, bool causal=True, Tensor? key_padding_mask=None,"
         " str reduce=\"sum\", int[]? window=None, int[]? chunk=None, Tensor? block_ids=None,"
         " float? softcap=None,"
-        " bool window_bounds_blocks=True, Tensor[]? key_weights=None) -> Tensor", pt2);
+        " bool window_bounds_blocks=True, Tensor[]? key_weights=None,"
+        " Tensor? chunk_origin=None) -> Tensor", pt2);
   m.def("linear_attribution(Tensor features, Tensor weight, Tensor mean, Tensor std,"
         " Tensor? bias=None) -> Tensor", pt2);
   m.def("spearman(Tensor pred, Tensor target, int dim=-1) -> Tensor", pt2);

@@ -120,14 +120,15 @@ void fuzz_pool(Input& in) {
           out = headscope::region_pool_qk(q, k, w, rid, K, scale, causal, kpm, reduce,
                                           args->window, args->chunk, args->block_ids,
                                           args->softcap, args->window_bounds_blocks,
-                                          key_weights);
+                                          key_weights, args->chunk_origin);
         }))
       fail("region_pool_qk rejected valid input");
     expect_same("region_pool_qk", out,
                 headscope::region_pool_qk(q.contiguous(), k.contiguous(), w, rid, K, scale, causal,
                                           kpm, reduce, args->window, args->chunk,
                                           args->block_ids, args->softcap,
-                                          args->window_bounds_blocks, contiguous(key_weights)));
+                                          args->window_bounds_blocks, contiguous(key_weights),
+                                          args->chunk_origin));
     A = attention(*args, &logit_range);
   }
   // float32 logits carry an absolute error of about their size times 2^-24 (times sqrt(D)),

@@ -82,10 +82,12 @@ class Input {
     std::optional<at::Tensor> block_ids;
     std::optional<double> softcap;
     bool window_bounds_blocks = true;
+    std::optional<at::Tensor> chunk_origin;  // (B,) int64, only with a chunk
 
     // (B, 1, Tq, Tk): the keys the pattern (not the padding) hides from each query, query i
     // at key position Tk - Tq + i, from the definition: keys up to p - window, keys of
-    // another chunk (chunks counted from the leading padding), keys after a causal query
+    // another chunk (chunks counted from chunk_origin, else the leading padding), keys after
+    // a causal query
     // outside its block; with window_bounds_blocks false, never a key of its block.
     at::Tensor hidden(int64_t Tq, int64_t Tk) const {
       const int64_t B = q.size(0);
@@ -102,7 +104,8 @@ class Input {
       }
       if (window && *window > 0) h = h | (j <= p - *window);
       if (chunk && *chunk > 0) {
-        auto origin = key_padding_mask
+        auto origin = chunk_origin ? chunk_origin->view({B, 1, 1})
+                      : key_padding_mask
                           ? key_padding_mask->to(at::kLong).cumprod(1).sum(1).view({B, 1, 1})
                           : at::zeros({B, 1, 1}, at::kLong);
         h = h | (at::div(j - origin, *chunk, "floor") != at::div(p - origin, *chunk, "floor"));
@@ -132,6 +135,9 @@ class Input {
     a.scale = real(0.01, 1.0);
     if (chance(64)) a.window = size(0, Tk + 2);  // 0: none
     if (chance(64)) a.chunk = size(0, Tk + 2);
+    // where each row's chunks start: before the keys (a cache past them), inside, or after
+    if (a.chunk && *a.chunk > 0 && chance(128))
+      a.chunk_origin = at::randint(-3 * Tk - 3, 3 * Tk + 4, {B}, at::kLong);
     if (chance(64)) {  // 1 to 3 blocks per row; ids reused, so a block may have gaps
       a.block_ids = at::full({B, Tk}, -1, at::kLong);
       for (int64_t b = 0; b < B; ++b)

@@ -133,13 +133,15 @@ void fuzz_head_stats(Input& in) {
     if (!runs(op, [&] {
           out = headscope::vas_head_stats_qk(q, k, V, lengths, scale, causal, offsets, kpm,
                                              args->window, args->chunk, args->block_ids,
-                                             args->softcap, args->window_bounds_blocks);
+                                             args->softcap, args->window_bounds_blocks,
+                                             args->chunk_origin);
         }))
       fail("vas_head_stats_qk rejected valid input");
     expect_same(op, out, headscope::vas_head_stats_qk(q.contiguous(), k.contiguous(), V.contiguous(),
                                                       lengths, scale, causal, offsets, kpm,
                                                       args->window, args->chunk, args->block_ids,
-                                                      args->softcap, args->window_bounds_blocks));
+                                                      args->softcap, args->window_bounds_blocks,
+                                                      args->chunk_origin));
     A = attention(*args);
     const auto seen = ~args->hidden(T, T).squeeze(1);  // (B, T, T): keys each row may see
     check_stats(op, out, A, V, lengths, offsets, [&](int64_t b, int64_t s, int64_t n) {

@@ -70,7 +70,8 @@ def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tens
                    window: Optional[int] = None, chunk: Optional[int] = None,
                    block_ids: Optional[Tensor] = None,
                    softcap: Optional[float] = None, window_bounds_blocks: bool = True,
-                   key_weights: Optional[Tensor] = None) -> Tensor:
+                   key_weights: Optional[Tensor] = None,
+                   chunk_origin: Optional[Tensor] = None) -> Tensor:
     """``region_pool(softmax(scale * q k^T))`` without storing the attention matrix.
 
     ``q`` ``(B, H, Tq, D)``, ``k`` ``(B, Hkv, Tk, D)`` with ``Hkv`` dividing ``H`` (grouped
@@ -86,7 +87,10 @@ def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tens
     ``(B, Tk)`` int64 (a query whose position has block b >= 0 also sees every key of b),
     ``softcap`` (logits become ``softcap * tanh(logits / softcap)``),
     ``window_bounds_blocks`` (False: a query sees its whole block whatever the window and
-    chunks, PaliGemma 2's composition; True: Gemma 3's).
+    chunks, PaliGemma 2's composition; True: Gemma 3's), ``chunk_origin`` ``(B,)`` int64,
+    only with ``chunk``: the key index where each row's chunk 0 starts (any integer;
+    negative when the keys start past it, as a cache that dropped keys does; None: the
+    row's leading padding keys).
 
     ``key_weights`` ``(B, Hw, Tk)``: per-key factors on the attention weights, as
     :func:`region_pool`'s (``Hw`` dividing ``H``, so ``Hkv`` is one choice).
@@ -94,7 +98,7 @@ def region_pool_qk(q: Tensor, k: Tensor, query_weights: Tensor, region_ids: Tens
     return torch.ops.headscope.region_pool_qk(q, k, query_weights, region_ids, num_regions,
                                               scale, causal, key_padding_mask, reduce, window,
                                               chunk, block_ids, softcap, window_bounds_blocks,
-                                              key_weights)
+                                              key_weights, chunk_origin)
 
 
 def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weights: Tensor,
@@ -107,7 +111,8 @@ def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weight
                           block_ids: Optional[Tensor] = None,
                           softcap: Optional[float] = None,
                           window_bounds_blocks: bool = True,
-                          key_weights: Optional[Sequence[Tensor]] = None) -> Tensor:
+                          key_weights: Optional[Sequence[Tensor]] = None,
+                          chunk_origin: Optional[Tensor] = None) -> Tensor:
     """:func:`region_pool_qk` of every layer in one call: ``q[l]`` ``(B, H, Tq, D)`` and
     ``k[l]`` ``(B, Hkv, Tk, D)`` (every layer of the first one's sizes), ``scale`` one per
     layer (default ``D ** -0.5``) -> ``(B, K, L*H)``, column ``l*H + h``: the features of an
@@ -115,8 +120,9 @@ def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weight
     streaming tracer; the CPU kernel pools every layer in one pass.
 
     ``window`` and ``chunk``: one length for every layer, or one per layer (None or 0: none
-    in that layer; Gemma's sliding and global layers alternate). ``block_ids`` and
-    ``softcap`` and ``window_bounds_blocks`` apply to every layer (:func:`region_pool_qk`).
+    in that layer; Gemma's sliding and global layers alternate). ``block_ids``,
+    ``softcap``, ``window_bounds_blocks`` and ``chunk_origin`` (only when some layer has
+    chunks) apply to every layer (:func:`region_pool_qk`).
 
     ``key_weights``: None, or one ``(B, Hw, Tk)`` tensor per layer (:func:`region_pool`'s
     factors; a list, so that per-layer value norms pass without being stacked).
@@ -135,7 +141,7 @@ def region_pool_qk_layers(q: Sequence[Tensor], k: Sequence[Tensor], query_weight
                                                      per_layer(window), per_layer(chunk),
                                                      block_ids, softcap, window_bounds_blocks,
                                                      None if key_weights is None
-                                                     else list(key_weights))
+                                                     else list(key_weights), chunk_origin)
 
 
 def linear_attribution(features: Tensor, weight: Tensor, mean: Tensor, std: Tensor,

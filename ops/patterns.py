@@ -20,15 +20,19 @@ def pattern_mask(Tq: int, Tk: int, *, batch: int = 1, causal: bool = True,
                  window: Optional[int] = None, chunk: Optional[int] = None,
                  block_ids: Optional[Tensor] = None,
                  key_padding_mask: Optional[Tensor] = None,
-                 window_bounds_blocks: bool = True, device=None) -> Tensor:
+                 window_bounds_blocks: bool = True, chunk_origin: Optional[Tensor] = None,
+                 device=None) -> Tensor:
     """``(B, Tq, Tk)`` bool, True where query ``i`` sees key ``j``.
 
     Query ``i`` sits at key position ``p = Tk - Tq + i`` (bottom-right, as the ops align
     queries with the key cache). ``causal``: ``j <= p``. ``window`` (None or 0: none):
     ``j > p - window``, the ``window`` most recent keys up to the query (transformers'
     ``sliding_window_overlay``). ``chunk`` (None or 0: none): ``j`` and ``p`` in the same
-    chunk, chunks counted from the first non-padding key (``chunked_overlay`` with
-    ``left_padding``). ``block_ids`` ``(B, Tk)`` int64: a query whose own position has
+    chunk, ``floor((j - o) / chunk) == floor((p - o) / chunk)`` with ``o`` the row's
+    ``chunk_origin`` ``(B,)`` int64 (where chunk 0 starts, any integer; None: the row's
+    leading padding keys, so that chunks count from the first real token:
+    ``chunked_overlay`` with ``left_padding``, ``o = left_padding - kv_offset`` over a key
+    cache starting at ``kv_offset``). ``block_ids`` ``(B, Tk)`` int64: a query whose own position has
     block ``b >= 0`` also sees every key of block ``b``, later ones included
     (``blockwise_overlay``, OR-ed with causal; the window and chunks still bound it, as
     Gemma 3's masks do, unless ``window_bounds_blocks`` is False: then the block is OR-ed
@@ -57,7 +61,9 @@ def pattern_mask(Tq: int, Tk: int, *, batch: int = 1, causal: bool = True,
     if window:
         keep = keep & (j > p - window)
     if chunk:
-        if key_padding_mask is not None:
+        if chunk_origin is not None:
+            origin = chunk_origin.to(device, torch.int64).reshape(-1, 1, 1)
+        elif key_padding_mask is not None:
             origin = (key_padding_mask.to(torch.int64).cumprod(-1)).sum(-1)[:, None, None]
         else:
             origin = torch.zeros(B, 1, 1, dtype=torch.int64, device=device)

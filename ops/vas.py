@@ -52,7 +52,8 @@ def vas_head_stats_qk(q: torch.Tensor, k: torch.Tensor, head_writes: torch.Tenso
                       window: Optional[int] = None, chunk: Optional[int] = None,
                       block_ids: Optional[torch.Tensor] = None,
                       softcap: Optional[float] = None,
-                      window_bounds_blocks: bool = True) -> torch.Tensor:
+                      window_bounds_blocks: bool = True,
+                      chunk_origin: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`vas_head_stats` of ``softmax(q k^T * scale + causal mask)``, recomputed tile by
     tile from q (B, H, T, D) and k (B, Hkv, T, D) (Hkv divides H). scale defaults to
     ``D ** -0.5``. ``key_padding_mask`` (B, T) bool, True = padding: those keys are left out
@@ -63,10 +64,12 @@ def vas_head_stats_qk(q: torch.Tensor, k: torch.Tensor, head_writes: torch.Tenso
     ``block_ids`` (B, T) int64 (a query in block b >= 0 also sees the later keys of b) and
     ``softcap`` (logits become ``softcap * tanh(logits / softcap)``);
     ``window_bounds_blocks=False``: a query sees its whole block whatever the window and
-    chunks (PaliGemma 2; True: Gemma 3)."""
+    chunks (PaliGemma 2; True: Gemma 3); ``chunk_origin`` (B,) int64, only with ``chunk``:
+    the key index where each row's chunk 0 starts (None: the row's leading padding keys)."""
     return torch.ops.headscope.vas_head_stats_qk(q, k, head_writes, lengths, scale, causal,
                                                  offsets, key_padding_mask, window, chunk,
-                                                 block_ids, softcap, window_bounds_blocks)
+                                                 block_ids, softcap, window_bounds_blocks,
+                                                 chunk_origin)
 
 
 def vas_aggregate(head_stats: torch.Tensor) -> torch.Tensor:

@@ -18,11 +18,12 @@ at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
                           c10::string_view reduce, std::optional<int64_t> window,
                           std::optional<int64_t> chunk, const std::optional<at::Tensor>& block_ids,
                           std::optional<double> softcap, bool window_bounds_blocks,
-                          const std::optional<at::Tensor>& key_weights) {
+                          const std::optional<at::Tensor>& key_weights,
+                          const std::optional<at::Tensor>& chunk_origin) {
   static const auto op = HEADSCOPE_TYPED_OP(region_pool_qk);
   return op.call(q, k, query_weights, region_ids, std::move(num_regions), scale, causal,
                  key_padding_mask, reduce, window, chunk, block_ids, softcap,
-                 window_bounds_blocks, key_weights);
+                 window_bounds_blocks, key_weights, chunk_origin);
 }
 
 at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
@@ -33,11 +34,12 @@ at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
                                  at::OptionalIntArrayRef chunk,
                                  const std::optional<at::Tensor>& block_ids,
                                  std::optional<double> softcap, bool window_bounds_blocks,
-                                 std::optional<at::TensorList> key_weights) {
+                                 std::optional<at::TensorList> key_weights,
+                                 const std::optional<at::Tensor>& chunk_origin) {
   static const auto op = HEADSCOPE_TYPED_OP(region_pool_qk_layers);
   return op.call(q, k, query_weights, region_ids, std::move(num_regions), scale, causal,
                  key_padding_mask, reduce, window, chunk, block_ids, softcap,
-                 window_bounds_blocks, key_weights);
+                 window_bounds_blocks, key_weights, chunk_origin);
 }
 
 at::Tensor linear_attribution(const at::Tensor& features, const at::Tensor& weight,

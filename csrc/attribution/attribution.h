@@ -30,7 +30,9 @@ at::Tensor region_pool(const at::Tensor& attn, const at::Tensor& query_weights,
 // key_padding_mask (B, Tk) bool, true = padding (ignored) masking, never storing
 // (B, H, Tq, Tk). The attention pattern, as vas_head_stats_qk's (docs/attribution.md):
 // `window`, `chunk` (0 or none: none), `block_ids` (B, Tk) int64, `softcap` and
-// `window_bounds_blocks` (false: a query sees its whole block whatever the window).
+// `window_bounds_blocks` (false: a query sees its whole block whatever the window), and
+// `chunk_origin` (B,) int64, only with a chunk: the key index where each row's chunk 0
+// starts (none: the row's leading padding keys).
 // key_weights as region_pool's (Hw divides H, so k's Hkv heads are one choice).
 at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& query_weights, const at::Tensor& region_ids,
@@ -43,13 +45,14 @@ at::Tensor region_pool_qk(const at::Tensor& q, const at::Tensor& k,
                           const std::optional<at::Tensor>& block_ids = std::nullopt,
                           std::optional<double> softcap = std::nullopt,
                           bool window_bounds_blocks = true,
-                          const std::optional<at::Tensor>& key_weights = std::nullopt);
+                          const std::optional<at::Tensor>& key_weights = std::nullopt,
+                          const std::optional<at::Tensor>& chunk_origin = std::nullopt);
 
 // region_pool_qk of L layers in one call: q[l] (B, H, Tq, D), k[l] (B, Hkv, Tk, D), every
 // layer of the first one's sizes; scale none (D ** -0.5) or one per layer. Returns
 // (B, K, L * H), column l * H + h (the layer-major order of an attribution head's features).
-// window, chunk: none, or one length per layer (0: none in that layer); block_ids and
-// softcap apply to every layer. key_weights: none, or one (B, Hw, Tk) tensor per layer (the
+// window, chunk: none, or one length per layer (0: none in that layer); block_ids, softcap
+// and chunk_origin (given only when some layer has chunks) apply to every layer. key_weights: none, or one (B, Hw, Tk) tensor per layer (the
 // per-layer value norms are computed layer by layer: a list needs no stacking copy).
 at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
                                  const at::Tensor& query_weights, const at::Tensor& region_ids,
@@ -63,7 +66,8 @@ at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
                                  const std::optional<at::Tensor>& block_ids = std::nullopt,
                                  std::optional<double> softcap = std::nullopt,
                                  bool window_bounds_blocks = true,
-                                 std::optional<at::TensorList> key_weights = std::nullopt);
+                                 std::optional<at::TensorList> key_weights = std::nullopt,
+                                 const std::optional<at::Tensor>& chunk_origin = std::nullopt);
 
 // features (..., F) -> (...): ((features - mean) / std) . weight + bias, bias a 0-dim
 // tensor (none: 0). A std entry that is not finite and positive makes the scores NaN.

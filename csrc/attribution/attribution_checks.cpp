@@ -15,6 +15,7 @@
 #include <ATen/ops/stack.h>
 #include <ATen/ops/sum.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -140,13 +141,15 @@ void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
                                const std::optional<int64_t>& chunk,
                                const std::optional<at::Tensor>& block_ids,
                                const std::optional<double>& softcap,
-                               const std::optional<at::Tensor>& key_weights) {
+                               const std::optional<at::Tensor>& key_weights,
+                               const std::optional<at::Tensor>& chunk_origin) {
   const char* op = "headscope::region_pool_qk";
   check_qk_layer(op, q, "q", k, "k", query_weights, region_ids, num_regions, key_padding_mask);
   if (key_weights.has_value() && key_weights->defined())
     check_key_weights(op, "key_weights", *key_weights, q, "q", k, "k", 2);
   check_scale(op, scale);
   check_pattern(op, q, "q", k, "k", 2, window, chunk, block_ids, softcap);
+  check_chunk_origin(op, q, "q", chunk_origin, chunk.value_or(0) > 0);
   parse_reduce(op, reduce);
 }
 
@@ -160,7 +163,8 @@ void check_region_pool_qk_layers_args(at::TensorList q, at::TensorList k,
                                       at::OptionalIntArrayRef chunk,
                                       const std::optional<at::Tensor>& block_ids,
                                       const std::optional<double>& softcap,
-                                      std::optional<at::TensorList> key_weights) {
+                                      std::optional<at::TensorList> key_weights,
+                                      const std::optional<at::Tensor>& chunk_origin) {
   const char* op = "headscope::region_pool_qk_layers";
   const size_t L = q.size();
   HEADSCOPE_CHECK_ARG(L >= 1, op, "q", "must hold at least one layer, got none");
@@ -208,6 +212,9 @@ void check_region_pool_qk_layers_args(at::TensorList q, at::TensorList k,
   }
   check_pattern(op, q[0], "q[0]", k[0], "k[0]", 2, std::nullopt, std::nullopt, block_ids,
                 softcap);
+  const bool chunked = chunk.has_value() &&
+                       std::any_of(chunk->begin(), chunk->end(), [](int64_t c) { return c > 0; });
+  check_chunk_origin(op, q[0], "q[0]", chunk_origin, chunked);
   parse_reduce(op, reduce);
 }
 

@@ -33,12 +33,13 @@ void check_region_pool_qk_args(const at::Tensor& q, const at::Tensor& k,
                                const std::optional<int64_t>& chunk = std::nullopt,
                                const std::optional<at::Tensor>& block_ids = std::nullopt,
                                const std::optional<double>& softcap = std::nullopt,
-                               const std::optional<at::Tensor>& key_weights = std::nullopt);
+                               const std::optional<at::Tensor>& key_weights = std::nullopt,
+                               const std::optional<at::Tensor>& chunk_origin = std::nullopt);
 
 // Every layer's q[l], k[l] as region_pool_qk's q, k (named "q[l]", "k[l]"), all layers of
 // the first one's sizes, scale (when given) one finite value per layer, window and chunk
 // (when given) one length >= 0 per layer, key_weights (when given) one tensor per layer
-// (named "key_weights[l]").
+// (named "key_weights[l]"), chunk_origin only when some layer has chunks.
 void check_region_pool_qk_layers_args(at::TensorList q, at::TensorList k,
                                       const at::Tensor& query_weights,
                                       const at::Tensor& region_ids,
@@ -50,7 +51,8 @@ void check_region_pool_qk_layers_args(at::TensorList q, at::TensorList k,
                                       at::OptionalIntArrayRef chunk = std::nullopt,
                                       const std::optional<at::Tensor>& block_ids = std::nullopt,
                                       const std::optional<double>& softcap = std::nullopt,
-                                      std::optional<at::TensorList> key_weights = std::nullopt);
+                                      std::optional<at::TensorList> key_weights = std::nullopt,
+                                      const std::optional<at::Tensor>& chunk_origin = std::nullopt);
 
 // Layer l's entry of region_pool_qk_layers' window or chunk list (0 without a list).
 inline int64_t layer_length(at::OptionalIntArrayRef lengths, size_t l) {

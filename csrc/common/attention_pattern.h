@@ -17,19 +17,14 @@
 
 namespace headscope {
 
-// floor(a / b) for b > 0 (chunk indices of positions left of the chunks' origin).
-HEADSCOPE_HD inline int64_t floor_div(int64_t a, int64_t b) {
-  const int64_t q = a / b;
-  return (a % b != 0 && a < 0) ? q - 1 : q;
-}
-
 // The pattern of one batch row.
 struct AttentionPattern {
   bool causal = true;
   int64_t window = 0;  // > 0: key j is seen by query i only if j > i - window
   int64_t chunk = 0;   // > 0: only keys of i's chunk [origin + m chunk, origin + (m + 1) chunk)
-  int64_t origin = 0;  // where chunk 0 starts: the row's leading padding keys (transformers
-                       // counts chunks from the first real token)
+  int64_t origin = 0;  // the key index where chunk 0 starts (any integer: before the first
+                       // key when the cache starts past it); by default the row's leading
+                       // padding keys (transformers counts chunks from the first real token)
   const int64_t* blocks = nullptr;  // block id of each key (block_ids[b]), negative: none
   int64_t bstride = 1;
   bool window_bounds_blocks = true;  // the window and chunks bound a block's keys too (Gemma 3);
@@ -42,8 +37,11 @@ struct AttentionPattern {
   HEADSCOPE_HD int64_t query_block(int64_t i, int64_t tk) const {
     return has_blocks() && i >= 0 && i < tk ? block(i) : -1;
   }
+  // The first key of i's chunk. Only origin mod chunk matters: computed from the
+  // remainders, so that no origin overflows.
   HEADSCOPE_HD int64_t chunk_start(int64_t i) const {
-    return origin + floor_div(i - origin, chunk) * chunk;
+    const int64_t r = (i % chunk - origin % chunk) % chunk;  // in (-chunk, chunk)
+    return i - (r < 0 ? r + chunk : r);
   }
   // The lowest key the window and chunks let query i see (may be negative: from key 0).
   HEADSCOPE_HD int64_t window_start(int64_t i) const {
@@ -75,7 +73,7 @@ struct AttentionPattern {
     const bool same_block = qb >= 0 && block(j) == qb;
     if (same_block && !window_bounds_blocks) return true;
     if (window > 0 && j <= i - window) return false;
-    if (chunk > 0 && floor_div(j - origin, chunk) != floor_div(i - origin, chunk)) return false;
+    if (chunk > 0 && chunk_start(j) != chunk_start(i)) return false;
     return !causal || j <= i || same_block;
   }
   // Whether key j within [window_start(i), i] needs sees(): every such key is seen
@@ -86,8 +84,8 @@ struct AttentionPattern {
 };
 
 // The pattern of a batch, as the CUDA kernels take it: batch row b's is row0 with block_ids'
-// row b and its chunks' origin (origin: a device array, nullptr for 0), and the logits'
-// soft cap (0: none).
+// row b and its chunks' origin (origin: a device array, chunk_origins(); nullptr for 0),
+// and the logits' soft cap (0: none).
 struct BatchPattern {
   AttentionPattern row0;
   int64_t bstride0 = 0;  // block_ids' batch stride

@@ -13,19 +13,28 @@ at::Tensor leading_padding(const at::Tensor& key_padding_mask) {
   return at::sum(at::cumprod(key_padding_mask.to(at::kLong), 1), {1}).contiguous();
 }
 
+at::Tensor chunk_origins(const std::optional<at::Tensor>& chunk_origin,
+                         const std::optional<at::Tensor>& key_padding_mask) {
+  if (chunk_origin.has_value() && chunk_origin->defined()) return chunk_origin->contiguous();
+  if (key_padding_mask.has_value() && key_padding_mask->defined())
+    return leading_padding(*key_padding_mask);
+  return at::Tensor();
+}
+
 PatternRows pattern_rows(int64_t B, int64_t Tk, bool causal, int64_t window, int64_t chunk,
                          const std::optional<at::Tensor>& block_ids,
                          const std::optional<at::Tensor>& key_padding_mask,
-                         std::optional<double> softcap, bool window_bounds_blocks) {
+                         std::optional<double> softcap, bool window_bounds_blocks,
+                         const std::optional<at::Tensor>& chunk_origin) {
   PatternRows P;
   P.Tk = Tk;
   P.softcap = softcap.value_or(0.0);
   const bool with_blocks = causal && block_ids.has_value() && block_ids->defined();
   P.row.assign(B, AttentionPattern{causal, window, chunk, 0, nullptr, 1, window_bounds_blocks});
-  if (key_padding_mask.has_value() && key_padding_mask->defined() && B * Tk > 0) {
-    const at::Tensor lead = leading_padding(*key_padding_mask);
-    for (int64_t b = 0; b < B; ++b) P.row[b].origin = lead.const_data_ptr<int64_t>()[b];
-  }
+  const at::Tensor origin = B * Tk > 0 ? chunk_origins(chunk_origin, key_padding_mask)
+                                       : at::Tensor();
+  if (origin.defined())
+    for (int64_t b = 0; b < B; ++b) P.row[b].origin = origin.const_data_ptr<int64_t>()[b];
   if (with_blocks) {
     P.blocks = block_ids->contiguous();
     const int64_t* ids = P.blocks.const_data_ptr<int64_t>();

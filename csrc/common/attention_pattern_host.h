@@ -1,7 +1,6 @@
 // The host side of the attention patterns of the q/k ops: for the CPU kernels, each batch
 // row's AttentionPattern with the last key of each block (to bound a query's keys), and the
-// masking and soft-capping of a row of logits; for the CUDA kernels, the chunks' origins on
-// the device. Shared by the vas and attribution kernels.
+// masking and soft-capping of a row of logits; for both, the chunks' origins. Shared by the vas and attribution kernels.
 #pragma once
 
 #include "common/attention_pattern.h"
@@ -50,16 +49,23 @@ struct PatternRows {
   }
 };
 
-// Each row's leading padding keys, the origin of its chunks: int64 (B,) on the mask's device
-// (ATen ops, no host sync).
+// Each row's leading padding keys: int64 (B,) on the mask's device (ATen ops, no host sync).
 at::Tensor leading_padding(const at::Tensor& key_padding_mask);
 
+// The key index where each row's chunk 0 starts, int64 (B,) contiguous on the inputs'
+// device (no host sync): the ops' chunk_origin when given, else the row's leading padding
+// keys of key_padding_mask (bool (B, Tk), True = padding); undefined when neither is
+// given (0 in every row).
+at::Tensor chunk_origins(const std::optional<at::Tensor>& chunk_origin,
+                         const std::optional<at::Tensor>& key_padding_mask);
+
 // The pattern of each batch row: window, chunk 0 for none (a layer's variant of row[b] may
-// set others), the chunks' origin from the leading padding of key_padding_mask (bool
-// (B, Tk), True = padding), block_ids int64 (B, Tk) (read only when causal).
+// set others), the chunks' origin (chunk_origins()), block_ids int64 (B, Tk) (read only
+// when causal).
 PatternRows pattern_rows(int64_t B, int64_t Tk, bool causal, int64_t window, int64_t chunk,
                          const std::optional<at::Tensor>& block_ids,
                          const std::optional<at::Tensor>& key_padding_mask,
-                         std::optional<double> softcap, bool window_bounds_blocks);
+                         std::optional<double> softcap, bool window_bounds_blocks,
+                         const std::optional<at::Tensor>& chunk_origin);
 
 }  // namespace headscope

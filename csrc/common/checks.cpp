@@ -101,4 +101,17 @@ void check_pattern(const char* op, const at::Tensor& ref, const char* ref_name,
                       "softcap", "must be finite and > 0, got ", *softcap);
 }
 
+void check_chunk_origin(const char* op, const at::Tensor& ref, const char* ref_name,
+                        const std::optional<at::Tensor>& chunk_origin, bool chunked) {
+  if (!chunk_origin.has_value() || !chunk_origin->defined()) return;
+  const auto& origin = *chunk_origin;
+  HEADSCOPE_CHECK_ARG(chunked, op, "chunk_origin",
+                      "must come with a 'chunk' > 0 (it says where each row's chunks "
+                      "start), got no chunk");
+  check_dtype_in(op, "chunk_origin", origin, {at::kLong});
+  check_dim(op, "chunk_origin", origin, 1);
+  check_same_device(op, ref_name, ref, "chunk_origin", origin);
+  check_same_size(op, ref_name, ref, 0, "chunk_origin", origin, 0);
+}
+
 }  // namespace headscope

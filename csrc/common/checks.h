@@ -50,5 +50,9 @@ void check_pattern(const char* op, const at::Tensor& ref, const char* ref_name,
                    const std::optional<int64_t>& window, const std::optional<int64_t>& chunk,
                    const std::optional<at::Tensor>& block_ids,
                    const std::optional<double>& softcap);
+// chunk_origin, when given: int64 (B,) on ref's device (B from ref's dimension 0), and only
+// with chunks (chunked: some chunk length > 0), where it is read.
+void check_chunk_origin(const char* op, const at::Tensor& ref, const char* ref_name,
+                        const std::optional<at::Tensor>& chunk_origin, bool chunked);
 
 }  // namespace headscope

@@ -17,6 +17,20 @@ namespace headscope::mixer {
 // until it falls to kMinStep (the reference implementation's constants).
 constexpr double kArmijo = 1e-4;
 constexpr double kMinStep = 1e-10;
+// The dual objective f(z) = sum_i LSE(log_u_i + z) + sum_i LSE(log_v_i - z) is convex with
+// gradient colsum(U) - colsum(V). The reference's rule alone can accept a step that raises
+// f into a region where softmax rows saturate and the dual is flat, where the next Newton
+// steps are astronomically long and the line search stalls: a step is also refused when it
+// raises f by more than rounding (kDualSlack relative to sum_i |LSE_i|, far below the rise
+// of such a step).
+constexpr double kDualSlack = 1e-8;
+
+HEADSCOPE_HD inline bool accept_step(double grad_sq_trial, double grad_sq, double alpha,
+                                     double dual_trial, double dual, double dual_scale) {
+  return grad_sq_trial < grad_sq * (1 - kArmijo * alpha) &&
+         dual_trial <= dual + kDualSlack * dual_scale;
+}
+
 // Added to the diagonal when the reduced Hessian is numerically singular (the reference
 // implementation falls back to lstsq(Hr + 1e-10 I) there).
 constexpr double kSingularShift = 1e-10;

@@ -26,7 +26,9 @@ at::Tensor vas_head_stats(const at::Tensor& attn, const at::Tensor& head_writes,
 // (B, T) int64 (a query in block b >= 0 also sees the later keys of b) and `softcap`
 // (logits become softcap * tanh(logits / softcap)); 0 or none: no window, no chunks.
 // window_bounds_blocks: the window and chunks bound block keys too (Gemma 3); false: a
-// query sees its whole block (PaliGemma 2).
+// query sees its whole block (PaliGemma 2). chunk_origin (B,) int64, only with a chunk: the
+// key index where each row's chunk 0 starts (any integer: negative when the keys start past
+// it); none: the row's leading padding keys.
 at::Tensor vas_head_stats_qk(const at::Tensor& q, const at::Tensor& k,
                              const at::Tensor& head_writes, const at::Tensor& lengths,
                              std::optional<double> scale = std::nullopt, bool causal = true,
@@ -36,7 +38,8 @@ at::Tensor vas_head_stats_qk(const at::Tensor& q, const at::Tensor& k,
                              std::optional<int64_t> chunk = std::nullopt,
                              const std::optional<at::Tensor>& block_ids = std::nullopt,
                              std::optional<double> softcap = std::nullopt,
-                             bool window_bounds_blocks = true);
+                             bool window_bounds_blocks = true,
+                             const std::optional<at::Tensor>& chunk_origin = std::nullopt);
 
 // (B, L, H, 3) per-layer per-head stats -> (B, 36) float32 features in the reference
 // implementation's column order (per layer mean/std/max/min over heads, then

@@ -63,7 +63,8 @@ void check_head_stats_qk_args(const at::Tensor& q, const at::Tensor& k,
                               const std::optional<int64_t>& window,
                               const std::optional<int64_t>& chunk,
                               const std::optional<at::Tensor>& block_ids,
-                              const std::optional<double>& softcap) {
+                              const std::optional<double>& softcap,
+                              const std::optional<at::Tensor>& chunk_origin) {
   const char* op = "headscope::vas_head_stats_qk";
   check_dtype_in(op, "q", q, {kF32, kF16, kBF16});
   check_dim(op, "q", q, 4);
@@ -94,6 +95,7 @@ void check_head_stats_qk_args(const at::Tensor& q, const at::Tensor& k,
     check_same_size(op, "k", k, 2, "key_padding_mask", m, 1);
   }
   check_pattern(op, q, "q", k, "k", 2, window, chunk, block_ids, softcap);
+  check_chunk_origin(op, q, "q", chunk_origin, chunk.value_or(0) > 0);
 }
 
 void check_aggregate_args(const at::Tensor& head_stats) {

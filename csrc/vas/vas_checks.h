@@ -22,7 +22,8 @@ void check_head_stats_qk_args(const at::Tensor& q, const at::Tensor& k,
                               const std::optional<int64_t>& window = std::nullopt,
                               const std::optional<int64_t>& chunk = std::nullopt,
                               const std::optional<at::Tensor>& block_ids = std::nullopt,
-                              const std::optional<double>& softcap = std::nullopt);
+                              const std::optional<double>& softcap = std::nullopt,
+                              const std::optional<at::Tensor>& chunk_origin = std::nullopt);
 void check_aggregate_args(const at::Tensor& head_stats);
 
 // Values of lengths (and offsets): 0 <= lengths[b] <= T, 0 <= offsets[b],

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from ..patterns import pattern_mask
-from ._util import interleaved, mib, peak_bytes, print_table, round_ratios, timeit, window_row
+from ._util import mib, peak_bytes, print_table, window_row
+from .timing import interleaved, round_ratios, timeit
 
 ops = torch.ops.headscope
 

@@ -37,7 +37,8 @@ import time
 
 import torch
 
-from ._util import interleaved, mib, peak_bytes, print_table, round_ratios
+from ._util import mib, peak_bytes, print_table
+from .timing import TokenClock, interleaved, round_ratios
 
 K_REGIONS = 16
 
@@ -78,28 +79,6 @@ def _inputs(model, image_side: int, device, text: int = 64):
     inputs = image_prompt(model, grids=((2 * image_side, 2 * image_side),), text_before=(20,),
                           text_after=(text - 22,))
     return {k: v.to(device) for k, v in inputs.items()}
-
-
-class _Clock:
-    """A streamer that notes when generate hands over each token."""
-
-    def __init__(self):
-        self.times = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-    def per_token(self) -> float:
-        """The median interval between decode steps (after the prefill)."""
-        gaps = [b - a for a, b in zip(self.times[1:], self.times[2:])]
-        return statistics.median(gaps)
-
-    def mean_per_token(self) -> float:
-        """The decode's time over its steps: every step counted, the slow ones too."""
-        return (self.times[-1] - self.times[1]) / (len(self.times) - 2)
 
 
 def _eager_today(model_eager, inputs):
@@ -190,12 +169,12 @@ def bench_decode(device, quick: bool, spec: str = "qwen2_vl") -> dict:
     spans = []
 
     def plain():
-        clock = _Clock()
+        clock = TokenClock()
         model.generate(**inputs, **gen, streamer=clock)
         per_token["plain"].append(clock.mean_per_token())
 
     def traced():
-        clock = _Clock()
+        clock = TokenClock()
         tracer.attach()
         try:
             spans[:] = list(tracer.generate(**inputs, **gen, streamer=clock))
@@ -204,7 +183,7 @@ def bench_decode(device, quick: bool, spec: str = "qwen2_vl") -> dict:
         per_token["traced"].append(clock.mean_per_token())
 
     def callback():
-        clock = _Clock()
+        clock = TokenClock()
         got = []
         tracer.attach()
         try:
@@ -215,7 +194,7 @@ def bench_decode(device, quick: bool, spec: str = "qwen2_vl") -> dict:
         per_token["callback"].append(clock.mean_per_token())
 
     def both():
-        clock = _Clock()
+        clock = TokenClock()
         tracer_both.attach()
         try:
             got = list(tracer_both.generate(**inputs, **gen, streamer=clock))
@@ -225,7 +204,7 @@ def bench_decode(device, quick: bool, spec: str = "qwen2_vl") -> dict:
         per_token["both"].append(clock.mean_per_token())
 
     def today():
-        clock = _Clock()
+        clock = TokenClock()
         eager.generate(**inputs, **gen, streamer=clock, output_attentions=True,
                        return_dict_in_generate=True)
         per_token["eager"].append(clock.mean_per_token())

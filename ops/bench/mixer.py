@@ -10,7 +10,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from ._util import interleaved, load_seed, mib, peak_bytes, print_table, round_ratios, timeit
+from ._util import load_seed, mib, peak_bytes, print_table
+from .timing import interleaved, round_ratios, timeit
 
 ops = torch.ops.headscope
 

@@ -4,6 +4,10 @@ head on a user's own VLM.
     python -m headscope collect --model MODEL --data DATA --out runs/train
     python -m headscope train --data runs/train --out head.safetensors
     python -m headscope eval --model MODEL --head head.safetensors --data DATA_TEST
+    python -m headscope synthetic [--quick] [--seed dev|reported]
+
+``synthetic`` measures the head of each feature set against raw attention on synthetic data
+whose truth is known (no model needed).
 
 Exit codes: 0 success, 1 the run failed, 2 bad arguments or a missing or malformed input
 file (one line naming the argument or the file and line; checked before any work, so
@@ -22,15 +26,19 @@ COMMANDS = {
     "collect": "generate, cut spans, record span features and region ablation effects",
     "train": "fit an AttributionHead to collected features and effects",
     "eval": "LDS, Pearson, subset LDS and pointing of a head against raw attention",
+    "synthetic": "each feature set's head against raw attention on synthetic data with "
+                 "value norms",
 }
 
 
 def parser() -> argparse.ArgumentParser:
-    from . import collect, evaluate, train
+    from . import collect, evaluate, synthetic, train
     top = Parser(prog="python -m headscope", description=__doc__.replace("``", ""),
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = top.add_subparsers(dest="command", required=True, metavar="{collect,train,eval}")
-    for name, module in (("collect", collect), ("train", train), ("eval", evaluate)):
+    sub = top.add_subparsers(dest="command", required=True,
+                             metavar="{collect,train,eval,synthetic}")
+    for name, module in (("collect", collect), ("train", train), ("eval", evaluate),
+                         ("synthetic", synthetic)):
         p = sub.add_parser(name, help=COMMANDS[name], description=module.__doc__.replace("``", ""),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == "collect":

@@ -1,68 +1,18 @@
-"""Faithfulness of region scores against measured ablation effects, per span and per
-image: LDS (Spearman across regions), Pearson, subset-level LDS and pointing accuracy (with
-the exact expectation of pointing at a uniformly random region as its baseline)."""
+"""Faithfulness of a collection's region scores against its measured ablation effects, per
+span and per image: LDS (Spearman across regions), Pearson, subset-level LDS and pointing
+accuracy (with the exact expectation of pointing at a uniformly random region as its
+baseline), built on :mod:`headscope.metrics`."""
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
 from ..attribution import pearson, spearman
+from ..metrics import (defined_mean, in_box, lds_per_image, per_image, random_pointing,
+                       region_centroids)
 from .shards import Collection
-
-
-def defined_mean(values: torch.Tensor) -> Optional[float]:
-    """Mean over the defined (not NaN) values; None when there is none."""
-    values = values[~torch.isnan(values)]
-    return float(values.mean()) if values.numel() else None
-
-
-def lds_per_image(scores: torch.Tensor, effects: torch.Tensor, span_example: torch.Tensor,
-                  examples: int) -> torch.Tensor:
-    """Per image, the mean over its spans of the Spearman correlation of ``scores`` and
-    ``effects`` (S, K) across regions (NaN for an image with none defined)."""
-    return per_image(spearman(scores.double(), effects.double(), -1), span_example, examples)
-
-
-def per_image(values: torch.Tensor, span_example: torch.Tensor, examples: int) -> torch.Tensor:
-    """Mean of each example's defined span values, NaN for an example with none."""
-    out = torch.full((examples,), math.nan, dtype=torch.float64)
-    for e in range(examples):
-        mine = values[span_example == e]
-        mean = defined_mean(mine)
-        if mean is not None:
-            out[e] = mean
-    return out
-
-
-def region_centroids(labels: torch.Tensor, rows: int, cols: int, K: int) -> torch.Tensor:
-    """(K, 2) centroid (x, y) of each region on the image, in [0, 1] of its width and
-    height (NaN for an empty region)."""
-    r = torch.arange(rows, dtype=torch.float64).repeat_interleave(cols)
-    c = torch.arange(cols, dtype=torch.float64).repeat(rows)
-    xy = torch.stack([(c + 0.5) / cols, (r + 0.5) / rows], 1)
-    sums = torch.zeros(K, 2, dtype=torch.float64).index_add_(0, labels, xy)
-    counts = torch.zeros(K, dtype=torch.float64).index_add_(0, labels,
-                                                            torch.ones_like(r))
-    return sums / counts.unsqueeze(1)
-
-
-def in_box(x, y, box):
-    """Whether the points (x, y) (numbers or tensors) lie in ``box`` = (x0, y0, x1, y1),
-    edges included."""
-    x0, y0, x1, y1 = box
-    return (x0 <= x) & (x <= x1) & (y0 <= y) & (y <= y1)
-
-
-def random_pointing(cases: List[tuple]) -> Optional[float]:
-    """Expected pointing accuracy of a uniformly random region: per case, the share of its
-    (non-empty) regions whose centroid lies in the box, averaged over the cases."""
-    shares = []
-    for _, centroids, box in cases:
-        centroids = centroids[~torch.isnan(centroids).any(1)]
-        shares.append(float(in_box(*centroids.unbind(1), box).double().mean()))
-    return sum(shares) / len(shares) if shares else None
 
 
 def pointing_cases(data: Collection) -> List[tuple]:

@@ -1,17 +1,19 @@
 """headscope inside a running transformers VLM: :class:`Tracer` computes VAS features
 and span-to-region attribution during ``forward`` and ``generate``;
-:func:`region_effects` measures the ground truth the attribution head is fitted to;
+:func:`region_effects` measures the ground truth the attribution head is fitted to
+(:func:`gradient_scores`: an input x gradient baseline beside it);
 :func:`use_mixer` puts the doubly-stochastic mixer in place of vision-tower attention.
 
 Needs ``transformers`` (``pip install headscope[hf]``); ``import headscope`` alone never
 imports it.
 """
 from .effects import region_effects
+from .gradient import gradient_scores
 from .mixer import MixerHandle, use_mixer
 from .regions import grid_regions
 from .stream import Span, special_only
 from .tracer import Tracer, sentence_end
 from .value_norm import value_norm_factors, value_norms
 
-__all__ = ["MixerHandle", "Span", "Tracer", "grid_regions", "region_effects", "sentence_end",
-           "special_only", "use_mixer", "value_norm_factors", "value_norms"]
+__all__ = ["MixerHandle", "Span", "Tracer", "gradient_scores", "grid_regions", "region_effects",
+           "sentence_end", "special_only", "use_mixer", "value_norm_factors", "value_norms"]

@@ -1,13 +1,17 @@
-"""Tiny model folders that load like a real checkpoint, offline: a randomly initialised
-model of :func:`~headscope.hf.testing.tiny_model` saved with a real processor (image
-processor, a small word-level tokenizer, a chat template, the image special tokens), so
-that ``AutoProcessor.from_pretrained(folder)`` and
-``AutoModelForImageTextToText.from_pretrained(folder)`` work without a hub.
+"""What makes a tiny model folder load like a real checkpoint, offline: a real processor
+for each family of :data:`~headscope.hf.tiny.FAMILIES` (image processor, a small
+word-level tokenizer, a chat template, the image special tokens at the tiny vocabulary's
+ids), so that :func:`~headscope.hf.testing.tiny_checkpoint` saves a folder that
+``AutoProcessor.from_pretrained(folder)`` and
+``AutoModelForImageTextToText.from_pretrained(folder)`` load without a hub; and a DATA
+folder of synthetic images (``tiny_dataset``).
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Dict, Sequence, Union
+
+from .tiny import EOS, FAMILIES, IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START, VOCAB
 
 # Words of the tiny vocabulary, ids 2.. in this order (0 = padding, 1 = unknown); the
 # remaining ids up to the special tokens are filler words w<id>.
@@ -40,12 +44,12 @@ INTERNVL_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "<IMG_CONTEXT> ")
 LLAMA4_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "<|image|> ")
 GLM4V_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ",
                                         "<|begin_of_image|><|image|><|end_of_image|> ")
+GEMMA3_TEMPLATE = LLAVA_TEMPLATE.replace("<image> ", "<start_of_image> ")
 
 
 def special_tokens(family: str) -> Dict[int, str]:
     """The special tokens of ``family``'s tiny vocabulary, by id (the ids
     :mod:`headscope.hf.testing`'s models use)."""
-    from .testing import EOS, IMAGE_TOKEN, VIDEO_TOKEN, VISION_END, VISION_START
     if family == "llava_onevision":
         return {IMAGE_TOKEN: "<image>", VIDEO_TOKEN: "<video>", EOS: "</s>"}
     if family in LLAVA_FAMILIES:
@@ -67,6 +71,9 @@ def special_tokens(family: str) -> Dict[int, str]:
                 VISION_END: "<|image_end|>", TILE_X_SEPARATOR: "<|tile_x_separator|>",
                 TILE_Y_SEPARATOR: "<|tile_y_separator|>", GLOBAL_MARKER: "<|image|>",
                 EOS: "</s>"}
+    if family == "gemma3":
+        return {IMAGE_TOKEN: "<image_soft_token>", VISION_START: "<start_of_image>",
+                VISION_END: "<end_of_image>", EOS: "</s>"}
     if family in ("glm4v", "glm4v_moe"):
         from .families.glm4v import VIDEO_END, VIDEO_START
         return {IMAGE_TOKEN: "<|image|>", VIDEO_TOKEN: "<|video|>",
@@ -96,7 +103,7 @@ def word_level_tokenizer(tokens: Sequence[str], special: Sequence[str], eos: str
                                    pad_token="<pad>", eos_token=eos, **kwargs)
 
 
-def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
+def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = VOCAB):
     """A word-level tokenizer (:func:`word_level_tokenizer`) of ``vocab`` ids for
     ``family``: padding 0, unknown 1, :data:`WORDS`, filler words, and the family's
     special tokens at the ids of :func:`special_tokens`."""
@@ -115,6 +122,8 @@ def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = 512):
         "internvl": {"start_image_token": "<img>", "end_image_token": "</img>",
                      "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
         "glm4v": glm, "glm4v_moe": glm,
+        "gemma3": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                   "image_token": "<image_soft_token>"},
     }.get(family, qwen)
     return word_level_tokenizer(names, list(special.values()), eos,
                                 extra_special_tokens=extra)
@@ -131,7 +140,8 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
     tiles of 16 x 16 pixels and a thumbnail, 4 tokens each; Idefics3: longest edge 48
     pixels, up to 3 x 3 tiles of 16 x 16 pixels and a global image, 4 tokens each; Llama 4:
     a canvas of up to ``max_tiles`` tiles of 16 x 16 pixels and a global image, 4 tokens
-    each; GLM-4.1V: Qwen's sizes), :func:`tiny_tokenizer` and a chat template. All but
+    each; Gemma 3: 32 x 32 pixels, 16 tokens, pan-and-scan when the call asks for it;
+    GLM-4.1V: Qwen's sizes), :func:`tiny_tokenizer` and a chat template. All but
     LLaVA need torchvision (their processors do in transformers 5)."""
     import transformers as tf
 
@@ -183,6 +193,12 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
                                          max_patches=max_tiles)
         return tf.Llama4Processor(image_processor=images, tokenizer=tokenizer, patch_size=4,
                                   pixel_shuffle_ratio=0.5, chat_template=LLAMA4_TEMPLATE)
+    if family == "gemma3":
+        from .families.gemma3 import siglip_vision
+        side = siglip_vision(32)["image_size"]
+        images = tf.Gemma3ImageProcessor(size={"height": side, "width": side})
+        return tf.Gemma3Processor(image_processor=images, tokenizer=tokenizer,
+                                  image_seq_length=16, chat_template=GEMMA3_TEMPLATE)
     if family == "internvl":
         images = tf.GotOcr2ImageProcessor(size={"height": 16, "width": 16}, crop_to_patches=True,
                                           min_patches=1, max_patches=max_tiles)
@@ -204,24 +220,10 @@ def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
         video = tf.Qwen3VLVideoProcessor(**sizes)
         cls = tf.Qwen3VLProcessor
     else:
-        from .testing import FAMILIES
         raise ValueError(f"headscope.hf.testing.tiny_processor: family must be one of "
                          f"{FAMILIES}, got {family!r}")
     return cls(image_processor=images, tokenizer=tokenizer, video_processor=video,
                chat_template=QWEN_TEMPLATE)
-
-
-def tiny_checkpoint(path: Union[str, Path], family: str = "qwen2_vl", **model_kwargs) -> Path:
-    """Saves a tiny random ``family`` model (``tiny_model(family, **model_kwargs)``) and
-    its :func:`tiny_processor` into the folder ``path`` (created), loadable offline with
-    ``AutoModelForImageTextToText.from_pretrained(path)`` and
-    ``AutoProcessor.from_pretrained(path)``. Returns the folder."""
-    from .testing import tiny_model
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tiny_model(family, **model_kwargs).save_pretrained(path)
-    tiny_processor(family).save_pretrained(path)
-    return path
 
 
 def tiny_dataset(path: Union[str, Path], count: int = 4, *, size: tuple = (48, 40),

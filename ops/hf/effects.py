@@ -161,7 +161,7 @@ def decoder_inputs(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
     P, N = check_sequence(inputs, sequences, who)
     family_of(model, who).check_answer(model.config, sequences[:, P:], who)
     full = {}
-    for name, value in inputs.items():
+    for name, value in family_of(model, who).model_inputs(inputs).items():
         if name == "input_ids":
             value = sequences
         elif isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == 1 \

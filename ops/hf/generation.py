@@ -107,7 +107,7 @@ class Generation:
         self._model_hook.remove()
         try:
             with cutter.interrupts:
-                return self.model.generate(**kwargs, streamer=cutter)
+                return self.model.generate(**self.family.model_inputs(kwargs), streamer=cutter)
         finally:
             self._mode = "forward"
             self._rows = None

@@ -5,7 +5,7 @@ sizes, offsets and padding of the call.
 transformers builds each layer type's mask from a few index functions: causal, the
 sliding-window and chunked overlays (ANDed), bidirectional blocks (``blockwise_overlay``,
 ORed), composed with ``and_masks``/``or_masks``. :func:`read_pattern` walks that tree and
-gives the q/k ops' arguments (``window``, ``chunk``, ``block_ids``,
+gives the q/k ops' arguments (``window``, ``chunk``, ``chunk_origin``, ``block_ids``,
 ``window_bounds_blocks``, docs/vas.md); anything else (a custom function, packed
 sequences, a bidirectional decoder) is named in an error, never approximated.
 """
@@ -45,8 +45,9 @@ def _name(fn: Callable) -> str:
 
 @dataclass
 class Pattern:
-    """Which keys a query sees, in the ops' terms. ``blocks`` ``(B, N)`` int64 and
-    ``left_padding`` ``(B,)`` are indexed by absolute position, as the closures hold them."""
+    """Which keys a query sees, in the ops' terms. ``blocks`` ``(B, N)`` int64 is indexed
+    by absolute position and ``left_padding`` ``(B,)`` (given with ``chunk``: where each
+    row's chunk 0 starts) is an absolute position, as the closures hold them."""
     window: int = 0
     chunk: int = 0
     left_padding: Optional[torch.Tensor] = None
@@ -63,6 +64,14 @@ class Pattern:
         """The transformers layer type this pattern is the mask of."""
         return ("sliding_attention" if self.window else
                 "chunked_attention" if self.chunk else "full_attention")
+
+    def chunk_origin(self, start: int) -> Optional[torch.Tensor]:
+        """(B,) int64: where each row's chunk 0 starts among keys from absolute position
+        ``start`` on (negative once a cache has dropped the keys before it); None without
+        chunks."""
+        if not self.chunk:
+            return None
+        return self.left_padding.to(torch.int64).reshape(-1) - start
 
     def block_ids(self, start: int, length: int) -> Optional[torch.Tensor]:
         """(B, length) block ids of absolute key positions [start, start + length), -1
@@ -170,20 +179,6 @@ class MaskCall:
             raise UnsupportedPattern(f"queries at {self.q_offset} not aligned with the last of "
                                      f"the keys [{self.kv_offset}, "
                                      f"{self.kv_offset + self.kv_length})")
-        if self.pattern.chunk:
-            # the ops count chunks from the row's leading padding among the keys they get
-            lead = self._leading_padding()
-            if self.kv_offset != 0 or not torch.equal(
-                    lead, self.pattern.left_padding.to(lead.device, torch.int64).reshape(-1)
-                    .expand_as(lead)):
-                raise UnsupportedPattern("chunked attention over a key cache that starts past "
-                                         "the chunks' origin")
-
-    def _leading_padding(self) -> torch.Tensor:
-        padding = self.padding
-        if padding is None:
-            return torch.zeros(1, dtype=torch.int64)
-        return (~padding).to(torch.int8).argmax(-1).to(torch.int64).cpu()
 
     @property
     def padding(self) -> Optional[torch.Tensor]:
@@ -203,7 +198,8 @@ class MaskCall:
         p = self.pattern
         return dict(window=p.window or None, chunk=p.chunk or None,
                     block_ids=p.block_ids(self.kv_offset, self.kv_length), softcap=softcap,
-                    window_bounds_blocks=p.window_bounds_blocks)
+                    window_bounds_blocks=p.window_bounds_blocks,
+                    chunk_origin=p.chunk_origin(self.kv_offset))
 
     def window(self, batch: int, device) -> tuple:
         """VAS window per row of a full forward: (lengths, offsets); the kept tokens of

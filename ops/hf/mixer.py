@@ -12,6 +12,7 @@ towers pass a padding mask, and each image is mixed over its unpadded patches on
 """
 from __future__ import annotations
 
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -253,6 +254,8 @@ def use_mixer(model: nn.Module, rank: int, where: str = "vision",
     for key, config in configs.items():
         loaded = config._attn_implementation_internal  # restored as is, None included
         _BASE[key] = (loaded, *base_functions(loaded or "eager", WHO))
+        # a model dropped without undo must not leave its entry to a later config of its id
+        weakref.finalize(config, _BASE.pop, key, None)
     mixers = {}
     for index in chosen:
         module = modules[index]

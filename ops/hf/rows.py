@@ -194,7 +194,7 @@ class SpanRows:
                 [group.scales[layer] for layer in group.layers] * len(self.blocks), True,
                 mask.padding, "sum", [pattern["window"] or 0] * len(q),
                 [pattern["chunk"] or 0] * len(q), pattern["block_ids"], group.softcap,
-                pattern["window_bounds_blocks"], key_weights)
+                pattern["window_bounds_blocks"], key_weights, pattern["chunk_origin"])
             if self.running is None:
                 self.running = pooled.new_zeros(B, self.kmax, self.width)
             if group.columns is None:

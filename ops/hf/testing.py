@@ -5,30 +5,22 @@ configs (no downloads): what the tests and ``python -m headscope.bench --family 
 attention in the text decoder; ``image_prompt(model, grids, text_before, text_after)``
 gives its inputs for one image per prompt (random pixels), in the layout its processor
 would produce, left-padded when the rows differ in length. ``tiny_checkpoint(folder,
-family)`` saves such a model with a real processor (``tiny_processor``) for
-``from_pretrained``, and ``tiny_dataset(folder, count)`` writes synthetic images in the
-DATA format of ``python -m headscope collect`` (both in ``checkpoint.py``).
+family)`` saves such a model with a real processor (``tiny_processor``, built in
+``checkpoint.py``) for ``from_pretrained``, and ``tiny_dataset(folder, count)`` (also
+``checkpoint.py``) writes synthetic images in the DATA format of ``python -m headscope
+collect``. The model types and token ids are :mod:`headscope.hf.tiny`'s.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "idefics3",
-            "smolvlm", "llava_next", "llava_onevision", "mistral3",
-            "internvl", "glm4v", "glm4v_moe", "llama4", "gemma3",
-            "paligemma")  # model types
-
-# Token ids of the tiny vocabulary (random weights: only their roles matter).
-VOCAB = 512
-IMAGE_TOKEN = 500
-VIDEO_TOKEN = 501
-VISION_START = 502
-VISION_END = 503
-EOS = 504
-PAD = 0
+from .checkpoint import tiny_dataset, tiny_processor, tiny_tokenizer  # noqa: F401 (the API)
+from .tiny import (EOS, FAMILIES, IMAGE_TOKEN, PAD, VIDEO_TOKEN, VISION_END,  # noqa: F401
+                   VISION_START, VOCAB)
 
 
 def _text(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
@@ -82,6 +74,18 @@ def tiny_model(family: str = "qwen2_vl", *, hidden: int = 64, layers: int = 2,
     model.generation_config.eos_token_id = EOS
     model.generation_config.pad_token_id = PAD
     return model
+
+
+def tiny_checkpoint(path: Union[str, Path], family: str = "qwen2_vl", **model_kwargs) -> Path:
+    """Saves a tiny random ``family`` model (``tiny_model(family, **model_kwargs)``) and
+    its :func:`tiny_processor` into the folder ``path`` (created), loadable offline with
+    ``AutoModelForImageTextToText.from_pretrained(path)`` and
+    ``AutoProcessor.from_pretrained(path)``. Returns the folder."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tiny_model(family, **model_kwargs).save_pretrained(path)
+    tiny_processor(family).save_pretrained(path)
+    return path
 
 
 def image_prompt(model, grids: Sequence[Tuple[int, int]] = ((8, 8),),
@@ -167,6 +171,44 @@ def assert_quarter_colours(boxes: torch.Tensor, colours: torch.Tensor,
         "a token astride the middle lacks the colour of its centre's quarter"
 
 
+def assert_quarters_are_regions(model, inputs: Dict[str, torch.Tensor], colours):
+    """The geometry tests' check through the model, on a processor's ``inputs`` of one
+    :func:`quarters` picture per row: ``colours(b, image)`` gives, for row b's picture
+    (an ``ImageTokens``), the ``(tokens, P)`` indices of its tokens' pixels' colours in the
+    order of ``image.positions`` (as :func:`assert_quarter_colours` takes them). Traces
+    ``model(**inputs)`` with ``grid_regions(2, 2)``: the logits are bitwise the untraced
+    model's, each row has 4 regions, every token whose pixels read one colour has that
+    colour's region (the colours and the blocks are both numbered row-major), the tokens
+    of each kind of view read all four colours, and every other position is -1. Returns
+    the detached tracer."""
+    from .families import family_of
+    from .regions import grid_regions
+    from .tracer import Tracer
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        with Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
+            assert torch.equal(model(**inputs).logits, plain)
+    B = inputs["input_ids"].shape[0]
+    assert tr.num_regions == [4] * B
+    is_image = torch.isin(inputs["input_ids"],
+                          torch.tensor(family_of(model).image_token_ids(model.config)))
+    for b in range(B):
+        (image,) = tr.images[b]
+        read = colours(b, image)
+        single = (read == read[:, :1]).all(1)  # tokens whose pixels read one colour only
+        regions = tr.region_ids[b, image.positions]
+        names = [v.name for v in image.views for _ in range(len(v.positions))]
+        seen: Dict[str, set] = {}
+        for colour, region, name, one in zip(read[:, 0].tolist(), regions.tolist(), names,
+                                             single.tolist()):
+            if one:
+                assert region == colour, (b, name, colour, region)
+                seen.setdefault(name, set()).add(colour)
+        assert seen == {name: {0, 1, 2, 3} for name in names}, (b, seen)
+        assert bool((tr.region_ids[b][~is_image[b]] == -1).all())
+    return tr
+
+
 def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwargs):
     """The way attention is inspected without headscope: a model loaded with eager
     attention, run with ``output_attentions=True`` and forward hooks on the o_proj inputs.
@@ -189,6 +231,3 @@ def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwar
         for h in hooks:
             h.remove()
     return out, list(out.attentions), writes
-
-
-from .checkpoint import tiny_checkpoint, tiny_dataset, tiny_processor, tiny_tokenizer  # noqa: E402,F401

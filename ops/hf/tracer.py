@@ -195,6 +195,9 @@ class Tracer(Generation, backend.Binding):
 
     def _on_model_forward(self, module, args, kwargs):
         self._note_inputs(kwargs, args)
+        if any(key in kwargs for key in self.family.layout_keys):
+            return args, self.family.model_inputs(kwargs)
+        return None
 
     def _note_inputs(self, kwargs, args=()) -> None:
         self._inputs = {key: kwargs.get(key) for key in self.family.input_keys}

@@ -1,5 +1,5 @@
 """python -m headscope.shapes {train,demo,accuracy,latency,data,hallucination,faithfulness,
-head-eval,reproduce}: the embedded shapes model.
+head-eval,mixer,reproduce}: the embedded shapes model.
 
   train     train the model from scratch into a folder (resumable: rerun the same command)
   demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
@@ -11,7 +11,11 @@ head-eval,reproduce}: the embedded shapes model.
   head-eval      the head against raw attention (and value-norm-weighted attention) on a
                  fixed seed range: per-image LDS with the paired difference's interval,
                  pointing
+  mixer          the model with mixer vision attention against the softmax one: caption
+                 accuracy with intervals, and the projection's iterations against time
   reproduce      every measurement above in one resumable run (results.json, results.md)
+
+--model takes a model folder, or "mixer" for the shipped model with mixer vision attention.
 """
 from __future__ import annotations
 
@@ -27,7 +31,11 @@ PROG = "python -m headscope.shapes"
 
 
 def _model_folder(text: str) -> Path:
-    """An argparse type: a folder holding a shapes model (its config.json)."""
+    """An argparse type: a folder holding a shapes model (its config.json), or ``mixer``
+    for the shipped model with mixer vision attention."""
+    if text == "mixer":
+        from .model import MIXER_DIR
+        text = str(MIXER_DIR)
     if not (Path(text) / "config.json").is_file():
         raise argparse.ArgumentTypeError(
             f"must be a model folder (with config.json, as `{PROG} train --out` writes), "
@@ -68,7 +76,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     count = integer(1)
     model = dict(type=_model_folder, default=None,
-                 help="model folder (default: the one shipped with headscope)")
+                 help="model folder, or 'mixer' (default: the one shipped with headscope)")
     image_tokens = f" (the images' {TOKEN_GRID}x{TOKEN_GRID} tokens)"
 
     from .train import Settings
@@ -159,6 +167,15 @@ def main(argv=None) -> int:
                         "baseline, and it must hold every head's blocks")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
 
+    p = sub.add_parser("mixer", help="mixer against softmax vision attention: accuracy, "
+                                     "projection settings against time")
+    p.add_argument("--scenes", type=count, default=300,
+                   help="held-out scenes per object range (1-4 and 5-9)")
+    p.add_argument("--sweep-scenes", type=count, default=100,
+                   help="scenes of 1-4 objects per projection setting")
+    p.add_argument("--rounds", type=count, default=5, help="timing rounds")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+
     p = sub.add_parser("reproduce", help="every measurement of docs/shapes.md, resumable")
     p.add_argument("--out", type=Path, required=True,
                    help="folder for results.json, results.md and each step's files")
@@ -223,6 +240,13 @@ def _run(args) -> None:
                                model_dir=args.model, head_path=args.head,
                                features=args.features)
         print(table(result))
+        if args.json is not None:
+            _write_json(args.json, result)
+    elif args.command == "mixer":
+        from .mixer_eval import compare_models, projection_sweep, table
+        result = {"accuracy": compare_models(args.scenes),
+                  "sweep": projection_sweep(args.sweep_scenes, rounds=args.rounds)}
+        print(table(result["accuracy"], result["sweep"]))
         if args.json is not None:
             _write_json(args.json, result)
     elif args.command == "reproduce":

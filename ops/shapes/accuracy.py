@@ -1,7 +1,8 @@
 """Caption accuracy of a shapes model on held-out scenes."""
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+import math
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,20 +45,38 @@ def describe_images(model, processor, images, max_new_tokens: int = 48,
     return texts
 
 
-def caption_accuracy(model, processor, scenes: Iterable[tuple]) -> Dict[str, float]:
+def wilson_interval(successes: int, count: int, z: float = 1.96) -> Tuple[float, float]:
+    """Wilson score interval (95% for the default ``z``) of a share ``successes / count``."""
+    if count < 1:
+        raise ValueError(f"headscope.shapes.wilson_interval: count must be >= 1, got {count}")
+    share = successes / count
+    centre = (share + z * z / (2 * count)) / (1 + z * z / count)
+    half = z * math.sqrt(share * (1 - share) / count + z * z / (4 * count * count)) / \
+        (1 + z * z / count)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def exact_descriptions(scenes: Sequence[tuple], texts: Sequence[str]) -> List[bool]:
+    """Per scene ``(seed, image, objects)``: whether its text is the true description."""
+    return [text.strip() == describe(objects) for (_, _, objects), text in zip(scenes, texts)]
+
+
+def caption_accuracy(model, processor, scenes: Iterable[tuple],
+                     texts: Optional[Sequence[str]] = None) -> Dict[str, float]:
     """On ``scenes`` ``(seed, image, objects)``: ``exact`` (share of descriptions equal to
-    the truth), ``precision`` (share of generated sentences naming an object of the image:
-    colour, shape and place), ``recall`` (share of objects named), ``count``, and
+    the truth; ``exact_interval95`` its Wilson interval), ``precision`` (share of generated
+    sentences naming an object of the image: colour, shape and place), ``recall`` (share of objects named), ``count``, and
     ``colour``/``shape``/``position``: the share of sentences whose attribute equals that
     of the object in the same place of the description order (descriptions with the
-    right number of sentences)."""
+    right number of sentences). ``texts``: the model's descriptions, when already made."""
     scenes = list(scenes)
-    texts = describe_images(model, processor, [image for _, image, _ in scenes])
-    exact = named = sentences = found = total = 0
+    if texts is None:
+        texts = describe_images(model, processor, [image for _, image, _ in scenes])
+    exact = sum(exact_descriptions(scenes, texts))
+    named = sentences = found = total = 0
     same = {"colour": 0, "shape": 0, "position": 0}
     pairs = 0
     for (_, _, objects), text in zip(scenes, texts):
-        exact += text.strip() == describe(objects)
         parsed = parse_description(text)
         matched = {match_object(p, objects) for p in parsed} - {None}
         sentences += len(parsed)
@@ -70,5 +89,6 @@ def caption_accuracy(model, processor, scenes: Iterable[tuple]) -> Dict[str, flo
                 for i, key in enumerate(same):
                     same[key] += p is not None and p[i] == getattr(o, key)
     return {"count": len(scenes), "exact": exact / len(scenes),
+            "exact_interval95": list(wilson_interval(exact, len(scenes))),
             "precision": named / max(sentences, 1), "recall": found / total,
             **{key: value / max(pairs, 1) for key, value in same.items()}}

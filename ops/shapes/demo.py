@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..attribution import atomic_path
-from ..commands.metrics import in_box
+from ..metrics import in_box
 from ..vas import VAS_COLUMNS
 from .accuracy import HELD_OUT_SEED
 from .figures import region_centroids, save_png, span_figure

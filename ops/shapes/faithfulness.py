@@ -17,11 +17,10 @@ from typing import Dict, List, Optional
 import torch
 
 from ..attribution import feature_columns, feature_set_holding
-from ..commands.metrics import defined_mean, lds_per_image
-from ..hf.effects import region_effects
+from ..hf import gradient_scores, region_effects
+from ..metrics import defined_mean, lds_per_image
 from .accuracy import HELD_OUT_SEED
 from .demo import DEFAULT_REGIONS
-from .gradient import gradient_scores
 from .model import load, prompt
 from .world import scene
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from ..attribution import atomic_path
-from ..commands.metrics import region_centroids as normalised_centroids
+from ..metrics import region_centroids as normalised_centroids
 
 
 def region_map(labels: np.ndarray, grid: Sequence[int], image_size: int) -> np.ndarray:

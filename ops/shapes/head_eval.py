@@ -22,15 +22,14 @@ reported; ``python -m headscope train`` leaves them out of the fit by default to
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..attribution import FEATURE_BLOCKS, feature_columns, feature_set_holding
-from ..commands.metrics import in_box, lds_per_image, random_pointing
-from ..hf.stream import special_only
+from ..hf import special_only
+from ..metrics import in_box, lds_per_image, mean_with_interval, random_pointing
 from .accuracy import HELD_OUT_SEED
 from .demo import WORLD_GRID
 from .figures import region_centroids
@@ -53,35 +52,6 @@ def range_scenes(which: str, count: int) -> List[Tuple[int, int]]:
         raise ValueError(f"{WHO}: argument 'count' must be in [1, {RANGE_SIZE}], got {count}")
     first = SEED_RANGES[which]
     return [(first + k, 1 + k % 4) for k in range(count)]
-
-
-def bootstrap_interval(values: torch.Tensor, resamples: int = 10_000, level: float = 0.95,
-                       seed: int = 0) -> Tuple[float, float]:
-    """Percentile bootstrap interval of the mean of ``values`` (1-D): the central
-    ``level`` share of the means of ``resamples`` resamples with replacement."""
-    values = torch.as_tensor(values, dtype=torch.float64).flatten()
-    if values.numel() < 2:
-        raise ValueError(f"{WHO}: a bootstrap interval needs at least 2 values, got "
-                         f"{values.numel()}")
-    generator = torch.Generator().manual_seed(seed)
-    picks = torch.randint(values.numel(), (resamples, values.numel()), generator=generator)
-    means = values[picks].mean(1)
-    tail = (1 - level) / 2
-    low, high = torch.quantile(means, torch.tensor([tail, 1 - tail], dtype=torch.float64))
-    return float(low), float(high)
-
-
-def mean_with_interval(values: torch.Tensor) -> Dict[str, Optional[float]]:
-    """Mean, standard error and bootstrap 95% interval of ``values`` (1-D); None where
-    there are too few values (no mean without values, no spread with one)."""
-    values = torch.as_tensor(values, dtype=torch.float64).flatten()
-    n = int(values.numel())
-    if n < 2:
-        return {"mean": float(values.mean()) if n else None, "se": None,
-                "interval95": None, "n": n}
-    return {"mean": float(values.mean()),
-            "se": float(values.std(unbiased=True) / math.sqrt(n)),
-            "interval95": list(bootstrap_interval(values)), "n": n}
 
 
 def check_traced(heads: Mapping[str, "AttributionHead"], features: str) -> None:

@@ -7,8 +7,7 @@ from typing import Callable
 
 import torch
 
-from ..bench._util import round_ratios
-from ..bench.hf import _Clock
+from ..bench.timing import TokenClock, round_ratios
 from .accuracy import held_out_scenes
 from .demo import DEFAULT_REGIONS
 from .model import load, prompt
@@ -37,19 +36,19 @@ def measure_latency(rounds: int = 7, new_tokens: int = 40, model_dir=None,
     tracer.detach()
 
     def plain():
-        clock = _Clock()
+        clock = TokenClock()
         model.generate(**inputs, **gen, streamer=clock)
         return clock
 
     def traced():
-        clock = _Clock()
+        clock = TokenClock()
         with tracer.attach():
             spans = list(tracer.generate(**inputs, **gen, streamer=clock))
         assert spans[-1].end == new_tokens
         return clock
 
     def callback():
-        clock = _Clock()
+        clock = TokenClock()
         spans = []
         with tracer.attach():
             tracer.generate_with(spans.append, **inputs, **gen, streamer=clock)

@@ -13,6 +13,8 @@ from .world import PROMPT
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 HEAD_FILE = "head.safetensors"
+# The same model trained with the mixer (headscope.hf.use_mixer) in its vision tower.
+MIXER_DIR = DATA_DIR / "mixer"
 
 
 def build_model(processor, seed: int, *, hidden: int = 96, layers: int = 3, heads: int = 4,
@@ -109,6 +111,31 @@ def mixer_rank(path: Path) -> int:
     return ranks.pop() if ranks else 0
 
 
+def _from_pretrained(cls, path: Path, expected: bool):
+    """``cls.from_pretrained(path)`` in eval mode. ``expected``: the checkpoint holds vision
+    mixers, which the model gets back after loading: their keys are not reported as
+    unexpected (transformers' load report is silenced and checked here instead)."""
+    if not expected:
+        return cls.from_pretrained(path).eval()
+    from transformers.utils import logging as tf_logging
+
+    from ..hf.mixer import SUBMODULE
+    verbosity = tf_logging.get_verbosity()
+    tf_logging.set_verbosity_error()
+    try:
+        model, info = cls.from_pretrained(path, output_loading_info=True)
+    finally:
+        tf_logging.set_verbosity(verbosity)
+    wrong = {kind: keys for kind, keys in (
+        ("missing", list(info["missing_keys"])),
+        ("mismatched", [k[0] if isinstance(k, tuple) else k for k in info["mismatched_keys"]]),
+        ("unexpected", [k for k in info["unexpected_keys"] if f".{SUBMODULE}." not in f".{k}"]))
+        if keys}
+    if wrong:
+        raise ValueError(f"headscope.shapes.load: {path} does not match its config: {wrong}")
+    return model.eval()
+
+
 def load(path: Optional[Path] = None, *, head: bool = True):
     """``(model, processor, head)`` of the shapes model in ``path`` (default: the one
     shipped in the package's data folder): the model in eval mode on the CPU, its
@@ -121,8 +148,8 @@ def load(path: Optional[Path] = None, *, head: bool = True):
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"headscope.shapes.load: no model in {path} (config.json "
                                 f"missing); train one with python -m headscope.shapes train")
-    model = tf.Qwen2VLForConditionalGeneration.from_pretrained(path).eval()
     rank = mixer_rank(path)
+    model = _from_pretrained(tf.Qwen2VLForConditionalGeneration, path, expected=rank > 0)
     if rank:
         from ..hf.mixer import use_mixer
         use_mixer(model, rank).load(path)

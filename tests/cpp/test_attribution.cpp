@@ -225,6 +225,54 @@ TEST(Attribution, RegionPoolQKPatterns) {
                         at::cat(per_layer, 2)));
 }
 
+// Chunks counted from an origin before the keys (a key cache past the first chunk): origin
+// -5 puts the chunk boundaries at keys 59, 123, 187, written from the definition; every op
+// of the C++ API takes it.
+TEST(Attribution, RegionPoolQKChunkOrigin) {
+  at::manual_seed(4);
+  const int64_t B = 1, H = 2, Tq = 20, Tk = 200, D = 8, K = 3, chunk = 64, origin = -5;
+  const auto q = at::randn({B, H, Tq, D}, at::kDouble);
+  const auto k = at::randn({B, H, Tk, D}, at::kDouble);
+  const auto w = at::rand({B, Tq}, at::kDouble);
+  const auto rid = random_regions(B, Tk, K);
+  const auto chunk_origin = at::full({B}, origin, at::kLong);
+  const double scale = 0.3;
+  const auto out = headscope::region_pool_qk(q, k, w, rid, K, scale, true, std::nullopt, "sum",
+                                             std::nullopt, chunk, std::nullopt, std::nullopt,
+                                             true, std::nullopt, chunk_origin);
+  const auto first_of = [&](int64_t p) { return p - ((p - origin) % chunk); };  // p > origin
+  auto attn = at::zeros({B, H, Tq, Tk}, at::kDouble);
+  for (int64_t h = 0; h < H; ++h) {
+    auto s = q[0][h].matmul(k[0][h].t()).mul(scale);
+    for (int64_t i = 0; i < Tq; ++i)
+      for (int64_t t = 0; t < Tk; ++t)
+        if (t > i + Tk - Tq || first_of(t) != first_of(i + Tk - Tq)) s[i][t] = -INFINITY;
+    attn[0][h].copy_(at::softmax(s, -1));
+  }
+  expect_close(out, ref_pool(attn, w, rid, K, false), 1e-10);
+  // the queries 180..199 straddle the boundary at 187: from key 0 the chunks differ
+  EXPECT_FALSE(at::allclose(out, headscope::region_pool_qk(q, k, w, rid, K, scale, true,
+                                                           std::nullopt, "sum", std::nullopt,
+                                                           chunk)));
+  EXPECT_TRUE(at::equal(headscope::region_pool_qk_layers({q, q}, {k, k}, w, rid, K,
+                                                         std::vector<double>{scale, scale}, true,
+                                                         std::nullopt, "sum", std::nullopt,
+                                                         std::vector<int64_t>{chunk, 0},
+                                                         std::nullopt, std::nullopt, true,
+                                                         std::nullopt, chunk_origin)
+                            .narrow(2, 0, H),
+                        out));
+  const auto msg = error_of([&] {
+    headscope::region_pool_qk(q, k, w, rid, K, scale, true, std::nullopt, "sum", std::nullopt,
+                              std::nullopt, std::nullopt, std::nullopt, true, std::nullopt,
+                              chunk_origin);
+  });
+  EXPECT_NE(msg.find("headscope::region_pool_qk: argument 'chunk_origin' must come with a "
+                     "'chunk' > 0"),
+            std::string::npos)
+      << msg;
+}
+
 TEST(Attribution, LinearAttribution) {
   at::manual_seed(2);
   const int64_t F = 11;

@@ -1,6 +1,7 @@
 """The benchmarks stay runnable: each family's ``--quick`` run completes in a fresh process
 and reports every section it prints (timings are for reading, never asserted), and
-``headscope.bench.tables`` turns its JSON into the Markdown of docs/performance.md."""
+``headscope.bench.tables`` turns its JSON into the Markdown of docs/performance.md; the
+public timing helpers on known times."""
 from __future__ import annotations
 
 import json
@@ -81,3 +82,17 @@ def test_tables_refuse_other_json(tmp_path):
     run = subprocess.run([sys.executable, "-m", "headscope.bench.tables", str(source)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "is not the output of" in run.stderr
+
+
+def test_token_clock_and_round_ratios():
+    """headscope.bench.timing on known times: the prompt's token, then four decode steps."""
+    from headscope.bench.timing import TokenClock, round_ratios
+    clock = TokenClock()
+    for _ in range(3):
+        clock.put(None)
+    clock.end()
+    assert len(clock.times) == 3 and clock.times == sorted(clock.times)
+    clock.times = [10.0, 11.0, 11.5, 12.5, 13.0]
+    assert clock.per_token() == pytest.approx(0.5)            # median of 0.5, 1.0, 0.5
+    assert clock.mean_per_token() == pytest.approx(2.0 / 3)   # (13 - 11) over 3 steps
+    assert round_ratios([2.0, 9.0, 4.0], [1.0, 3.0, 2.0]) == (2.0, 2.0, 3.0)

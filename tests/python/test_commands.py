@@ -540,26 +540,6 @@ def test_readme_loop_commands_parse():
     assert "tiny_checkpoint('model')" in lines[0] and "tiny_dataset('data'" in lines[0]
 
 
-def test_random_pointing_is_the_exact_expectation():
-    from headscope.commands.metrics import random_pointing, region_centroids
-    # a 2 x 4 token grid in 3 regions: the left column pair, the right column pair of the
-    # top row, everything else; centroids (0.25, 0.5), (0.75, 0.25), (0.75, 0.75)
-    labels = torch.tensor([0, 0, 1, 1,
-                           0, 0, 2, 2])
-    centroids = region_centroids(labels, 2, 4, 3)
-    assert torch.allclose(centroids, torch.tensor([[0.25, 0.5], [0.75, 0.25], [0.75, 0.75]],
-                                                  dtype=torch.float64))
-    cases = [(0, centroids, (0.0, 0.0, 0.5, 1.0)),   # holds region 0: 1/3
-             (1, centroids, (0.5, 0.0, 1.0, 1.0)),   # holds regions 1 and 2: 2/3
-             (2, centroids, (0.9, 0.9, 1.0, 1.0))]   # holds none: 0
-    assert random_pointing(cases) == pytest.approx((1 / 3 + 2 / 3 + 0) / 3, abs=1e-15)
-    # an empty region (NaN centroid) is not one a random pick can land on
-    with_empty = region_centroids(labels, 2, 4, 4)
-    assert torch.isnan(with_empty[3]).all()
-    assert random_pointing([(0, with_empty, (0.0, 0.0, 0.5, 1.0))]) == pytest.approx(1 / 3)
-    assert random_pointing([]) is None
-
-
 def test_figure_centroids_are_the_metric_centroids_in_pixels():
     import numpy as np
     from headscope.shapes.figures import region_centroids as pixel_centroids

@@ -31,8 +31,12 @@ _CASES = {}
 
 
 def _case(family, device="cpu"):
+    """A family's tiny model, or one of test_families_patterns.VARIANTS (a family on
+    another decoder), with its generation."""
     if (family, device) not in _CASES:
-        model = tiny_model(family).to(device)
+        from test_families_patterns import VARIANTS
+        model_type, text = VARIANTS.get(family, (family, None))
+        model = tiny_model(model_type, text_overrides=text).to(device)
         _CASES[family, device] = (model, *_generated(model))
     return _CASES[family, device]
 
@@ -126,7 +130,7 @@ def _reference_effects(model, inputs, sequences, rid, sets, ablation, hole=None)
     ("qwen2_vl", "mean"), ("qwen3_vl", "zero"), ("qwen3_vl", "mean"), ("llava_next", "mask"),
     ("llava_next", "zero"), ("llava_onevision", "mask"), ("mistral3", "mask"),
     ("internvl", "mask"), ("glm4v", "mask"), ("glm4v_moe", "mask"), ("gemma3", "mask"),
-    ("paligemma", "mask")])
+    ("paligemma", "mask"), ("llava_llama4_chunked", "mask")])
 @pytest.mark.parametrize("device", DEVICES)
 def test_batched_effects_equal_one_region_at_a_time(family, ablation, device):
     model, inputs, sequences, rid = _case(family, device)

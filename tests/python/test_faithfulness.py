@@ -11,9 +11,9 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
+from headscope.hf import gradient_scores  # noqa: E402
 from headscope.hf.testing import EOS, image_prompt, tiny_model  # noqa: E402
 from headscope.shapes.faithfulness import affine_r_squared, lds, r_squared  # noqa: E402
-from headscope.shapes.gradient import gradient_scores  # noqa: E402
 
 K = 3
 SPANS = [(0, 2), (2, 5), (5, 6)]
@@ -108,13 +108,13 @@ def test_gradient_matches_the_models_own_forward(case):
 
 def test_gradient_scores_errors_name_it(case):
     model, inputs, sequences, rid = case
-    with pytest.raises(ValueError, match=r"^headscope\.shapes\.gradient_scores: argument "
+    with pytest.raises(ValueError, match=r"^headscope\.hf\.gradient_scores: argument "
                                          r"'region_ids'"):
         gradient_scores(model, inputs, sequences, SPANS, rid[:-1])
-    with pytest.raises(ValueError, match=r"^headscope\.shapes\.gradient_scores: argument "
+    with pytest.raises(ValueError, match=r"^headscope\.hf\.gradient_scores: argument "
                                          r"'spans'\[0\]"):
         gradient_scores(model, inputs, sequences, [(0, 99)], rid)
-    with pytest.raises(ValueError, match=r"^headscope\.shapes\.gradient_scores: argument "
+    with pytest.raises(ValueError, match=r"^headscope\.hf\.gradient_scores: argument "
                                          r"'sequences'"):
         gradient_scores(model, inputs, inputs["input_ids"], SPANS, rid)
 

@@ -16,8 +16,8 @@ from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.regions import region_ids  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
-                                  assert_quarter_colours, quarters, tiny_model,
-                                  tiny_processor)
+                                  assert_quarter_colours, assert_quarters_are_regions,
+                                  quarters, tiny_model, tiny_processor)
 
 IMAGE = "<|begin_of_image|><|image|><|end_of_image|>"
 # (height, width): square, 1:2 wide, 3:1 tall, larger than max_pixels (scaled down),
@@ -127,24 +127,9 @@ def test_each_tokens_pixels_carry_the_colour_of_its_boxes_quarter(model, process
 
 
 def test_grid_regions_give_each_quarter_one_region_through_the_model(model, processor):
-    sizes = ((32, 32), (24, 48), (60, 20))
-    inputs = run_processor(processor, sizes, (1, 1, 1))
-    ids = inputs["input_ids"]
-    with torch.no_grad():
-        plain = model(**inputs).logits
-        with Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
-            assert torch.equal(model(**inputs).logits, plain)
-    assert tr.num_regions == [4, 4, 4]
-    for b in range(len(sizes)):
-        (image,) = tr.images[b]
-        colours = token_colours(model, processor, inputs, b)
-        rid = tr.region_ids[b, image.positions]
-        single = (colours == colours[:, :1]).all(1)
-        by_colour = {}
-        for colour, region in zip(colours[single, 0].tolist(), rid[single].tolist()):
-            assert by_colour.setdefault(colour, region) == region
-        assert by_colour == {0: 0, 1: 1, 2: 2, 3: 3}  # COLOURS and blocks: row-major quarters
-        assert bool((tr.region_ids[b][ids[b] != IMAGE_TOKEN] == -1).all())
+    inputs = run_processor(processor, ((32, 32), (24, 48), (60, 20)), (1, 1, 1))
+    assert_quarters_are_regions(
+        model, inputs, lambda b, image: token_colours(model, processor, inputs, b))
 
 
 def test_generation_keeps_the_prompts_regions(model, processor):

@@ -18,8 +18,9 @@ from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.internvl import IMAGE_END, IMAGE_START  # noqa: E402
 from headscope.hf.regions import region_ids  # noqa: E402
-from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours, quarters,  # noqa: E402
-                                  tiny_model, tiny_processor)
+from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours,  # noqa: E402
+                                  assert_quarters_are_regions, quarters, tiny_model,
+                                  tiny_processor)
 
 TILE = 16  # the tiny processor's tile side in pixels
 MAX_TILES = 6
@@ -154,29 +155,14 @@ def test_each_tokens_pixels_carry_the_colour_of_its_boxes_quarter(model, process
 
 
 def test_grid_regions_give_each_quarter_one_region_in_every_view(model, processor):
-    sizes = ((40, 40), (30, 60), (60, 20))
-    inputs = run_processor(processor, sizes, (1, 1, 1))
-    ids = inputs["input_ids"]
-    with torch.no_grad():
-        plain = model(**inputs).logits
-        with Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
-            assert torch.equal(model(**inputs).logits, plain)
-    assert tr.num_regions == [4, 4, 4]
-    first = 0
-    for b in range(len(sizes)):
-        (image,) = tr.images[b]
-        colours = colours_at(model, processor, inputs, b, first, image.positions)
-        first += len(image.positions) // 4
-        rid = tr.region_ids[b, image.positions]
-        single = (colours == colours[:, :1]).all(1)
-        names = [v.name for v in image.views for _ in range(len(v.positions))]
-        seen = {}
-        for colour, region, name in zip(colours[single, 0].tolist(), rid[single].tolist(),
-                                        [n for n, s in zip(names, single.tolist()) if s]):
-            assert region == colour, (name, colour, region)  # COLOURS and blocks row-major
-            seen.setdefault(name, set()).add(colour)
-        assert seen["thumbnail"] == {0, 1, 2, 3} and seen["tile"] == {0, 1, 2, 3}
-        assert bool((tr.region_ids[b][ids[b] != IMAGE_TOKEN] == -1).all())
+    inputs = run_processor(processor, ((40, 40), (30, 60), (60, 20)), (1, 1, 1))
+    # each picture's first tile in pixel_values: the tiles (4 tokens each) before it
+    tiles = [len(image.positions) // 4
+             for (image,) in family_of(model).images(model.config, inputs)]
+    first = [sum(tiles[:b]) for b in range(len(tiles))]
+    tr = assert_quarters_are_regions(model, inputs, lambda b, image: colours_at(
+        model, processor, inputs, b, first[b], image.positions))
+    assert {v.name for (image,) in tr.images for v in image.views} == {"thumbnail", "tile"}
 
 
 def test_ward_regions_cluster_on_the_stitched_tiles(model, processor):

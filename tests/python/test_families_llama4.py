@@ -6,8 +6,8 @@ boxes say; grid_regions giving each quarter's tokens of every view one region.
 
 The tracing contract (tests/python/test_hf.py) is expected to fail for llama4 for now: in
 transformers 5.24 Llama4ForConditionalGeneration.forward itself raises (it reads
-image_outputs off its language model's output), and the Tracer does not take the text
-model's chunked attention layers yet."""
+image_outputs off its language model's output). Its text decoder's chunked and NoPE layers
+meet the contract behind LLaVA (test_families_patterns.py)."""
 from __future__ import annotations
 
 import pytest

@@ -16,8 +16,9 @@ from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.regions import region_ids  # noqa: E402
 from headscope.hf.families.mistral3 import IMAGE_BREAK, IMAGE_END  # noqa: E402
-from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours, quarters,  # noqa: E402
-                                  tiny_model, tiny_processor)
+from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours,  # noqa: E402
+                                  assert_quarters_are_regions, quarters, tiny_model,
+                                  tiny_processor)
 
 # (height, width) of the pictures given to the processor: square, 2:1 wide, 1:3 tall
 # (rounded up to multiples of 8 pixels: 8 x 3 tokens), larger than the longest edge (scaled
@@ -169,25 +170,9 @@ def test_each_tokens_pixels_carry_the_colour_of_its_boxes_quarter(model, process
 
 
 def test_grid_regions_give_each_quarter_one_region_through_the_model(model, processor):
-    sizes = ((64, 64), (32, 64), (60, 20))
-    inputs = run_processor(processor, sizes, (1, 1, 1))
-    ids = inputs["input_ids"]
-    with torch.no_grad():
-        plain = model(**inputs).logits
-        with Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
-            assert torch.equal(model(**inputs).logits, plain)
-    assert tr.num_regions == [4, 4, 4]
-    for b, size in enumerate(sizes):
-        (image,) = tr.images[b]
-        colours = colours_at(model, processor, inputs, b, b, image.positions)
-        rid = tr.region_ids[b, image.positions]
-        single = (colours == colours[:, :1]).all(1)  # tokens reading one colour only
-        assert bool(single.any())
-        by_colour = {}
-        for colour, region in zip(colours[single, 0].tolist(), rid[single].tolist()):
-            assert by_colour.setdefault(colour, region) == region
-        assert by_colour == {0: 0, 1: 1, 2: 2, 3: 3}  # COLOURS and blocks: row-major quarters
-        assert bool((tr.region_ids[b][ids[b] != IMAGE_TOKEN] == -1).all())
+    inputs = run_processor(processor, ((64, 64), (32, 64), (60, 20)), (1, 1, 1))
+    assert_quarters_are_regions(model, inputs, lambda b, image: colours_at(
+        model, processor, inputs, b, b, image.positions))
 
 
 def test_plain_generate_reads_the_grids_off_input_ids(model, processor):

@@ -1,11 +1,10 @@
-"""The head-against-raw-baselines evaluation: its seed ranges, the bootstrap interval on
-known cases, the paired per-image LDS on hand-made records (one head and one baseline, and
-several of each), the exclusion of special-token-only spans, the traced feature set that
-follows the heads, and the command end to end on the shipped model."""
+"""The head-against-raw-baselines evaluation: its seed ranges, the paired per-image LDS on
+hand-made records (one head and one baseline, and several of each), the exclusion of
+special-token-only spans, the traced feature set that follows the heads, and the command
+end to end on the shipped model."""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -14,8 +13,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 from headscope.hf import special_only  # noqa: E402
 from headscope.shapes.head_eval import (  # noqa: E402
-    RANGE_SIZE, SEED_RANGES, bootstrap_interval, check_traced, head_labels,
-    mean_with_interval, range_scenes, summarise)
+    RANGE_SIZE, SEED_RANGES, check_traced, head_labels, range_scenes, summarise)
 
 
 def test_seed_ranges_are_disjoint_from_every_other_use():
@@ -33,26 +31,6 @@ def test_seed_ranges_are_disjoint_from_every_other_use():
         range_scenes("test", 5)
     with pytest.raises(ValueError, match="'count'"):
         range_scenes("dev", 0)
-
-
-def test_bootstrap_interval_of_a_known_mean():
-    values = 0.3 + torch.randn(400, generator=torch.Generator().manual_seed(1),
-                               dtype=torch.float64)
-    low, high = bootstrap_interval(values)
-    mean, half = float(values.mean()), 1.96 * float(values.std()) / math.sqrt(400)
-    assert low < mean < high
-    # the normal-theory interval, to the bootstrap's resampling error
-    assert abs(low - (mean - half)) < 0.02 and abs(high - (mean + half)) < 0.02
-    assert bootstrap_interval(torch.full((10,), 0.25)) == pytest.approx((0.25, 0.25))
-    assert bootstrap_interval(values) == bootstrap_interval(values)  # seeded
-    m = mean_with_interval(values)
-    assert m["n"] == 400 and m["mean"] == pytest.approx(mean)
-    assert m["se"] == pytest.approx(float(values.std()) / 20)
-    with pytest.raises(ValueError, match="at least 2"):
-        bootstrap_interval(torch.tensor([1.0]))
-    assert mean_with_interval(torch.tensor([0.5])) == {"mean": 0.5, "se": None,
-                                                      "interval95": None, "n": 1}
-    assert mean_with_interval(torch.tensor([]))["mean"] is None
 
 
 def test_special_only_spans():

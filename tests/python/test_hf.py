@@ -28,8 +28,9 @@ EXPECTED_FAILURES = {
     "llama4": pytest.mark.xfail(
         raises=AttributeError, strict=True,
         reason="transformers 5.24's Llama4ForConditionalGeneration.forward reads "
-               "image_outputs off its language model's output and raises; past that, the "
-               "Tracer does not take chunked attention layers yet (docs/hf.md)"),
+               "image_outputs off its language model's output and raises (docs/hf.md; its "
+               "text decoder's chunked and NoPE layers are traced behind LLaVA in "
+               "test_families_patterns.py)"),
 }
 
 
@@ -425,19 +426,23 @@ def _value_norm_reference(model_eager, inputs, rid, rows: slice, K):
     return torch.cat(features, dim=-1)
 
 
-@pytest.mark.parametrize("family_name", ["qwen2_vl", "gemma3"])  # causal; sliding + full
+# causal; sliding + full; chunked + full (test_families_patterns.VARIANTS: LLaVA on Llama 4's
+# text decoder)
+@pytest.mark.parametrize("family_name", ["qwen2_vl", "gemma3", "llava_llama4_chunked"])
 def test_value_norm_span_features_equal_eager_float64_reference(family_name):
     """Span features with features="attention*value_norm" equal eager attentions times the
     value norms of the model's own value projections, in float64; "both" is the attention
     block (the default tracer's features, bit for bit) then that one. Gemma 3's sliding
-    layers are pooled at each step against the keys their cache still holds, over spans
-    that outgrow the window. Three layers: Gemma 3's projector starts at zero, so its image
-    tokens enter the first layer as zeros (value norm 0) and only the third layer is a
-    sliding one that sees them otherwise."""
+    and Llama 4's chunked layers are pooled at each step against the keys their cache still
+    holds, over spans that outgrow the window or cross chunks. Three layers: Gemma 3's
+    projector starts at zero, so its image tokens enter the first layer as zeros (value
+    norm 0) and only the third layer is a sliding one that sees them otherwise."""
+    from test_families_patterns import VARIANTS
+    family_name, text = VARIANTS.get(family_name, (family_name, None))
     L, H = 3, 4
-    model = tiny_model(family_name, layers=L, heads=H)
+    model = tiny_model(family_name, layers=L, heads=H, text_overrides=text)
     eager = tiny_model(family_name, layers=L, heads=H, attn_implementation="eager",
-                       dtype=torch.float64)
+                       dtype=torch.float64, text_overrides=text)
     inputs = _prompt(model, batch=2)
     n = 10
     gen = dict(max_new_tokens=n, do_sample=False, eos_token_id=None)
@@ -456,6 +461,10 @@ def test_value_norm_span_features_equal_eager_float64_reference(family_name):
                                                        value=1))
     full.update(_continued(model, inputs, n))
     rid = torch.nn.functional.pad(prompt_rid, (0, n), value=-1)
+    # the last layer whose span rows see image keys: chunked layers see only the answer's
+    # chunks, past the image
+    types = getattr(model.config.get_text_config(), "layer_types", None) or [""] * L
+    seeing = max(layer for layer in range(L) if types[layer] != "chunked_attention")
     weighted = spans["attention*value_norm"]
     assert [(s.batch_index, s.start, s.end) for s in weighted] == \
         [(b, 0, 4) for b in range(2)] + [(b, 4, 8) for b in range(2)] + \
@@ -469,8 +478,8 @@ def test_value_norm_span_features_equal_eager_float64_reference(family_name):
                                      rows, K)[0]
         assert s.features.shape == plain.features.shape == (k, L * H)
         torch.testing.assert_close(s.features.double(), want[:k], atol=1e-5, rtol=1e-5)
-        if s.start == 0:  # the last layer's rows saw image keys (in Gemma's window too)
-            assert s.features[:, -H:].abs().max() > 1e-3
+        if s.start == 0:  # that layer's rows saw image keys (in Gemma's window too)
+            assert s.features[:, seeing * H:(seeing + 1) * H].abs().max() > 1e-3
         assert not torch.allclose(s.features, plain.features, atol=1e-3)  # norms matter
         assert both.features.shape == (k, 2 * L * H)
         assert torch.equal(both.features, torch.cat([plain.features, s.features], dim=1))

@@ -324,3 +324,17 @@ def test_bfloat16_model():
             assert all(p.dtype == torch.float32 for _, p in handle.named_parameters())
             mixer_error = error()
     assert 0 < mixer_error <= 1.5 * softmax_error
+
+
+def test_a_model_dropped_without_undo_leaves_no_state_behind():
+    import gc
+
+    from headscope.hf import mixer as mixer_module
+    model = tiny_model("qwen2_vl")
+    use_mixer(model, rank=RANK)
+    keys = {id(m.config) for m in mixer_module.vision_attention_modules(model)}
+    assert keys <= mixer_module._BASE.keys()
+    del model
+    gc.collect()
+    # a later config that happens to get a freed id must not look swapped already
+    assert not keys & mixer_module._BASE.keys()

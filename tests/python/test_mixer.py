@@ -145,6 +145,34 @@ def test_kl_project_matches_seed_prediction_1():
             np.testing.assert_allclose(out[2].numpy(), z, rtol=0, atol=1e-12)
 
 
+def column_offset_problem(seed, n=64, r=6):
+    """Log-references whose columns differ in level (as a trained mixer's do): some columns
+    are nearly empty in both factors, where the dual objective is flat."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(n, r, generator=g, dtype=torch.float64) * 2
+                 + torch.randn(r, generator=g, dtype=torch.float64) * 3 for _ in range(2))
+
+
+def test_kl_project_never_steps_up_the_dual_into_a_flat_region(device):
+    # The reference's rule (squared gradient norm only) takes steps here that raise the dual
+    # objective into a region where softmax rows saturate, and stalls there (next test);
+    # refusing steps that raise the dual converges in 6 iterations.
+    a, b = column_offset_problem(5)
+    out = [t.cpu() for t in ops.kl_project(a.to(device), b.to(device), 1e-11, 80)]
+    assert out[4].item() <= 1e-11 and out[3].item() == 6
+    assert kkt_violation(a, b, out) <= 1e-11
+    for seed in range(40):  # the same family of problems converges throughout
+        a, b = column_offset_problem(seed)
+        assert ops.kl_project(a.to(device), b.to(device), 1e-11, 80)[4].item() <= 1e-11, seed
+
+
+def test_kl_project_reference_stalls_where_the_op_converges():
+    reference = load_seed("kl_projection_reference")
+    a, b = column_offset_problem(5)
+    U, V, z, its, res, _ = reference.project(np.exp(a.numpy()), np.exp(b.numpy()))
+    assert res > 1.0 and its < 80  # stalled: the line search found no step
+
+
 @pytest.mark.parametrize("n,r", [(16, 2), (64, 4), (128, 8), (300, 16), (50, 1)])
 def test_kl_project_solves_the_projection(device, n, r):
     a, b = random_problem((3, n, r), seed=n + r)

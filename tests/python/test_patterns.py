@@ -33,6 +33,12 @@ def two_blocks(B, T, gen, device="cpu"):
     return ids.to(device)
 
 
+def chunk_origins(B, T, gen):
+    """Where each row's chunks start: drawn before the keys (a cache past the first chunk),
+    among them or past them."""
+    return torch.randint(-3 * T, 3 * T, (B,), generator=gen)
+
+
 # name -> pattern keyword arguments for a sequence of T keys (blocks drawn per call)
 PATTERNS = {
     "window": lambda T, B, gen: dict(window=37),
@@ -41,6 +47,7 @@ PATTERNS = {
     "blocks": lambda T, B, gen: dict(block_ids=two_blocks(B, T, gen)),
     "window_blocks": lambda T, B, gen: dict(window=20, block_ids=two_blocks(B, T, gen)),
     "chunk_blocks": lambda T, B, gen: dict(chunk=T // 5, block_ids=two_blocks(B, T, gen)),
+    "chunk_origin": lambda T, B, gen: dict(chunk=50, chunk_origin=chunk_origins(B, T, gen)),
     "softcap": lambda T, B, gen: dict(softcap=2.5),
     "all": lambda T, B, gen: dict(window=45, chunk=70, block_ids=two_blocks(B, T, gen),
                                   softcap=4.0),
@@ -50,6 +57,9 @@ PATTERNS = {
     "all_unbounded_blocks": lambda T, B, gen: dict(window=45, chunk=70,
                                                    block_ids=two_blocks(B, T, gen), softcap=4.0,
                                                    window_bounds_blocks=False),
+    "all_chunk_origin": lambda T, B, gen: dict(window=45, chunk=70,
+                                               chunk_origin=chunk_origins(B, T, gen),
+                                               block_ids=two_blocks(B, T, gen), softcap=4.0),
 }
 
 
@@ -59,12 +69,14 @@ def on(device, pattern):
 
 # ---- the definition: transformers' masking_utils ------------------------------------------
 
-def transformers_mask(B, Tq, Tk, causal, window, chunk, block_ids, pad, window_bounds_blocks):
+def transformers_mask(B, Tq, Tk, causal, window, chunk, block_ids, pad, window_bounds_blocks,
+                      chunk_origin=None):
     """The mask transformers builds, from its own mask functions: Gemma 3's
     and(sliding_window_overlay, or(causal, blockwise_overlay)) (create_masks_for_vision_model),
     or PaliGemma 2's or(and(sliding_window_overlay, causal), blockwise_overlay)
     (create_sliding_window_causal_mask with block_sequence_ids), Llama 4's chunked_overlay
-    with left padding, AND padding; queries at cache positions Tk - Tq + i."""
+    with left padding (chunk_origin: chunks counted from it instead), AND padding; queries
+    at cache positions Tk - Tq + i."""
     mu = pytest.importorskip("transformers.masking_utils")
     fn = mu.causal_mask_function if causal else mu.bidirectional_mask_function
     blocks = block_ids is not None and causal
@@ -75,7 +87,8 @@ def transformers_mask(B, Tq, Tk, causal, window, chunk, block_ids, pad, window_b
     if chunk:
         am = torch.ones(B, Tk, dtype=torch.long) if pad is None else (~pad).long()
         left = (am.cumsum(dim=-1) == torch.zeros_like(am)).sum(dim=-1)  # as create_chunked_causal_mask
-        fn = mu.and_masks(mu.chunked_overlay(chunk, left), fn)
+        fn = mu.and_masks(mu.chunked_overlay(chunk, left if chunk_origin is None
+                                             else chunk_origin), fn)
     if blocks and not window_bounds_blocks:
         fn = mu.or_masks(fn, mu.blockwise_overlay(block_ids))
     if pad is not None:
@@ -99,12 +112,36 @@ def test_pattern_mask_is_transformers_mask(name, causal, Tq):
     pad[1, 40:43] = True
     got = headscope.pattern_mask(Tq, Tk, causal=causal, key_padding_mask=pad, **pattern)
     want = transformers_mask(B, Tq, Tk, causal, pattern.get("window"), pattern.get("chunk"),
-                             pattern.get("block_ids"), pad, pattern.get("window_bounds_blocks", True))
+                             pattern.get("block_ids"), pad, pattern.get("window_bounds_blocks", True),
+                             pattern.get("chunk_origin"))
     assert torch.equal(got, want)
     if Tq == Tk:  # the pattern matters (a window past T does not, nor blocks without causal)
         plain = headscope.pattern_mask(Tq, Tk, causal=causal, key_padding_mask=pad)
         same = name in ("window_past_T", "softcap") or (name == "blocks" and not causal)
         assert torch.equal(got, plain) == same
+
+
+@pytest.mark.parametrize("Tq", [1, 5, 40])
+def test_chunk_origin_is_transformers_chunks_over_a_cache(Tq):
+    """Over a key cache that holds absolute positions [kv_offset, kv_offset + Tk) (a
+    chunked layer's cache in decode keeps the last chunk - 1 keys), transformers' chunks
+    (chunked_overlay counting from each row's left padding, in absolute positions) are the
+    ops' chunks with chunk_origin = left_padding - kv_offset, whatever the offset."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    chunk, Tk = 8, 40
+    left = torch.tensor([0, 3, 11])
+    for kv_offset in (0, 2, 7, 13, 64, 101):
+        fn = mu.and_masks(mu.chunked_overlay(chunk, left), mu.causal_mask_function)
+        b = torch.arange(3)[:, None, None]
+        qi = (torch.arange(Tq) + kv_offset + Tk - Tq)[None, :, None]
+        kv = (torch.arange(Tk) + kv_offset)[None, None, :]
+        want = fn(b, torch.zeros(()), qi, kv).expand(3, Tq, Tk)
+        got = headscope.pattern_mask(Tq, Tk, batch=3, chunk=chunk,
+                                     chunk_origin=left - kv_offset)
+        assert torch.equal(got, want), kv_offset
+        if kv_offset % chunk:  # the chunks counted from the cache's first key differ
+            assert not torch.equal(headscope.pattern_mask(Tq, Tk, batch=3, chunk=chunk,
+                                                          key_padding_mask=None), want)
 
 
 def test_window_keeps_one_meaning_during_decode():
@@ -191,15 +228,61 @@ def test_keys_no_query_sees_are_never_read(device):
     k = k.to(device)
     w = torch.ones(B, Tq, device=device)
     rid = random_regions(B, Tk, K, gen, device=device)
-    for pattern in (dict(window=100), dict(chunk=100)):
+    # chunks of 100 from key 0, or from key -3 (a cache past the first chunk): the queries'
+    # chunks start at 300 and at 297, 397
+    for pattern in (dict(window=100), dict(chunk=100),
+                    dict(chunk=100, chunk_origin=torch.tensor([-3], device=device))):
         out = headscope.region_pool_qk(q, k, w, rid, K, None, True, None, "sum", **pattern)
         assert torch.isfinite(out).all()
         kk = torch.nan_to_num(k.cpu())
         torch.testing.assert_close(out.cpu().double(),
                                    ref_pool(q.cpu(), kk, w.cpu(), rid.cpu(), K, D ** -0.5, True,
-                                            None, "sum", pattern), rtol=1e-5, atol=1e-6)
+                                            None, "sum", on("cpu", pattern)),
+                                   rtol=1e-5, atol=1e-6)
     # without the window the NaN keys are seen: NaN features
     assert torch.isnan(headscope.region_pool_qk(q, k, w, rid, K)).all()
+
+
+def test_only_the_chunk_origin_modulo_chunk_matters(device):
+    """chunk_origin o and o + m * chunk give the same chunks, bitwise the same results in
+    every op, for any m: origins at the ends of int64 do not overflow; o + 1 moves every
+    chunk boundary and changes the results."""
+    gen = torch.Generator().manual_seed(15)
+    B, H, Hkv, T, D, K, chunk = 2, 4, 2, 90, 8, 4, 16
+    q = torch.randn(B, H, T, D, generator=gen).to(device)
+    k = torch.randn(B, Hkv, T, D, generator=gen).to(device)
+    V = torch.randn(B, H, T, 6, generator=gen).to(device)
+    lengths = torch.tensor([T, T - 7], device=device)
+    w = (torch.rand(B, T, generator=gen) + 0.1).to(device)
+    rid = random_regions(B, T, K, gen, device=device)
+    pad = torch.zeros(B, T, dtype=torch.bool, device=device)
+    pad[1, :9] = True
+    base = torch.tensor([-5, 37])
+    big = (2 ** 63 - 1) // chunk * chunk  # a multiple of chunk near the end of int64
+
+    def run(origin):
+        o = origin.to(device)
+        return (headscope.region_pool_qk(q, k, w, rid, K, None, True, pad, chunk=chunk,
+                                         chunk_origin=o),
+                headscope.region_pool_qk_layers([q, q], [k, k], w, rid, K, None, True, pad,
+                                                chunk=[chunk, 0], chunk_origin=o),
+                headscope.vas_head_stats_qk(q, k, V, lengths, None, True, None, pad,
+                                            chunk=chunk, chunk_origin=o))
+
+    ends = [-2 ** 63, 2 ** 63 - 1]
+    for origin, same in ((base + 7 * chunk, base), (base - 300 * chunk, base),
+                         (base + big, base), (base - big - chunk, base),
+                         (torch.tensor(ends), torch.tensor([e % chunk for e in ends]))):
+        for got, want in zip(run(origin), run(same)):
+            assert torch.equal(got, want), origin
+    want = run(base)
+    for got, ref_out in zip(run(base + 1), want):
+        assert not torch.equal(got, ref_out)
+    # and each op is the materialised reference at that origin
+    torch.testing.assert_close(want[0].double(), ref_pool(q, k, w, rid, K, D ** -0.5, True, pad,
+                                                          "sum", dict(chunk=chunk,
+                                                                      chunk_origin=base.to(device))),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_softcap_of_an_infinite_logit_is_nan(device):
@@ -292,7 +375,8 @@ def test_the_two_compositions_differ_only_past_the_window():
     assert not (gemma & ~pali).any() and (pali & ~gemma).any()
 
 
-@pytest.mark.parametrize("name", ["window", "all", "blocks", "all_unbounded_blocks"])
+@pytest.mark.parametrize("name", ["window", "all", "blocks", "all_unbounded_blocks",
+                                  "all_chunk_origin"])
 def test_vas_head_stats_qk_pattern_whole_heads_and_chunked_paths(name):
     """Whole heads per thread (each tile row of A held for its pairs) and heads split into
     chunks (every tile recomputed): both skip the tiles the pattern leaves empty."""
@@ -367,6 +451,17 @@ BAD_PATTERNS = [
     (dict(block_ids=torch.zeros(2, 10, dtype=torch.long)), r"'block_ids' must have size 1 in dimension 0"),
     (dict(block_ids=torch.zeros(1, 10, dtype=torch.long), window_bounds_blocks=False, window=-2),
      r"'window' must be >= 0"),
+    (dict(chunk=4, chunk_origin=torch.zeros(1, dtype=torch.int32)),
+     r"'chunk_origin' must have dtype Long"),
+    (dict(chunk=4, chunk_origin=torch.zeros(1, 1, dtype=torch.long)),
+     r"'chunk_origin' must have 1 dimensions"),
+    (dict(chunk=4, chunk_origin=torch.zeros(2, dtype=torch.long)),
+     r"'chunk_origin' must have size 1 in dimension 0"),
+    (dict(chunk_origin=torch.zeros(1, dtype=torch.long)),
+     r"'chunk_origin' must come with a 'chunk' > 0 \(it says where each row's chunks start\), "
+     r"got no chunk"),
+    (dict(chunk=0, window=3, chunk_origin=torch.zeros(1, dtype=torch.long)),
+     r"'chunk_origin' must come with a 'chunk' > 0"),
 ]
 
 
@@ -414,6 +509,7 @@ def _pattern_samples(device):
     qv = torch.randn(B, H, Tk, D, generator=gen).to(device)
     V = torch.randn(B, H, Tk, 6, generator=gen).to(device)
     lengths = torch.tensor([Tk, Tk - 5], device=device)
+    origin = torch.tensor([-21, Tk + 5], device=device)
     return [
         (OPS.region_pool_qk.default, (q, k, w, rid, K, 0.3, True, None, "sum", 8, 16, ids, 2.0)),
         (OPS.region_pool_qk.default, (q, k, w, rid, K, 0.3, True, None, "sum", 8, 16, ids, 2.0,
@@ -424,6 +520,13 @@ def _pattern_samples(device):
                                          3.0)),
         (OPS.vas_head_stats_qk.default, (qv, k, V, lengths, 0.3, True, None, None, 9, None, ids,
                                          None, False)),
+        # chunks over a cache past their origin (negative) and counted from past the keys
+        (OPS.region_pool_qk.default, (q, k, w, rid, K, 0.3, True, None, "sum", None, 16, ids,
+                                      None, True, None, origin)),
+        (OPS.region_pool_qk_layers.default, ([q, q], [k, k], w, rid, K, None, True, None, "sum",
+                                             [8, 0], [0, 16], ids, 2.0, True, None, origin)),
+        (OPS.vas_head_stats_qk.default, (qv, k, V, lengths, 0.3, True, None, None, 9, 20, ids,
+                                         3.0, True, origin)),
     ]
 
 
@@ -439,14 +542,16 @@ def test_compile_with_patterns_dynamic_sizes():
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
 
-    def fn(q, k, w, rid, ids, qv, V, lengths):
+    def fn(q, k, w, rid, ids, qv, V, lengths, origin):
         pooled = headscope.region_pool_qk(q, k, w, rid, 4, None, True, None, "sum", 16, None, ids,
                                           3.0)
         layers = headscope.region_pool_qk_layers([q, q], [k, k], w, rid, 4, window=[16, 0],
                                                  block_ids=ids, window_bounds_blocks=False)
         stats = headscope.vas_head_stats_qk(qv, k, V, lengths, window=16, chunk=32, block_ids=ids,
-                                            softcap=3.0)
-        return pooled, layers, stats
+                                            softcap=3.0, chunk_origin=origin)
+        chunked = headscope.region_pool_qk_layers([q, q], [k, k], w, rid, 4, chunk=[0, 8],
+                                                  chunk_origin=origin)
+        return pooled, layers, stats, chunked
 
     compiled = torch.compile(fn, backend=counter, dynamic=True, fullgraph=True)
     gen = torch.Generator().manual_seed(14)
@@ -456,7 +561,8 @@ def test_compile_with_patterns_dynamic_sizes():
         ids = two_blocks(1, Tk, gen)
         qv, V = torch.randn(1, 4, Tk, 8, generator=gen), torch.randn(1, 4, Tk, 5, generator=gen)
         lengths = torch.tensor([Tk])
-        args = (q, k, w, rid, ids, qv, V, lengths)
+        origin = torch.tensor([5 - Tk])  # a key cache past the first chunk
+        args = (q, k, w, rid, ids, qv, V, lengths, origin)
         for got, want in zip(compiled(*args), fn(*args)):
             torch.testing.assert_close(got, want)
     assert counter.frame_count == 1

@@ -297,6 +297,82 @@ def test_training_resumes_to_the_same_weights(tmp_path):
         train(tmp_path / "other", replace(settings, lr=1e-4), progress=False)
 
 
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """Two tiny trained models: softmax and rank-3 mixer vision attention."""
+    from headscope.shapes.train import Settings, train
+    torch.set_num_threads(1)
+    folders = {}
+    for name, rank in (("softmax", 0), ("mixer", 3)):
+        folders[name] = tmp_path_factory.mktemp(name)
+        folders[f"{name}_report"] = train(folders[name], Settings(**TINY, mixer_rank=rank),
+                                          eval_scenes=2, progress=False)
+    return folders
+
+
+def test_training_with_vision_mixers_saves_and_loads_them(tiny_pair):
+    from headscope.hf.mixer import SUBMODULE
+    from headscope.shapes.model import mixer_rank
+    folder, report = tiny_pair["mixer"], tiny_pair["mixer_report"]
+    assert report["settings"]["mixer_rank"] == 3 and mixer_rank(folder) == 3
+    assert mixer_rank(tiny_pair["softmax"]) == 0 and mixer_rank(DATA_DIR) == 0
+    saved = {k: v for k, v in _weights(folder).items() if SUBMODULE in k}
+    assert len(saved) == 2 * report["settings"]["vision_depth"]  # w_q, w_k of every layer
+    model, processor, _ = shapes.load(folder)
+    assert model.config.vision_config._attn_implementation == SUBMODULE
+    loaded = {n: p for n, p in model.named_parameters() if SUBMODULE in n}
+    assert len(loaded) == len(saved)
+    for name, param in loaded.items():
+        key = next(k for k in saved if f".{name}".endswith(f".{k}"))
+        assert torch.equal(param, saved[key])
+    # the swapped tower is the one that runs: without its mixers the logits move
+    from headscope.shapes.accuracy import held_out_scenes
+    _, image, _ = held_out_scenes(1)[0]
+    inputs = shapes.prompt(processor, image)
+    with torch.no_grad():
+        mixed = model(**inputs).logits
+        for block in model.model.visual.blocks:
+            block.attn._modules.pop(SUBMODULE)
+        plain = model(**inputs).logits
+    assert not torch.allclose(mixed, plain, atol=1e-4)
+
+
+def test_loading_a_mixer_model_refuses_a_checkpoint_missing_weights(tiny_pair, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+    for path in tiny_pair["mixer"].iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    weights = _weights(tmp_path)
+    dropped = next(k for k in weights if "visual.merger" in k)
+    save_file({k: v for k, v in weights.items() if k != dropped}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="does not match its config.*missing"):
+        shapes.load(tmp_path)
+
+
+def test_mixer_comparison_and_projection_sweep(tiny_pair):
+    from headscope.shapes.mixer_eval import compare_models, projection_sweep, table
+    compared = compare_models(3, softmax_dir=tiny_pair["softmax"], mixer_dir=tiny_pair["mixer"])
+    assert set(compared) == {"1-4", "5-9"}
+    for row in compared.values():
+        assert row["softmax"]["count"] == row["mixer"]["count"] == 3
+        assert row["exact_difference"]["mean"] == pytest.approx(
+            row["mixer"]["exact"] - row["softmax"]["exact"])
+        for name in ("softmax", "mixer"):
+            low, high = row[name]["exact_interval95"]
+            assert 0 <= low <= row[name]["exact"] <= high <= 1
+    assert compared["5-9"]["seeds"][0] == compared["1-4"]["seeds"][0] == 1_006_000_000
+    settings = ((1, 1e-10), (50, 1e-10))
+    sweep = projection_sweep(2, rounds=1, softmax_dir=tiny_pair["softmax"],
+                             mixer_dir=tiny_pair["mixer"], settings=settings)
+    assert [(r["max_iter"], r["tol"]) for r in sweep["settings"]] == list(settings)
+    assert all(r["tower_ms_per_image"] > 0 and r["tower_vs_softmax"] > 0
+               for r in sweep["settings"])
+    text = table(compared, sweep)
+    assert text.count("\n| 1 | 1e-10 |") == 1 and "| 5-9 | 3 |" in text
+
+
 def test_training_finished_early_keeps_the_schedule(tmp_path):
     from headscope.shapes.train import STATE_FILE, Settings, train
     torch.set_num_threads(1)

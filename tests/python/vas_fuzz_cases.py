@@ -33,8 +33,9 @@ def relayout(x: torch.Tensor, rng: random.Random) -> torch.Tensor:
 
 def random_pattern(B: int, T: int, rng: random.Random) -> dict:
     """An attention pattern of the qk op, each part drawn with probability 1/3: a sliding
-    window, chunks, bidirectional blocks (1 to 3 per row, any lengths, ids reused so that a
-    block may have gaps; bounded by the window or not) and a logit soft cap."""
+    window, chunks (half of them from a drawn origin, before, among or past the keys),
+    bidirectional blocks (1 to 3 per row, any lengths, ids reused so that a block may have
+    gaps; bounded by the window or not) and a logit soft cap."""
     p = {}
     if rng.random() < 1 / 3:
         p["window"] = rng.randint(1, T + 3)
@@ -51,6 +52,8 @@ def random_pattern(B: int, T: int, rng: random.Random) -> dict:
         p["softcap"] = rng.choice([0.5, 2.0, 30.0])
     if "block_ids" in p and rng.random() < 0.5:
         p["window_bounds_blocks"] = False
+    if "chunk" in p and rng.random() < 0.5:  # chunks from anywhere (a key cache past them)
+        p["chunk_origin"] = torch.tensor([rng.randint(-3 * T, 3 * T) for _ in range(B)])
     return p
 
 

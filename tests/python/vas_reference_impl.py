@@ -111,11 +111,13 @@ def attention_from_qk(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bo
                       window: Optional[int] = None, chunk: Optional[int] = None,
                       block_ids: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
                       window_bounds_blocks: bool = True,
+                      chunk_origin: Optional[torch.Tensor] = None,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) with grouped-query heads, in dtype (float32
     unless asked); keys where the (B, T) key_padding_mask is True are left out (a row with
-    no key left is zero). The attention pattern (window, chunk, block_ids, softcap) is
-    materialised by headscope.pattern_mask, queries aligned with the last keys."""
+    no key left is zero). The attention pattern (window, chunk, block_ids, softcap,
+    chunk_origin) is materialised by headscope.pattern_mask, queries aligned with the last
+    keys."""
     q, k = q.to(dtype), k.to(dtype)
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, dim=1)
@@ -127,7 +129,8 @@ def attention_from_qk(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bo
         from headscope import pattern_mask
         keep = pattern_mask(Tq, Tk, batch=q.shape[0], causal=causal, window=window, chunk=chunk,
                             block_ids=block_ids, key_padding_mask=key_padding_mask,
-                            window_bounds_blocks=window_bounds_blocks, device=q.device)
+                            window_bounds_blocks=window_bounds_blocks,
+                            chunk_origin=chunk_origin, device=q.device)
         logits = logits.masked_fill(~keep[:, None], float("-inf"))
     elif causal:
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).triu(Tk - Tq + 1)

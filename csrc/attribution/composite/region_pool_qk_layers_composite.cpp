@@ -22,10 +22,11 @@ at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
                                  at::OptionalIntArrayRef chunk,
                                  const std::optional<at::Tensor>& block_ids,
                                  std::optional<double> softcap, bool window_bounds_blocks,
-                                 std::optional<at::TensorList> key_weights) {
+                                 std::optional<at::TensorList> key_weights,
+                                 const std::optional<at::Tensor>& chunk_origin) {
   check_region_pool_qk_layers_args(q, k, query_weights, region_ids, num_regions, scale,
                                    key_padding_mask, reduce, window, chunk, block_ids, softcap,
-                                   key_weights);
+                                   key_weights, chunk_origin);
   std::vector<at::Tensor> layers;
   layers.reserve(q.size());
   for (size_t l = 0; l < q.size(); ++l)
@@ -34,7 +35,9 @@ at::Tensor region_pool_qk_layers(at::TensorList q, at::TensorList k,
         scale.has_value() ? std::optional<double>((*scale)[l]) : std::nullopt, causal,
         key_padding_mask, reduce, layer_length(window, l), layer_length(chunk, l), block_ids,
         softcap, window_bounds_blocks,
-        key_weights.has_value() ? std::optional<at::Tensor>((*key_weights)[l]) : std::nullopt));
+        key_weights.has_value() ? std::optional<at::Tensor>((*key_weights)[l]) : std::nullopt,
+        // a layer without chunks takes no origin
+        layer_length(chunk, l) > 0 ? chunk_origin : std::nullopt));
   return at::cat(layers, 2);
 }
 

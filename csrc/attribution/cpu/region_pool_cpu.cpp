@@ -165,7 +165,8 @@ void scores_tile(const T* Q, const T* Kt, int64_t ldk, T* S, int64_t R, int64_t 
 
 // region_pool_qk of layers l = 0..L-1 (q[l], k[l], scales[l], windows[l], chunks[l]; every
 // layer of q[0]'s and k[0]'s sizes) into out[b, k, l * H + h], in one pass over every
-// layer's work items. key_weights: empty, or layer l's (named key_weights_names[l]).
+// layer's work items. key_weights: empty, or layer l's (named key_weights_names[l]);
+// chunk_origin: where each row's chunks start (pattern_rows).
 at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
                           const at::Tensor& query_weights, const at::Tensor& region_ids,
                           int64_t num_regions, const std::vector<double>& scales, bool causal,
@@ -174,7 +175,8 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
                           const std::optional<at::Tensor>& block_ids,
                           std::optional<double> softcap, bool window_bounds_blocks,
                           const std::vector<std::optional<at::Tensor>>& key_weights,
-                          const std::vector<std::string>& key_weights_names) {
+                          const std::vector<std::string>& key_weights_names,
+                          const std::optional<at::Tensor>& chunk_origin) {
   const int64_t L = static_cast<int64_t>(q.size());
   const int64_t B = q[0].size(0), H = q[0].size(1), Tq = q[0].size(2), D = q[0].size(3);
   const int64_t Hkv = k_in[0].size(1), Tk = k_in[0].size(2), K = num_regions, G = H / Hkv;
@@ -202,7 +204,7 @@ at::Tensor pool_qk_layers(const char* op, at::TensorList q, at::TensorList k_in,
   // Each layer's pattern per batch row (windows and chunks may differ between layers).
   const PatternRows pat =
       pattern_rows(B, Tk, causal, 0, 0, block_ids, key_padding_mask, softcap,
-                   window_bounds_blocks);
+                   window_bounds_blocks, chunk_origin);
   std::vector<AttentionPattern> layer_pat(L * B);
   for (int64_t l = 0; l < L; ++l)
     for (int64_t b = 0; b < B; ++b) {
@@ -407,16 +409,17 @@ at::Tensor region_pool_qk_cpu(const at::Tensor& q, const at::Tensor& k,
                               std::optional<int64_t> chunk,
                               const std::optional<at::Tensor>& block_ids,
                               std::optional<double> softcap, bool window_bounds_blocks,
-                              const std::optional<at::Tensor>& key_weights) {
+                              const std::optional<at::Tensor>& key_weights,
+                              const std::optional<at::Tensor>& chunk_origin) {
   const char* op = "headscope::region_pool_qk";
   check_region_pool_qk_args(q, k, query_weights, region_ids, num_regions, scale,
                             key_padding_mask, reduce, window, chunk, block_ids, softcap,
-                            key_weights);
+                            key_weights, chunk_origin);
   return pool_qk_layers(op, {q}, {k}, query_weights, region_ids, num_regions,
                         {scale_or_default(scale, q.size(3))}, causal, key_padding_mask,
                         parse_reduce(op, reduce), {window.value_or(0)}, {chunk.value_or(0)},
                         block_ids, softcap, window_bounds_blocks, {key_weights},
-                        {"key_weights"});
+                        {"key_weights"}, chunk_origin);
 }
 
 at::Tensor region_pool_qk_layers_cpu(at::TensorList q, at::TensorList k,
@@ -428,11 +431,12 @@ at::Tensor region_pool_qk_layers_cpu(at::TensorList q, at::TensorList k,
                                      at::OptionalIntArrayRef chunk,
                                      const std::optional<at::Tensor>& block_ids,
                                      std::optional<double> softcap, bool window_bounds_blocks,
-                                     std::optional<at::TensorList> key_weights) {
+                                     std::optional<at::TensorList> key_weights,
+                                     const std::optional<at::Tensor>& chunk_origin) {
   const char* op = "headscope::region_pool_qk_layers";
   check_region_pool_qk_layers_args(q, k, query_weights, region_ids, num_regions, scale,
                                    key_padding_mask, reduce, window, chunk, block_ids, softcap,
-                                   key_weights);
+                                   key_weights, chunk_origin);
   std::vector<double> scales(q.size(), scale_or_default(std::nullopt, q[0].size(3)));
   if (scale.has_value()) scales.assign(scale->begin(), scale->end());
   std::vector<int64_t> windows(q.size()), chunks(q.size());
@@ -449,7 +453,7 @@ at::Tensor region_pool_qk_layers_cpu(at::TensorList q, at::TensorList k,
     }
   return pool_qk_layers(op, q, k, query_weights, region_ids, num_regions, scales, causal,
                         key_padding_mask, parse_reduce(op, reduce), windows, chunks, block_ids,
-                        softcap, window_bounds_blocks, layer_weights, names);
+                        softcap, window_bounds_blocks, layer_weights, names, chunk_origin);
 }
 
 }  // namespace

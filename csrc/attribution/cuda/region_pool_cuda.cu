@@ -412,11 +412,12 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
                                std::optional<int64_t> chunk,
                                const std::optional<at::Tensor>& block_ids,
                                std::optional<double> softcap, bool window_bounds_blocks,
-                               const std::optional<at::Tensor>& key_weights) {
+                               const std::optional<at::Tensor>& key_weights,
+                               const std::optional<at::Tensor>& chunk_origin) {
   const char* op = "headscope::region_pool_qk";
   check_region_pool_qk_args(q, k_in, query_weights, region_ids, num_regions, scale,
                             key_padding_mask, reduce, window, chunk, block_ids, softcap,
-                            key_weights);
+                            key_weights, chunk_origin);
   const bool mean = parse_reduce(op, reduce);
   const c10::cuda::CUDAGuard guard(q.device());
   const auto acc_type = accum_dtype(q.scalar_type());
@@ -482,12 +483,10 @@ at::Tensor region_pool_qk_cuda(const at::Tensor& q, const at::Tensor& k_in,
     p.p0 = key_padding_mask->stride(0);
     p.p1 = key_padding_mask->stride(1);
   }
-  // chunks start after each row's leading padding (on the device: no host sync)
-  at::Tensor origin;
-  if (p.pat.row0.chunk > 0 && pad != nullptr) {
-    origin = leading_padding(*key_padding_mask);
-    p.pat.origin = origin.const_data_ptr<int64_t>();
-  }
+  // where each row's chunks start (on the device: no host sync)
+  const at::Tensor origin =
+      p.pat.row0.chunk > 0 ? chunk_origins(chunk_origin, key_padding_mask) : at::Tensor();
+  if (origin.defined()) p.pat.origin = origin.const_data_ptr<int64_t>();
   // Split the keys so that there are about two blocks per SM (decode: few rows).
   const auto* props = at::cuda::getCurrentDeviceProperties();
   const int64_t rows = p.n_active * p.H;

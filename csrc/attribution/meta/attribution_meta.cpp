@@ -26,10 +26,11 @@ at::Tensor region_pool_qk_meta(const at::Tensor& q, const at::Tensor& k,
                                std::optional<int64_t> chunk,
                                const std::optional<at::Tensor>& block_ids,
                                std::optional<double> softcap, bool window_bounds_blocks,
-                               const std::optional<at::Tensor>& key_weights) {
+                               const std::optional<at::Tensor>& key_weights,
+                               const std::optional<at::Tensor>& chunk_origin) {
   check_region_pool_qk_args(q, k, query_weights, region_ids, num_regions, scale,
                             key_padding_mask, reduce, window, chunk, block_ids, softcap,
-                            key_weights);
+                            key_weights, chunk_origin);
   return at::empty_symint({q.sym_size(0), num_regions, q.sym_size(1)},
                           q.options().dtype(accum_dtype(q.scalar_type())));
 }

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace headscope::mixer::cpu {
@@ -44,7 +45,7 @@ template <typename scalar_t>
 class SoftmaxRows {
  public:
   SoftmaxRows(const scalar_t* L, int64_t n, int r, int sign, double* E)
-      : L_(L), n_(n), r_(r), sign_(sign), E_(E), c_(r), s_(r) {
+      : L_(L), n_(n), r_(r), sign_(sign), E_(E), c_(r), s_(r), rowmax_(n) {
     std::fill(c_.begin(), c_.end(), -std::numeric_limits<double>::infinity());
     // E first holds the row-centred L, then its exponential.
     for (int64_t i = 0; i < n; ++i) {
@@ -52,6 +53,7 @@ class SoftmaxRows {
       double* ei = E + i * r;
       double rowmax = -std::numeric_limits<double>::infinity();
       for (int j = 0; j < r; ++j) rowmax = std::max(rowmax, static_cast<double>(li[j]));
+      rowmax_[i] = rowmax;
       for (int j = 0; j < r; ++j) {
         ei[j] = static_cast<double>(li[j]) - rowmax;
         c_[j] = std::max(c_[j], ei[j]);
@@ -70,8 +72,10 @@ class SoftmaxRows {
     fast_ok_ = n > 0 && lowest >= -kFastRange;  // NaN inputs reach the residual either way
   }
 
-  // Writes the rows of P to rows (n x r) and adds its column sums to colsum.
-  void evaluate(const double* z, double* rows, double* colsum) {
+  // Writes the rows of P to rows (n x r) and adds its column sums to colsum; returns
+  // {sum_i LSE_i, sum_i |LSE_i|} of the rows of L + sign z (the dual objective's terms).
+  std::pair<double, double> evaluate(const double* z, double* rows, double* colsum) {
+    double dual = 0, scale = 0;
     double hi = -std::numeric_limits<double>::infinity(), lo = -hi;
     for (int j = 0; j < r_; ++j) {
       s_[j] = c_[j] + sign_ * z[j];
@@ -83,13 +87,16 @@ class SoftmaxRows {
       for (int j = 0; j < r_; ++j) s_[j] = exp_nonpositive(s_[j] - hi);
     for (int64_t i = 0; i < n_; ++i) {
       double* u = rows + i * r_;
+      double shift;  // LSE_i = shift + log(total)
       if (fast) {
+        shift = rowmax_[i] + hi;
         const double* ei = E_ + i * r_;
         for (int j = 0; j < r_; ++j) u[j] = ei[j] * s_[j];
       } else {
         const scalar_t* li = L_ + i * r_;
         double m = -std::numeric_limits<double>::infinity();
         for (int j = 0; j < r_; ++j) m = std::max(m, li[j] + sign_ * z[j]);
+        shift = m;
         for (int j = 0; j < r_; ++j) u[j] = std::exp(li[j] + sign_ * z[j] - m);
       }
       double total = 0;
@@ -99,7 +106,11 @@ class SoftmaxRows {
         u[j] *= inv;
         colsum[j] += u[j];
       }
+      const double lse = shift + std::log(total);
+      dual += lse;
+      scale += std::fabs(lse);
     }
+    return {dual, scale};
   }
 
  private:
@@ -108,7 +119,7 @@ class SoftmaxRows {
   int r_;
   int sign_;
   double* E_;
-  std::vector<double> c_, s_;
+  std::vector<double> c_, s_, rowmax_;
   bool fast_ok_ = false;
 };
 
@@ -136,6 +147,7 @@ void gram(const double* __restrict__ P, int64_t count, int r, double* __restrict
 struct State {
   std::vector<double> cu, cv;
   double grad_sq = 0;
+  double dual = 0, dual_scale = 0;  // the dual objective and its rounding scale
   explicit State(int r) : cu(r), cv(r) {}
 };
 
@@ -157,8 +169,10 @@ Solution solve_one(const scalar_t* a, const scalar_t* b, int64_t n, int r, doubl
   auto evaluate = [&](const std::vector<double>& z, State& s) {
     std::fill(s.cu.begin(), s.cu.end(), 0.0);
     std::fill(s.cv.begin(), s.cv.end(), 0.0);
-    pu.evaluate(z.data(), rows, s.cu.data());
-    pv.evaluate(z.data(), rows + n * r, s.cv.data());
+    const auto [du, su] = pu.evaluate(z.data(), rows, s.cu.data());
+    const auto [dv, sv] = pv.evaluate(z.data(), rows + n * r, s.cv.data());
+    s.dual = du + dv;
+    s.dual_scale = su + sv;
     s.grad_sq = 0;
     for (int j = 0; j < r; ++j) s.grad_sq += (s.cu[j] - s.cv[j]) * (s.cu[j] - s.cv[j]);
   };
@@ -184,7 +198,8 @@ Solution solve_one(const scalar_t* a, const scalar_t* b, int64_t n, int r, doubl
       for (int j = 0; j + 1 < r; ++j) zn[j] = z[j] + alpha * step[j];
       zn[r - 1] = 0;
       evaluate(zn, trial);
-      if (trial.grad_sq < state.grad_sq * (1 - kArmijo * alpha)) {
+      if (accept_step(trial.grad_sq, state.grad_sq, alpha, trial.dual, state.dual,
+                      state.dual_scale)) {
         std::swap(z, zn);
         std::swap(state, trial);
         accepted = true;

@@ -19,18 +19,21 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kTileRows = kThreads / 2;  // one thread per (row, factor) in a tile
-constexpr int kMaxRankCuda = 48;         // shared memory (~175 KB at r = 48) holds tiles and r x r systems
+constexpr int kMaxRankCuda = 48;         // shared memory (~177 KB at r = 48) holds tiles and r x r systems
 
-// Column sums and the Gram lower triangle (U^T U + V^T V) at one z, in shared memory.
+// Column sums, the Gram lower triangle (U^T U + V^T V) and the dual objective with its
+// rounding scale (kl_newton.h) at one z, in shared memory.
 struct Stats {
   double* gram;  // r * r
   double* cu;    // r
   double* cv;    // r
+  double* dual;  // 2: sum_i LSE_i and sum_i |LSE_i| over the rows of both factors
 };
+constexpr int kStatsExtra = 2;  // Stats' entries beyond r * r + 2 r
 
-// p = softmax(L[row] + sign * z), written to out (r entries).
-__device__ void softmax_row(const double* L, int64_t row, int r, double sign, const double* z,
-                            double* out) {
+// p = softmax(L[row] + sign * z), written to out (r entries); returns the row's LSE.
+__device__ double softmax_row(const double* L, int64_t row, int r, double sign, const double* z,
+                              double* out) {
   const double* l = L + row * r;
   double m = -INFINITY;
   for (int j = 0; j < r; ++j) {
@@ -44,26 +47,29 @@ __device__ void softmax_row(const double* L, int64_t row, int r, double sign, co
   }
   const double inv = 1.0 / total;
   for (int j = 0; j < r; ++j) out[j] *= inv;
+  return m + log(total);
 }
 
 // All threads: fills s with the statistics of U = softmax(a + z), V = softmax(b - z).
 // Rows go through shared memory a tile at a time; each statistic has one owner thread,
 // so the sums need no atomics and are deterministic.
 __device__ void evaluate(const double* a, const double* b, int64_t n, int r, const double* z,
-                         double* tile /* 2 x kTileRows x r */, Stats s) {
+                         double* tile /* 2 x kTileRows x r */, double* lse /* kThreads */,
+                         Stats s) {
   const int tid = threadIdx.x;
-  const int items = r * r + 2 * r;
+  const int items = r * r + 2 * r + kStatsExtra;
   for (int e = tid; e < items; e += kThreads)  // every owner zeroes what it accumulates
-    *(e < r * r ? s.gram + e : e < r * r + r ? s.cu + (e - r * r) : s.cv + (e - r * r - r)) = 0;
+    s.gram[e] = 0;  // Stats' arrays are consecutive
   for (int64_t start = 0; start < n; start += kTileRows) {
     const int factor = tid / kTileRows;  // 0: U, 1: V
     const int local = tid % kTileRows;
     double* out = tile + (factor * kTileRows + local) * r;
     const int64_t row = start + local;
     if (row < n) {
-      softmax_row(factor == 0 ? a : b, row, r, factor == 0 ? 1.0 : -1.0, z, out);
+      lse[tid] = softmax_row(factor == 0 ? a : b, row, r, factor == 0 ? 1.0 : -1.0, z, out);
     } else {
       for (int j = 0; j < r; ++j) out[j] = 0;
+      lse[tid] = 0;
     }
     __syncthreads();
     const double* tu = tile;
@@ -76,6 +82,10 @@ __device__ void evaluate(const double* a, const double* b, int64_t n, int r, con
         for (int t = 0; t < kTileRows; ++t)
           acc += tu[t * r + j] * tu[t * r + k] + tv[t * r + j] * tv[t * r + k];
         s.gram[e] += acc;
+      } else if (e >= r * r + 2 * r) {
+        const bool magnitude = e == r * r + 2 * r + 1;
+        for (int t = 0; t < kThreads; ++t) acc += magnitude ? fabs(lse[t]) : lse[t];
+        s.dual[magnitude] += acc;
       } else if (e < r * r + r) {
         const int j = e - r * r;
         for (int t = 0; t < kTileRows; ++t) acc += tu[t * r + j];
@@ -116,8 +126,9 @@ __global__ void __launch_bounds__(kThreads)
   const double* a = a_all + p * n * r;
   const double* b = b_all + p * n * r;
   double* tile = smem;                       // 2 * kTileRows * r
-  double* bufs = tile + 2 * kTileRows * r;   // 2 x (r*r + 2r): current state and trial
-  const int stats_len = r * r + 2 * r;
+  double* lse = tile + 2 * kTileRows * r;    // kThreads: the tile rows' LSE
+  double* bufs = lse + kThreads;             // 2 x (r*r + 2r + 2): current state and trial
+  const int stats_len = r * r + 2 * r + kStatsExtra;
   double* z = bufs + 2 * stats_len;          // r
   double* zn = z + r;                        // r
   double* step = zn + r;                     // r
@@ -130,12 +141,12 @@ __global__ void __launch_bounds__(kThreads)
 
   auto stats = [&](int i) {
     double* base = bufs + i * stats_len;
-    return Stats{base, base + r * r, base + r * r + r};
+    return Stats{base, base + r * r, base + r * r + r, base + r * r + 2 * r};
   };
   int cur = 0;
   for (int j = tid; j < r; j += kThreads) z[j] = 0;
   __syncthreads();
-  evaluate(a, b, n, r, z, tile, stats(cur));
+  evaluate(a, b, n, r, z, tile, lse, stats(cur));
   if (tid == 0) grad_sq[cur] = sq_diff(stats(cur).cu, stats(cur).cv, r);
 
   int64_t it = 0;
@@ -158,10 +169,11 @@ __global__ void __launch_bounds__(kThreads)
     for (double alpha = 1.0; alpha > kMinStep; alpha *= 0.5) {
       for (int j = tid; j < r; j += kThreads) zn[j] = j + 1 < r ? z[j] + alpha * step[j] : 0.0;
       __syncthreads();
-      evaluate(a, b, n, r, zn, tile, stats(1 - cur));
+      evaluate(a, b, n, r, zn, tile, lse, stats(1 - cur));
       if (tid == 0) {
         grad_sq[1 - cur] = sq_diff(stats(1 - cur).cu, stats(1 - cur).cv, r);
-        flag = grad_sq[1 - cur] < grad_sq[cur] * (1 - kArmijo * alpha);
+        flag = accept_step(grad_sq[1 - cur], grad_sq[cur], alpha, stats(1 - cur).dual[0],
+                           stats(cur).dual[0], stats(cur).dual[1]);
       }
       __syncthreads();
       if (flag) {
@@ -202,7 +214,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> kl_projec
   const auto b = log_v_ref.to(at::kDouble).contiguous();
 
   const size_t smem =
-      sizeof(double) * (2 * kTileRows * r + 2 * (r * r + 2 * r) + 4 * r + 2 * r * r);
+      sizeof(double) * (2 * kTileRows * r + kThreads + 2 * (r * r + 2 * r + kStatsExtra) +
+                        4 * r + 2 * r * r);
   const auto* props = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(smem <= props->sharedMemPerBlockOptin, "headscope::kl_project: rank r = ", r,
               " needs ", smem, " bytes of shared memory per block; this GPU offers ",

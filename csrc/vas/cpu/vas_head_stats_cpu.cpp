@@ -50,10 +50,11 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
                                  const std::optional<at::Tensor>& key_padding_mask,
                                  std::optional<int64_t> window, std::optional<int64_t> chunk,
                                  const std::optional<at::Tensor>& block_ids,
-                                 std::optional<double> softcap, bool window_bounds_blocks) {
+                                 std::optional<double> softcap, bool window_bounds_blocks,
+                                 const std::optional<at::Tensor>& chunk_origin) {
   const char* op = "headscope::vas_head_stats_qk";
   check_head_stats_qk_args(q, k, head_writes, lengths, scale, offsets, key_padding_mask, window,
-                           chunk, block_ids, softcap);
+                           chunk, block_ids, softcap, chunk_origin);
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), Dh = head_writes.size(3);
   if (B == 0 || H == 0) return no_heads(op, B, H, T, lengths, offsets, q.options());
   Problem P;
@@ -65,7 +66,7 @@ at::Tensor vas_head_stats_qk_cpu(const at::Tensor& q, const at::Tensor& k,
   Q.D = q.size(3);
   Q.scale = static_cast<float>(scale_or_default(scale, Q.D));
   Q.pat = pattern_rows(B, T, causal, window.value_or(0), chunk.value_or(0), block_ids,
-                       key_padding_mask, softcap, window_bounds_blocks);
+                       key_padding_mask, softcap, window_bounds_blocks, chunk_origin);
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   Q.q = at::empty({P.BH, T, Q.D}, f32);
   Q.kt = at::empty({B * Q.Hkv * Q.D * P.Tp + 16}, f32);  // +16: gemm_nn reads past rows

@@ -917,10 +917,11 @@ at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in
                                   const std::optional<at::Tensor>& key_padding_mask,
                                   std::optional<int64_t> window, std::optional<int64_t> chunk,
                                   const std::optional<at::Tensor>& block_ids,
-                                  std::optional<double> softcap, bool window_bounds_blocks) {
+                                  std::optional<double> softcap, bool window_bounds_blocks,
+                                  const std::optional<at::Tensor>& chunk_origin) {
   const char* op = "headscope::vas_head_stats_qk";
   check_head_stats_qk_args(q_in, k_in, head_writes, lengths, scale, offsets, key_padding_mask,
-                           window, chunk, block_ids, softcap);
+                           window, chunk, block_ids, softcap, chunk_origin);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const int64_t B = q_in.size(0), H = q_in.size(1), T = q_in.size(2), D = q_in.size(3);
   const int64_t Hkv = k_in.size(1), Dh = head_writes.size(3);
@@ -944,11 +945,8 @@ at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     pat.bstride0 = block_ids->stride(0);
   }
   pat.softcap = softcap.value_or(0.0);
-  at::Tensor origin;  // chunks start after each row's leading padding (no host sync)
-  if (pat.row0.chunk > 0 && kpm.defined()) {
-    origin = leading_padding(kpm);
-    pat.origin = origin.const_data_ptr<int64_t>();
-  }
+  const at::Tensor origin = pat.row0.chunk > 0 ? chunk_origins(chunk_origin, kpm) : at::Tensor();
+  if (origin.defined()) pat.origin = origin.const_data_ptr<int64_t>();
   Scratch sc;
   const Heads P = make_heads(B, H, T, Dh, lengths, offsets, true, sc, q.options());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();

@@ -23,9 +23,10 @@ at::Tensor vas_head_stats_qk_meta(const at::Tensor& q, const at::Tensor& k,
                                   const std::optional<at::Tensor>& key_padding_mask,
                                   std::optional<int64_t> window, std::optional<int64_t> chunk,
                                   const std::optional<at::Tensor>& block_ids,
-                                  std::optional<double> softcap, bool window_bounds_blocks) {
+                                  std::optional<double> softcap, bool window_bounds_blocks,
+                                  const std::optional<at::Tensor>& chunk_origin) {
   check_head_stats_qk_args(q, k, head_writes, lengths, scale, offsets, key_padding_mask, window,
-                           chunk, block_ids, softcap);
+                           chunk, block_ids, softcap, chunk_origin);
   return at::empty_symint({q.sym_size(0), q.sym_size(1), c10::SymInt(3)},
                           q.options().dtype(at::kFloat));
 }

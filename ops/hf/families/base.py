@@ -17,7 +17,8 @@ class Family:
     A subclass sets :attr:`name`, :attr:`model_types` (the ``config.model_type`` values it
     reads), :attr:`layout` (one line for the families table), :attr:`input_keys` (the
     model inputs :meth:`images` needs besides ``input_ids``; the Tracer takes them from the
-    model's forward or from ``generate``'s arguments) and implements :meth:`images`;
+    model's forward or from ``generate``'s arguments), :attr:`layout_keys` (those of them
+    the model does not take) and implements :meth:`images`;
     :meth:`tiny_config` and :meth:`tiny_image` build the tiny random models and prompts of
     the tests (``headscope.hf.testing``)."""
 
@@ -25,6 +26,10 @@ class Family:
     model_types: Tuple[str, ...] = ()
     layout: str = ""
     input_keys: Tuple[str, ...] = ()
+    # inputs that describe the layout for headscope alone, where the processor drops what
+    # the layout needs: the Tracer withholds them from the model (generate refuses inputs
+    # the model does not use) and region_effects skips them
+    layout_keys: Tuple[str, ...] = ()
     # the tiny models' text attention when the family's decoder runs under one only
     tiny_attention: Optional[str] = None
 
@@ -45,6 +50,10 @@ class Family:
         """Per batch row, its pictures in sequence order, from ``inputs`` (``input_ids``
         ``(B, T)`` and :attr:`input_keys`)."""
         raise NotImplementedError
+
+    def model_inputs(self, inputs: Dict[str, Any]) -> Dict[str, Any]:
+        """``inputs`` without :attr:`layout_keys`: what the model itself takes."""
+        return {k: v for k, v in inputs.items() if k not in self.layout_keys}
 
     def prompt_types(self, model, is_image: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The per-position type inputs a processor gives a prompt whose image tokens are

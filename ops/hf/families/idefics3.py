@@ -102,7 +102,7 @@ class Idefics3(Family):
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """``grid``: the picture's rows x cols tiles ((0, 0): not split), laid out as
         ``get_image_prompt_string`` does, with a tokenizer that gives "\\n" one token."""
-        from ..testing import IMAGE_TOKEN
+        from ..tiny import IMAGE_TOKEN
         rows, cols = grid
         seq = [IMAGE_TOKEN] * tile_side(model.config) ** 2
         ids = []

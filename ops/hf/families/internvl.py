@@ -78,7 +78,7 @@ class InternVL(Family):
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """``grid``: the canvas's rows x cols tiles; the tiles are cut from one random
         picture and the thumbnail is that picture downscaled, as the processor makes them."""
-        from ..testing import IMAGE_TOKEN
+        from ..tiny import IMAGE_TOKEN
         vc = model.config.vision_config
         size = vc.image_size[0] if isinstance(vc.image_size, (list, tuple)) else vc.image_size
         rows, cols = grid

@@ -108,7 +108,7 @@ class Llama4(Family):
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """``grid``: the canvas's rows x cols tiles, laid out as ``_prompt_split_image``
         does (no padding: random pixels)."""
-        from ..testing import IMAGE_TOKEN, VISION_END, VISION_START
+        from ..tiny import IMAGE_TOKEN, VISION_END, VISION_START
         R, C = grid
         tile = [IMAGE_TOKEN] * tile_side(model.config) ** 2
         ids = [VISION_START]

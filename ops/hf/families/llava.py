@@ -46,7 +46,7 @@ class Llava(Family):
 
     def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        from ..testing import IMAGE_TOKEN
+        from ..tiny import IMAGE_TOKEN
         vc = model.config.vision_config
         side = vc.image_size // vc.patch_size
         pixels = torch.randn(1, 3, vc.image_size, vc.image_size, generator=generator)

@@ -123,7 +123,7 @@ class LlavaNext(Family):
         in ``image_sizes`` and its image tokens, newlines included."""
         from transformers.image_processing_utils import select_best_resolution
 
-        from ..testing import IMAGE_TOKEN
+        from ..tiny import IMAGE_TOKEN
         config = model.config
         vc = config.vision_config
         height, width = grid[0] * vc.patch_size, grid[1] * vc.patch_size

@@ -76,7 +76,7 @@ class Mistral3(Family):
     def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """``grid``: the picture's patch grid (even sizes)."""
-        from ..testing import IMAGE_TOKEN
+        from ..tiny import IMAGE_TOKEN
         vc = model.config.vision_config
         patch, merge = vc.patch_size, model.config.spatial_merge_size
         rows, cols = grid[0] // merge, grid[1] // merge

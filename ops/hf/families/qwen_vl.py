@@ -74,7 +74,7 @@ class QwenVL(Family):
 
     def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        from ..testing import IMAGE_TOKEN, VISION_END, VISION_START
+        from ..tiny import IMAGE_TOKEN, VISION_END, VISION_START
         vc = model.config.vision_config
         m = vc.spatial_merge_size
         tokens = torch.full(((grid[0] // m) * (grid[1] // m),), IMAGE_TOKEN)

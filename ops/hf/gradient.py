@@ -1,7 +1,8 @@
-"""The gradient baseline of the faithfulness figure: input x gradient of each span's
+"""A gradient baseline for region attribution: input x gradient of each span's
 log-probability with respect to the image-token embeddings as they enter the text
 decoder (after the vision tower's merge), summed per region; and the gradient's norm per
-region. Works on any model :func:`~headscope.hf.region_effects` takes."""
+region. Works on any model :func:`~headscope.hf.region_effects` takes, with its
+arguments."""
 from __future__ import annotations
 
 import contextlib
@@ -9,9 +10,9 @@ from typing import Dict, Sequence, Tuple
 
 import torch
 
-from ..hf.effects import check_region_ids, decoder_inputs, span_bounds
+from .effects import check_region_ids, decoder_inputs, span_bounds
 
-WHO = "headscope.shapes.gradient_scores"
+WHO = "headscope.hf.gradient_scores"
 _PASSED = ("attention_mask", "position_ids", "visual_pos_masks", "deepstack_visual_embeds")
 
 
