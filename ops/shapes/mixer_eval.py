@@ -17,7 +17,7 @@ import torch
 
 from .accuracy import (caption_accuracy, describe_images, exact_descriptions,
                        held_out_scenes)
-from .head_eval import bootstrap_interval
+from ..metrics import bootstrap_interval
 
 MIXER_EVAL_START = 6_000_000
 OBJECT_RANGES = ((1, 4), (5, 9))
