@@ -4,8 +4,9 @@ value-norm-weighted attention on the reported seed range (per-image LDS with the
 differences' intervals, pointing), the shipped head against the same raw baselines and
 random pointing (``python -m headscope eval`` on the held-out scenes, with Ward regions and
 with the world's 3 x 3 cells; the head is the shipped one, not refitted), latency, the
-faithfulness figure and hallucination detection (on ordinary scenes of 1 to 4 objects and
-on hard ones of 5 to 9).
+faithfulness figure, hallucination detection (on ordinary scenes of 1 to 4 objects and
+on hard ones of 5 to 9), and the model with mixer vision attention against the softmax one
+(caption accuracy, projection settings).
 
 Each step's result goes into ``OUT/results.json`` (and ``OUT/results.md``) as soon as it
 finishes, written atomically; a rerun skips the steps already there with the same
@@ -26,7 +27,7 @@ from .faithfulness import EVAL_OFFSET
 
 RESULTS = "results.json"
 STEPS = ("accuracy", "head_vs_attention", "head_eval", "head_eval_grid", "latency",
-         "faithfulness", "hallucination", "hallucination_hard")
+         "faithfulness", "hallucination", "hallucination_hard", "mixer")
 FULL = {"accuracy": {"scenes": 200},
         "head_vs_attention": {"seeds": "reported", "scenes": 300, "grid": [3, 3],
                               "features": "both"},
@@ -37,7 +38,8 @@ FULL = {"accuracy": {"scenes": 200},
         "latency": {"rounds": 9, "tokens": 40},
         "faithfulness": {"scenes": 40, "regions": 8},
         "hallucination": {"fit": 1000, "test": 1000, "objects": [1, 4]},
-        "hallucination_hard": {"fit": 500, "test": 500, "objects": [5, 9]}}
+        "hallucination_hard": {"fit": 500, "test": 500, "objects": [5, 9]},
+        "mixer": {"scenes": 300, "sweep_scenes": 100, "rounds": 5}}
 QUICK = {"accuracy": {"scenes": 4},
          "head_vs_attention": {"seeds": "reported", "scenes": 2, "grid": [3, 3],
                                "features": "both"},
@@ -48,12 +50,14 @@ QUICK = {"accuracy": {"scenes": 4},
          "latency": {"rounds": 1, "tokens": 8},
          "faithfulness": {"scenes": 1, "regions": 8},
          "hallucination": {"fit": 2, "test": 2, "objects": [1, 4]},
-         "hallucination_hard": {"fit": 2, "test": 2, "objects": [5, 9]}}
+         "hallucination_hard": {"fit": 2, "test": 2, "objects": [5, 9]},
+         "mixer": {"scenes": 2, "sweep_scenes": 2, "rounds": 1}}
 # A step's format: raised when what it measures changes (latency 2: time per token is the
 # decode's time over its steps, span ends included; the head evaluations 2: a raw baseline
 # per feature block, the head reading its own block of features="both").
 FORMATS = {"accuracy": 1, "head_vs_attention": 2, "head_eval": 2, "head_eval_grid": 2,
-           "latency": 2, "faithfulness": 2, "hallucination": 1, "hallucination_hard": 1}
+           "latency": 2, "faithfulness": 2, "hallucination": 1, "hallucination_hard": 1,
+           "mixer": 1}
 USES = {"faithfulness": ("latency",)}  # steps whose result this one takes in
 EVAL_KEYS = ("lds", "lds_pooled", "pearson", "subset_lds", "pointing", "pointing_spans")
 
@@ -116,12 +120,19 @@ def _hallucination(out: Path, s: dict, done: dict, model_dir) -> dict:
     return measure_hallucination(s["fit"], s["test"], model_dir, objects=tuple(s["objects"]))
 
 
+def _mixer(out: Path, s: dict, done: dict, model_dir) -> dict:
+    from .mixer_eval import compare_models, projection_sweep
+    return {"accuracy": compare_models(s["scenes"], softmax_dir=model_dir),
+            "sweep": projection_sweep(s["sweep_scenes"], rounds=s["rounds"],
+                                      softmax_dir=model_dir)}
+
+
 RUN: Dict[str, Callable] = {"accuracy": _accuracy, "head_vs_attention": _head_vs_attention,
                             "head_eval": _head_eval,
                             "head_eval_grid": _head_eval,
                             "latency": _latency, "faithfulness": _faithfulness,
                             "hallucination": _hallucination,
-                            "hallucination_hard": _hallucination}
+                            "hallucination_hard": _hallucination, "mixer": _mixer}
 
 
 def _save(out: Path, results: dict) -> None:

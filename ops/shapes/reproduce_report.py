@@ -5,6 +5,7 @@ from __future__ import annotations
 from .faithfulness import table as faithfulness_table
 from .head_eval import RAW_NAMES, table as head_vs_attention_table
 from .latency import LABELS as LATENCY_LABELS
+from .mixer_eval import table as mixer_table
 
 
 def _cell(v, digits: int = 3) -> str:
@@ -83,7 +84,12 @@ SECTIONS = {"accuracy": ("Caption accuracy", _accuracy),
             "latency": ("Latency", _latency),
             "faithfulness": ("Faithfulness against time", _faithfulness),
             "hallucination": ("Hallucination detection", _hallucination),
-            "hallucination_hard": ("Hallucination detection on hard scenes", _hallucination)}
+            "hallucination_hard": ("Hallucination detection on hard scenes", _hallucination),
+            "mixer": ("Mixer against softmax vision attention",
+                      lambda r: ["Caption accuracy of the two models on the same held-out "
+                                 "scenes (exact: Wilson 95% interval; difference in points: "
+                                 "paired bootstrap 95% interval):", "",
+                                 mixer_table(r["accuracy"], r["sweep"])])}
 
 
 def markdown(results: dict) -> str:

@@ -43,24 +43,28 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     assert (tmp_path / "faithfulness" / "faithfulness.png").is_file()
     assert steps["hallucination"]["result"]["test_answers"] == 2
     assert steps["hallucination_hard"]["result"]["objects"] == [5, 9]
+    mixer = steps["mixer"]["result"]
+    assert mixer["accuracy"]["1-4"]["mixer"]["count"] == 2
+    assert [row["max_iter"] for row in mixer["sweep"]["settings"]][-1] == 50
     text = (tmp_path / "results.md").read_text()
     assert "| raw value-norm-weighted attention |" in text
     for title in ("Caption accuracy", "The head against raw attention", "Attribution head",
                   "Attribution head on the world's cells", "Latency",
                   "Faithfulness against time", "Hallucination detection",
-                  "Hallucination detection on hard scenes"):
+                  "Hallucination detection on hard scenes",
+                  "Mixer against softmax vision attention"):
         assert f"## {title}" in text
     assert "random region (expected)" in text
     assert [line.endswith("...") for line in said].count(True) == len(STEPS)
 
-    # a run stopped after the latency step: the rerun does only the last two
+    # a run stopped after the latency step: the rerun does only the two removed
     del results["steps"]["faithfulness"], results["steps"]["hallucination"]
     (tmp_path / RESULTS).write_text(json.dumps(results))
     said.clear()
     again = reproduce(tmp_path, quick=True, echo=said.append)
     skipped = [line for line in said if line.endswith("skipped")]
     ran = [line for line in said if line.endswith("...")]
-    assert len(skipped) == 6 and len(ran) == 2
+    assert len(skipped) == len(STEPS) - 2 and len(ran) == 2
     assert "faithfulness" in ran[0] and "hallucination" in ran[1]
     assert again["steps"]["accuracy"] == steps["accuracy"]
     assert json.loads((tmp_path / RESULTS).read_text())["steps"].keys() == set(STEPS)
