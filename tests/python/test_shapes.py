@@ -152,6 +152,22 @@ def test_shipped_model_describes_held_out_scenes(shipped):
     assert accuracy["recall"] >= MIN_RECALL and accuracy["exact"] >= 0.75, accuracy
 
 
+def test_shipped_mixer_model_describes_held_out_scenes():
+    from headscope.hf.mixer import SUBMODULE
+    from headscope.shapes.accuracy import caption_accuracy, held_out_scenes
+    from headscope.shapes.model import mixer_rank
+    folder = shapes.MIXER_DIR
+    if not (folder / "config.json").is_file():
+        pytest.fail(f"the mixer shapes model is missing from the package ({folder})")
+    assert sum(f.stat().st_size for f in folder.iterdir()) <= 20 * 2 ** 20
+    model, processor, head = shapes.load(folder)
+    assert mixer_rank(folder) == 8 and head is None
+    blocks = model.model.visual.blocks
+    assert all(SUBMODULE in block.attn._modules for block in blocks)
+    accuracy = caption_accuracy(model, processor, held_out_scenes(8))
+    assert accuracy["recall"] >= MIN_RECALL and accuracy["exact"] >= 0.75, accuracy
+
+
 @pytest.mark.parametrize("regions", [(3, 3), 8], ids=["world-grid", "ward"])
 def test_demo_writes_its_files(shipped, tmp_path, capsys, regions):
     from headscope.hf import grid_regions
