@@ -54,9 +54,10 @@ QUICK = {"accuracy": {"scenes": 4},
          "mixer": {"scenes": 2, "sweep_scenes": 2, "rounds": 1}}
 # A step's format: raised when what it measures changes (latency 2: time per token is the
 # decode's time over its steps, span ends included; the head evaluations 2: a raw baseline
-# per feature block, the head reading its own block of features="both").
+# per feature block, the head reading its own block of features="both"; hallucination 2:
+# AUROC within object counts and of the count alone).
 FORMATS = {"accuracy": 1, "head_vs_attention": 2, "head_eval": 2, "head_eval_grid": 2,
-           "latency": 2, "faithfulness": 2, "hallucination": 1, "hallucination_hard": 1,
+           "latency": 2, "faithfulness": 2, "hallucination": 2, "hallucination_hard": 2,
            "mixer": 1}
 USES = {"faithfulness": ("latency",)}  # steps whose result this one takes in
 EVAL_KEYS = ("lds", "lds_pooled", "pearson", "subset_lds", "pointing", "pointing_spans")

@@ -65,13 +65,21 @@ def _hallucination(r: dict) -> list:
              f"test answers, scenes of {objects} objects, seeds {r['seeds'][0]}.."
              f"{r['seeds'][1]}; "
              f"{100 * r['test_hallucinated']:.1f}% of the test answers hallucinated):", "",
-             "| scores | AUROC | 95% interval |", "| --- | --- | --- |"]
+             "| scores | AUROC | 95% interval | AUROC within object counts | 95% interval |",
+             "| --- | --- | --- | --- | --- |"]
+
+    def interval(pair):
+        return "n/a" if pair is None else f"{pair[0]:.3f}-{pair[1]:.3f}"
+
     for key, label in (("vas_detector", "VASDetector (36 VAS features)"),
                        ("mean_logprob", "mean token log-probability (baseline)"),
                        ("vas_and_logprob", "VAS features and log-probability")):
-        interval = r["auroc_95_interval"][key]
-        lines.append(f"| {label} | {_cell(r['auroc_' + key])} | " + (
-            "n/a" if interval is None else f"{interval[0]:.3f}-{interval[1]:.3f}") + " |")
+        lines.append(f"| {label} | {_cell(r['auroc_' + key])} | "
+                     f"{interval(r['auroc_95_interval'][key])} | "
+                     f"{_cell(r['auroc_within_object_count'][key])} | "
+                     f"{interval(r['auroc_within_object_count_95_interval'][key])} |")
+    lines.append(f"| the scene's object count alone | {_cell(r['auroc_object_count_alone'])} "
+                 f"| | | |")
     return lines
 
 

@@ -470,6 +470,7 @@ def test_hallucination_answers_are_labelled_by_the_scene(shipped):
     from headscope.shapes.accuracy import HELD_OUT_SEED
     from headscope.shapes.hallucination import OFFSET, answers, auroc
     got = answers(4, start=1, progress=False)
+    assert got["objects"].tolist() == [2, 3, 4, 1]
     assert got["features"].shape == (4, 36) and torch.isfinite(got["features"]).all()
     assert (got["logprob"] < 0).all()
     for k, text in enumerate(got["texts"]):
@@ -492,7 +493,8 @@ def test_hallucination_with_one_class_among_the_fitting_answers(monkeypatch):
             torch.arange(count) % 2 == 0
         return {"features": torch.randn(count, 36, generator=g),
                 "logprob": -labels.double() - torch.rand(count, generator=g, dtype=torch.float64),
-                "hallucinated": labels, "texts": [""] * count}
+                "hallucinated": labels, "objects": 5 + torch.arange(count) % 5,
+                "texts": [""] * count}
 
     monkeypatch.setattr(hallucination, "answers", fake_answers)
     result = hallucination.measure_hallucination(6, 8, objects=(5, 9))
@@ -500,6 +502,24 @@ def test_hallucination_with_one_class_among_the_fitting_answers(monkeypatch):
     assert result["auroc_vas_detector"] is None and result["auroc_vas_and_logprob"] is None
     assert result["auroc_95_interval"]["vas_detector"] is None
     assert result["auroc_mean_logprob"] == 1.0  # the fake log-probabilities separate them
+    assert result["auroc_within_object_count"]["mean_logprob"] == 1.0
+    assert result["auroc_within_object_count"]["vas_detector"] is None
+
+
+def test_auroc_within_object_counts_compares_only_answers_to_scenes_of_one_count():
+    from headscope.shapes.hallucination import auroc, auroc_within, bootstrap_interval
+    # the score is the object count: above chance overall when crowded scenes err more, but no
+    # better than chance between answers to scenes of the same count
+    counts = torch.tensor([5, 5, 5, 5, 9, 9, 9, 9])
+    labels = torch.tensor([0, 0, 0, 1, 0, 1, 1, 1], dtype=torch.bool)
+    assert auroc(counts.double(), labels) == 0.75  # (9 above + 6 ties / 2) of 16 pairs
+    assert auroc_within(counts.double(), labels, counts) == 0.5
+    scores = torch.tensor([0.1, 0.2, 0.3, 0.9, 0.0, 0.5, 0.6, 0.7])
+    # pairs of one count: 5: (0.9 vs 0.1, 0.2, 0.3); 9: (0.5, 0.6, 0.7 vs 0.0): all above
+    assert auroc_within(scores, labels, counts) == 1.0
+    assert auroc_within(scores, labels, torch.arange(8)) is None  # no pair of one count
+    low, high = bootstrap_interval(scores, labels, rounds=50, strata=counts)
+    assert low <= 1.0 and high == 1.0
 
 
 def test_auroc_bootstrap_interval_holds_the_estimate_and_narrows_with_more_answers():
