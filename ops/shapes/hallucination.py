@@ -94,22 +94,28 @@ def measure_hallucination(fit_count: int = 1000, test_count: int = 1000, model_d
                           progress: bool = True, objects: Tuple[int, int] = (1, 4)) -> dict:
     """Fits :class:`VASDetector` on the answers of ``fit_count`` held-out scenes and
     measures, on the next ``test_count``, its AUROC and that of the baseline (minus the
-    answer's mean token log-probability: less confident, more likely hallucinated), and
-    of the same regression on the VAS features and the log-probability together, each
-    with a bootstrap 95% interval. ``objects``: objects per scene, ``(lo, hi)``."""
+    answer's mean token log-probability: less confident, more likely hallucinated), of
+    the same regression on the VAS features and the log-probability together and on the
+    VAS features and the scene's object count, each with a bootstrap 95% interval,
+    overall and within object counts. ``objects``: objects per scene, ``(lo, hi)``."""
     fit = answers(fit_count, 0, model_dir, progress=progress, objects=objects)
     test = answers(test_count, fit_count, model_dir, progress=progress, objects=objects)
     labels = test["hallucinated"]
-    scores = {"vas_detector": None, "mean_logprob": -test["logprob"], "vas_and_logprob": None}
+    scores = {"vas_detector": None, "mean_logprob": -test["logprob"], "vas_and_logprob": None,
+              "vas_and_count": None}
     # the regressions need both classes among the fitting answers (a model that rarely errs
     # may give none of one in a small sample): without them only the baseline is measured
     if fit["hallucinated"].any() and not fit["hallucinated"].all():
         detector = VASDetector().fit(fit["features"], fit["hallucinated"])
         # does VAS add to the baseline? the same regression on the features and the log-prob
-        both = VASDetector(fit["features"].shape[1] + 1).fit(_with_logprob(fit),
+        both = VASDetector(fit["features"].shape[1] + 1).fit(_with(fit, "logprob"),
                                                              fit["hallucinated"])
+        # does VAS tell answers to scenes of one count apart once it is told the count?
+        counted = VASDetector(fit["features"].shape[1] + 1).fit(_with(fit, "objects"),
+                                                                fit["hallucinated"])
         scores["vas_detector"] = detector.predict_proba(test["features"])
-        scores["vas_and_logprob"] = both.predict_proba(_with_logprob(test))
+        scores["vas_and_logprob"] = both.predict_proba(_with(test, "logprob"))
+        scores["vas_and_count"] = counted.predict_proba(_with(test, "objects"))
     result = {"fit_answers": fit_count, "test_answers": test_count, "objects": list(objects),
               "fit_hallucinated": float(fit["hallucinated"].double().mean()),
               "test_hallucinated": float(labels.double().mean())}
@@ -154,6 +160,7 @@ def bootstrap_interval(scores: torch.Tensor, labels: torch.Tensor, rounds: int =
     return [low, high]
 
 
-def _with_logprob(answers: dict) -> torch.Tensor:
-    return torch.cat([answers["features"], answers["logprob"][:, None].to(
+def _with(answers: dict, key: str) -> torch.Tensor:
+    """The answers' VAS features with one more column, ``answers[key]``."""
+    return torch.cat([answers["features"], answers[key][:, None].to(
         answers["features"].dtype)], 1)

@@ -73,7 +73,8 @@ def _hallucination(r: dict) -> list:
 
     for key, label in (("vas_detector", "VASDetector (36 VAS features)"),
                        ("mean_logprob", "mean token log-probability (baseline)"),
-                       ("vas_and_logprob", "VAS features and log-probability")):
+                       ("vas_and_logprob", "VAS features and log-probability"),
+                       ("vas_and_count", "VAS features and the object count")):
         lines.append(f"| {label} | {_cell(r['auroc_' + key])} | "
                      f"{interval(r['auroc_95_interval'][key])} | "
                      f"{_cell(r['auroc_within_object_count'][key])} | "

@@ -500,10 +500,35 @@ def test_hallucination_with_one_class_among_the_fitting_answers(monkeypatch):
     result = hallucination.measure_hallucination(6, 8, objects=(5, 9))
     assert result["objects"] == [5, 9] and result["fit_hallucinated"] == 0
     assert result["auroc_vas_detector"] is None and result["auroc_vas_and_logprob"] is None
+    assert result["auroc_vas_and_count"] is None
     assert result["auroc_95_interval"]["vas_detector"] is None
     assert result["auroc_mean_logprob"] == 1.0  # the fake log-probabilities separate them
     assert result["auroc_within_object_count"]["mean_logprob"] == 1.0
     assert result["auroc_within_object_count"]["vas_detector"] is None
+
+
+def test_hallucination_detectors_within_object_counts(monkeypatch):
+    from headscope.shapes import hallucination
+    g = torch.Generator().manual_seed(1)
+
+    def fake_answers(count, start, model_dir, progress, objects):
+        # crowded scenes err more; VAS column 0 carries the label within every count,
+        # the log-probability carries only the count
+        counts = 5 + torch.randint(5, (count,), generator=g)
+        labels = torch.rand(count, generator=g) < (counts - 4) / 6
+        features = torch.randn(count, 36, generator=g)
+        features[:, 0] += 2 * labels
+        return {"features": features, "logprob": -counts.double(), "hallucinated": labels,
+                "objects": counts, "texts": [""] * count}
+
+    monkeypatch.setattr(hallucination, "answers", fake_answers)
+    result = hallucination.measure_hallucination(300, 300, objects=(5, 9))
+    within = result["auroc_within_object_count"]
+    assert within["vas_detector"] > 0.8 and within["vas_and_count"] > 0.8
+    assert within["mean_logprob"] == 0.5  # constant within a count: all ties
+    assert result["auroc_object_count_alone"] == result["auroc_mean_logprob"] > 0.6
+    low, high = result["auroc_within_object_count_95_interval"]["vas_and_count"]
+    assert low < within["vas_and_count"] < high
 
 
 def test_auroc_within_object_counts_compares_only_answers_to_scenes_of_one_count():
