@@ -9,11 +9,12 @@ imports it.
 """
 from .effects import region_effects
 from .gradient import gradient_scores
-from .mixer import MixerHandle, use_mixer
+from .mixer import MixerHandle, saved_mixer_rank, use_mixer
 from .regions import grid_regions
 from .stream import Span, special_only
 from .tracer import Tracer, sentence_end
 from .value_norm import value_norm_factors, value_norms
 
 __all__ = ["MixerHandle", "Span", "Tracer", "gradient_scores", "grid_regions", "region_effects",
-           "sentence_end", "special_only", "use_mixer", "value_norm_factors", "value_norms"]
+           "saved_mixer_rank", "sentence_end", "special_only", "use_mixer", "value_norm_factors",
+           "value_norms"]

@@ -169,8 +169,7 @@ class MixerHandle:
 
     def named_parameters(self):
         """``(name in the model, parameter)`` of every mixer."""
-        return [(name, p) for name, p in self.model.named_parameters()
-                if f".{SUBMODULE}." in f".{name}"]
+        return [(name, p) for name, p in self.model.named_parameters() if is_mixer_key(name)]
 
     def load(self, folder) -> None:
         """Loads the mixer parameters from ``folder``, written by ``save_pretrained``
@@ -207,25 +206,48 @@ class MixerHandle:
         self.undo()
 
 
-def _mixer_tensors(folder) -> Dict[str, Tensor]:
-    """The mixer tensors of the safetensors files in ``folder`` (sharded or not)."""
-    from pathlib import Path
+def is_mixer_key(name: str) -> bool:
+    """Whether a parameter or checkpoint key belongs to a swapped layer's mixer."""
+    return f".{SUBMODULE}." in f".{name}"
 
-    from safetensors import safe_open
+
+def _safetensors_files(folder) -> list:
+    from pathlib import Path
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{WHO}: no .safetensors file in {folder}")
+    return files
+
+
+def _mixer_tensors(folder) -> Dict[str, Tensor]:
+    """The mixer tensors of the safetensors files in ``folder`` (sharded or not)."""
+    from safetensors import safe_open
     out = {}
-    for path in files:
+    for path in _safetensors_files(folder):
         with safe_open(str(path), "pt") as f:
             for key in f.keys():
-                if f".{SUBMODULE}." in f".{key}":
+                if is_mixer_key(key):
                     out[key] = f.get_tensor(key)
     if not out:
         raise ValueError(f"{WHO}: {folder} holds no mixer parameters (keys containing "
                          f"'{SUBMODULE}'); save the model with save_pretrained while the "
                          f"mixers are attached")
     return out
+
+
+def saved_mixer_rank(folder) -> int:
+    """The rank of the mixers saved in ``folder`` by ``save_pretrained`` (read from the
+    checkpoint's shapes, no tensor loaded); 0 when it holds none."""
+    from safetensors import safe_open
+    ranks = set()
+    for path in _safetensors_files(folder):
+        with safe_open(str(path), "pt") as f:
+            ranks |= {f.get_slice(k).get_shape()[-1] for k in f.keys()
+                      if is_mixer_key(k) and k.endswith(".w_q")}
+    if len(ranks) > 1:
+        raise ValueError(f"{WHO}: the mixers saved in {folder} have different ranks "
+                         f"{sorted(ranks)}")
+    return ranks.pop() if ranks else 0
 
 
 def use_mixer(model: nn.Module, rank: int, where: str = "vision",

@@ -94,23 +94,6 @@ def prompt_ids(processor, grid_thw: torch.Tensor) -> list:
     return processor.tokenizer(text)["input_ids"]
 
 
-def mixer_rank(path: Path) -> int:
-    """The rank of the vision mixers saved in the model folder ``path``; 0 for a model
-    with softmax vision attention."""
-    from safetensors import safe_open
-
-    from ..hf.mixer import SUBMODULE
-    ranks = set()
-    for file in sorted(Path(path).glob("model*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            ranks |= {f.get_slice(k).get_shape()[-1] for k in f.keys()
-                      if f".{SUBMODULE}.w_q" in f".{k}"}
-    if len(ranks) > 1:
-        raise ValueError(f"headscope.shapes.load: the vision mixers in {path} have different "
-                         f"ranks {sorted(ranks)}")
-    return ranks.pop() if ranks else 0
-
-
 def _from_pretrained(cls, path: Path, expected: bool):
     """``cls.from_pretrained(path)`` in eval mode. ``expected``: the checkpoint holds vision
     mixers, which the model gets back after loading: their keys are not reported as
@@ -119,7 +102,7 @@ def _from_pretrained(cls, path: Path, expected: bool):
         return cls.from_pretrained(path).eval()
     from transformers.utils import logging as tf_logging
 
-    from ..hf.mixer import SUBMODULE
+    from ..hf.mixer import is_mixer_key
     verbosity = tf_logging.get_verbosity()
     tf_logging.set_verbosity_error()
     try:
@@ -129,7 +112,7 @@ def _from_pretrained(cls, path: Path, expected: bool):
     wrong = {kind: keys for kind, keys in (
         ("missing", list(info["missing_keys"])),
         ("mismatched", [k[0] if isinstance(k, tuple) else k for k in info["mismatched_keys"]]),
-        ("unexpected", [k for k in info["unexpected_keys"] if f".{SUBMODULE}." not in f".{k}"]))
+        ("unexpected", [k for k in info["unexpected_keys"] if not is_mixer_key(k)]))
         if keys}
     if wrong:
         raise ValueError(f"headscope.shapes.load: {path} does not match its config: {wrong}")
@@ -141,17 +124,17 @@ def load(path: Optional[Path] = None, *, head: bool = True):
     shipped in the package's data folder): the model in eval mode on the CPU, its
     ``Qwen2VLProcessor`` (``processor.tokenizer`` is the tokenizer) and its
     :class:`~headscope.AttributionHead` (None when the folder has none or ``head=False``).
-    A model trained with vision mixers gets them back (:func:`mixer_rank`)."""
+    A model trained with vision mixers gets them back with their saved rank."""
     import transformers as tf
 
     path = Path(path) if path is not None else DATA_DIR
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"headscope.shapes.load: no model in {path} (config.json "
                                 f"missing); train one with python -m headscope.shapes train")
-    rank = mixer_rank(path)
+    from ..hf.mixer import saved_mixer_rank, use_mixer
+    rank = saved_mixer_rank(path)
     model = _from_pretrained(tf.Qwen2VLForConditionalGeneration, path, expected=rank > 0)
     if rank:
-        from ..hf.mixer import use_mixer
         use_mixer(model, rank).load(path)
     processor = tf.AutoProcessor.from_pretrained(path)
     attribution_head = None

@@ -155,7 +155,7 @@ def test_shipped_model_describes_held_out_scenes(shipped):
 def test_shipped_mixer_model_describes_held_out_scenes():
     from headscope.hf.mixer import SUBMODULE
     from headscope.shapes.accuracy import caption_accuracy, held_out_scenes
-    from headscope.shapes.model import mixer_rank
+    from headscope.hf import saved_mixer_rank as mixer_rank
     folder = shapes.MIXER_DIR
     if not (folder / "config.json").is_file():
         pytest.fail(f"the mixer shapes model is missing from the package ({folder})")
@@ -328,7 +328,7 @@ def tiny_pair(tmp_path_factory):
 
 def test_training_with_vision_mixers_saves_and_loads_them(tiny_pair):
     from headscope.hf.mixer import SUBMODULE
-    from headscope.shapes.model import mixer_rank
+    from headscope.hf import saved_mixer_rank as mixer_rank
     folder, report = tiny_pair["mixer"], tiny_pair["mixer_report"]
     assert report["settings"]["mixer_rank"] == 3 and mixer_rank(folder) == 3
     assert mixer_rank(tiny_pair["softmax"]) == 0 and mixer_rank(DATA_DIR) == 0
