@@ -18,6 +18,7 @@ import torch
 
 from .families import family_of
 from .keymask import KeyMask
+from .structure import softmax_attention_layers
 
 ABLATIONS = ("mask", "mean", "zero")
 WHO = "headscope.hf.region_effects"
@@ -72,6 +73,8 @@ def region_effects(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
     removed = (ablated.to(torch.int64) @ in_region.to(torch.int64)) > 0  # (A, P)
 
     decoder = family_of(model, WHO).decoder(model)
+    if ablation == "mask":
+        check_all_softmax(decoder)
     with torch.no_grad(), KeyMask(decoder.config) as keymask:
         runner = _Runner(model, keymask, inputs, sequences, rid, ablation, P, N)
         logp = runner.log_probs(removed, batch_size, progress)  # (A, N) float64
@@ -82,6 +85,21 @@ def region_effects(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
     if subsets is None:
         return effects
     return effects, per_span[:, K:].contiguous()
+
+
+def check_all_softmax(decoder) -> None:
+    """Raises for a hybrid decoder: the "mask" ablation takes the region's keys out of
+    softmax attention, and its other mixers (gated delta nets, convolutions) would still
+    carry the region on."""
+    traced = [m.layer_idx for m in softmax_attention_layers(decoder)]
+    total = int(decoder.config.num_hidden_layers)
+    if len(traced) != total:
+        others = sorted(set(range(total)) - set(traced))
+        raise NotImplementedError(
+            f"{WHO}: ablation='mask' removes a region's keys from softmax attention, but "
+            f"decoder layers {others} of {type(decoder).__name__} mix tokens otherwise "
+            f"(a gated delta net, a short convolution or linear attention) and would still "
+            f"carry the region on; use ablation='zero' or 'mean'")
 
 
 def _describe(x) -> str:
@@ -178,6 +196,19 @@ def decoder_inputs(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
         if len(kept):
             full["attention_mask"] = mask.clone()
             full["attention_mask"][0, int(kept[0]):int(kept[-1]) + 1] = 1
+    got = decoder_kwargs(model, full, who)
+    if mask is not None and got.get("attention_mask") is not None:
+        # the 2-D mask (a VLM may hand its decoder masks built by layer type instead)
+        got["attention_mask"] = mask.to(got["inputs_embeds"].device)
+    if got.get("inputs_embeds") is None:
+        raise NotImplementedError(f"{who}: {type(model).__name__} does not hand its "
+                                  f"text decoder inputs_embeds")
+    return got
+
+
+def decoder_kwargs(model, inputs: Dict[str, torch.Tensor], who: str = WHO) -> dict:
+    """The keyword arguments the model's text decoder gets on a forward over ``inputs``
+    (no cache); the model's forward stops at the decoder."""
     got = {}
 
     def grab(module, args, kwargs):
@@ -187,17 +218,11 @@ def decoder_inputs(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
     decoder = family_of(model, who).decoder(model)
     handle = decoder.register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        model(**full, use_cache=False)
+        model(**inputs, use_cache=False)
     except _Captured:
         pass
     finally:
         handle.remove()
-    if mask is not None and got.get("attention_mask") is not None:
-        # the 2-D mask (a VLM may hand its decoder masks built by layer type instead)
-        got["attention_mask"] = mask.to(got["inputs_embeds"].device)
-    if got.get("inputs_embeds") is None:
-        raise NotImplementedError(f"{who}: {type(model).__name__} does not hand its "
-                                  f"text decoder inputs_embeds")
     return got
 
 

@@ -212,18 +212,21 @@ def assert_quarters_are_regions(model, inputs: Dict[str, torch.Tensor], colours)
 def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwargs):
     """The way attention is inspected without headscope: a model loaded with eager
     attention, run with ``output_attentions=True`` and forward hooks on the o_proj inputs.
-    Returns ``(output, attentions, head_writes)``: per decoder layer its ``(B, H, T, T)``
-    attention and ``(B, H, T, Dh)`` per-head outputs."""
+    Returns ``(output, attentions, head_writes)``: per softmax attention layer of the
+    decoder (all of them but a hybrid's other mixers) its ``(B, H, T, T)`` attention and
+    ``(B, H, T, Dh)`` per-head outputs."""
     from .families import family_of
-    H = model_eager.config.text_config.num_attention_heads
+    from .structure import output_projection, softmax_attention_layers
+    decoder = family_of(model_eager).decoder(model_eager)
+    H = decoder.config.num_attention_heads
     writes, hooks = [], []
 
     def grab(module, args):
         x = args[0]
         writes.append(x.reshape(*x.shape[:2], H, -1).transpose(1, 2))
 
-    for layer in family_of(model_eager).decoder(model_eager).layers:
-        hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(grab))
+    for attention in softmax_attention_layers(decoder):
+        hooks.append(output_projection(attention).register_forward_pre_hook(grab))
     try:
         with torch.no_grad():
             out = model_eager(**inputs, output_attentions=True, **forward_kwargs)

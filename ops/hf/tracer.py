@@ -17,8 +17,10 @@ from .. import attribution as _attr
 from .. import vas as _vas
 from . import backend
 from .families import ImageTokens, family_of
+from .families.generic import picture_slots
 from .masks import MaskCall
-from .regions import Regions, region_ids as _region_ids
+from .regions import Regions, grid_regions, region_ids as _region_ids
+from .structure import output_projection, softmax_attention_layers
 from .rows import SpanRows
 from .value_norm import value_norm_factors, value_norms
 from .generation import Generation, sentence_end
@@ -75,15 +77,24 @@ class Tracer(Generation, backend.Binding):
         self.family = family_of(model, self.who)
         self.decoder = self.family.decoder(model)
         self.config = self.decoder.config
-        self.num_layers = int(self.config.num_hidden_layers)
         self.num_heads = int(self.config.num_attention_heads)
-        self._layers = {id(m): m.layer_idx for m in self.decoder.modules()
-                        if hasattr(m, "o_proj") and getattr(m, "layer_idx", None) is not None}
-        if sorted(self._layers.values()) != list(range(self.num_layers)):
-            raise ValueError(f"headscope.hf.Tracer: found attention layers "
-                             f"{sorted(self._layers.values())} in {type(self.decoder).__name__}, "
-                             f"expected 0..{self.num_layers - 1} (modules with o_proj and "
-                             f"layer_idx)")
+        attention = softmax_attention_layers(self.decoder)
+        if not attention:
+            raise ValueError(f"headscope.hf.Tracer: {type(self.decoder).__name__} has no softmax "
+                             f"attention layer (no decoder module dispatches through "
+                             f"transformers' attention interface); headscope reads attention "
+                             f"weights, which its mixers do not form")
+        # the decoder layer index of each traced layer: all of them, or a hybrid decoder's
+        # softmax layers only (its other mixers form no attention weights)
+        self.layers: List[int] = [m.layer_idx for m in attention]
+        self.num_layers = len(attention)
+        self._layers = {id(m): i for i, m in enumerate(attention)}
+        if isinstance(regions, grid_regions) and not self.family.has_layout:
+            raise ValueError(f"headscope.hf.Tracer: grid_regions needs each image token's place "
+                             f"on the picture, and no layout is known for model_type "
+                             f"{self.model.config.model_type!r} (read by its structure: each "
+                             f"run of image tokens is one picture in sequence order); use "
+                             f"regions=K (Ward regions of each run) or labels")
         L, H = self.num_layers, self.num_heads
         if isinstance(head, _attr.AttributionHead) and (head.num_layers, head.num_heads) != (L, H):
             raise ValueError(f"headscope.hf.Tracer: the head was fitted for L={head.num_layers}, "
@@ -112,11 +123,14 @@ class Tracer(Generation, backend.Binding):
         self._generating: Optional[int] = None  # thread ident of a running tr.generate
         # each layer's transformers layer type (None: every layer takes the one mask built)
         types = getattr(self.config, "layer_types", None)
-        self._layer_types: Optional[List[str]] = list(types) if types else None
+        self._layer_types: Optional[List[str]] = [types[i] for i in self.layers] if types \
+            else None
         self._masks: Dict[str, MaskCall] = {}  # this forward's masks by layer type
         self._unsupported: List[str] = []  # why each mask the ops cannot express is so
         self._built: set = set()  # ids of the masks those calls returned
         self._inputs: Dict[str, Any] = {}  # input_ids and the family's input_keys
+        self._model_kwargs: Dict[str, Any] = {}  # all of them (a family with no layout)
+        self._probing = False  # the model runs for picture_slots: the hooks stand aside
         self._stats: Optional[torch.Tensor] = None
         self._seen: set = set()
         self._rows: Optional[SpanRows] = None
@@ -178,6 +192,8 @@ class Tracer(Generation, backend.Binding):
         return out, weights
 
     def mask(self, *args, **kwargs):
+        if self._probing:  # the probe's forward stops before the decoder: nothing to note
+            return self.base_mask(*args, **kwargs)
         if not self._built:  # the first mask of a forward
             self._masks, self._unsupported = {}, []
         mask = MaskCall(kwargs)
@@ -194,6 +210,8 @@ class Tracer(Generation, backend.Binding):
     # ---- what the model shows us ----------------------------------------------------------
 
     def _on_model_forward(self, module, args, kwargs):
+        if self._probing:
+            return None
         self._note_inputs(kwargs, args)
         if any(key in kwargs for key in self.family.layout_keys):
             return args, self.family.model_inputs(kwargs)
@@ -202,8 +220,13 @@ class Tracer(Generation, backend.Binding):
     def _note_inputs(self, kwargs, args=()) -> None:
         self._inputs = {key: kwargs.get(key) for key in self.family.input_keys}
         self._inputs["input_ids"] = kwargs.get("input_ids", args[0] if args else None)
+        if not self.family.has_layout:  # for the probe of picture_slots
+            self._model_kwargs = {k: v for k, v in kwargs.items()
+                                  if k not in ("cache", "past_key_values", "use_cache")}
 
     def _on_decoder_forward(self, module, args, kwargs):
+        if self._probing:
+            return None
         if self._generating is not None and (threading.get_ident() != self._generating
                                              or self._paused):
             raise RuntimeError("headscope.hf.Tracer: the model was called while a generation "
@@ -247,6 +270,8 @@ class Tracer(Generation, backend.Binding):
             if ids is None or tuple(ids.shape) != (B, T):
                 raise ValueError("headscope.hf.Tracer: regions need the model's input_ids "
                                  f"(B, T) = ({B}, {T}) to find the image tokens")
+            if not self.family.has_layout:
+                self._inputs["picture_slots"] = self._picture_slots()
             self.images = self.family.images(self.model.config, self._inputs)
             self.region_ids, self.num_regions = _region_ids(self.regions, self.images, embeds)
             self._kmax = max(self.num_regions)
@@ -257,6 +282,16 @@ class Tracer(Generation, backend.Binding):
             if any(self._rows.blocks):  # once per prompt: every layer's norms take them
                 is_image = (self.region_ids >= 0).any(0)
                 self._image_keys = torch.nonzero(is_image).flatten().to(embeds.device)
+
+    def _picture_slots(self) -> torch.Tensor:
+        """Which image placeholders hold a piece of the picture (generic reading)."""
+        self._probing = True
+        try:
+            with torch.no_grad():
+                return picture_slots(self.model, self._model_kwargs,
+                                     self.family.image_token_ids(self.model.config))
+        finally:
+            self._probing = False
 
     def observe(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 out: torch.Tensor, weights: Optional[torch.Tensor],
@@ -299,8 +334,8 @@ class Tracer(Generation, backend.Binding):
         """The layer's value_norm_factors (H, min(hidden, Dh), Dh), computed once from its
         o_proj."""
         if layer not in self._factors:
-            self._factors[layer] = value_norm_factors(module.o_proj.weight.detach(),
-                                                      self.num_heads)
+            self._factors[layer] = value_norm_factors(
+                output_projection(module).weight.detach(), self.num_heads)
         return self._factors[layer]
 
     def _check_decode_step(self, layer: int, module, q: torch.Tensor, k: torch.Tensor,

@@ -9,6 +9,7 @@ from typing import Tuple
 
 from .base import Family
 from .gemma3 import Gemma3
+from .generic import Generic, no_image_tokens
 from .glm4v import Glm4v
 from .idefics3 import Idefics3
 from .internvl import InternVL
@@ -21,10 +22,14 @@ from .mistral3 import Mistral3
 from .paligemma import PaliGemma
 from .qwen_vl import QwenVL
 from .unsupported import unsupported_reason
+from ..structure import placeholder_token_ids
 
 FAMILIES: Tuple[Family, ...] = (QwenVL(), Llava(), Idefics3(), LlavaNext(),
                                 LlavaOnevision(), Mistral3(), InternVL(), Glm4v(),
                                 Llama4(), Gemma3(), PaliGemma())
+
+
+GENERIC = Generic()
 
 
 def supported_model_types() -> Tuple[str, ...]:
@@ -32,21 +37,23 @@ def supported_model_types() -> Tuple[str, ...]:
 
 
 def family_of(model_or_config, who: str = "headscope.hf") -> Family:
-    """The family of a model (or its config); a clear error for any other model, naming
-    what headscope does not support in it where that is known."""
+    """The family of a model (or its config): its family module, else the generic reading
+    by structure (:mod:`.generic`); a clear error for a model that cannot be traced,
+    naming why."""
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)
     reason = unsupported_reason(config)
+    if reason is None:
+        for family in FAMILIES:
+            if model_type in family.model_types:
+                return family
+        if placeholder_token_ids(config) is None:
+            reason = no_image_tokens(config)
     if reason is not None:
         raise ValueError(f"{who}: {type(model_or_config).__name__} (model_type "
                          f"{model_type!r}) is not supported: {reason}")
-    for family in FAMILIES:
-        if model_type in family.model_types:
-            return family
-    raise ValueError(f"{who}: {type(model_or_config).__name__} (model_type {model_type!r}) is "
-                     f"not a supported VLM; supported model types: "
-                     f"{', '.join(supported_model_types())}")
+    return GENERIC
 
 
-__all__ = ["FAMILIES", "Family", "ImageTokens", "View", "WHOLE", "family_of",
+__all__ = ["FAMILIES", "Family", "GENERIC", "ImageTokens", "View", "WHOLE", "family_of",
            "supported_model_types"]

@@ -30,6 +30,8 @@ class Family:
     # the layout needs: the Tracer withholds them from the model (generate refuses inputs
     # the model does not use) and region_effects skips them
     layout_keys: Tuple[str, ...] = ()
+    # whether each image token's place on the picture is known (grid_regions needs it)
+    has_layout: bool = True
     # the tiny models' text attention when the family's decoder runs under one only
     tiny_attention: Optional[str] = None
 

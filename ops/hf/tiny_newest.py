@@ -1,0 +1,285 @@
+"""Tiny random models of VLM families that have no family module, built from their
+configs as their own transformers tests build them, and prompts for them: what the tests
+of the generic reading (``headscope.hf.families.generic``) run on.
+
+``tiny_newest(model_type)`` gives ``(model, picture)``: the model in eval mode, and
+``picture(generator)``, one picture's model inputs (tensors to concatenate over a batch's
+pictures along dim 0). ``newest_prompt(model, picture, text_before, text_after)`` lays
+out a left-padded batch of one picture per row, with as many image placeholders as the
+model's own ``get_image_features`` returns features for that picture.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from .tiny import EOS, IMAGE_TOKEN, PAD, VIDEO_TOKEN, VISION_END, VISION_START, VOCAB
+
+Picture = Callable[[torch.Generator, int], Dict[str, torch.Tensor]]
+
+
+@dataclass
+class Recipe:
+    """A tiny model's config and class, and ``picture(generator, index)``: the model
+    inputs of the batch's ``index``-th picture. ``cat_dims``: inputs whose pictures are
+    concatenated along another dim than 0; ``markers``: token ids the processor puts
+    before and after a picture's placeholders (in its bidirectional image block where
+    the model has one); ``tokens``: a picture's placeholder count from its inputs, where
+    ``get_image_features`` does not give it for one picture alone."""
+    config: Any
+    cls: type
+    picture: Picture
+    cat_dims: Dict[str, int] = field(default_factory=dict)
+    markers: Tuple[Tuple[int, ...], Tuple[int, ...]] = ((), ())
+    tokens: Optional[Callable[[Dict[str, torch.Tensor]], int]] = None
+IDS = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+           vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+
+
+def _text(**extra) -> dict:
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None,
+                max_position_embeddings=4096, tie_word_embeddings=False)
+    text.update(extra)
+    return text
+
+
+# multimodal rotary sections (temporal, height, width) of the 16-wide heads
+_MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
+
+
+def _pixels(*shape) -> Picture:
+    return lambda g, i: {"pixel_values": torch.randn(*shape, generator=g)}
+
+
+def _lfm2_vl():
+    import transformers as tf
+    config = tf.Lfm2VlConfig(
+        text_config=_text(model_type="lfm2", layer_types=None, full_attn_idxs=[1],
+                          conv_L_cache=3, conv_bias=False, block_multiple_of=2),
+        vision_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                           num_attention_heads=2, num_patches=16, patch_size=4),
+        image_token_id=IMAGE_TOKEN, downsample_factor=2, projector_hidden_size=32,
+        tie_word_embeddings=False)
+
+    def picture(g, i):
+        return {"pixel_values": torch.randn(1, 64, 3 * 4 * 4, generator=g),
+                "spatial_shapes": torch.tensor([[8, 8]]),
+                "pixel_attention_mask": torch.ones(1, 64, dtype=torch.int64)}
+    return Recipe(config, tf.Lfm2VlForConditionalGeneration, picture)
+
+
+def _cohere2_vision():
+    import transformers as tf
+    config = tf.Cohere2VisionConfig(
+        text_config=_text(model_type="cohere2", layer_types=["sliding_attention",
+                                                             "full_attention"],
+                          sliding_window=8),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                           image_size=32, patch_size=8, vision_use_head=False),
+        image_token_id=IMAGE_TOKEN, downsample_factor=2, alignment_intermediate_size=32,
+        tie_word_embeddings=False)
+    return Recipe(config, tf.Cohere2VisionForConditionalGeneration, _pixels(1, 3, 32, 32))
+
+
+def _ovis2():
+    import transformers as tf
+    config = tf.Ovis2Config(
+        text_config=_text(model_type="qwen2"),
+        vision_config=dict(image_size=32, patch_size=8, hidden_size=32, vocab_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, intermediate_size=54,
+                           hidden_stride=2),
+        image_token_id=IMAGE_TOKEN, visual_indicator_token_ids=[], vocab_size=VOCAB,
+        hidden_size=64, tie_word_embeddings=False)
+    return Recipe(config, tf.Ovis2ForConditionalGeneration, _pixels(1, 3, 32, 32))
+
+
+def _flat_patches(patch: int, side: int, temporal: int = 2, channels: int = 3) -> Picture:
+    """A Qwen-VL-style picture: ``side x side`` patches flattened, and its grid."""
+    def picture(g, i):
+        return {"pixel_values": torch.randn(side * side, channels * temporal * patch * patch,
+                                            generator=g),
+                "image_grid_thw": torch.tensor([[1, side, side]])}
+    return picture
+
+
+def _qwen3_5(moe: bool = False):
+    import transformers as tf
+    text = _text(model_type="qwen3_5_moe_text" if moe else "qwen3_5_text",
+                 layer_types=["linear_attention", "full_attention"] * 2, num_hidden_layers=4,
+                 rope_parameters=dict(_MROPE, mrope_interleaved=True),
+                 linear_conv_kernel_dim=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                 linear_num_key_heads=2, linear_num_value_heads=4)
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=32)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=32, out_hidden_size=64,
+                  num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                  num_position_embeddings=16)
+    cls = tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config
+    model = tf.Qwen3_5MoeForConditionalGeneration if moe else tf.Qwen3_5ForConditionalGeneration
+    return Recipe(cls(text_config=text, vision_config=vision, tie_word_embeddings=False, **IDS),
+                  model, _flat_patches(4, 4))
+
+
+def _glm46v():
+    import transformers as tf
+    config = tf.Glm46VConfig(
+        text_config=_text(rope_parameters=_MROPE),
+        vision_config=dict(depth=2, hidden_size=48, out_hidden_size=64, intermediate_size=22,
+                           num_heads=2, patch_size=4, spatial_merge_size=2,
+                           temporal_patch_size=2),
+        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+        image_start_token_id=VISION_START, image_end_token_id=VISION_END,
+        tie_word_embeddings=False)
+    return Recipe(config, tf.Glm46VForConditionalGeneration, _flat_patches(4, 4))
+
+
+def _hunyuan_vl():
+    import transformers as tf
+    config = tf.HunYuanVLConfig(
+        text_config=_text(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                               mrope_section=[2, 2, 2, 2])),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                           num_hidden_layers=2, out_hidden_size=64, text_hidden_size=64,
+                           patch_size=4, temporal_patch_size=1, spatial_merge_size=1,
+                           max_image_size=16, min_image_size=16, anyres_vit_max_image_size=16,
+                           max_vit_seq_len=16),
+        image_token_id=IMAGE_TOKEN, tie_word_embeddings=False)
+    return Recipe(config, tf.HunYuanVLForConditionalGeneration, _flat_patches(4, 4, temporal=1))
+
+
+def _granite4_vision():
+    import transformers as tf
+    config = tf.Granite4VisionConfig(
+        text_config=_text(model_type="granite"),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=64,
+                           intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=8, patch_size=2, projection_dim=64),
+        image_token_index=IMAGE_TOKEN, image_grid_pinpoints=[[8, 8]], downsample_rate="1/2",
+        deepstack_layer_map=[[1, 0]], projector_dropout=0.0, tie_word_embeddings=False,
+        qformer_config=dict(intermediate_size=64))
+
+    def picture(g, i):
+        return {"pixel_values": torch.randn(1, 2, 3, 8, 8, generator=g),
+                "image_sizes": torch.tensor([[8, 8]])}
+    return Recipe(config, tf.Granite4VisionForConditionalGeneration, picture)
+
+
+def _cosmos3_edge():
+    import transformers as tf
+    config = tf.Cosmos3EdgeConfig(
+        text_config=_text(hidden_act="silu", rope_parameters=_MROPE),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, patch_size=4, num_patches=16,
+                           spatial_merge_size=2),
+        projector_hidden_size=32, tie_word_embeddings=False, **IDS)
+    return Recipe(config, tf.Cosmos3EdgeForConditionalGeneration, _flat_patches(4, 4, temporal=1))
+
+
+def _kimi_k25():
+    import transformers as tf
+    text = _text(model_type="deepseek_v3", kv_lora_rank=16, q_lora_rank=None,
+                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                 num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
+                 first_k_dense_replace=1, num_key_value_heads=4)
+    text.pop("head_dim")
+    config = tf.Kimi_K25Config(
+        text_config=text,
+        vision_config=dict(patch_size=4, pos_emb_height=8, pos_emb_width=8, pos_emb_time=2,
+                           num_attention_heads=2, num_hidden_layers=2, hidden_size=32,
+                           intermediate_size=64),
+        projection_hidden_size=32, tie_word_embeddings=False, **IDS)
+
+    def picture(g, i):
+        return {"pixel_values": torch.randn(16, 3, 4, 4, generator=g),
+                "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    return Recipe(config, tf.Kimi_K25ForConditionalGeneration, picture)
+
+
+def _minicpmv4_6():
+    import transformers as tf
+    text = _text(model_type="qwen3_5_text", layer_types=["linear_attention", "full_attention"],
+                 rope_parameters=_MROPE, linear_conv_kernel_dim=2, linear_key_head_dim=16,
+                 linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
+    config = tf.MiniCPMV4_6Config(
+        text_config=text,
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, image_size=32, patch_size=4),
+        image_token_id=IMAGE_TOKEN, image_size=32, drop_vision_last_layer=False,
+        insert_layer_id=0, tie_word_embeddings=False)
+
+    def picture(g, i):  # NaViT-packed: the pictures' patches side by side along the last dim
+        return {"pixel_values": torch.randn(1, 3, 4, 64 * 4, generator=g),
+                "target_sizes": torch.tensor([[8, 8]], dtype=torch.int32)}
+    return Recipe(config, tf.MiniCPMV4_6ForConditionalGeneration, picture,
+                  cat_dims={"pixel_values": -1})
+
+
+RECIPES = {"minicpmv4_6": _minicpmv4_6, "cosmos3_edge": _cosmos3_edge, "kimi_k25": _kimi_k25, "qwen3_5": _qwen3_5, "qwen3_5_moe": lambda: _qwen3_5(moe=True), "glm46v": _glm46v,
+           "hunyuan_vl": _hunyuan_vl, "granite4_vision": _granite4_vision, "lfm2_vl": _lfm2_vl, "cohere2_vision": _cohere2_vision, "ovis2": _ovis2}
+
+
+def tiny_newest(model_type: str, seed: int = 0, attn_implementation: str = "sdpa"
+                ) -> Tuple[torch.nn.Module, Recipe]:
+    """A tiny random ``model_type`` model (one of :data:`RECIPES`) and its recipe."""
+    if model_type not in RECIPES:
+        raise ValueError(f"headscope.hf.tiny_newest: model_type must be one of "
+                         f"{sorted(RECIPES)}, got {model_type!r}")
+    recipe = RECIPES[model_type]()
+    recipe.config.get_text_config(decoder=True)._attn_implementation_internal = \
+        attn_implementation
+    torch.manual_seed(seed)
+    model = recipe.cls(recipe.config).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = PAD
+    return model, recipe
+
+
+def feature_count(model, inputs: Dict[str, torch.Tensor]) -> int:
+    """How many image features the model scatters into placeholders for ``inputs``."""
+    with torch.no_grad():
+        out = model.model.get_image_features(**inputs)
+    pooled = getattr(out, "pooler_output", out)
+    if pooled is None:  # features added at decoder layers only (Granite 4 Vision)
+        pooled = out.deepstack_features[0][1]
+    if isinstance(pooled, (list, tuple)):
+        return sum(int(p.reshape(-1, p.shape[-1]).shape[0]) for p in pooled)
+    return int(pooled.reshape(-1, pooled.shape[-1]).shape[0])
+
+
+def newest_prompt(model, recipe: Recipe, text_before: Sequence[int] = (3,),
+                  text_after: Sequence[int] = (5,), seed: int = 0) -> Dict[str, torch.Tensor]:
+    """A left-padded batch, row b: ``text_before[b]`` text tokens, one picture's
+    placeholders (between the recipe's markers), ``text_after[b]`` text tokens; with the
+    ``mm_token_type_ids`` the processor gives (1 on the picture, its markers included)."""
+    g = torch.Generator().manual_seed(seed)
+    before, after = (torch.tensor(m, dtype=torch.int64) for m in recipe.markers)
+    rows, types, pictures = [], [], []
+    for i, (nb, na) in enumerate(zip(text_before, text_after)):
+        inputs = recipe.picture(g, i)
+        count = recipe.tokens(inputs) if recipe.tokens else feature_count(model, inputs)
+        image = torch.cat([before, torch.full((count,), IMAGE_TOKEN), after])
+        text = [torch.randint(1, IMAGE_TOKEN, (n,), generator=g) for n in (nb, na)]
+        rows.append(torch.cat([text[0], image, text[1]]))
+        types.append(torch.cat([torch.zeros(nb), torch.ones(len(image)), torch.zeros(na)]))
+        pictures.append(inputs)
+    T = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), T), PAD)
+    mm_types = torch.zeros(len(rows), T, dtype=torch.int32)
+    attention_mask = torch.zeros(len(rows), T, dtype=torch.int64)
+    for b, (r, t) in enumerate(zip(rows, types)):
+        input_ids[b, T - len(r):] = r
+        mm_types[b, T - len(r):] = t.to(torch.int32)
+        attention_mask[b, T - len(r):] = 1
+    out = dict(input_ids=input_ids, attention_mask=attention_mask)
+    for key in pictures[0]:
+        out[key] = torch.cat([p[key] for p in pictures], recipe.cat_dims.get(key, 0))
+    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        out["mm_token_type_ids"] = mm_types
+    return out
