@@ -12,28 +12,31 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .tiny import EOS, IMAGE_TOKEN, PAD, VIDEO_TOKEN, VISION_END, VISION_START, VOCAB
 
-Picture = Callable[[torch.Generator, int], Dict[str, torch.Tensor]]
+Picture = Callable[[torch.Generator], Dict[str, torch.Tensor]]
 
 
 @dataclass
 class Recipe:
-    """A tiny model's config and class, and ``picture(generator, index)``: the model
-    inputs of the batch's ``index``-th picture. ``cat_dims``: inputs whose pictures are
-    concatenated along another dim than 0; ``markers``: token ids the processor puts
+    """A tiny model's config and class, and ``picture(generator)``: one picture's model
+    inputs. ``cat_dims``: inputs whose pictures are concatenated along another dim than 0;
+    ``offsets``: inputs that index into another input's items, by that input's name (they
+    are shifted past the earlier pictures' items when concatenated); ``markers``: token ids the processor puts
     before and after a picture's placeholders (in its bidirectional image block where
-    the model has one); ``tokens``: a picture's placeholder count from its inputs, where
+    the model has one, ``typed_markers``); ``tokens``: a picture's placeholder count from its inputs, where
     ``get_image_features`` does not give it for one picture alone."""
     config: Any
     cls: type
     picture: Picture
     cat_dims: Dict[str, int] = field(default_factory=dict)
+    offsets: Dict[str, Tuple[str, int]] = field(default_factory=dict)
     markers: Tuple[Tuple[int, ...], Tuple[int, ...]] = ((), ())
+    typed_markers: bool = False  # whether mm_token_type_ids marks the markers as image
     tokens: Optional[Callable[[Dict[str, torch.Tensor]], int]] = None
 IDS = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
            vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
@@ -53,7 +56,7 @@ _MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
 
 
 def _pixels(*shape) -> Picture:
-    return lambda g, i: {"pixel_values": torch.randn(*shape, generator=g)}
+    return lambda g: {"pixel_values": torch.randn(*shape, generator=g)}
 
 
 def _lfm2_vl():
@@ -66,7 +69,7 @@ def _lfm2_vl():
         image_token_id=IMAGE_TOKEN, downsample_factor=2, projector_hidden_size=32,
         tie_word_embeddings=False)
 
-    def picture(g, i):
+    def picture(g):
         return {"pixel_values": torch.randn(1, 64, 3 * 4 * 4, generator=g),
                 "spatial_shapes": torch.tensor([[8, 8]]),
                 "pixel_attention_mask": torch.ones(1, 64, dtype=torch.int64)}
@@ -101,7 +104,7 @@ def _ovis2():
 
 def _flat_patches(patch: int, side: int, temporal: int = 2, channels: int = 3) -> Picture:
     """A Qwen-VL-style picture: ``side x side`` patches flattened, and its grid."""
-    def picture(g, i):
+    def picture(g):
         return {"pixel_values": torch.randn(side * side, channels * temporal * patch * patch,
                                             generator=g),
                 "image_grid_thw": torch.tensor([[1, side, side]])}
@@ -165,7 +168,7 @@ def _granite4_vision():
         deepstack_layer_map=[[1, 0]], projector_dropout=0.0, tie_word_embeddings=False,
         qformer_config=dict(intermediate_size=64))
 
-    def picture(g, i):
+    def picture(g):
         return {"pixel_values": torch.randn(1, 2, 3, 8, 8, generator=g),
                 "image_sizes": torch.tensor([[8, 8]])}
     return Recipe(config, tf.Granite4VisionForConditionalGeneration, picture)
@@ -196,7 +199,7 @@ def _kimi_k25():
                            intermediate_size=64),
         projection_hidden_size=32, tie_word_embeddings=False, **IDS)
 
-    def picture(g, i):
+    def picture(g):
         return {"pixel_values": torch.randn(16, 3, 4, 4, generator=g),
                 "image_grid_thw": torch.tensor([[1, 4, 4]])}
     return Recipe(config, tf.Kimi_K25ForConditionalGeneration, picture)
@@ -214,14 +217,89 @@ def _minicpmv4_6():
         image_token_id=IMAGE_TOKEN, image_size=32, drop_vision_last_layer=False,
         insert_layer_id=0, tie_word_embeddings=False)
 
-    def picture(g, i):  # NaViT-packed: the pictures' patches side by side along the last dim
+    def picture(g):  # NaViT-packed: the pictures' patches side by side along the last dim
         return {"pixel_values": torch.randn(1, 3, 4, 64 * 4, generator=g),
                 "target_sizes": torch.tensor([[8, 8]], dtype=torch.int32)}
     return Recipe(config, tf.MiniCPMV4_6ForConditionalGeneration, picture,
                   cat_dims={"pixel_values": -1})
 
 
-RECIPES = {"minicpmv4_6": _minicpmv4_6, "cosmos3_edge": _cosmos3_edge, "kimi_k25": _kimi_k25, "qwen3_5": _qwen3_5, "qwen3_5_moe": lambda: _qwen3_5(moe=True), "glm46v": _glm46v,
+def _molmo2():
+    import transformers as tf
+    from transformers.models.molmo2.configuration_molmo2 import (Molmo2AdapterConfig,
+                                                                  Molmo2TextConfig,
+                                                                  Molmo2VisionConfig)
+    text = _text(rope_theta=10000.0, rms_norm_eps=1e-6)
+    text.pop("rope_theta")
+    config = tf.Molmo2Config(
+        text_config=Molmo2TextConfig(**text),
+        vision_config=Molmo2VisionConfig(hidden_size=32, intermediate_size=37,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=4, head_dim=8, image_size=[16, 16],
+                                         patch_size=4),
+        adapter_config=Molmo2AdapterConfig(vision_feature_layer=[1], hidden_size=32,
+                                           num_attention_heads=4, num_key_value_heads=4,
+                                           head_dim=8, intermediate_size=37,
+                                           text_hidden_size=64),
+        image_start_token_id=VISION_START, image_end_token_id=VISION_END,
+        image_patch_id=IMAGE_TOKEN, tie_word_embeddings=False)
+    patches = 16  # a 16 x 16 crop in patches of 4
+
+    def picture(g):  # 2 x 2 + 2 x 2 pooled tokens, each pooling 4 of the crop's patches
+        pooling = torch.randint(0, patches, (8, 4), generator=g)
+        return {"pixel_values": torch.randn(1, patches, 4 * 4 * 3, generator=g),
+                "image_token_pooling": pooling,
+                "image_grids": torch.tensor([[2, 2, 2, 2]]),
+                "image_num_crops": torch.ones(1, dtype=torch.int64)}
+    return Recipe(config, tf.Molmo2ForConditionalGeneration, picture,
+                  offsets={"image_token_pooling": ("pixel_values", 1)},
+                  markers=((VISION_START,), (VISION_END,)), typed_markers=True,
+                  tokens=lambda inputs: 8)
+
+
+def _ernie4_5_vl_moe():
+    import transformers as tf
+    config = tf.Ernie4_5_VLMoeConfig(
+        text_config=_text(rope_parameters=dict(_MROPE, mrope_section=[3, 3, 2]),
+                          mlp_layer_types=["dense", "sparse"], moe_intermediate_size=[32, 32],
+                          moe_k=2, moe_num_experts=4, moe_num_shared_experts=1),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2,
+                           patch_size=4, spatial_merge_size=2),
+        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
+        image_start_token_id=VISION_START, image_end_token_id=VISION_END,
+        tie_word_embeddings=False)
+    return Recipe(config, tf.Ernie4_5_VLMoeForConditionalGeneration,
+                  _flat_patches(4, 4, temporal=1),
+                  markers=((VISION_START,), (VISION_END,)))
+
+
+def _gemma4():
+    import transformers as tf
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    text = _text(layer_types=layer_types, num_hidden_layers=4, num_kv_shared_layers=2,
+                 sliding_window=8, vocab_size_per_layer_input=VOCAB,
+                 hidden_size_per_layer_input=16, use_bidirectional_attention="vision",
+                 per_layer_config={i: {"head_dim": 32} for i, t in enumerate(layer_types)
+                                   if t == "full_attention"})
+    config = tf.Gemma4Config(
+        text_config=text,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                           patch_size=4, pooling_kernel_size=2, position_embedding_size=64),
+        image_token_id=IMAGE_TOKEN, boi_token_id=VISION_START, eoi_token_id=VISION_END,
+        video_token_id=VIDEO_TOKEN, audio_token_id=VIDEO_TOKEN + 10,
+        tie_word_embeddings=False)
+    side = 4  # patches per side: pooled 2 x 2 to 4 tokens
+
+    def picture(g):
+        xs, ys = torch.arange(side).repeat(side), torch.arange(side).repeat_interleave(side)
+        return {"pixel_values": torch.randn(1, side * side, 4 * 4 * 3, generator=g),
+                "image_position_ids": torch.stack([xs, ys], -1).unsqueeze(0)}
+    return Recipe(config, tf.Gemma4ForConditionalGeneration, picture,
+                  markers=((VISION_START,), (VISION_END,)))
+
+
+RECIPES = {"gemma4": _gemma4, "ernie4_5_vl_moe": _ernie4_5_vl_moe, "molmo2": _molmo2, "minicpmv4_6": _minicpmv4_6, "cosmos3_edge": _cosmos3_edge, "kimi_k25": _kimi_k25, "qwen3_5": _qwen3_5, "qwen3_5_moe": lambda: _qwen3_5(moe=True), "glm46v": _glm46v,
            "hunyuan_vl": _hunyuan_vl, "granite4_vision": _granite4_vision, "lfm2_vl": _lfm2_vl, "cohere2_vision": _cohere2_vision, "ovis2": _ovis2}
 
 
@@ -253,33 +331,56 @@ def feature_count(model, inputs: Dict[str, torch.Tensor]) -> int:
     return int(pooled.reshape(-1, pooled.shape[-1]).shape[0])
 
 
-def newest_prompt(model, recipe: Recipe, text_before: Sequence[int] = (3,),
-                  text_after: Sequence[int] = (5,), seed: int = 0) -> Dict[str, torch.Tensor]:
-    """A left-padded batch, row b: ``text_before[b]`` text tokens, one picture's
-    placeholders (between the recipe's markers), ``text_after[b]`` text tokens; with the
-    ``mm_token_type_ids`` the processor gives (1 on the picture, its markers included)."""
+def newest_rows(model, recipe: Recipe, text_before: Sequence[int] = (3,),
+                text_after: Sequence[int] = (5,), seed: int = 0) -> List[Dict[str, Any]]:
+    """Prompts of one picture each, unpadded: row b is ``text_before[b]`` text tokens, the
+    picture's placeholders (between the recipe's markers) and ``text_after[b]`` text
+    tokens, with the picture's inputs and ``mm_token_type_ids`` (1 on the picture) where
+    the model takes them."""
     g = torch.Generator().manual_seed(seed)
     before, after = (torch.tensor(m, dtype=torch.int64) for m in recipe.markers)
-    rows, types, pictures = [], [], []
-    for i, (nb, na) in enumerate(zip(text_before, text_after)):
-        inputs = recipe.picture(g, i)
+    typed = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+    rows = []
+    for nb, na in zip(text_before, text_after):
+        inputs = recipe.picture(g)
         count = recipe.tokens(inputs) if recipe.tokens else feature_count(model, inputs)
         image = torch.cat([before, torch.full((count,), IMAGE_TOKEN), after])
         text = [torch.randint(1, IMAGE_TOKEN, (n,), generator=g) for n in (nb, na)]
-        rows.append(torch.cat([text[0], image, text[1]]))
-        types.append(torch.cat([torch.zeros(nb), torch.ones(len(image)), torch.zeros(na)]))
-        pictures.append(inputs)
-    T = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), T), PAD)
-    mm_types = torch.zeros(len(rows), T, dtype=torch.int32)
-    attention_mask = torch.zeros(len(rows), T, dtype=torch.int64)
-    for b, (r, t) in enumerate(zip(rows, types)):
-        input_ids[b, T - len(r):] = r
-        mm_types[b, T - len(r):] = t.to(torch.int32)
-        attention_mask[b, T - len(r):] = 1
-    out = dict(input_ids=input_ids, attention_mask=attention_mask)
-    for key in pictures[0]:
-        out[key] = torch.cat([p[key] for p in pictures], recipe.cat_dims.get(key, 0))
-    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
-        out["mm_token_type_ids"] = mm_types
+        ids = torch.cat([text[0], image, text[1]])[None]
+        row = dict(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)
+        if typed:
+            on_image = torch.ones(len(image)) if recipe.typed_markers else torch.cat(
+                [torch.zeros(len(before)), torch.ones(count), torch.zeros(len(after))])
+            row["mm_token_type_ids"] = torch.cat(
+                [torch.zeros(nb), on_image, torch.zeros(na)]).to(torch.int32)[None]
+        rows.append(row)
+    return rows
+
+
+def batch_rows(recipe: Recipe, rows: Sequence[Dict[str, Any]]) -> Dict[str, torch.Tensor]:
+    """The rows of :func:`newest_rows` as one left-padded batch, their pictures' inputs
+    concatenated as a processor does."""
+    T = max(r["input_ids"].shape[1] for r in rows)
+    out = {}
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        if key in rows[0]:
+            out[key] = torch.cat([torch.nn.functional.pad(
+                r[key], (T - r[key].shape[1], 0), value=PAD if key == "input_ids" else 0)
+                for r in rows])
+    for key in rows[0]:
+        if key in out:
+            continue
+        parts, shift = [], 0
+        for r in rows:
+            parts.append(r[key] + shift if key in recipe.offsets else r[key])
+            if key in recipe.offsets:
+                source, dim = recipe.offsets[key]
+                shift += r[source].shape[dim]
+        out[key] = torch.cat(parts, recipe.cat_dims.get(key, 0))
     return out
+
+
+def newest_prompt(model, recipe: Recipe, text_before: Sequence[int] = (3,),
+                  text_after: Sequence[int] = (5,), seed: int = 0) -> Dict[str, torch.Tensor]:
+    """A left-padded batch of :func:`newest_rows`."""
+    return batch_rows(recipe, newest_rows(model, recipe, text_before, text_after, seed))

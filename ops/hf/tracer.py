@@ -302,6 +302,12 @@ class Tracer(Generation, backend.Binding):
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         softcap = kwargs.get("softcap")
         if self._vas_now and mask.full:
+            if q.shape[2] != k.shape[2]:
+                raise NotImplementedError(
+                    f"headscope.hf.Tracer: decoder layer {self.layers[layer]} ran "
+                    f"{q.shape[2]} of the sequence's {k.shape[2]} query rows (a model that "
+                    f"skips rows with an int logits_to_keep, as Gemma 4's KV-shared layers "
+                    f"do); VAS needs every row: call the model without logits_to_keep")
             writes = out.transpose(1, 2)  # (B, H, T, Dh): the o_proj input, per head
             if self.writes == "residual":
                 writes = torch.matmul(writes.float(), self._residual_factor(layer, module))
@@ -412,7 +418,10 @@ class Tracer(Generation, backend.Binding):
         self._mode = "vas"
         try:
             with torch.no_grad():
-                self.model(**final, use_cache=False, logits_to_keep=1)
+                # the last position's logits only, as an index: an int would let a model
+                # skip the other query rows of its KV-shared layers (Gemma 4)
+                last = torch.tensor([final["input_ids"].shape[1] - 1])
+                self.model(**final, use_cache=False, logits_to_keep=last)
         finally:
             self._mode = "forward"
             if not was_attached:

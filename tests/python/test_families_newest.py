@@ -1,0 +1,242 @@
+"""The newest VLM families, traced through the generic reading by structure
+(headscope.hf.families.generic) on tiny random models built as their own transformers
+tests build them (headscope.hf.tiny_newest): the logits are bitwise unchanged, VAS equals
+the reference on the eager attentions of the softmax layers (a hybrid decoder's other
+mixers are not traced), greedy tokens are plain generate's and span features equal
+region_pool on eager attentions, a left-padded batch equals its rows alone, regions lie
+only on placeholders that hold a piece of the picture, and region_effects' "mask"
+ablation equals the model's own forward with the region's keys masked out (or is refused
+for a hybrid decoder, whose other mixers would carry the region on)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headscope
+
+pytest.importorskip("transformers")
+from headscope.hf import Tracer, grid_regions, region_effects  # noqa: E402
+from headscope.hf.families import GENERIC, family_of  # noqa: E402
+from headscope.hf.structure import output_projection, softmax_attention_layers  # noqa: E402
+from headscope.hf.tiny import IMAGE_TOKEN  # noqa: E402
+from headscope.hf.tiny_newest import (RECIPES, batch_rows, newest_rows,  # noqa: E402
+                                      tiny_newest)
+
+TYPES = sorted(RECIPES)
+HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "minicpmv4_6"}
+# softmax layers that gate their attention output before o_proj (Qwen3.5's): a head's
+# write is its attention output before the gate
+GATED = {"qwen3_5", "qwen3_5_moe", "minicpmv4_6"}
+# placeholders per picture that hold no piece of it: HunYuan-VL's begin, end and one
+# row break per row of its 4 x 4 grid; Granite 4 Vision's row breaks after each of the
+# 2 rows of its unpadded view
+MARKERS = {"hunyuan_vl": 6, "granite4_vision": 2}
+# decoders whose inputs region_effects cannot batch: it refuses them (NotImplementedError)
+UNBATCHED = {"gemma4": "per_layer_inputs", "granite4_vision": "deepstack_features"}
+TEXT = dict(text_before=(3, 5), text_after=(5, 2))
+NEW = 5  # generated tokens
+
+_MODELS = {}
+
+
+def _models(model_type):
+    """The same weights with sdpa and with eager attention, and the recipe."""
+    if model_type not in _MODELS:
+        model, recipe = tiny_newest(model_type)
+        eager, _ = tiny_newest(model_type, attn_implementation="eager")
+        _MODELS[model_type] = (model, eager, recipe)
+    return _MODELS[model_type]
+
+
+@pytest.fixture(scope="module", params=TYPES)
+def case(request):
+    model, eager, recipe = _models(request.param)
+    rows = newest_rows(model, recipe, **TEXT)
+    return model, eager, recipe, rows
+
+
+def _softmax_layers(model):
+    return [m.layer_idx for m in softmax_attention_layers(family_of(model).decoder(model))]
+
+
+def eager_reference(eager, inputs):
+    """Per softmax layer of the eager model, its attention weights (B, H, T, T), as the
+    eager attention function returns them, and its per-head writes (B, H, T, Dh): the
+    output projection's input, with a Qwen3.5 output gate divided out."""
+    decoder = family_of(eager).decoder(eager)
+    H = decoder.config.num_attention_heads
+    gated = eager.config.model_type in GATED
+    attns, writes, gates, hooks = [], [], [], []
+
+    def write(module, args):
+        x = args[0]
+        if gated:  # q_proj gives (query, gate) per head; o_proj gets out * sigmoid(gate)
+            x = x / torch.sigmoid(gates.pop())
+        writes.append(x.reshape(*x.shape[:2], H, -1).transpose(1, 2))
+
+    def gate(module, args, out):
+        per_head = out.reshape(*out.shape[:2], H, -1)
+        gates.append(per_head.chunk(2, -1)[1].reshape(*out.shape[:2], -1))
+
+    for module in softmax_attention_layers(decoder):
+        hooks.append(module.register_forward_hook(lambda m, a, out: attns.append(out[1])))
+        hooks.append(output_projection(module).register_forward_pre_hook(write))
+        if gated:
+            hooks.append(module.q_proj.register_forward_hook(gate))
+    try:
+        with torch.no_grad():
+            eager(**inputs, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return attns, writes
+
+
+def test_read_by_structure(case):
+    model, _, _, _ = case
+    text = model.config.get_text_config(decoder=True)
+    assert family_of(model) is GENERIC
+    with Tracer(model, regions=2) as tr:
+        layers = tr.layers
+        assert tr.feature_width == len(layers) * text.num_attention_heads
+    types = getattr(text, "layer_types", None) or []
+    if model.config.model_type in HYBRID:  # the softmax layers only
+        assert 0 < len(layers) < text.num_hidden_layers
+        assert all(types[i] == "full_attention" for i in layers)
+    else:
+        assert layers == list(range(text.num_hidden_layers))
+
+
+def test_logits_bitwise_and_regions_only_on_the_picture(case):
+    model, _, recipe, rows = case
+    inputs = batch_rows(recipe, rows)
+    before = model.config.get_text_config(decoder=True)._attn_implementation
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        with Tracer(model, regions=2, vas=True) as tr:
+            traced = model(**inputs).logits
+            vas = tr.vas_features()
+    assert torch.equal(plain, traced)
+    assert vas.shape == (2, 36) and bool(torch.isfinite(vas).all())
+    assert model.config.get_text_config(decoder=True)._attn_implementation == before
+    assert not model._forward_pre_hooks
+    is_image = inputs["input_ids"] == IMAGE_TOKEN
+    rid = tr.region_ids.cpu()
+    assert bool((rid[~is_image] == -1).all())
+    markers = MARKERS.get(model.config.model_type, 0)
+    for b in range(2):
+        on_picture = int((rid[b] >= 0).sum())
+        assert on_picture == int(is_image[b].sum()) - markers
+        assert set(rid[b][rid[b] >= 0].tolist()) == {0, 1}
+    assert tr.num_regions == [2, 2]
+
+
+def test_marker_slots_are_those_the_pixels_do_not_reach(case):
+    """An independent reading of the markers: the decoder inputs of a picture of other
+    pixels differ at the picture's slots only."""
+    model, _, recipe, rows = case
+    inputs = batch_rows(recipe, rows[:1])
+    with torch.no_grad(), Tracer(model, regions=1, vas=False) as tr:
+        model(**inputs)
+    (image,) = tr.images[0]
+    assert len(image.markers) == MARKERS.get(model.config.model_type, 0)
+    assert bool((tr.region_ids[0, image.markers] == -1).all())
+    if model.config.model_type == "hunyuan_vl":  # begin, 4 rows of 4 + break, end
+        first = int(image.positions.min()) - 1
+        assert image.markers.tolist() == [first] + [first + 5 * r for r in range(1, 5)] \
+            + [first + 21]
+
+
+def test_vas_equals_the_reference_on_eager_attentions(case):
+    model, eager, recipe, rows = case
+    inputs = batch_rows(recipe, rows)
+    with torch.no_grad(), Tracer(model, vas=True) as tr:
+        model(**inputs)
+        feats = tr.vas_features()
+    attns, writes = eager_reference(eager, inputs)
+    assert len(attns) == len(_softmax_layers(model))
+    want, _ = headscope.vas_features(attns, writes, inputs["attention_mask"], left_padding=True)
+    torch.testing.assert_close(feats, want, atol=1e-4, rtol=1e-4)
+
+
+def test_left_padded_batch_equals_rows_alone(case):
+    model, _, recipe, rows = case
+    inputs = batch_rows(recipe, rows)
+    with torch.no_grad(), Tracer(model, regions=2, vas=True) as tr:
+        model(**inputs)
+        together = tr.vas_features()
+        rid = tr.region_ids.cpu()
+        alone = []
+        for b, row in enumerate(rows):
+            model(**batch_rows(recipe, [row]))
+            alone.append(tr.vas_features()[0])
+            T = row["input_ids"].shape[1]
+            assert torch.equal(tr.region_ids[0].cpu(), rid[b, -T:])
+    torch.testing.assert_close(together, torch.stack(alone), atol=1e-4, rtol=1e-4)
+
+
+def test_generation_and_span_features_equal_region_pool(case):
+    model, eager, recipe, rows = case
+    inputs = batch_rows(recipe, rows)
+    with torch.no_grad():
+        plain = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+        every2 = lambda ids: len(ids) % 2 == 0  # noqa: E731
+        with Tracer(model, regions=2, vas=True, splitter=every2) as tr:
+            spans = list(tr.generate(**inputs, max_new_tokens=NEW, do_sample=False,
+                                     eos_token_id=None))
+            final_vas = tr.vas_features()
+    assert torch.equal(tr.sequences, plain)
+    P = inputs["input_ids"].shape[1]
+    assert sorted((s.batch_index, s.start, s.end) for s in spans) == \
+        [(b, a, min(a + 2, NEW)) for b in range(2) for a in range(0, NEW, 2)]
+    full = dict(inputs, input_ids=plain,
+                attention_mask=torch.nn.functional.pad(inputs["attention_mask"], (0, NEW),
+                                                       value=1))
+    if "mm_token_type_ids" in inputs:
+        full["mm_token_type_ids"] = torch.nn.functional.pad(inputs["mm_token_type_ids"],
+                                                            (0, NEW))
+    attns, writes = eager_reference(eager, full)
+    rid = torch.nn.functional.pad(tr.region_ids, (0, NEW), value=-1)
+    for s in spans:
+        w = torch.zeros(2, P + NEW)
+        w[:, P + s.start - 1:P + s.end - 1] = 1.0  # rows that predicted the span's tokens
+        want = headscope.stack_layers([headscope.region_pool(a.float(), w, rid, 2)
+                                       for a in attns])
+        assert s.features.shape == (2, want.shape[-1]) == (2, tr.feature_width)
+        torch.testing.assert_close(s.features, want[s.batch_index], atol=1e-5, rtol=1e-5)
+    want_vas, _ = headscope.vas_features(attns, writes, full["attention_mask"],
+                                         left_padding=True)
+    torch.testing.assert_close(final_vas, want_vas, atol=1e-4, rtol=1e-4)
+
+
+def test_region_effects_mask_ablation_is_exact_or_refused(case):
+    from test_effects import SPANS, _reference_effects
+    model, _, recipe, rows = case
+    inputs = batch_rows(recipe, rows[:1])
+    with torch.no_grad(), Tracer(model, regions=3, vas=False) as tr:
+        list(tr.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=None))
+    sequences, rid = tr.sequences, tr.region_ids
+    model_type = model.config.model_type
+    if model_type in HYBRID:
+        with pytest.raises(NotImplementedError, match=r"ablation='mask' removes a region's keys "
+                                                      r"from softmax attention, but decoder "
+                                                      r"layers \[0"):
+            region_effects(model, inputs, sequences, SPANS, rid, progress=False)
+        return
+    if model_type in UNBATCHED:
+        with pytest.raises(NotImplementedError, match=UNBATCHED[model_type]):
+            region_effects(model, inputs, sequences, SPANS, rid, progress=False)
+        return
+    effects = region_effects(model, inputs, sequences, SPANS, rid, progress=False)
+    want = _reference_effects(model, inputs, sequences, rid, [[k] for k in range(3)], "mask")
+    torch.testing.assert_close(effects, want, atol=2e-5, rtol=1e-4)
+    assert effects.abs().max() > 1e-3
+
+
+def test_grid_regions_need_a_layout():
+    model, _, _ = _models("ovis2")
+    with pytest.raises(ValueError, match=r"grid_regions needs each image token's place on the "
+                                         r"picture, and no layout is known for model_type "
+                                         r"'ovis2'"):
+        Tracer(model, regions=grid_regions(2, 2))
+    assert model.config.get_text_config(decoder=True)._attn_implementation == "sdpa"
