@@ -1,7 +1,8 @@
-"""What headscope cannot read raises an error naming what and why: Llama 3.2 Vision
-(cross-attention to the picture, no image tokens), decoders with linear-attention layers
-(Qwen3-Next, Qwen3.5), and an answer that holds an image token (prompt plus answer is then
-no valid model input)."""
+"""What headscope cannot read raises an error naming what and why, never the model type
+alone: Llama 3.2 Vision (cross-attention to the picture, no image tokens), a model whose
+config names no image placeholder (Qwen3-Next, a text model), a decoder with no softmax
+attention layer, and an answer that holds an image token (prompt plus answer is then no
+valid model input). Hybrid decoders (Qwen3.5) are not refused."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,6 @@ import torch
 tf = pytest.importorskip("transformers")
 from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
-from headscope.hf.families.unsupported import linear_attention_layers  # noqa: E402
 from headscope.hf.testing import IMAGE_TOKEN, image_prompt, tiny_model  # noqa: E402
 
 TINY_TEXT = dict(vocab_size=64, pad_token_id=0, hidden_size=16, intermediate_size=32,
@@ -34,33 +34,46 @@ def test_llama_3_2_vision_is_refused_for_its_cross_attention():
     assert model.config.text_config._attn_implementation == before  # nothing was bound
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
-def test_linear_attention_layers_are_refused(name):
+def test_a_model_with_no_image_placeholder_is_refused_naming_why():
+    """Qwen3-Next is a text model: its config names no image token, so no sequence of it
+    holds image tokens."""
     linear = dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
-                  linear_value_head_dim=8,
-                  layer_types=["linear_attention", "full_attention"] * 2)
-    if name == "qwen3_next":
-        config = tf.Qwen3NextConfig(**TINY_TEXT, **linear, num_experts=2,
-                                    num_experts_per_tok=1, moe_intermediate_size=16)
-    else:
-        cls = tf.Qwen3_5Config if name == "qwen3_5" else tf.Qwen3_5MoeConfig
-        config = cls(text_config=dict(TINY_TEXT, **linear))
-    assert linear_attention_layers(config) == [0, 2]
-    with pytest.raises(ValueError, match=rf"model_type '{name}'\) is not supported: its "
-                                         rf"decoder layers \[0, 2\] are linear-attention "
-                                         rf"layers \(a gated delta net"):
+                  linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"] * 2)
+    config = tf.Qwen3NextConfig(**TINY_TEXT, **linear, num_experts=2, num_experts_per_tok=1,
+                                moe_intermediate_size=16)
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_next'\) is not supported: its config "
+                                         r"\(Qwen3NextConfig\) names no image placeholder token"):
         family_of(config)
-    if name == "qwen3_next":  # the Tracer refuses it before binding anything
-        model = tf.Qwen3NextForCausalLM(config).eval()
-        with pytest.raises(ValueError, match="headscope reads softmax attention only"):
-            Tracer(model)
-        assert model.config._attn_implementation != "headscope"
+    model = tf.Qwen3NextForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="its sequence holds no image tokens"):
+        Tracer(model)
+    assert model.config._attn_implementation != "headscope"
 
 
-def test_decoders_of_softmax_attention_only_are_not_refused():
-    config = tiny_model("qwen3_vl").config
-    assert linear_attention_layers(config) == []
-    assert family_of(config).name == "qwen_vl"
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_hybrid_decoders_are_not_refused_by_model_type(name):
+    """Qwen3.5's gated delta nets are not traced, its softmax layers are
+    (test_families_newest.py)."""
+    from headscope.hf.families import GENERIC
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                  linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"] * 2)
+    cls = tf.Qwen3_5Config if name == "qwen3_5" else tf.Qwen3_5MoeConfig
+    assert family_of(cls(text_config=dict(TINY_TEXT, **linear))) is GENERIC
+
+
+def test_a_decoder_with_no_softmax_layer_is_refused_naming_why():
+    """An LFM2-VL whose decoder layers are all short convolutions forms no attention
+    weights at all."""
+    from headscope.hf.tiny_newest import RECIPES
+    recipe = RECIPES["lfm2_vl"]()
+    recipe.config.text_config.layer_types = ["conv"] * recipe.config.text_config.num_hidden_layers
+    model = recipe.cls(recipe.config).eval()
+    before = model.config.text_config._attn_implementation
+    with pytest.raises(ValueError, match=r"Lfm2Model has no softmax attention layer \(no decoder "
+                                         r"module dispatches through transformers' attention "
+                                         r"interface\)"):
+        Tracer(model)
+    assert model.config.text_config._attn_implementation == before
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava", "idefics3"])
