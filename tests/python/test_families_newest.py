@@ -251,3 +251,44 @@ def test_grid_regions_need_a_layout():
                                          r"'ovis2'"):
         Tracer(model, regions=grid_regions(2, 2))
     assert model.config.get_text_config(decoder=True)._attn_implementation == "sdpa"
+
+
+# Mistral 4 comes wrapped in Mistral 3 (its text decoder under Mistral3's vision tower,
+# patch merger and [IMG_BREAK] rows): the Mistral 3 family module reads its picture plane,
+# and its MLA attention (latent keys, rope and no-rope parts) is traced like any other
+MISTRAL4_TEXT = dict(model_type="mistral4", kv_lora_rank=16, q_lora_rank=None,
+                     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                     num_key_value_heads=4)
+
+
+def test_mistral_4_traces_through_the_mistral_3_family_under_the_contract():
+    from headscope.hf.testing import image_prompt, tiny_model
+    model = tiny_model("mistral3", text_overrides=MISTRAL4_TEXT)
+    eager = tiny_model("mistral3", text_overrides=MISTRAL4_TEXT, attn_implementation="eager")
+    assert type(family_of(model).decoder(model)).__name__ == "Mistral4Model"
+    assert family_of(model).name == "mistral3"
+    inputs = image_prompt(model, grids=((8, 8), (6, 4)), text_before=(3, 2), text_after=(5, 3))
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        gen = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+        with Tracer(model, regions=grid_regions(2, 2), vas=True) as tr:
+            assert torch.equal(model(**inputs).logits, plain)
+            vas = tr.vas_features()
+            spans = list(tr.generate(**inputs, max_new_tokens=NEW, do_sample=False,
+                                     eos_token_id=None))
+    assert tr.sequences.equal(gen) and tr.num_regions == [4, 4]
+    attns, writes = eager_reference(eager, inputs)
+    want, _ = headscope.vas_features(attns, writes, inputs["attention_mask"], left_padding=True)
+    torch.testing.assert_close(vas, want, atol=1e-4, rtol=1e-4)
+    P = inputs["input_ids"].shape[1]
+    full = dict(inputs, input_ids=gen, attention_mask=torch.nn.functional.pad(
+        inputs["attention_mask"], (0, NEW), value=1))
+    attns, _ = eager_reference(eager, full)
+    rid = torch.nn.functional.pad(tr.region_ids, (0, NEW), value=-1)
+    for s in spans:
+        w = torch.zeros(2, P + NEW)
+        w[:, P + s.start - 1:P + s.end - 1] = 1.0
+        pooled = headscope.stack_layers([headscope.region_pool(a.float(), w, rid, 4)
+                                         for a in attns])
+        torch.testing.assert_close(s.features, pooled[s.batch_index], atol=1e-5, rtol=1e-5)
