@@ -299,7 +299,28 @@ def _gemma4():
                   markers=((VISION_START,), (VISION_END,)))
 
 
-RECIPES = {"gemma4": _gemma4, "ernie4_5_vl_moe": _ernie4_5_vl_moe, "molmo2": _molmo2, "minicpmv4_6": _minicpmv4_6, "cosmos3_edge": _cosmos3_edge, "kimi_k25": _kimi_k25, "qwen3_5": _qwen3_5, "qwen3_5_moe": lambda: _qwen3_5(moe=True), "glm46v": _glm46v,
+def _vipllava():
+    import transformers as tf
+    from .families.llava import clip_vision
+    config = tf.VipLlavaConfig(
+        text_config=_text(model_type="llama"), vision_config=clip_vision(32),
+        image_token_index=IMAGE_TOKEN, vision_feature_layers=[-2, -1], image_seq_length=16,
+        tie_word_embeddings=False)
+    return Recipe(config, tf.VipLlavaForConditionalGeneration, _pixels(1, 3, 16, 16))
+
+
+def _got_ocr2():
+    import transformers as tf
+    config = tf.GotOcr2Config(
+        text_config=_text(model_type="qwen2"),
+        vision_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=64, patch_size=4, window_size=4,
+                           global_attn_indexes=[1], mlp_dim=64),
+        image_token_index=IMAGE_TOKEN, tie_word_embeddings=False)
+    return Recipe(config, tf.GotOcr2ForConditionalGeneration, _pixels(1, 3, 64, 64))
+
+
+RECIPES = {"vipllava": _vipllava, "got_ocr2": _got_ocr2, "gemma4": _gemma4, "ernie4_5_vl_moe": _ernie4_5_vl_moe, "molmo2": _molmo2, "minicpmv4_6": _minicpmv4_6, "cosmos3_edge": _cosmos3_edge, "kimi_k25": _kimi_k25, "qwen3_5": _qwen3_5, "qwen3_5_moe": lambda: _qwen3_5(moe=True), "glm46v": _glm46v,
            "hunyuan_vl": _hunyuan_vl, "granite4_vision": _granite4_vision, "lfm2_vl": _lfm2_vl, "cohere2_vision": _cohere2_vision, "ovis2": _ovis2}
 
 

@@ -1,4 +1,4 @@
-"""The newest VLM families, traced through the generic reading by structure
+"""The newest VLM families (and two older ones: VipLLaVA, GOT-OCR 2), traced through the generic reading by structure
 (headscope.hf.families.generic) on tiny random models built as their own transformers
 tests build them (headscope.hf.tiny_newest): the logits are bitwise unchanged, VAS equals
 the reference on the eager attentions of the softmax layers (a hybrid decoder's other
