@@ -6,6 +6,7 @@ sequence order (a ``1 x n`` grid); ``grid_regions``, which needs each token's pl
 the picture, is refused."""
 from __future__ import annotations
 
+import inspect
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -59,6 +60,9 @@ def picture_slots(model, kwargs: Dict[str, Any], token_ids: Tuple[int, ...]
     placeholder order), stays bitwise the same holds a learned marker (begin/end of image,
     row break, indicator), not the picture. ``token_ids``: the placeholders' ids."""
     from ..effects import decoder_kwargs
+    named = inspect.signature(model.forward).parameters
+    kwargs = {k: v for k, v in kwargs.items()  # (generate's own arguments left out)
+              if k in named and named[k].kind is not inspect.Parameter.VAR_KEYWORD}
     g = torch.Generator().manual_seed(0)
     noisy = dict(kwargs)
     for key, value in kwargs.items():
