@@ -2,11 +2,71 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
 
 import torch
 
+from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VOCAB
 from .layout import ImageTokens, View
+
+# Qwen-VL's chat template, reduced to what a one-turn image prompt needs.
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# LLaVA's, with "<image> " where a picture goes: ``llava_template("[IMG] ")`` puts another
+# family's image marker there.
+_LLAVA_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<image> "
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %} "
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def llava_template(image: str = "<image> ") -> str:
+    """LLaVA's one-turn chat template ("USER: ... ASSISTANT:") with ``image`` where each
+    picture goes."""
+    return _LLAVA_TEMPLATE.replace("<image> ", image)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """What the tests need of a family besides its layout: the tiny vocabulary's special
+    tokens, the processor's settings, and which shared tests run on it.
+
+    ``tokens``: every special token of the tiny tokenizer by name, with its id: the shared
+    ids of :mod:`headscope.hf.tiny` (``IMAGE_TOKEN``, ``EOS``, ...) and the family's own
+    markers from ``MARKER_IDS`` (ids may repeat across families, never within one: checked
+    at registration). ``tokenizer_extras``: the named special tokens its processor reads
+    off the tokenizer (``image_token``, ``boi_token``, ...). ``chat_template``: a one-turn
+    template for the processor.
+
+    The shared tests' choices: ``grids``, the two pictures of the contract's prompts
+    (``image_prompt``'s ``grids``); ``contract_xfail``, ``(exception, reason)`` where the
+    contract cannot hold yet (every contract test a strict xfail); ``effects``, per model
+    type the ablations checked against one region at a time (test_effects.py);
+    ``unseen_region_effects``, the model types whose effects are checked zero on a region
+    no query sees; ``commands``, the model types the commands run end to end on, from a
+    saved checkpoint (test_commands.py); ``geometry_waiver``, why a family has no geometry
+    test against its real processor (``tests/python/test_families_<name>.py``), if so."""
+    tokens: Mapping[str, int]
+    chat_template: str
+    tokenizer_extras: Mapping[str, str] = field(default_factory=dict)
+    grids: Tuple[Tuple[int, int], ...] = ((8, 8), (6, 4))
+    contract_xfail: Optional[Tuple[Type[BaseException], str]] = None
+    effects: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
+    unseen_region_effects: Tuple[str, ...] = ()
+    commands: Tuple[str, ...] = ()
+    geometry_waiver: Optional[str] = None
+
+    def by_id(self) -> Dict[int, str]:
+        """The special tokens by id."""
+        return {i: name for name, i in self.tokens.items()}
 
 
 class Family:
@@ -20,9 +80,13 @@ class Family:
     model's forward or from ``generate``'s arguments), :attr:`layout_keys` (those of them
     the model does not take) and implements :meth:`images`;
     :meth:`tiny_config` and :meth:`tiny_image` build the tiny random models and prompts of
-    the tests (``headscope.hf.testing``)."""
+    the tests (``headscope.hf.testing``), :meth:`tiny_processor` their real processor and
+    :attr:`tiny` (a :class:`TinySpec`) their tokens and tests. :func:`register` enters the
+    class in the registry every list of families derives from."""
 
     name: str = ""
+    # the family's names as the README lists them ("GLM-4.1V", "GLM-4.5V")
+    titles: Tuple[str, ...] = ()
     model_types: Tuple[str, ...] = ()
     layout: str = ""
     input_keys: Tuple[str, ...] = ()
@@ -32,6 +96,8 @@ class Family:
     layout_keys: Tuple[str, ...] = ()
     # the tiny models' text attention when the family's decoder runs under one only
     tiny_attention: Optional[str] = None
+    # the tiny test models' vocabulary, processor settings and shared tests
+    tiny: TinySpec = None
 
     def decoder(self, model) -> torch.nn.Module:
         """The text decoder: its attention layers are the traced ones."""
@@ -103,6 +169,47 @@ class Family:
         other dims to the batch's largest, as processors pad pictures of fewer tiles),
         ``grid`` a size hint the family may ignore."""
         raise NotImplementedError
+
+    def tiny_processor(self, model_type: str, tokenizer, *, min_pixels: int, max_pixels: int,
+                       longest_edge: int, max_tiles: int):
+        """The real transformers processor of a tiny ``model_type`` model, offline:
+        ``tokenizer`` (the tiny vocabulary with :attr:`tiny`'s tokens), an image processor
+        sized to :meth:`tiny_config`'s vision tower and :attr:`tiny`'s chat template. The
+        size options are :func:`headscope.hf.testing.tiny_processor`'s; each family reads
+        those that its image processor has."""
+        raise NotImplementedError(f"headscope.hf.testing.tiny_processor: no tiny {model_type} "
+                                  f"processor")
+
+
+REGISTRY: List[Family] = []
+
+
+def register(cls: Type[Family]) -> Type[Family]:
+    """Class decorator: enters one instance of a family in :data:`REGISTRY`, after checking
+    that it declares its tiny tokens (no family falls back to another's), that its model
+    types are new and that its tokens are in the vocabulary, one id each."""
+    family = cls()
+    who = f"headscope.hf.families: {cls.__name__}"
+    if not family.name or not family.model_types or not family.titles:
+        raise TypeError(f"{who} needs a name, model_types and titles")
+    if not isinstance(family.tiny, TinySpec):
+        raise TypeError(f"{who} needs its tiny = TinySpec(...)")
+    taken = {t for f in REGISTRY for t in f.model_types}
+    clash = taken.intersection(family.model_types)
+    if clash:
+        raise ValueError(f"{who}: model types {sorted(clash)} are already registered")
+    ids = list(family.tiny.tokens.values())
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        roles = [n for n, i in family.tiny.tokens.items() if i in repeated]
+        raise ValueError(f"{who}: the tiny tokens {roles} share the ids {repeated}")
+    outside = [n for n, i in family.tiny.tokens.items() if not 0 < i < VOCAB]
+    if outside or IMAGE_TOKEN not in ids or EOS not in ids:
+        raise ValueError(f"{who}: the tiny tokens need IMAGE_TOKEN and EOS, every id in "
+                         f"[1, {VOCAB}) (family markers in MARKER_IDS "
+                         f"{MARKER_IDS[0]}..{MARKER_IDS[-1]}); out of range: {outside}")
+    REGISTRY.append(family)
+    return cls
 
 
 def missing_input(config, key: str, detail: str = "") -> ValueError:

@@ -8,23 +8,33 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .base import Family, image_positions, missing_input
+from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VIDEO_TOKEN
+from .base import Family, TinySpec, image_positions, llava_template, missing_input, register
 from .layout import ImageTokens, View
 
 WHO = "headscope.hf.Tracer"
 
-# The tiny models' marker tokens (headscope.hf.testing's free ids)
-IMAGE_START = 507  # <img>
-IMAGE_END = 508    # </img>
+# The tiny models' marker tokens
+IMAGE_START = MARKER_IDS[2]  # <img>
+IMAGE_END = MARKER_IDS[3]    # </img>
 
 
+@register
 class InternVL(Family):
     name = "internvl"
+    titles = ("InternVL",)
     model_types = ("internvl",)
     layout = ("rows x cols tiles on the optimal canvas plus a thumbnail (more than one "
               "tile), each a square token grid after the pixel shuffle, between <img> and "
               "</img>")
     input_keys = ("pixel_values",)
+    tiny = TinySpec(
+        tokens={"<IMG_CONTEXT>": IMAGE_TOKEN, "<video>": VIDEO_TOKEN, "<img>": IMAGE_START,
+                "</img>": IMAGE_END, "</s>": EOS},
+        tokenizer_extras={"start_image_token": "<img>", "end_image_token": "</img>",
+                          "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
+        chat_template=llava_template("<IMG_CONTEXT> "), grids=((2, 2), (1, 3)),
+        effects={"internvl": ("mask",)}, commands=("internvl",))
 
     def side(self, config) -> int:
         """Tokens per side of a tile: its patches per side times the shuffle's ratio."""
@@ -78,7 +88,6 @@ class InternVL(Family):
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """``grid``: the canvas's rows x cols tiles; the tiles are cut from one random
         picture and the thumbnail is that picture downscaled, as the processor makes them."""
-        from ..tiny import IMAGE_TOKEN
         vc = model.config.vision_config
         size = vc.image_size[0] if isinstance(vc.image_size, (list, tuple)) else vc.image_size
         rows, cols = grid
@@ -91,6 +100,15 @@ class InternVL(Family):
         ids = torch.cat([torch.tensor([IMAGE_START]), torch.full((tokens,), IMAGE_TOKEN),
                          torch.tensor([IMAGE_END])])
         return ids, {"pixel_values": torch.stack(tiles)}
+
+    def tiny_processor(self, model_type: str, tokenizer, *, max_tiles: int, **_):
+        """Up to ``max_tiles`` tiles of 16 x 16 pixels and a thumbnail, 4 tokens each."""
+        import transformers as tf
+        images = tf.GotOcr2ImageProcessor(size={"height": 16, "width": 16}, crop_to_patches=True,
+                                          min_patches=1, max_patches=max_tiles)
+        return tf.InternVLProcessor(image_processor=images, tokenizer=tokenizer,
+                                    video_processor=tf.InternVLVideoProcessor(),
+                                    image_seq_length=4, chat_template=self.tiny.chat_template)
 
 
 def thumbnail(picture: torch.Tensor, size: int) -> torch.Tensor:
