@@ -186,18 +186,24 @@ REGISTRY: List[Family] = []
 
 def register(cls: Type[Family]) -> Type[Family]:
     """Class decorator: enters one instance of a family in :data:`REGISTRY`, after checking
-    that it declares its tiny tokens (no family falls back to another's), that its model
-    types are new and that its tokens are in the vocabulary, one id each."""
+    that the class sets its own names and :class:`TinySpec` (no family falls back to a
+    parent's tokens), that its model types are new, that its TinySpec's test choices name
+    its own model types, and that its tiny tokens are in the vocabulary, one id each."""
     family = cls()
     who = f"headscope.hf.families: {cls.__name__}"
-    if not family.name or not family.model_types or not family.titles:
-        raise TypeError(f"{who} needs a name, model_types and titles")
-    if not isinstance(family.tiny, TinySpec):
-        raise TypeError(f"{who} needs its tiny = TinySpec(...)")
+    missing = [a for a in ("name", "titles", "model_types", "layout", "tiny")
+               if a not in vars(cls)]
+    if missing or not isinstance(family.tiny, TinySpec):
+        raise TypeError(f"{who} must set its own {', '.join(missing or ['tiny'])} "
+                        f"(tiny: a TinySpec)")
     taken = {t for f in REGISTRY for t in f.model_types}
     clash = taken.intersection(family.model_types)
     if clash:
         raise ValueError(f"{who}: model types {sorted(clash)} are already registered")
+    named = {*family.tiny.effects, *family.tiny.unseen_region_effects, *family.tiny.commands}
+    if not named <= set(family.model_types):
+        raise ValueError(f"{who}: its TinySpec names model types of no family of its own: "
+                         f"{sorted(named - set(family.model_types))}")
     ids = list(family.tiny.tokens.values())
     repeated = sorted({i for i in ids if ids.count(i) > 1})
     if repeated:
