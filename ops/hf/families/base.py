@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 
 import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VOCAB
-from .layout import ImageTokens, View
+from .layout import ImageTokens
 
 # Qwen-VL's chat template, reduced to what a one-turn image prompt needs.
 QWEN_TEMPLATE = (
@@ -226,55 +226,3 @@ def missing_input(config, key: str, detail: str = "") -> ValueError:
                       f"{key} of its inputs{detail}, and model.generate does not pass it to "
                       f"the model's forward; generate with tr.generate(**inputs, ...) or "
                       f"tr.generate_with(on_span, **inputs, ...)")
-
-
-def image_positions(input_ids: torch.Tensor, token_ids: Sequence[int]) -> List[torch.Tensor]:
-    """Per batch row, the sequence positions of its image tokens (on the CPU)."""
-    is_image = torch.isin(input_ids.cpu(), torch.tensor(list(token_ids)))
-    return [row.nonzero().flatten() for row in is_image]
-
-
-def square_pictures(who: str, inputs: Dict[str, Any], token_ids: Sequence[int],
-                    side: int) -> List[List[ImageTokens]]:
-    """Per batch row, its pictures for a model that lays every picture out as one
-    ``side x side`` grid of image tokens (one "base" view)."""
-    per_row = image_positions(inputs["input_ids"], token_ids)
-    count = sum(len(p) for p in per_row)
-    pictures = split_images(who, per_row, [side * side] * (count // (side * side)))
-    return [[ImageTokens((View("base", p, side, side),)) for p in row] for row in pictures]
-
-
-def image_runs(who: str, positions: torch.Tensor, side: int) -> List[torch.Tensor]:
-    """One row's image positions cut into runs of consecutive positions, each checked to
-    hold one ``side x side`` tile or global image."""
-    breaks = (positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1
-    runs = list(torch.tensor_split(positions, breaks.tolist()))
-    for run in runs:
-        if len(run) != side * side:
-            raise ValueError(f"{who}: a run of {len(run)} image tokens at position "
-                             f"{int(run[0])}; each tile and global image of this model is "
-                             f"{side * side} tokens ({side} x {side})")
-    return runs
-
-
-def split_images(who: str, per_row: List[torch.Tensor], sizes: Sequence[int]
-                 ) -> List[List[torch.Tensor]]:
-    """Cuts each row's image positions into consecutive pictures of ``sizes`` tokens (the
-    batch's pictures in order), checking that the counts add up."""
-    images, i = [], 0
-    for b, positions in enumerate(per_row):
-        row, used = [], 0
-        while used < len(positions):
-            if i >= len(sizes):
-                raise ValueError(f"{who}: row {b} has more image tokens than its pictures "
-                                 f"account for")
-            row.append(positions[used:used + sizes[i]])
-            used += sizes[i]
-            i += 1
-        if used != len(positions):
-            raise ValueError(f"{who}: row {b}'s {len(positions)} image tokens do not split "
-                             f"into whole pictures")
-        images.append(row)
-    if i != len(sizes):
-        raise ValueError(f"{who}: {len(sizes)} pictures in the inputs but {i} in input_ids")
-    return images

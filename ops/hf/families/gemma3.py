@@ -19,9 +19,9 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, VISION_END, VISION_START
-from .base import (Family, TinySpec, image_positions, image_runs, llava_template, register,
-                   split_images, square_pictures)
-from .layout import Box, ImageTokens, View
+from .base import Family, TinySpec, llava_template, register
+from .layout import (Box, ImageTokens, View, image_positions, image_runs, split_images,
+                     square_pictures)
 
 WHO = "headscope.hf.Tracer"
 

@@ -19,8 +19,9 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS
-from .base import Family, TinySpec, image_positions, image_runs, llava_template, register
-from .layout import WHOLE, ImageTokens, View
+from .base import Family, TinySpec, llava_template, register
+from .layout import (WHOLE, ImageTokens, View, image_positions, image_runs, patches_per_side,
+                     stitch, tile_boxes)
 
 WHO = "headscope.hf.Tracer"
 
@@ -41,8 +42,7 @@ TINY_TOKENS = {"<image>": IMAGE_TOKEN, "</s>": EOS, "<fake_token_around_image>":
 
 def tile_side(config) -> int:
     """Tokens along each side of one tile (and of the global image)."""
-    vision = config.vision_config
-    return int(vision.image_size) // int(vision.patch_size) // int(config.scale_factor)
+    return patches_per_side(config.vision_config) // int(config.scale_factor)
 
 
 @register
@@ -146,8 +146,7 @@ def _picture(rows: List[List[torch.Tensor]], global_run: torch.Tensor, side: int
         raise ValueError(f"{WHO}: no newline token between the last tile and the global "
                          f"image at position {start}: the rows of tiles cannot be told apart "
                          f"(a tokenizer that drops newlines?)")
-    tiles = tuple(View("tile", run, side, side, (j / C, i / R, (j + 1) / C, (i + 1) / R))
-                  for i, row in enumerate(rows) for j, run in enumerate(row))
-    stitched = torch.stack([torch.stack(row) for row in rows])  # (R, C, side * side)
-    stitched = stitched.reshape(R, C, side, side).permute(0, 2, 1, 3).reshape(-1)
+    tiles = tuple(View("tile", run, side, side, box)
+                  for run, box in zip([run for row in rows for run in row], tile_boxes(R, C)))
+    stitched = stitch(torch.stack([torch.stack(row) for row in rows])).flatten()
     return ImageTokens(tiles + (whole,), View("tiles", stitched, R * side, C * side, WHOLE))

@@ -9,8 +9,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VIDEO_TOKEN
-from .base import Family, TinySpec, image_positions, llava_template, missing_input, register
-from .layout import ImageTokens, View
+from .base import Family, TinySpec, llava_template, missing_input, register
+from .layout import ImageTokens, View, image_positions, patches_per_side, runs, stitch, tile_boxes
 
 WHO = "headscope.hf.Tracer"
 
@@ -38,11 +38,7 @@ class InternVL(Family):
 
     def side(self, config) -> int:
         """Tokens per side of a tile: its patches per side times the shuffle's ratio."""
-        vision = config.vision_config
-        size, patch = vision.image_size, vision.patch_size
-        size = size[0] if isinstance(size, (list, tuple)) else size
-        patch = patch[0] if isinstance(patch, (list, tuple)) else patch
-        return int(int(size) // int(patch) * float(config.downsample_ratio))
+        return int(patches_per_side(config.vision_config) * float(config.downsample_ratio))
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         side = self.side(config)
@@ -51,7 +47,7 @@ class InternVL(Family):
         out, used = [], 0
         for row in image_positions(inputs["input_ids"], self.image_token_ids(config)):
             pictures = []
-            for positions in _runs(row):
+            for positions in runs(row):
                 if len(positions) % per_tile:
                     raise ValueError(f"{WHO}: a picture of {len(positions)} image tokens is "
                                      f"not a whole number of tiles of {per_tile} tokens")
@@ -139,30 +135,14 @@ def canvas(tiles: torch.Tensor) -> Tuple[int, int]:
     return found
 
 
-def _runs(positions: torch.Tensor) -> List[torch.Tensor]:
-    """Consecutive runs of positions: each picture's tokens are one run between its
-    markers."""
-    if len(positions) == 0:
-        return []
-    cuts = ((positions[1:] - positions[:-1]) != 1).nonzero().flatten() + 1
-    return list(torch.tensor_split(positions, cuts))
-
-
 def _picture(positions: torch.Tensor, count: int, side: int, tiles) -> ImageTokens:
     per_tile = side * side
     if count == 1:
         return ImageTokens((View("base", positions, side, side),))
     rows, cols = canvas(tiles)
-    views = []
-    for t in range(rows * cols):
-        r, c = divmod(t, cols)
-        views.append(View("tile", positions[t * per_tile:(t + 1) * per_tile], side, side,
-                          (c / cols, r / rows, (c + 1) / cols, (r + 1) / rows)))
+    tiles = positions[:rows * cols * per_tile].reshape(rows, cols, per_tile)
+    views = [View("tile", run, side, side, box)
+             for run, box in zip(tiles.reshape(-1, per_tile), tile_boxes(rows, cols))]
     views.append(View("thumbnail", positions[rows * cols * per_tile:], side, side))
-    # the tiles stitched into one grid over the canvas, row-major
-    y = torch.arange(rows * side)[:, None]
-    x = torch.arange(cols * side)[None, :]
-    tile = (y // side) * cols + x // side
-    index = tile * per_tile + (y % side) * side + x % side
-    grid = View("tiles", positions[index.flatten()], rows * side, cols * side)
+    grid = View("tiles", stitch(tiles).flatten(), rows * side, cols * side)
     return ImageTokens(tuple(views), grid)

@@ -23,9 +23,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VISION_END, VISION_START
-from .base import (Family, TinySpec, image_positions, image_runs, llava_template,
-                   missing_input, register)
-from .layout import WHOLE, ImageTokens, View
+from .base import Family, TinySpec, llava_template, missing_input, register
+from .layout import WHOLE, ImageTokens, View, image_positions, image_runs, patches_per_side, stitch
 
 WHO = "headscope.hf.Tracer"
 PADDING = -1.0  # black after the Llama 4 image processor's normalisation (mean, std 0.5)
@@ -41,7 +40,7 @@ TINY_TILE = 16          # the tiny vision tower's input size in pixels: one tile
 def tile_side(config) -> int:
     """Tokens along each side of one tile (and of the global image)."""
     vision = config.vision_config
-    return int(int(vision.image_size) // int(vision.patch_size) * float(vision.pixel_shuffle_ratio))
+    return int(patches_per_side(vision) * float(vision.pixel_shuffle_ratio))
 
 
 @register
@@ -232,7 +231,6 @@ def _picture(rows: List[List[torch.Tensor]], whole: torch.Tensor,
     markers = torch.cat(markers).sort().values
     if one_tile:
         return ImageTokens(tuple(views), markers=markers)
-    stitched = torch.stack([torch.stack(row) for row in rows])  # (R, C, side * side)
-    stitched = stitched.reshape(R, C, side, side).permute(0, 2, 1, 3).reshape(R * side, C * side)
+    stitched = stitch(torch.stack([torch.stack(row) for row in rows]))
     grid = View("tiles", stitched[:shown_rows, :shown_cols].flatten(), shown_rows, shown_cols)
     return ImageTokens(tuple(views) + (View("global", whole, side, side, WHOLE),), grid, markers)

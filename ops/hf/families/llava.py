@@ -8,8 +8,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..tiny import EOS, IMAGE_TOKEN
-from .base import Family, TinySpec, llava_template, register, square_pictures
-from .layout import ImageTokens
+from .base import Family, TinySpec, llava_template, register
+from .layout import ImageTokens, patches_per_side, square_pictures
 
 WHO = "headscope.hf.Tracer"
 # Towers that see every picture at one fixed square size (a Pixtral tower keeps the
@@ -40,8 +40,8 @@ class Llava(Family):
             raise NotImplementedError(
                 f"{WHO}: a LLaVA model with a {vision.model_type} vision tower has no fixed "
                 f"square patch grid; supported towers: {', '.join(_FIXED_GRID_TOWERS)}")
-        side = int(vision.image_size) // int(vision.patch_size)
-        return square_pictures(WHO, inputs, self.image_token_ids(config), side)
+        return square_pictures(WHO, inputs, self.image_token_ids(config),
+                               patches_per_side(vision))
 
     def tiny_config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
                     ids: Dict[str, int]):
@@ -56,7 +56,7 @@ class Llava(Family):
     def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         vc = model.config.vision_config
-        side = vc.image_size // vc.patch_size
+        side = patches_per_side(vc)
         pixels = torch.randn(1, 3, vc.image_size, vc.image_size, generator=generator)
         return torch.full((side * side,), IMAGE_TOKEN), {"pixel_values": pixels}
 

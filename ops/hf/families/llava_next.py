@@ -11,9 +11,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from ..tiny import EOS, IMAGE_TOKEN
-from .base import Family, TinySpec, image_positions, llava_template, missing_input, register, \
-    split_images
-from .layout import WHOLE, Box, ImageTokens, View
+from .base import Family, TinySpec, llava_template, missing_input, register
+from .layout import WHOLE, Box, ImageTokens, View, image_positions, patches_per_side, split_images
 from .llava import clip_vision
 
 WHO = "headscope.hf.Tracer"
@@ -32,7 +31,7 @@ def anyres_tiles(config, height: int, width: int) -> Tuple[int, int, Box]:
     from transformers.image_processing_utils import select_best_resolution
     vision = config.vision_config
     tile = int(vision.image_size)
-    side = tile // int(vision.patch_size)
+    side = patches_per_side(vision)
     canvas_h, canvas_w = select_best_resolution([height, width], config.image_grid_pinpoints)
     rows, cols = canvas_h // tile * side, canvas_w // tile * side
     top = left = 0
@@ -93,8 +92,7 @@ class LlavaNext(Family):
     def pieces(self, config, inputs: Dict[str, Any], index: int, height: int, width: int
                ) -> List[Piece]:
         """Picture ``index``'s views and markers in sequence order (``pack_image_features``)."""
-        vision = config.vision_config
-        side = int(vision.image_size) // int(vision.patch_size)
+        side = patches_per_side(config.vision_config)
         rows, cols, box = anyres_tiles(config, height, width)
         return [("base", side, side, WHOLE, 0, 0), ("tiles", rows, cols, box, 1, 0)]
 

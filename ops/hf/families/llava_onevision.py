@@ -12,7 +12,7 @@ import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, VIDEO_TOKEN
 from .base import TinySpec, llava_template, register
-from .layout import WHOLE
+from .layout import WHOLE, patches_per_side
 from .llava_next import LlavaNext, Piece, anyres_tiles, tiny_pinpoints
 
 
@@ -31,8 +31,7 @@ class LlavaOnevision(LlavaNext):
 
     def pieces(self, config, inputs: Dict[str, Any], index: int, height: int, width: int
                ) -> List[Piece]:
-        vision = config.vision_config
-        side = int(vision.image_size) // int(vision.patch_size)
+        side = patches_per_side(config.vision_config)
         counts = inputs.get("batch_num_images")
         if counts is not None:
             patched = [n == 1 for n in counts.tolist() for _ in range(n)]

@@ -9,9 +9,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS
-from .base import (Family, TinySpec, image_positions, llava_template, missing_input, register,
-                   split_images)
-from .layout import ImageTokens, View
+from .base import Family, TinySpec, llava_template, missing_input, register
+from .layout import ImageTokens, View, image_positions, runs, split_images
 
 WHO = "headscope.hf.Tracer"
 
@@ -106,8 +105,7 @@ class Mistral3(Family):
 def _grid_of_runs(positions: torch.Tensor) -> Tuple[int, int]:
     """(rows, cols) of a picture of ``len(positions)`` tokens whose first row is its first
     run of consecutive positions."""
-    gaps = (positions[1:] - positions[:-1] != 1).nonzero()
-    cols = int(gaps[0]) + 1 if len(gaps) else len(positions)
+    cols = len(runs(positions)[0])
     if len(positions) % cols:
         raise ValueError(f"{WHO}: a picture of {len(positions)} image tokens does not split "
                          f"into rows of {cols} (its first run of image tokens)")

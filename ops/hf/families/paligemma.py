@@ -10,9 +10,9 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS
-from .base import Family, TinySpec, llava_template, register, square_pictures
+from .base import Family, TinySpec, llava_template, register
 from .gemma3 import alternating_layers
-from .layout import ImageTokens
+from .layout import ImageTokens, patches_per_side, square_pictures
 from .llava import Llava
 
 WHO = "headscope.hf.Tracer"
@@ -33,9 +33,8 @@ class PaliGemma(Family):
                         "before the prompt: the contract's tr.images test covers it")
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
-        vision = config.vision_config
-        side = int(vision.image_size) // int(vision.patch_size)
-        return square_pictures(WHO, inputs, self.image_token_ids(config), side)
+        return square_pictures(WHO, inputs, self.image_token_ids(config),
+                               patches_per_side(config.vision_config))
 
     def prompt_types(self, model, is_image: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {"token_type_ids": torch.zeros_like(is_image, dtype=torch.int64)}

@@ -9,9 +9,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VIDEO_TOKEN, VISION_END, VISION_START
-from .base import (QWEN_TEMPLATE, Family, TinySpec, image_positions, missing_input, register,
-                   split_images)
-from .layout import ImageTokens, View
+from .base import QWEN_TEMPLATE, Family, TinySpec, missing_input, register
+from .layout import ImageTokens, View, image_positions, split_images
 
 WHO = "headscope.hf.Tracer"
 
