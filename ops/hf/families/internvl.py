@@ -10,7 +10,8 @@ import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VIDEO_TOKEN
 from .base import Family, TinySpec, llava_template, missing_input, register
-from .layout import ImageTokens, View, image_positions, patches_per_side, runs, stitch, tile_boxes
+from .layout import (ImageTokens, canvas_and_thumbnail, image_positions, patches_per_side,
+                     runs, thumbnail)
 
 WHO = "headscope.hf.Tracer"
 
@@ -59,7 +60,7 @@ class InternVL(Family):
                 if mine is not None and len(mine) != count:
                     raise ValueError(f"{WHO}: input_ids hold more tiles than pixel_values")
                 used += count
-                pictures.append(_picture(positions, count, side, mine))
+                pictures.append(canvas_and_thumbnail(positions, count, side, mine))
             out.append(pictures)
         if tiles is not None and used != len(tiles):
             raise ValueError(f"{WHO}: pixel_values hold {len(tiles)} tiles but input_ids "
@@ -105,44 +106,3 @@ class InternVL(Family):
         return tf.InternVLProcessor(image_processor=images, tokenizer=tokenizer,
                                     video_processor=tf.InternVLVideoProcessor(),
                                     image_seq_length=4, chat_template=self.tiny.chat_template)
-
-
-def thumbnail(picture: torch.Tensor, size: int) -> torch.Tensor:
-    """(C, size, size): ``picture`` (C, H, W) resized to one tile."""
-    return torch.nn.functional.interpolate(picture[None].float(), (size, size),
-                                           mode="bilinear", antialias=True,
-                                           align_corners=False)[0].to(picture.dtype)
-
-
-def canvas(tiles: torch.Tensor) -> Tuple[int, int]:
-    """(rows, cols) of the canvas of ``tiles`` (N + 1, C, S, S): N tiles, row-major, and the
-    thumbnail last: the arrangement rows * cols = N whose stitched picture, downscaled to
-    one tile, is nearest the thumbnail (the processor keeps no other trace of it; the
-    canvas's shape follows the picture's aspect ratio, which the thumbnail has lost but
-    its content keeps)."""
-    n = len(tiles) - 1
-    C, S = tiles.shape[1], tiles.shape[-1]
-    best, found = None, None
-    for rows in range(1, n + 1):
-        if n % rows:
-            continue
-        cols = n // rows
-        stitched = tiles[:n].reshape(rows, cols, C, S, S).permute(2, 0, 3, 1, 4)
-        small = thumbnail(stitched.reshape(C, rows * S, cols * S), S)
-        error = float((small.float() - tiles[n].float()).pow(2).mean())
-        if best is None or error < best:
-            best, found = error, (rows, cols)
-    return found
-
-
-def _picture(positions: torch.Tensor, count: int, side: int, tiles) -> ImageTokens:
-    per_tile = side * side
-    if count == 1:
-        return ImageTokens((View("base", positions, side, side),))
-    rows, cols = canvas(tiles)
-    tiles = positions[:rows * cols * per_tile].reshape(rows, cols, per_tile)
-    views = [View("tile", run, side, side, box)
-             for run, box in zip(tiles.reshape(-1, per_tile), tile_boxes(rows, cols))]
-    views.append(View("thumbnail", positions[rows * cols * per_tile:], side, side))
-    grid = View("tiles", stitch(tiles).flatten(), rows * side, cols * side)
-    return ImageTokens(tuple(views), grid)

@@ -180,3 +180,48 @@ def split_images(who: str, per_row: List[torch.Tensor], sizes: Sequence[int]
     if i != len(sizes):
         raise ValueError(f"{who}: {len(sizes)} pictures in the inputs but {i} in input_ids")
     return images
+
+
+def thumbnail(picture: torch.Tensor, size: int) -> torch.Tensor:
+    """(C, size, size): ``picture`` (C, H, W) resized to one tile."""
+    return torch.nn.functional.interpolate(picture[None].float(), (size, size),
+                                           mode="bilinear", antialias=True,
+                                           align_corners=False)[0].to(picture.dtype)
+
+
+def canvas(tiles: torch.Tensor) -> Tuple[int, int]:
+    """(rows, cols) of the canvas of ``tiles`` (N + 1, C, S, S): N tiles, row-major, and the
+    thumbnail last: the arrangement rows * cols = N whose stitched picture, downscaled to
+    one tile, is nearest the thumbnail (the processor keeps no other trace of it; the
+    canvas's shape follows the picture's aspect ratio, which the thumbnail has lost but
+    its content keeps)."""
+    n = len(tiles) - 1
+    C, S = tiles.shape[1], tiles.shape[-1]
+    best, found = None, None
+    for rows in range(1, n + 1):
+        if n % rows:
+            continue
+        cols = n // rows
+        stitched = tiles[:n].reshape(rows, cols, C, S, S).permute(2, 0, 3, 1, 4)
+        small = thumbnail(stitched.reshape(C, rows * S, cols * S), S)
+        error = float((small.float() - tiles[n].float()).pow(2).mean())
+        if best is None or error < best:
+            best, found = error, (rows, cols)
+    return found
+
+
+def canvas_and_thumbnail(positions: torch.Tensor, count: int, side: int, tiles) -> ImageTokens:
+    """One picture shown as ``count`` square tiles of ``side x side`` tokens at
+    ``positions`` (in order): one tile alone is the base view; more are a canvas's tiles,
+    row-major, and a thumbnail last, the canvas read back from the tiles' pixels ``tiles``
+    ``(count, C, S, S)`` (:func:`canvas`)."""
+    per_tile = side * side
+    if count == 1:
+        return ImageTokens((View("base", positions, side, side),))
+    rows, cols = canvas(tiles)
+    tiles = positions[:rows * cols * per_tile].reshape(rows, cols, per_tile)
+    views = [View("tile", run, side, side, box)
+             for run, box in zip(tiles.reshape(-1, per_tile), tile_boxes(rows, cols))]
+    views.append(View("thumbnail", positions[rows * cols * per_tile:], side, side))
+    grid = View("tiles", stitch(tiles).flatten(), rows * side, cols * side)
+    return ImageTokens(tuple(views), grid)
