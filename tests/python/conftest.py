@@ -1,6 +1,7 @@
 """Shared pytest fixtures and guards: the devices every device test runs on, the folder of
-the reference implementations (../shared/seeds; docs/vas.md, docs/mixer.md), tests that
-run in a process of their own, and a memory limit on the suite's process."""
+the reference implementations (../shared/seeds; docs/vas.md, docs/mixer.md), the geometry
+tests' pictures and colours, tests that run in a process of their own, and a memory limit
+on the suite's process."""
 from __future__ import annotations
 
 import faulthandler
@@ -68,6 +69,34 @@ def load_seed(module_name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+# ---- the geometry tests' harness (tests/python/test_families_*.py) ----------------------------
+
+# the four quarters' colours of their pictures (headscope.hf.testing.quarters): top left, top
+# right, bottom left, bottom right
+QUARTER_COLOURS = ((255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0))
+
+
+def quarter_prompts(processor, sizes, per_row, marker: str, colours=QUARTER_COLOURS):
+    """A processor's inputs, left-padded, for prompts of ``per_row[b]`` pictures each (the
+    pictures of ``sizes``, (height, width), in order, each of four coloured quarters),
+    ``marker`` standing for each picture in the text."""
+    from headscope.hf.testing import quarters
+    texts = ["describe " + " and ".join([marker] * count) + " the image ." for count in per_row]
+    processor.tokenizer.padding_side = "left"
+    return processor(text=texts, images=[quarters(*size, colours) for size in sizes],
+                     return_tensors="pt", padding=True)
+
+
+def nearest_colour(processor, pixels: torch.Tensor, colours=QUARTER_COLOURS) -> torch.Tensor:
+    """``(N, P)``: for pixels ``(N, P, channels)`` as the processor's image processor
+    normalised them, the index of the nearest of ``colours``."""
+    image_processor = processor.image_processor
+    mean = torch.tensor(image_processor.image_mean)
+    std = torch.tensor(image_processor.image_std)
+    refs = (torch.tensor(colours, dtype=torch.float32) / 255 - mean) / std  # (colours, C)
+    return torch.cdist(pixels.float(), refs[None].expand(len(pixels), -1, -1)).argmin(-1)
 
 
 # ---- tests in a process of their own ---------------------------------------------------------

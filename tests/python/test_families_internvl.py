@@ -14,6 +14,7 @@ pytest.importorskip("torchvision")
 np = pytest.importorskip("numpy")
 Image = pytest.importorskip("PIL.Image")
 
+from conftest import nearest_colour  # noqa: E402
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.internvl import IMAGE_END, IMAGE_START  # noqa: E402
@@ -134,14 +135,11 @@ def token_pixels(model, tile: torch.Tensor) -> torch.Tensor:
 def colours_at(model, processor, inputs, b: int, first_tile: int, positions) -> torch.Tensor:
     """(len(positions), pixels): the colour index of each pixel read by the tokens at
     ``positions`` of row ``b``, whose picture's tiles start at ``first_tile``."""
-    ip = processor.image_processor
-    mean, std = torch.tensor(ip.image_mean), torch.tensor(ip.image_std)
-    refs = (torch.from_numpy(COLOURS).float() / 255 - mean) / std
     order = (inputs["input_ids"][b] == IMAGE_TOKEN).nonzero().flatten().tolist()
     tiles = len(order) // 4
     pixels = torch.cat([token_pixels(model, inputs["pixel_values"][first_tile + t])
                         for t in range(tiles)])
-    colours = torch.cdist(pixels.float(), refs[None].expand(len(pixels), -1, -1)).argmin(-1)
+    colours = nearest_colour(processor, pixels)
     at = {p: i for i, p in enumerate(order)}
     return colours[[at[p] for p in positions.tolist()]]
 
