@@ -99,6 +99,45 @@ def nearest_colour(processor, pixels: torch.Tensor, colours=QUARTER_COLOURS) -> 
     return torch.cdist(pixels.float(), refs[None].expand(len(pixels), -1, -1)).argmin(-1)
 
 
+def assert_every_image_token_placed(images, input_ids: torch.Tensor, image_token: int) -> None:
+    """A family's reading ``images`` of ``input_ids`` ``(B, T)``: per row, its pictures'
+    positions are its image tokens, each once, and ``grid_regions(1, 1)`` gives every
+    image token a region, every other position -1, one region per picture."""
+    from headscope.hf import grid_regions
+    from headscope.hf.regions import region_ids
+    rid, counts = region_ids(grid_regions(1, 1), images, torch.zeros(*input_ids.shape, 1))
+    for b, row in enumerate(images):
+        positions = torch.cat([image.positions for image in row])
+        is_image = input_ids[b] == image_token
+        assert len(set(positions.tolist())) == len(positions)
+        assert torch.equal(positions.sort().values, is_image.nonzero().flatten())
+        assert bool((rid[b][~is_image] == -1).all()) and bool((rid[b][is_image] >= 0).all())
+        assert counts[b] == len(row)
+
+
+def assert_canvas_views(image, rows: int, cols: int, side: int = 2) -> None:
+    """A picture of GotOcr2's tiles (InternVL, Aya Vision) as the image processor cut it on
+    a ``rows x cols`` canvas: one tile alone is the base view; more are the tiles, each over
+    its cell of the canvas, then a thumbnail over the whole picture, and the grid the tiles
+    stitched; every view ``side x side`` tokens."""
+    if rows * cols == 1:
+        assert [v.name for v in image.views] == ["base"]
+        assert image.grid is image.views[0]
+    else:
+        tiles = image.views[:-1]
+        assert [v.name for v in image.views] == ["tile"] * rows * cols + ["thumbnail"]
+        assert image.views[-1].box == (0, 0, 1, 1)
+        for t, view in enumerate(tiles):
+            r, c = divmod(t, cols)
+            assert view.box == pytest.approx((c / cols, r / rows, (c + 1) / cols,
+                                              (r + 1) / rows))
+        assert image.grid.name == "tiles" and image.grid.box == (0, 0, 1, 1)
+        assert (image.grid.rows, image.grid.cols) == (side * rows, side * cols)
+        assert sorted(image.grid.positions.tolist()) == \
+            sorted(torch.cat([v.positions for v in tiles]).tolist())
+    assert all((v.rows, v.cols) == (side, side) for v in image.views)
+
+
 # ---- tests in a process of their own ---------------------------------------------------------
 
 def pytest_configure(config):

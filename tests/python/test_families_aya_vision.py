@@ -15,11 +15,11 @@ pytest.importorskip("torchvision")
 pytest.importorskip("numpy")
 pytest.importorskip("PIL.Image")
 
-from conftest import nearest_colour, quarter_prompts  # noqa: E402
-from headscope.hf import Tracer, grid_regions  # noqa: E402
+from conftest import (assert_canvas_views, assert_every_image_token_placed,  # noqa: E402
+                      nearest_colour, quarter_prompts)
+from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.aya_vision import TILE, TILE_GLOBAL  # noqa: E402
-from headscope.hf.regions import region_ids  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
                                   assert_quarter_colours, assert_quarters_are_regions,
                                   tiny_model, tiny_processor)
@@ -57,46 +57,27 @@ def test_canvas_and_views_follow_the_processor(model, processor, per_row):
     images = family_of(model).images(model.config, inputs)
     ids = inputs["input_ids"]
     patches = processor._get_num_multimodal_tokens(image_sizes=list(SIZES)).num_image_patches
-    rid, counts = region_ids(grid_regions(1, 1), images, torch.zeros(*ids.shape, 1))
     assert [len(row) for row in images] == list(per_row)
     picture = 0
     for b, row in enumerate(images):
         for image in row:
             rows, cols = processor_canvas(SIZES[picture])
-            tiles = [v for v in image.views if v.name == "tile"]
+            assert_canvas_views(image, rows, cols)
             p = image.positions
             if rows * cols == 1:
-                assert [v.name for v in image.views] == ["base"]
-                assert image.grid is image.views[0]
                 assert ids[b, p.min() - 2:p.min()].tolist() == [VISION_START, TILE_GLOBAL]
             else:
-                assert len(tiles) == rows * cols
-                assert [v.name for v in image.views[len(tiles):]] == ["thumbnail"]
-                assert image.views[-1].box == (0, 0, 1, 1)
-                for t, view in enumerate(tiles):
-                    r, c = divmod(t, cols)
-                    assert view.box == pytest.approx((c / cols, r / rows, (c + 1) / cols,
-                                                      (r + 1) / rows))
-                    # "TILE_k" before each tile: TILE and the word "_k"
+                # "TILE_k" before each tile: TILE and the word "_k"
+                for view in image.views[:-1]:
                     assert int(ids[b, view.positions.min() - 2]) == TILE
                 assert int(ids[b, image.views[-1].positions.min() - 1]) == TILE_GLOBAL
                 assert int(ids[b, p.min() - 3]) == VISION_START
-                assert image.grid.name == "tiles" and image.grid.box == (0, 0, 1, 1)
-                assert (image.grid.rows, image.grid.cols) == (2 * rows, 2 * cols)
-                assert sorted(image.grid.positions.tolist()) == \
-                    sorted(torch.cat([v.positions for v in tiles]).tolist())
-            assert all((v.rows, v.cols) == (2, 2) for v in image.views)
             # the processor's own count of tiles (the thumbnail among them), 4 tokens each
             assert len(p) == 4 * patches[picture]
             assert int(ids[b, p.max() + 1]) == VISION_END
             picture += 1
-        positions = torch.cat([im.positions for im in row])
-        assert len(set(positions.tolist())) == len(positions)
-        assert torch.equal(positions.sort().values, (ids[b] == IMAGE_TOKEN).nonzero().flatten())
-        assert bool((rid[b][ids[b] != IMAGE_TOKEN] == -1).all())
-        assert bool((rid[b][ids[b] == IMAGE_TOKEN] >= 0).all())
-        assert counts[b] == len(row)
     assert picture == len(SIZES)
+    assert_every_image_token_placed(images, ids, IMAGE_TOKEN)
 
 
 def test_tiles_without_pixel_values_raise(model, processor):

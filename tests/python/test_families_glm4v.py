@@ -12,10 +12,9 @@ pytest.importorskip("torchvision")
 pytest.importorskip("numpy")
 pytest.importorskip("PIL.Image")
 
-from conftest import nearest_colour, quarter_prompts  # noqa: E402
+from conftest import assert_every_image_token_placed, nearest_colour, quarter_prompts  # noqa: E402
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
-from headscope.hf.regions import region_ids  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
                                   assert_quarter_colours, assert_quarters_are_regions,
                                   tiny_model, tiny_processor)
@@ -47,7 +46,6 @@ def test_views_follow_the_processors_layout(model, processor, per_row):
     ids = inputs["input_ids"]
     assert [len(row) for row in images] == list(per_row)
     want_tokens = processor._get_num_multimodal_tokens(image_sizes=SIZES).num_image_tokens
-    rid, counts = region_ids(grid_regions(1, 1), images, torch.zeros(*ids.shape, 1))
     picture = 0
     for b, row in enumerate(images):
         for image in row:
@@ -61,12 +59,8 @@ def test_views_follow_the_processors_layout(model, processor, per_row):
             assert torch.equal(view.positions, torch.arange(first, last + 1))
             assert int(ids[b, first - 1]) == VISION_START and int(ids[b, last + 1]) == VISION_END
             picture += 1
-        positions = torch.cat([im.positions for im in row])
-        assert torch.equal(positions.sort().values, (ids[b] == IMAGE_TOKEN).nonzero().flatten())
-        assert bool((rid[b][ids[b] != IMAGE_TOKEN] == -1).all())
-        assert bool((rid[b][ids[b] == IMAGE_TOKEN] >= 0).all())
-        assert counts[b] == len(row)
     assert picture == len(SIZES)
+    assert_every_image_token_placed(images, ids, IMAGE_TOKEN)
 
 
 def test_a_grid_that_does_not_match_input_ids_raises(model, processor):

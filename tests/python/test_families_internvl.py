@@ -14,11 +14,11 @@ pytest.importorskip("torchvision")
 np = pytest.importorskip("numpy")
 Image = pytest.importorskip("PIL.Image")
 
-from conftest import nearest_colour  # noqa: E402
-from headscope.hf import Tracer, grid_regions  # noqa: E402
+from conftest import (assert_canvas_views, assert_every_image_token_placed,  # noqa: E402
+                      nearest_colour)
+from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.internvl import IMAGE_END, IMAGE_START  # noqa: E402
-from headscope.hf.regions import region_ids  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours,  # noqa: E402
                                   assert_quarters_are_regions, quarters, tiny_model,
                                   tiny_processor)
@@ -60,42 +60,19 @@ def test_canvas_and_views_follow_the_processor(model, processor, per_row):
     images = family_of(model).images(config, inputs)
     ids = inputs["input_ids"]
     want_tokens = processor._get_num_multimodal_tokens(image_sizes=list(SIZES)).num_image_tokens
-    rid, counts = region_ids(grid_regions(1, 1), images, torch.zeros(*ids.shape, 1))
     picture = 0
     assert [len(row) for row in images] == list(per_row)
     for b, row in enumerate(images):
         for image in row:
-            rows, cols = processor_canvas(SIZES[picture])
-            tiles = [v for v in image.views if v.name == "tile"]
-            thumbs = [v for v in image.views if v.name == "thumbnail"]
-            if rows * cols == 1:
-                assert [v.name for v in image.views] == ["base"]
-                assert image.grid is image.views[0]
-            else:
-                assert len(tiles) == rows * cols and len(thumbs) == 1
-                assert thumbs[0].box == (0, 0, 1, 1) and image.views[-1] is thumbs[0]
-                for t, view in enumerate(tiles):
-                    r, c = divmod(t, cols)
-                    assert view.box == pytest.approx((c / cols, r / rows, (c + 1) / cols,
-                                                      (r + 1) / rows))
-                assert image.grid.name == "tiles" and image.grid.box == (0, 0, 1, 1)
-                assert (image.grid.rows, image.grid.cols) == (2 * rows, 2 * cols)
-                assert sorted(image.grid.positions.tolist()) == \
-                    sorted(torch.cat([v.positions for v in tiles]).tolist())
-            assert all((v.rows, v.cols) == (2, 2) for v in image.views)
+            assert_canvas_views(image, *processor_canvas(SIZES[picture]))
             # the processor's own count: the picture's tokens and its two markers
             assert len(image.positions) + 2 == want_tokens[picture]
             p = image.positions
             assert int(ids[b, p.min() - 1]) == IMAGE_START
             assert int(ids[b, p.max() + 1]) == IMAGE_END
             picture += 1
-        positions = torch.cat([im.positions for im in row])
-        assert len(set(positions.tolist())) == len(positions)
-        assert torch.equal(positions.sort().values, (ids[b] == IMAGE_TOKEN).nonzero().flatten())
-        assert bool((rid[b][ids[b] != IMAGE_TOKEN] == -1).all())
-        assert bool((rid[b][ids[b] == IMAGE_TOKEN] >= 0).all())
-        assert counts[b] == len(row)
     assert picture == len(SIZES)
+    assert_every_image_token_placed(images, ids, IMAGE_TOKEN)
 
 
 def test_tiles_without_pixel_values_raise(model, processor):

@@ -17,10 +17,10 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VISION_END, VISION_START
-from .base import Family, TinySpec, llava_template, missing_input, register
+from .base import Family, TinySpec, llava_template, register
 from .gemma3 import alternating_layers
-from .layout import (ImageTokens, canvas_and_thumbnail, image_positions, image_runs,
-                     patches_per_side, thumbnail)
+from .internvl import tiled_pictures
+from .layout import ImageTokens, image_positions, image_runs, patches_per_side, thumbnail
 
 WHO = "headscope.hf.Tracer"
 
@@ -57,25 +57,10 @@ class AyaVision(Family):
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         side = tile_side(config)
         ids = inputs["input_ids"].cpu()
-        tiles = inputs.get("pixel_values")
-        out, used = [], 0
-        for b, positions in enumerate(image_positions(ids, self.image_token_ids(config))):
-            pictures = []
-            for runs in _pictures(ids[b], positions, side):
-                count = len(runs)
-                if count > 1 and tiles is None:
-                    raise missing_input(config, "pixel_values",
-                                        " (their tiles give each picture's canvas)")
-                mine = tiles[used:used + count] if tiles is not None else None
-                if mine is not None and len(mine) != count:
-                    raise ValueError(f"{WHO}: input_ids hold more tiles than pixel_values")
-                used += count
-                pictures.append(canvas_and_thumbnail(torch.cat(runs), count, side, mine))
-            out.append(pictures)
-        if tiles is not None and used != len(tiles):
-            raise ValueError(f"{WHO}: pixel_values hold {len(tiles)} tiles but input_ids "
-                             f"{used}")
-        return out
+        per_row = image_positions(ids, self.image_token_ids(config))
+        pictures = [[(torch.cat(runs), len(runs)) for runs in _pictures(ids[b], positions, side)]
+                    for b, positions in enumerate(per_row)]
+        return tiled_pictures(config, pictures, side, inputs.get("pixel_values"))
 
     # ---- tiny models ----------------------------------------------------------------------
 

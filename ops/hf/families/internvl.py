@@ -4,7 +4,7 @@ each tile pixel-shuffled to ``image_seq_length`` tokens, between ``<img>`` and `
 the canvas (which the processor drops) is read back from ``pixel_values``' tiles."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -44,28 +44,15 @@ class InternVL(Family):
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         side = self.side(config)
         per_tile = side * side
-        tiles = inputs.get("pixel_values")
-        out, used = [], 0
+        pictures = []
         for row in image_positions(inputs["input_ids"], self.image_token_ids(config)):
-            pictures = []
+            pictures.append([])
             for positions in runs(row):
                 if len(positions) % per_tile:
                     raise ValueError(f"{WHO}: a picture of {len(positions)} image tokens is "
                                      f"not a whole number of tiles of {per_tile} tokens")
-                count = len(positions) // per_tile
-                if count > 1 and tiles is None:
-                    raise missing_input(config, "pixel_values",
-                                        " (their tiles give each picture's canvas)")
-                mine = tiles[used:used + count] if tiles is not None else None
-                if mine is not None and len(mine) != count:
-                    raise ValueError(f"{WHO}: input_ids hold more tiles than pixel_values")
-                used += count
-                pictures.append(canvas_and_thumbnail(positions, count, side, mine))
-            out.append(pictures)
-        if tiles is not None and used != len(tiles):
-            raise ValueError(f"{WHO}: pixel_values hold {len(tiles)} tiles but input_ids "
-                             f"{used}")
-        return out
+                pictures[-1].append((positions, len(positions) // per_tile))
+        return tiled_pictures(config, pictures, side, inputs.get("pixel_values"))
 
     # ---- tiny models ----------------------------------------------------------------------
 
@@ -106,3 +93,26 @@ class InternVL(Family):
         return tf.InternVLProcessor(image_processor=images, tokenizer=tokenizer,
                                     video_processor=tf.InternVLVideoProcessor(),
                                     image_seq_length=4, chat_template=self.tiny.chat_template)
+
+
+def tiled_pictures(config, pictures: List[List[Tuple[torch.Tensor, int]]], side: int,
+                   tiles: Optional[torch.Tensor]) -> List[List[ImageTokens]]:
+    """Per batch row, its pictures of GotOcr2's tiles (``canvas_and_thumbnail``) from each
+    picture's image positions and its count of tiles (the thumbnail among them), the
+    canvases read from ``tiles`` (``pixel_values``, taken in order; None: only pictures of
+    one tile can be read), checking that the counts add up."""
+    out, used = [], 0
+    for row in pictures:
+        out.append([])
+        for positions, count in row:
+            if count > 1 and tiles is None:
+                raise missing_input(config, "pixel_values",
+                                    " (their tiles give each picture's canvas)")
+            mine = tiles[used:used + count] if tiles is not None else None
+            if mine is not None and len(mine) != count:
+                raise ValueError(f"{WHO}: input_ids hold more tiles than pixel_values")
+            used += count
+            out[-1].append(canvas_and_thumbnail(positions, count, side, mine))
+    if tiles is not None and used != len(tiles):
+        raise ValueError(f"{WHO}: pixel_values hold {len(tiles)} tiles but input_ids {used}")
+    return out

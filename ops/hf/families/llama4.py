@@ -210,7 +210,7 @@ def _picture(rows: List[List[torch.Tensor]], whole: torch.Tensor,
     one_tile = not rows
     if one_tile:
         rows = [[whole]]
-    R, C = len(rows), len(rows[0])
+    R = len(rows)
     pixels = torch.cat([torch.cat(row, 2) for row in canvas], 1)  # (channels, R*T, C*T)
     T = pixels.shape[1] // R
     h, w = content_size(pixels)
