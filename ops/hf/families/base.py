@@ -10,16 +10,8 @@ import torch
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VOCAB
 from .layout import ImageTokens
 
-# Qwen-VL's chat template, reduced to what a one-turn image prompt needs.
-QWEN_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-# LLaVA's, with "<image> " where a picture goes: ``llava_template("[IMG] ")`` puts another
-# family's image marker there.
+# LLaVA's chat template, with "<image> " where a picture goes: ``llava_template("[IMG] ")``
+# puts another family's image marker there.
 _LLAVA_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] | upper }}: "
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"

@@ -9,10 +9,19 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VIDEO_TOKEN, VISION_END, VISION_START
-from .base import QWEN_TEMPLATE, Family, TinySpec, missing_input, register
+from .base import Family, TinySpec, missing_input, register
 from .layout import ImageTokens, View, image_positions, split_images
 
 WHO = "headscope.hf.Tracer"
+
+# Qwen-VL's chat template, reduced to what a one-turn image prompt needs.
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @register
