@@ -138,6 +138,26 @@ def assert_canvas_views(image, rows: int, cols: int, side: int = 2) -> None:
     assert all((v.rows, v.cols) == (side, side) for v in image.views)
 
 
+def assert_tiles_need_pixel_values(model, inputs) -> None:
+    """A picture of GotOcr2's tiles (``inputs``: one picture of 2 tiles and a thumbnail)
+    needs ``pixel_values`` for its canvas: plain ``generate``, which hands the model the
+    vision output instead, raises naming ``tr.generate``, which works; the tiles must add
+    up to the image tokens."""
+    from headscope.hf import Tracer
+    from headscope.hf.families import family_of
+    family = family_of(model)
+    # plain generate hands the model the vision output, not pixel_values
+    with torch.no_grad(), Tracer(model, regions=2, vas=False) as tr:
+        with pytest.raises(ValueError, match=r"need the pixel_values .* tr\.generate"):
+            model.generate(**inputs, max_new_tokens=1)
+        assert len(list(tr.generate(**inputs, max_new_tokens=1))) == 1
+    with pytest.raises(ValueError, match="need the pixel_values"):
+        family.images(model.config, dict(inputs, pixel_values=None))
+    with pytest.raises(ValueError, match="pixel_values hold 4 tiles but input_ids 3"):
+        family.images(model.config, dict(inputs, pixel_values=torch.cat(
+            [inputs["pixel_values"], inputs["pixel_values"][:1]])))
+
+
 # ---- tests in a process of their own ---------------------------------------------------------
 
 def pytest_configure(config):

@@ -16,8 +16,8 @@ pytest.importorskip("numpy")
 pytest.importorskip("PIL.Image")
 
 from conftest import (assert_canvas_views, assert_every_image_token_placed,  # noqa: E402
-                      nearest_colour, quarter_prompts)
-from headscope.hf import Tracer  # noqa: E402
+                      assert_tiles_need_pixel_values, nearest_colour,
+                      quarter_prompts)
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.aya_vision import TILE, TILE_GLOBAL  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
@@ -82,17 +82,8 @@ def test_canvas_and_views_follow_the_processor(model, processor, per_row):
 
 def test_tiles_without_pixel_values_raise(model, processor):
     inputs = run_processor(processor, ((30, 60),), (1,))
+    assert_tiles_need_pixel_values(model, inputs)
     family = family_of(model)
-    # plain generate hands the model the vision output, not pixel_values
-    with torch.no_grad(), Tracer(model, regions=2, vas=False) as tr:
-        with pytest.raises(ValueError, match=r"need the pixel_values .* tr\.generate"):
-            model.generate(**inputs, max_new_tokens=1)
-        assert len(list(tr.generate(**inputs, max_new_tokens=1))) == 1
-    with pytest.raises(ValueError, match="need the pixel_values"):
-        family.images(model.config, dict(inputs, pixel_values=None))
-    with pytest.raises(ValueError, match="pixel_values hold 4 tiles but input_ids 3"):
-        family.images(model.config, dict(inputs, pixel_values=torch.cat(
-            [inputs["pixel_values"], inputs["pixel_values"][:1]])))
     cut = inputs["input_ids"].clone()
     cut[0, (cut[0] == IMAGE_TOKEN).nonzero()[0]] = 1  # a tile one token short
     with pytest.raises(ValueError, match="a run of 3 image tokens"):

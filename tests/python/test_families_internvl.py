@@ -15,7 +15,7 @@ np = pytest.importorskip("numpy")
 Image = pytest.importorskip("PIL.Image")
 
 from conftest import (assert_canvas_views, assert_every_image_token_placed,  # noqa: E402
-                      nearest_colour)
+                      assert_tiles_need_pixel_values, nearest_colour)
 from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.internvl import IMAGE_END, IMAGE_START  # noqa: E402
@@ -77,17 +77,7 @@ def test_canvas_and_views_follow_the_processor(model, processor, per_row):
 
 def test_tiles_without_pixel_values_raise(model, processor):
     inputs = run_processor(processor, ((30, 60),), (1,))
-    family = family_of(model)
-    # plain generate hands the model the vision output, not pixel_values
-    with torch.no_grad(), Tracer(model, regions=2, vas=False) as tr:
-        with pytest.raises(ValueError, match=r"need the pixel_values .* tr\.generate"):
-            model.generate(**inputs, max_new_tokens=1)
-        assert len(list(tr.generate(**inputs, max_new_tokens=1))) == 1
-    with pytest.raises(ValueError, match="need the pixel_values"):
-        family.images(model.config, dict(inputs, pixel_values=None))
-    with pytest.raises(ValueError, match="pixel_values hold 4 tiles but input_ids 3"):
-        family.images(model.config, dict(inputs, pixel_values=torch.cat(
-            [inputs["pixel_values"], inputs["pixel_values"][:1]])))
+    assert_tiles_need_pixel_values(model, inputs)
 
 
 def token_pixels(model, tile: torch.Tensor) -> torch.Tensor:
