@@ -119,8 +119,11 @@ def runs(positions: torch.Tensor) -> List[torch.Tensor]:
 
 
 def tile_boxes(rows: int, cols: int) -> List[Box]:
-    """The boxes of a ``rows x cols`` canvas of equal tiles on the picture, row-major."""
-    return [tuple(box) for box in cell_boxes(rows, cols).tolist()]
+    """The boxes of a ``rows x cols`` canvas of equal tiles on the picture, row-major:
+    ``j / cols`` exactly (``cell_boxes``' linspace can be an ulp off, 0.6666666666666667
+    for 2 / 3)."""
+    return [(j / cols, i / rows, (j + 1) / cols, (i + 1) / rows)
+            for i in range(rows) for j in range(cols)]
 
 
 def stitch(tiles: torch.Tensor) -> torch.Tensor:
