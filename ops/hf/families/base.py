@@ -45,7 +45,8 @@ class TinySpec:
     ``unseen_region_effects``, the model types whose effects are checked zero on a region
     no query sees; ``commands``, the model types the commands run end to end on, from a
     saved checkpoint (test_commands.py); ``geometry_waiver``, why a family has no geometry
-    test against its real processor (``tests/python/test_families_<name>.py``), if so."""
+    test against its real processor (a ``tests/python/test_families_*.py`` that names its
+    model types), if so."""
     tokens: Mapping[str, int]
     chat_template: str
     tokenizer_extras: Mapping[str, str] = field(default_factory=dict)
@@ -66,8 +67,8 @@ class Family:
     which tokens are image tokens, and where each lies on its picture. The Tracer,
     ``region_effects`` and the commands ask the family and know no family by name.
 
-    A subclass sets :attr:`name`, :attr:`model_types` (the ``config.model_type`` values it
-    reads), :attr:`layout` (one line for the families table), :attr:`input_keys` (the
+    A subclass sets :attr:`name`, :attr:`titles`, :attr:`model_types` (the
+    ``config.model_type`` values it reads), :attr:`layout` (one line for the families table), :attr:`input_keys` (the
     model inputs :meth:`images` needs besides ``input_ids``; the Tracer takes them from the
     model's forward or from ``generate``'s arguments), :attr:`layout_keys` (those of them
     the model does not take) and implements :meth:`images`;
