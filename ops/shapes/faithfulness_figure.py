@@ -10,7 +10,7 @@ from ..attribution import atomic_path
 from .faithfulness import table
 
 COLOURS = {"head": "tab:green", "attention": "tab:blue", "gradient": "tab:orange",
-           "gradient_norm": "tab:red", "perturbation": "black"}
+           "gradient_norm": "tab:red", "attnlrp": "tab:purple", "perturbation": "black"}
 
 
 def plot(path: Path, result: dict) -> None:
@@ -73,7 +73,8 @@ def write_faithfulness(out: Path, result: dict) -> dict:
             "(faithfulness 1 by construction). Head and attention time: the tracer's added "
             f"time per token ({result['tracer_added_ms_per_token']:.3f} ms, generate_with "
             "against plain generate, alternating rounds) plus computing the scores from the "
-            "features (\"of which scoring\"); gradients and perturbation: their whole "
-            "computation after generation, per generated token.\n")
+            "features (\"of which scoring\"); gradients, AttnLRP and perturbation: their whole "
+            "computation after generation, per generated token; ms per span: each method's "
+            "own time divided by the spans scored.\n")
     plot(paths["png"], result)
     return {k: str(v) for k, v in paths.items()}
