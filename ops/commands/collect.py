@@ -5,7 +5,8 @@ For each example: the chat-templated prompt with its image goes through the proc
 ``Tracer.generate_with`` generates greedily and cuts the answer into spans (sentence
 ends) with their features over K Ward regions of the image; ``region_effects`` measures
 the effect of ablating each region, and each of M random sets of K/2 regions, on each
-span. Results go to shards (``shards.py``); a rerun skips the shards already written.
+span; with ``--attnlrp``, ``attnlrp_scores`` scores each span's regions too (the post-hoc
+baseline ``eval`` reports beside the head). Results go to shards (``shards.py``); a rerun skips the shards already written.
 Under ``torchrun`` each process takes every world-size-th shard.
 """
 from __future__ import annotations
@@ -53,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> List[str]:
                             help="the span features (default attention: the attention mass "
                                  "on each region, L*H columns; attention*value_norm: each "
                                  "key's weight times its value norm, L*H; both: 2*L*H)"),
+        parser.add_argument("--attnlrp", action="store_true",
+                            help="also score each span's regions with AttnLRP (the post-hoc "
+                                 "baseline eval reports, with its time per span)"),
         parser.add_argument("--seed", type=int, default=0,
                             help="seed of the random region sets"),
         parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
@@ -229,7 +233,13 @@ def collect_example(model, processor, example: Example, args) -> Dict:
     t2 = time.perf_counter()
     (img,) = tracer.images[0]
     special = processor.tokenizer.all_special_ids
-    return {"features": torch.stack([s.features for s in spans]),
+    posthoc = {}
+    if args.attnlrp:
+        from ..hf import attnlrp_scores
+        scores = attnlrp_scores(model, inputs, tracer.sequences, spans, region_ids)
+        posthoc = {"attnlrp": scores.cpu(), "attnlrp_seconds": torch.tensor(
+            [time.perf_counter() - t2], dtype=torch.float64)}
+    return {**posthoc,"features": torch.stack([s.features for s in spans]),
             "special_only": torch.tensor([special_only(s.token_ids.tolist(), special)
                                           for s in spans], dtype=torch.bool),
             "effects": effects.cpu(), "subset_effects": subset_effects.cpu(),
@@ -248,7 +258,7 @@ def _shard_tensors(records: List[Dict]) -> Dict[str, torch.Tensor]:
                                                     torch.tensor(spans)),
             **{k: torch.cat([r[k] for r in records]) for k in
                ("span_bounds", "features", "effects", "subset_effects", "labels",
-                "special_only")},
+                "special_only", "attnlrp", "attnlrp_seconds") if k in records[0]},
             **{k: torch.stack([r[k] for r in records]) for k in
                ("subsets", "grid", "image_size", "seconds")}}
 
@@ -283,6 +293,7 @@ def collect(args) -> Tuple[Path, int]:
                              "grid": args.grid,
                              "max_new_tokens": args.max_new_tokens, "subsets": args.subsets,
                              "ablation": args.ablation, "seed": args.seed,
+                             "attnlrp": args.attnlrp,
                              "shard_size": args.shard_size, "dtype": args.dtype})
         record_missing_checksums(out, shards)
         collected_before = sum(len(_examples_of(examples, s, args.shard_size))
