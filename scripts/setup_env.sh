@@ -31,6 +31,9 @@ if [ "${HEADSCOPE_SKIP_PIP:-0}" != 1 ]; then
   if ! "$PYTHON" scripts/check_requirements.py requirements.txt; then
     "$PYTHON" -m pip install -q -r requirements.txt
   fi
+  if ! "$PYTHON" scripts/check_requirements.py requirements-nodeps.txt; then
+    "$PYTHON" -m pip install -q --no-deps -r requirements-nodeps.txt
+  fi
 fi
 "$PYTHON" -c "import torch; print(f'setup: torch {torch.__version__} (CUDA {torch.version.cuda}), '
               f'GPU available: {torch.cuda.is_available()}')"

@@ -6,8 +6,9 @@ For each example: the chat-templated prompt with its image goes through the proc
 ends) with their features over K Ward regions of the image; ``region_effects`` measures
 the effect of ablating each region, and each of M random sets of K/2 regions, on each
 span; with ``--attnlrp``, ``attnlrp_scores`` scores each span's regions too (the post-hoc
-baseline ``eval`` reports beside the head). Results go to shards (``shards.py``); a rerun skips the shards already written.
-Under ``torchrun`` each process takes every world-size-th shard.
+baseline ``eval`` reports beside the head). Results go to shards (``shards.py``); a rerun
+skips the shards already written. Under ``torchrun`` each process takes every
+world-size-th shard.
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 command, in order: caption accuracy, the shipped head against raw attention and raw
 value-norm-weighted attention on the reported seed range (per-image LDS with the paired
 differences' intervals, pointing), the shipped head against the same raw baselines,
-AttnLRP and random pointing (``python -m headscope eval`` on the held-out scenes, with Ward regions and
-with the world's 3 x 3 cells; the head is the shipped one, not refitted), latency, the
+AttnLRP and random pointing (``python -m headscope eval`` on the held-out scenes, with Ward
+regions and with the world's 3 x 3 cells; the head is the shipped one, not refitted),
+latency, the
 faithfulness figure, hallucination detection (on ordinary scenes of 1 to 4 objects and
 on hard ones of 5 to 9), and the model with mixer vision attention against the softmax one
 (caption accuracy, projection settings).

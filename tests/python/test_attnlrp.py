@@ -115,7 +115,7 @@ def _lxt():
     removed)."""
     spec = importlib.util.find_spec("lxt")
     if spec is None:
-        pytest.skip("lxt is not installed (pip install --no-deps lxt==2.1)")
+        pytest.skip("lxt is not installed (pip install --no-deps -r requirements-nodeps.txt)")
     package = types.ModuleType("lxt.efficient")
     package.__path__ = [str(Path(spec.origin).parent / "efficient")]
     return package
