@@ -138,7 +138,7 @@ class AttnLRP(KeyMask):
         modules = list(self.decoder.modules()) + [self.model.get_output_embeddings()]
         self._check(modules)
         super().__enter__()
-        self.base_mask = ALL_MASK_ATTENTION_FUNCTIONS["eager"]  # additive masks, never None
+        self.base_mask = ALL_MASK_ATTENTION_FUNCTIONS["eager"]  # additive float masks
         try:
             for module in modules:
                 self._bind_module(module)
