@@ -100,13 +100,11 @@ def test_relevance_is_conserved_but_for_the_softmax_and_biases(family):
     assert log_probs.sum() < 0
     scores = attnlrp_scores(model, inputs, sequences, spans, rid)
     assert scores.shape == (2, 3) and scores.dtype == torch.float32
-    image = rid >= 0
     for k in range(3):
         torch.testing.assert_close(
             scores[:, k].double(),
             attnlrp_relevance(model, inputs, sequences, spans)[:, :P][:, rid == k].sum(1),
             rtol=1e-6, atol=1e-9)
-    assert bool(image.any())
 
 
 def _lxt():
@@ -136,7 +134,6 @@ def test_agrees_with_lxt_rules_bound_to_the_model(monkeypatch):
     spans = [(0, 2), (2, N)]
     ours = attnlrp_relevance(model, inputs, sequences, spans, epsilon=0)
     default = attnlrp_relevance(model, inputs, sequences, spans)
-    plain_ixg = []
     decoder = family_of(model).decoder(model)
     modeling = sys.modules[type(decoder.layers[0].self_attn).__module__]
     P = inputs["input_ids"].shape[1]
@@ -233,7 +230,7 @@ def test_errors_name_it(qwen):
     assert not any(m._forward_hooks for m in moe.modules())
 
 
-def test_shapes_model_relevance_and_cost():
+def test_shapes_model_ranks_cells_unlike_input_x_gradient():
     """On the shipped shapes model: scores for every span of a description, not a rescaling
     of input x gradient (their rankings of the cells differ on some span)."""
     from headscope.hf import Tracer, grid_regions
