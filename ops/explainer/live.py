@@ -1,0 +1,76 @@
+"""The live page of ``python -m headscope explain --serve``: a Gradio app that shows the
+answer and each span's heat map while the model generates (Gradio's streaming event
+handlers: the handler is a generator, each yield updates the page). Needs gradio
+(``pip install "headscope[app]"``).
+
+Opening the page starts a generation; "Generate again" starts another. One generation runs
+at a time (the model has one tracer); when one ends, the page, report.json and the PNGs are
+written to the output folder as the command writes them."""
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .page import span_png
+
+
+def _answer(explanation) -> list:
+    """The answer for ``gr.HighlightedText``: each span's text labelled with its number
+    (spans of special tokens only unlabelled)."""
+    return [(s.text, None if s.special else f"span {s.index}") for s in explanation.spans]
+
+
+def _gallery_item(explanation, span) -> tuple:
+    from PIL import Image
+    k, score = span.top_regions(1)[0]
+    return (Image.open(io.BytesIO(span_png(explanation, span))),
+            f"[{span.index}] {span.text.strip()}  (top: region {k}, {score:.4f})")
+
+
+def app(explanations: Callable[[], Iterator], out: Path):
+    """The Gradio Blocks of the live page. ``explanations()`` starts a generation and
+    yields the explanation after each span (``headscope.explainer.iter_explain``)."""
+    import gradio as gr
+
+    def stream():
+        gallery, result = [], None
+        yield [], [], "Generating..."
+        for result in explanations():
+            for span in result.spans[len(gallery):]:
+                if not span.special:
+                    gallery.append(_gallery_item(result, span))
+            shown = sum(not s.special for s in result.spans)
+            state = "Done" if result.done else "Generating..."
+            yield _answer(result), list(gallery), f"{state} {shown} spans."
+        page = result.save(out)
+        yield _answer(result), list(gallery), f"Done: {len(gallery)} spans; wrote {page}."
+
+    with gr.Blocks(title="headscope explain") as blocks:
+        gr.Markdown("## headscope explain\nWhich regions of the picture each span of the "
+                    "answer rests on, shown as the model generates.")
+        status = gr.Markdown("Starting...", elem_id="status")
+        answer = gr.HighlightedText(label="Answer", elem_id="answer", show_legend=False)
+        heat = gr.Gallery(label="Each span's heat map (its colour bar names the scores)",
+                          elem_id="spans", columns=2, format="png", object_fit="contain",
+                          height="auto")
+        again = gr.Button("Generate again")
+        outputs = [answer, heat, status]
+        blocks.load(stream, outputs=outputs, concurrency_limit=1, concurrency_id="generate")
+        again.click(stream, outputs=outputs, concurrency_limit=1, concurrency_id="generate")
+    return blocks
+
+
+def serve(explanations: Callable[[], Iterator], host: str, port: int, out: Path) -> int:
+    """Serves the live page on ``host:port`` until Ctrl-C (which raises KeyboardInterrupt:
+    exit 130; the files are written atomically, so none is left half-written)."""
+    blocks = app(explanations, out)
+    blocks.queue().launch(server_name=host, server_port=port, prevent_thread_lock=True,
+                          quiet=True, footer_links=[])
+    print(f"live page: http://{host}:{port} (Ctrl-C stops)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        blocks.close()
