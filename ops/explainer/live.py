@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 from .page import span_png
 
@@ -47,7 +47,7 @@ def app(explanations: Callable[[], Iterator], out: Path):
         page = result.save(out)
         yield _answer(result), list(gallery), f"Done: {len(gallery)} spans; wrote {page}."
 
-    with gr.Blocks(title="headscope explain") as blocks:
+    with gr.Blocks(title="headscope explain", analytics_enabled=False) as blocks:
         gr.Markdown("## headscope explain\nWhich regions of the picture each span of the "
                     "answer rests on, shown as the model generates.")
         status = gr.Markdown("Starting...", elem_id="status")
@@ -62,12 +62,22 @@ def app(explanations: Callable[[], Iterator], out: Path):
     return blocks
 
 
+def launch(blocks, host: str, port: Optional[int]) -> str:
+    """Starts serving ``blocks`` on ``host:port`` (None: a free port from 7860 on) in
+    Gradio's threads; returns the page's address. The theme uses the system's fonts, so
+    the page fetches nothing from the network."""
+    import gradio as gr
+    theme = gr.themes.Default(font=["system-ui", "sans-serif"], font_mono=["monospace"])
+    blocks.queue().launch(server_name=host, server_port=port, prevent_thread_lock=True,
+                          quiet=True, footer_links=[], theme=theme)
+    return blocks.local_url
+
+
 def serve(explanations: Callable[[], Iterator], host: str, port: int, out: Path) -> int:
     """Serves the live page on ``host:port`` until Ctrl-C (which raises KeyboardInterrupt:
     exit 130; the files are written atomically, so none is left half-written)."""
     blocks = app(explanations, out)
-    blocks.queue().launch(server_name=host, server_port=port, prevent_thread_lock=True,
-                          quiet=True, footer_links=[])
+    launch(blocks, host, port)
     print(f"live page: http://{host}:{port} (Ctrl-C stops)", flush=True)
     try:
         while True:

@@ -137,8 +137,8 @@ def span_png(explanation, span) -> bytes:
     scores = span.scores.double().numpy()
     low, high = scale(scores)
     pictures = explanation.pictures
-    fig, axes = plt.subplots(1, len(pictures), figsize=(4.4 * len(pictures) + 1.2, 4.8),
-                             dpi=100, squeeze=False)
+    fig, axes = plt.subplots(1, len(pictures), figsize=(4.4 * len(pictures) + 1.4, 4.6),
+                             dpi=100, squeeze=False, layout="constrained")
     for ax, picture in zip(axes[0], pictures):
         size = display_size(picture.image)
         labels = region_map(picture, size)
@@ -151,8 +151,7 @@ def span_png(explanation, span) -> bytes:
         ax.set_yticks([])
     bar = plt.cm.ScalarMappable(Normalize(low, high if high > low else low + 1e-12),
                                 cmap=COLORMAP)
-    fig.colorbar(bar, ax=list(axes[0]), fraction=0.046, pad=0.03).set_label(
-        explanation.score_name)
+    fig.colorbar(bar, ax=list(axes[0]), shrink=0.85).set_label(explanation.score_name)
     text = span.text.strip()
     fig.suptitle(f"\u201c{text[:77] + '...' if len(text) > 80 else text}\u201d", fontsize=11)
     buffer = io.BytesIO()

@@ -23,8 +23,10 @@ from headscope.hf.tiny import FAMILIES  # noqa: E402
 
 PROMPT = "describe the image ."
 COLOURS = ((200, 30, 30), (30, 200, 30), (30, 30, 200), (220, 220, 40))
-# tiny_checkpoint has a processor for these; Llama 4's tracing is not supported (docs/hf.md)
-CHECKPOINT_FAMILIES = [f for f in FAMILIES if f not in ("llama4", "paligemma", "qwen3_vl_moe")]
+# Llama 4's tracing is not supported (docs/hf.md); tiny_checkpoint has no processor for
+# these, so they run through the Python API on image_prompt's inputs
+NO_PROCESSOR = ("paligemma", "qwen3_vl_moe", "smolvlm")
+CHECKPOINT_FAMILIES = [f for f in FAMILIES if f not in ("llama4",) + NO_PROCESSOR]
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +90,28 @@ def test_command_on_each_family_equals_a_tracer_run(family, picture, tmp_path, c
         ["index.html", "report.json"] + [s["png"] for s in report["spans"] if s["png"]])
 
 
+@pytest.mark.parametrize("family", NO_PROCESSOR)
+def test_python_api_on_inputs_of_each_family_without_a_processor(family, picture):
+    from PIL import Image
+
+    import headscope
+    from headscope.hf import Tracer, grid_regions
+    from headscope.hf.testing import image_prompt, tiny_model, tiny_tokenizer
+    model, tokenizer = tiny_model(family), tiny_tokenizer(family)
+    inputs = image_prompt(model, grids=((2, 2),) if family == "smolvlm" else ((8, 8),))  # tiles
+    result = headscope.explain(model, tokenizer, [Image.open(picture)], PROMPT, inputs=inputs,
+                               regions=(2, 2), max_new_tokens=6)
+    with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), tokenizer=tokenizer) as tr:
+        spans = list(tr.generate(**inputs, max_new_tokens=6, do_sample=False))
+        labels = tr.region_ids[0, tr.images[0][0].positions]
+    assert [(s.start, s.end) for s in result.spans] == [(s.start, s.end) for s in spans]
+    for ours, theirs in zip(result.spans, spans):
+        assert torch.equal(ours.features, theirs.features)
+        assert torch.equal(ours.scores, theirs.features.mean(-1))
+    assert torch.equal(result.pictures[0].labels, labels.cpu())
+    assert "<img class='heat'" in result.html()
+
+
 def test_python_api_with_a_head_and_a_detector(qwen, picture, tmp_path):
     import transformers as tf
     from PIL import Image
@@ -98,7 +122,8 @@ def test_python_api_with_a_head_and_a_detector(qwen, picture, tmp_path):
     model = tf.AutoModelForImageTextToText.from_pretrained(qwen).eval()
     head = AttributionHead(2, 4)
     torch.manual_seed(0)
-    head.weight = torch.randn_like(head.weight)
+    with torch.no_grad():
+        head.weight.normal_()
     detector = VASDetector()
     detector.weight = torch.randn(36, dtype=torch.float64)
     result = headscope.explain(model, processor, [Image.open(picture)], PROMPT, head,
@@ -275,7 +300,7 @@ def test_live_page_shows_spans_while_generating(qwen, picture, browser, tmp_path
     from PIL import Image
 
     from headscope.explainer import iter_explain
-    from headscope.explainer.live import app
+    from headscope.explainer.live import app, launch
     processor = tf.AutoProcessor.from_pretrained(qwen)
     model = tf.AutoModelForImageTextToText.from_pretrained(qwen).eval()
     release, spans_seen = threading.Event(), []
@@ -288,10 +313,9 @@ def test_live_page_shows_spans_while_generating(qwen, picture, browser, tmp_path
             if len(spans_seen) == 1:
                 assert release.wait(60), "the browser never saw the first span"
     blocks = app(explanations, tmp_path / "live")
-    blocks.queue().launch(server_name="127.0.0.1", server_port=None, prevent_thread_lock=True,
-                          quiet=True)
+    url = launch(blocks, "127.0.0.1", None)
     try:
-        browser.get(blocks.local_url)
+        browser.get(url)
         _wait(browser, lambda: "span 0" in browser.find_element(By.ID, "answer").text
               and browser.find_elements(By.CSS_SELECTOR, "#spans img"))
         assert spans_seen == [1] and not (tmp_path / "live").exists()  # still generating
