@@ -185,11 +185,10 @@ def _device(args):
 
 def span_line(span) -> str:
     """One span on the terminal: its number, text and best regions with their scores."""
-    text = span.text.strip() or repr(span.text)
     if span.special:
-        return f"[{span.index}] {text!r} (special tokens only)"
+        return f"[{span.index}] (special tokens only: {len(span.token_ids)})"
     top = "  ".join(f"region {k} {v:.4f}" for k, v in span.top_regions(3))
-    return f"[{span.index}] {text}\n      {top}"
+    return f"[{span.index}] {span.text.strip()}\n      {top}"
 
 
 def summary(explanation, seconds: float) -> str:

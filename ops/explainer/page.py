@@ -37,6 +37,14 @@ def display_size(image, side: int = DISPLAY_SIDE) -> tuple:
     return max(1, round(w * scale)), max(1, round(h * scale))
 
 
+def displayed(image):
+    """``image`` at its display size: small pictures enlarged to crisp pixels, large ones
+    reduced smoothly."""
+    from PIL import Image
+    size = display_size(image)
+    return image.resize(size, Image.NEAREST if size[0] > image.size[0] else Image.LANCZOS)
+
+
 def region_map(picture, size: tuple) -> np.ndarray:
     """``(height, width)`` int64: the region of each pixel of the picture drawn at ``size``
     (width, height), -1 where no token lies. Tokens are painted coarsest first."""
@@ -142,7 +150,7 @@ def span_png(explanation, span) -> bytes:
     for ax, picture in zip(axes[0], pictures):
         size = display_size(picture.image)
         labels = region_map(picture, size)
-        ax.imshow(np.asarray(picture.image.resize(size)))
+        ax.imshow(np.asarray(displayed(picture.image)))
         ax.imshow(heat_rgba(labels, scores, low, high))
         for k, (x, y) in region_centres(labels, picture.regions).items():
             ax.text(x * size[0], y * size[1], str(k), ha="center", va="center", fontsize=8,
@@ -179,7 +187,7 @@ def _page_data(explanation) -> dict:
         size = display_size(p.image)
         labels = region_map(p, size)
         maps.append(labels)
-        pictures.append({"src": png_data_uri(p.image.resize(size)), "width": size[0],
+        pictures.append({"src": png_data_uri(displayed(p.image)), "width": size[0],
                          "height": size[1],
                          "centres": {str(k): [round(x, 4), round(y, 4)]
                                      for k, (x, y) in region_centres(labels, p.regions).items()}})

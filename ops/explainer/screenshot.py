@@ -70,7 +70,8 @@ def shapes_page(folder: Path) -> Path:
     model, processor, head = load()
     image, _ = scene(HELD_OUT_SEED + DEMO_OFFSET + 1, 2)
     return explain(model, processor, [image], "Describe the image.", head,
-                   inputs=prompt(processor, image), max_new_tokens=24).save(folder)
+                   inputs=prompt(processor, image), max_new_tokens=24,
+                   model_name="headscope.shapes (the embedded model)").save(folder)
 
 
 def main(argv=None) -> int:
