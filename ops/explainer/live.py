@@ -9,6 +9,8 @@ written to the output folder as the command writes them."""
 from __future__ import annotations
 
 import io
+import queue
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -16,10 +18,10 @@ from typing import Callable, Iterator, Optional
 from .page import span_png
 
 
-def _answer(explanation) -> list:
+def _answer(spans) -> list:
     """The answer for ``gr.HighlightedText``: each span's text labelled with its number
     (spans of special tokens only unlabelled)."""
-    return [(s.text, None if s.special else f"span {s.index}") for s in explanation.spans]
+    return [(s.text, None if s.special else f"span {s.index}") for s in spans]
 
 
 def _gallery_item(explanation, span) -> tuple:
@@ -35,17 +37,34 @@ def app(explanations: Callable[[], Iterator], out: Path):
     import gradio as gr
 
     def stream():
-        gallery, result = [], None
+        # Gradio advances a handler's generator on any of its worker threads, and the
+        # tracer's generation must stay on one: it runs on a thread of its own and hands
+        # each explanation over with the number of spans it then held.
+        updates: queue.Queue = queue.Queue()
+
+        def generate():
+            try:
+                for result in explanations():
+                    updates.put((result, len(result.spans), None))
+            except BaseException as e:  # noqa: BLE001 - raised again in the handler
+                updates.put((None, 0, e))
+            updates.put(None)
+        threading.Thread(target=generate, name="headscope-explain", daemon=True).start()
+        gallery, final = [], None
         yield [], [], "Generating..."
-        for result in explanations():
-            for span in result.spans[len(gallery):]:
-                if not span.special:
-                    gallery.append(_gallery_item(result, span))
-            shown = sum(not s.special for s in result.spans)
-            state = "Done" if result.done else "Generating..."
-            yield _answer(result), list(gallery), f"{state} {shown} spans."
-        page = result.save(out)
-        yield _answer(result), list(gallery), f"Done: {len(gallery)} spans; wrote {page}."
+        while (update := updates.get()) is not None:
+            result, count, error = update
+            if error is not None:
+                raise error
+            spans = result.spans[:count]
+            for span in spans[len(gallery):]:
+                gallery.append(None if span.special else _gallery_item(result, span))
+            final = result
+            yield (_answer(spans), [g for g in gallery if g is not None],
+                   f"Generating... {sum(g is not None for g in gallery)} spans.")
+        page = final.save(out)
+        shown = [g for g in gallery if g is not None]
+        yield _answer(final.spans), shown, f"Done: {len(shown)} spans; wrote {page}."
 
     with gr.Blocks(title="headscope explain", analytics_enabled=False) as blocks:
         gr.Markdown("## headscope explain\nWhich regions of the picture each span of the "

@@ -316,8 +316,8 @@ def test_live_page_shows_spans_while_generating(qwen, picture, browser, tmp_path
     url = launch(blocks, "127.0.0.1", None)
     try:
         browser.get(url)
-        _wait(browser, lambda: "span 0" in browser.find_element(By.ID, "answer").text
-              and browser.find_elements(By.CSS_SELECTOR, "#spans img"))
+        _wait(browser, lambda: "span 0" in browser.find_element(By.ID, "answer").text.lower()
+              and browser.find_elements(By.CSS_SELECTOR, "#spans img"), 60)
         assert spans_seen == [1] and not (tmp_path / "live").exists()  # still generating
         assert "Generating" in browser.find_element(By.ID, "status").text
         release.set()
