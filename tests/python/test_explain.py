@@ -329,3 +329,23 @@ def test_live_page_shows_spans_while_generating(qwen, picture, browser, tmp_path
     finally:
         release.set()
         blocks.close()
+
+
+def test_ctrl_c_exits_130_and_writes_nothing(qwen, picture, tmp_path, capsys, monkeypatch,
+                                            ctrl_c):
+    """SIGINT after the first span: one line, exit 130, no output folder."""
+    import signal
+
+    import headscope.explainer as explainer
+    generate = explainer.iter_explain
+
+    def interrupted(*args, **kwargs):
+        for result in generate(*args, **kwargs):
+            yield result
+            os.kill(os.getpid(), signal.SIGINT)
+    monkeypatch.setattr(explainer, "iter_explain", interrupted)
+    code = main(["explain", "--model", str(qwen), "--image", str(picture), "--prompt", PROMPT,
+                 "--max-new-tokens", "8", "--out", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert code == 130 and err.strip().splitlines()[-1] == "headscope explain: interrupted", err
+    assert "[0]" in out and not (tmp_path / "out").exists()
