@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import List
 
-from .errors import UsageError, check_output, given, integer, number, refuse_ignored
+from .errors import UsageError, check_output, integer, number, refuse_ignored
 
 SAMPLING = ("temperature", "top_p", "top_k", "seed")
 DEFAULT_PORT = 7860

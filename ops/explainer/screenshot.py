@@ -21,9 +21,8 @@ def browser_missing() -> str:
     if shutil.which("chromium") is None or shutil.which("chromedriver") is None:
         return ("no chromium or chromedriver: apt-get install -y chromium chromium-driver "
                 "(scripts/setup_env.sh does)")
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
+    import importlib.util
+    if importlib.util.find_spec("selenium") is None:
         return "no selenium: pip install selenium (requirements.txt pins it)"
     return ""
 
