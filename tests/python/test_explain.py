@@ -82,6 +82,13 @@ def test_command_on_each_family_equals_a_tracer_run(family, picture, tmp_path, c
     (shown,) = report["pictures"]
     assert shown["token_regions"] == labels and shown["regions"] == [0, 4]
     assert torch.equal(torch.tensor(shown["token_boxes"]), boxes.float())
+    # every view painted on the picture plane: each quarter's middle shows its block
+    from types import SimpleNamespace
+
+    from headscope.explainer.page import region_map
+    painted = region_map(SimpleNamespace(boxes=torch.tensor(shown["token_boxes"]),
+                                         labels=torch.tensor(shown["token_regions"])), (48, 40))
+    assert [int(painted[y, x]) for y in (10, 30) for x in (12, 36)] == [0, 1, 2, 3]
     assert report["num_regions"] == 4 and len(report["vas_features"]) == 36
     page = (out / "index.html").read_text()
     assert page.count("class='span'") == sum(not s["special"] for s in report["spans"])
