@@ -17,6 +17,9 @@ command -v ccache >/dev/null || missing+=(ccache)
 command -v clang++ >/dev/null || missing+=(clang)
 { command -v clang++ >/dev/null && [ -f "$(clang++ -print-file-name=libclang_rt.fuzzer-x86_64.a)" ]; } \
   || missing+=(libclang-rt-dev)
+# headless Chromium and its WebDriver, for the tests of python -m headscope explain's pages
+command -v chromium >/dev/null || missing+=(chromium)
+command -v chromedriver >/dev/null || missing+=(chromium-driver)
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"
   SUDO=$([ "$(id -u)" = 0 ] || echo sudo)

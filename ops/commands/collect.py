@@ -140,18 +140,27 @@ def _device(args) -> torch.device:
     return torch.device("cpu")
 
 
-def _model_folder(folder: str) -> Path:
-    if not Path(folder).is_dir():
-        raise UsageError(f"--model {folder}: no such folder (a local transformers model "
-                         f"folder, as save_pretrained writes)")
-    return Path(folder)
+def model_folder(name: str) -> Path:
+    """The folder of ``--model``: a local folder (as save_pretrained writes), or the
+    snapshot of a hub id in the local Hugging Face cache (``HF_HOME``, ``HF_HUB_CACHE``;
+    nothing is downloaded)."""
+    if Path(name).is_dir():
+        return Path(name)
+    from huggingface_hub import constants, snapshot_download
+    try:
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - a bad id or one not in the cache: same answer
+        raise UsageError(f"--model {name}: no such folder, nor a model in the local Hugging "
+                         f"Face cache {constants.HF_HUB_CACHE}; allowed: a model folder, or a "
+                         f"hub id fetched first with `hf download {name}`") from e
+
 
 
 def load_config(folder: str):
     """The config of a local transformers model folder."""
     import transformers as tf
     try:
-        return tf.AutoConfig.from_pretrained(_model_folder(folder), local_files_only=True)
+        return tf.AutoConfig.from_pretrained(model_folder(folder), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"--model {folder}: no readable config.json: {e}") from e
 
@@ -160,7 +169,7 @@ def load_processor(folder: str):
     """The processor of a local transformers model folder; it must have a chat template."""
     import transformers as tf
     try:
-        processor = tf.AutoProcessor.from_pretrained(_model_folder(folder),
+        processor = tf.AutoProcessor.from_pretrained(model_folder(folder),
                                                      local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"--model {folder}: its processor cannot be loaded with "
@@ -176,7 +185,7 @@ def load_model(folder: str, dtype: str, device: torch.device):
     processor = load_processor(folder)
     try:
         model = tf.AutoModelForImageTextToText.from_pretrained(
-            _model_folder(folder), dtype=getattr(torch, dtype), local_files_only=True)
+            model_folder(folder), dtype=getattr(torch, dtype), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"--model {folder}: cannot be loaded with from_pretrained: {e}") from e
     return model.to(device).eval(), processor
@@ -275,6 +284,7 @@ def collect(args) -> Tuple[Path, int]:
     from tqdm.auto import tqdm
     check_arguments(args)
     check_output(args.out, "--out", folder=True)
+    args.model = str(model_folder(args.model))
     examples = read_examples(Path(args.data))
     config = load_config(args.model)
     check_regions(args, examples, config, load_processor(args.model))

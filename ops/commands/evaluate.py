@@ -36,7 +36,8 @@ ROWS = (("lds", "LDS (mean over images)"), ("lds_pooled", "LDS (pooled)"),
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="local transformers model folder")
+    parser.add_argument("--model", required=True, help="a transformers model folder, or "
+                        "a hub id in the local Hugging Face cache")
     parser.add_argument("--head", required=True, help="a head written by `train`")
     parser.add_argument("--data", required=True,
                         help="DATA (folder with images and a .jsonl file) or a collection")
@@ -123,6 +124,7 @@ def table(results: dict) -> str:
 
 def run(args) -> int:
     check_output(args.report, "--report")
+    args.model = str(_collect.model_folder(args.model))
     folder = Path(args.data)
     is_collection = (folder / MANIFEST).is_file()
     if is_collection:
