@@ -115,10 +115,16 @@ def test_train_and_eval_report_numbers(files, tmp_path):
     (boxed / "data.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     report = tmp_path / "report.json"
     out = headscope("eval", "--model", model, "--head", head, "--data", boxed,
-                    "--report", report, *COLLECT)
+                    "--report", report, *COLLECT, "--attnlrp")
     assert "LDS (mean over images)" in out.stdout and "pointing accuracy" in out.stdout
     results = json.loads(report.read_text())
-    for scorer in ("head", "attention"):
+    # --attnlrp: AttnLRP's scores are collected and scored as a baseline, timed per span
+    assert results["baselines"][-1] == "attnlrp" and results["manifest"]["attnlrp"] is True
+    assert results["attnlrp"]["ms_per_span"] > 0 and "attnlrp: " in out.stdout
+    lrp = read_collection(tmp_path / "report.collect").tensors["attnlrp"]
+    assert lrp.shape == (col.num_spans, 4) and bool(torch.isfinite(lrp).all())
+    assert lrp.abs().max() > 0
+    for scorer in ("head", "attention", "attnlrp"):
         r = results[scorer]
         for key in ("lds", "lds_pooled", "pearson", "subset_lds", "pointing"):
             assert isinstance(r[key], float) and -1 <= r[key] <= 1, (scorer, key, r[key])
