@@ -18,14 +18,25 @@ import torch
 pytest.importorskip("transformers")
 
 from headscope.commands import main  # noqa: E402
-from headscope.hf.testing import quarters, tiny_checkpoint  # noqa: E402
-from headscope.hf.tiny import FAMILIES  # noqa: E402
+from headscope.hf.testing import FAMILIES, quarters, tiny_checkpoint  # noqa: E402
 
 PROMPT = "describe the image ."
 COLOURS = ((200, 30, 30), (30, 200, 30), (30, 30, 200), (220, 220, 40))
-# Llama 4's tracing is not supported (docs/hf.md); tiny_checkpoint has no processor for
-# these, so they run through the Python API on image_prompt's inputs
-NO_PROCESSOR = ("paligemma", "qwen3_vl_moe", "smolvlm")
+
+
+def _has_tiny_processor(model_type: str) -> bool:
+    from headscope.hf.testing import tiny_processor
+    try:
+        tiny_processor(model_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
+# Llama 4's tracing is not supported (docs/hf.md); the model types whose family module has
+# no tiny processor (tiny_checkpoint cannot save one) run through the Python API on
+# image_prompt's inputs
+NO_PROCESSOR = tuple(f for f in FAMILIES if not _has_tiny_processor(f))
 CHECKPOINT_FAMILIES = [f for f in FAMILIES if f not in ("llama4",) + NO_PROCESSOR]
 
 
