@@ -138,6 +138,50 @@ def assert_canvas_views(image, rows: int, cols: int, side: int = 2) -> None:
     assert all((v.rows, v.cols) == (side, side) for v in image.views)
 
 
+def patch_pixels(conv: torch.nn.Conv2d, tile: torch.Tensor) -> torch.Tensor:
+    """``(patches, p * p, C)``: the pixels of each patch of ``tile`` ``(C, S, S)``, patches
+    row-major, as the vision tower's patch convolution ``conv`` reads them (checked against
+    it)."""
+    p = conv.kernel_size[0]
+    C, S = tile.shape[0], tile.shape[-1]
+    patches = tile.reshape(C, S // p, p, S // p, p).permute(1, 3, 2, 4, 0).reshape(-1, p * p * C)
+    with torch.no_grad():
+        embeds = conv(tile[None]).flatten(2)[0].t()
+    weight = conv.weight.permute(0, 2, 3, 1).reshape(conv.weight.shape[0], -1)
+    torch.testing.assert_close(embeds, patches @ weight.t() + conv.bias, atol=1e-5, rtol=1e-5)
+    return patches.reshape(len(patches), p * p, C)
+
+
+def tile_colours(processor, inputs, b: int, first_tile: int, positions, token_pixels,
+                 image_token: int, per_tile: int = 4) -> torch.Tensor:
+    """``(len(positions), pixels)``: the quarter colour (``nearest_colour``) of each pixel
+    read by the tokens at ``positions`` of row ``b`` of a picture of tiles, its tiles from
+    ``first_tile`` of ``inputs["pixel_values"]`` on, ``per_tile`` tokens each;
+    ``token_pixels(tile)`` gives a tile's ``(tokens, pixels, C)`` in the model's order."""
+    order = (inputs["input_ids"][b] == image_token).nonzero().flatten().tolist()
+    pixels = torch.cat([token_pixels(inputs["pixel_values"][first_tile + t])
+                        for t in range(len(order) // per_tile)])
+    colours = nearest_colour(processor, pixels)
+    at = {p: i for i, p in enumerate(order)}
+    return colours[[at[p] for p in positions.tolist()]]
+
+
+def assert_tile_quarters_are_regions(model, inputs, colours_at, per_tile: int = 4) -> None:
+    """``headscope.hf.testing.assert_quarters_are_regions`` on ``inputs`` of one picture of
+    tiles per row (``per_tile`` tokens each, every picture cut into several):
+    ``colours_at(b, first_tile, positions)`` gives the colours of row b's tokens at
+    ``positions``, its picture's tiles starting at ``first_tile`` of ``pixel_values``; both
+    the tiles and the thumbnail read all four colours."""
+    from headscope.hf.families import family_of
+    from headscope.hf.testing import assert_quarters_are_regions
+    tiles = [len(image.positions) // per_tile
+             for (image,) in family_of(model).images(model.config, inputs)]
+    first = [sum(tiles[:b]) for b in range(len(tiles))]
+    tr = assert_quarters_are_regions(model, inputs, lambda b, image: colours_at(
+        b, first[b], image.positions))
+    assert {v.name for (image,) in tr.images for v in image.views} == {"thumbnail", "tile"}
+
+
 def assert_tiles_need_pixel_values(model, inputs) -> None:
     """A picture of GotOcr2's tiles (``inputs``: one picture of 2 tiles and a thumbnail)
     needs ``pixel_values`` for its canvas: plain ``generate``, which hands the model the

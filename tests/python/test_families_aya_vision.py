@@ -16,13 +16,12 @@ pytest.importorskip("numpy")
 pytest.importorskip("PIL.Image")
 
 from conftest import (assert_canvas_views, assert_every_image_token_placed,  # noqa: E402
-                      assert_tiles_need_pixel_values, nearest_colour,
-                      quarter_prompts)
+                      assert_tile_quarters_are_regions, assert_tiles_need_pixel_values,
+                      patch_pixels, quarter_prompts, tile_colours)
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.aya_vision import TILE, TILE_GLOBAL  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
-                                  assert_quarter_colours, assert_quarters_are_regions,
-                                  tiny_model, tiny_processor)
+                                  assert_quarter_colours, tiny_model, tiny_processor)
 
 TILE_PIXELS = 16  # the tiny processor's tile side in pixels
 MAX_TILES = 6
@@ -95,29 +94,19 @@ def token_pixels(model, tile: torch.Tensor) -> torch.Tensor:
     SigLIP patch convolution (patches row-major, checked against the convolution) and the
     projector's pixel shuffle of the patch grid."""
     conv = model.model.vision_tower.embeddings.patch_embedding
-    p = conv.kernel_size[0]
-    C, S = tile.shape[0], tile.shape[-1]
-    patches = tile.reshape(C, S // p, p, S // p, p).permute(1, 3, 2, 4, 0).reshape(-1, p * p * C)
-    with torch.no_grad():
-        embeds = conv(tile[None]).flatten(2)[0].t()
-    weight = conv.weight.permute(0, 2, 3, 1).reshape(conv.weight.shape[0], -1)
-    torch.testing.assert_close(embeds, patches @ weight.t() + conv.bias, atol=1e-5, rtol=1e-5)
+    patches = patch_pixels(conv, tile)
+    p, S = conv.kernel_size[0], tile.shape[-1]
     index = torch.arange((S // p) ** 2, dtype=torch.float64).reshape(1, -1, 1)
     shuffled = model.model.multi_modal_projector.pixel_shuffle(index)
     which = shuffled.reshape(-1, shuffled.shape[-1]).round().to(torch.int64)  # (tokens, 4)
-    return patches[which].reshape(which.shape[0], -1, C)
+    return patches[which].reshape(which.shape[0], -1, tile.shape[0])
 
 
 def colours_at(model, processor, inputs, b: int, first_tile: int, positions) -> torch.Tensor:
     """(len(positions), pixels): the colour index of each pixel read by the tokens at
     ``positions`` of row ``b``, whose picture's tiles start at ``first_tile``."""
-    order = (inputs["input_ids"][b] == IMAGE_TOKEN).nonzero().flatten().tolist()
-    tiles = len(order) // 4
-    pixels = torch.cat([token_pixels(model, inputs["pixel_values"][first_tile + t])
-                        for t in range(tiles)])
-    colours = nearest_colour(processor, pixels)
-    at = {p: i for i, p in enumerate(order)}
-    return colours[[at[p] for p in positions.tolist()]]
+    return tile_colours(processor, inputs, b, first_tile, positions,
+                        lambda tile: token_pixels(model, tile), IMAGE_TOKEN)
 
 
 def test_pixel_shuffle_keeps_tokens_row_major(model):
@@ -140,10 +129,5 @@ def test_each_tokens_pixels_carry_the_colour_of_its_boxes_quarter(model, process
 
 def test_grid_regions_give_each_quarter_one_region_in_every_view(model, processor):
     inputs = run_processor(processor, ((40, 40), (30, 60), (60, 20)), (1, 1, 1))
-    # each picture's first tile in pixel_values: the tiles (4 tokens each) before it
-    tiles = [len(image.positions) // 4
-             for (image,) in family_of(model).images(model.config, inputs)]
-    first = [sum(tiles[:b]) for b in range(len(tiles))]
-    tr = assert_quarters_are_regions(model, inputs, lambda b, image: colours_at(
-        model, processor, inputs, b, first[b], image.positions))
-    assert {v.name for (image,) in tr.images for v in image.views} == {"thumbnail", "tile"}
+    assert_tile_quarters_are_regions(model, inputs, lambda b, first_tile, positions: colours_at(
+        model, processor, inputs, b, first_tile, positions))

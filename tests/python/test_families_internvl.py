@@ -15,13 +15,13 @@ np = pytest.importorskip("numpy")
 Image = pytest.importorskip("PIL.Image")
 
 from conftest import (assert_canvas_views, assert_every_image_token_placed,  # noqa: E402
-                      assert_tiles_need_pixel_values, nearest_colour)
+                      assert_tile_quarters_are_regions, assert_tiles_need_pixel_values,
+                      patch_pixels, tile_colours)
 from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.internvl import IMAGE_END, IMAGE_START  # noqa: E402
-from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours,  # noqa: E402
-                                  assert_quarters_are_regions, quarters, tiny_model,
-                                  tiny_processor)
+from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours, quarters,  # noqa: E402
+                                  tiny_model, tiny_processor)
 
 TILE = 16  # the tiny processor's tile side in pixels
 MAX_TILES = 6
@@ -85,30 +85,20 @@ def token_pixels(model, tile: torch.Tensor) -> torch.Tensor:
     vision tower's patch convolution (patches row-major, checked against the convolution)
     and the model's pixel shuffle of the patch grid."""
     conv = model.model.vision_tower.embeddings.patch_embeddings.projection
-    p = conv.kernel_size[0]
-    C, S = tile.shape[0], tile.shape[-1]
-    patches = tile.reshape(C, S // p, p, S // p, p).permute(1, 3, 2, 4, 0).reshape(-1, p * p * C)
-    with torch.no_grad():
-        embeds = conv(tile[None]).flatten(2)[0].t()
-    weight = conv.weight.permute(0, 2, 3, 1).reshape(conv.weight.shape[0], -1)
-    torch.testing.assert_close(embeds, patches @ weight.t() + conv.bias, atol=1e-5, rtol=1e-5)
+    patches = patch_pixels(conv, tile)
+    p, S = conv.kernel_size[0], tile.shape[-1]
     side = S // p
     index = torch.arange(side * side, dtype=torch.float64).reshape(1, side, side, 1)
     shuffled = model.model.pixel_shuffle(index, scale_factor=model.config.downsample_ratio)
     which = shuffled.reshape(-1, shuffled.shape[-1]).round().to(torch.int64)  # (tokens, 4)
-    return patches[which].reshape(which.shape[0], -1, C)
+    return patches[which].reshape(which.shape[0], -1, tile.shape[0])
 
 
 def colours_at(model, processor, inputs, b: int, first_tile: int, positions) -> torch.Tensor:
     """(len(positions), pixels): the colour index of each pixel read by the tokens at
     ``positions`` of row ``b``, whose picture's tiles start at ``first_tile``."""
-    order = (inputs["input_ids"][b] == IMAGE_TOKEN).nonzero().flatten().tolist()
-    tiles = len(order) // 4
-    pixels = torch.cat([token_pixels(model, inputs["pixel_values"][first_tile + t])
-                        for t in range(tiles)])
-    colours = nearest_colour(processor, pixels)
-    at = {p: i for i, p in enumerate(order)}
-    return colours[[at[p] for p in positions.tolist()]]
+    return tile_colours(processor, inputs, b, first_tile, positions,
+                        lambda tile: token_pixels(model, tile), IMAGE_TOKEN)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -121,13 +111,8 @@ def test_each_tokens_pixels_carry_the_colour_of_its_boxes_quarter(model, process
 
 def test_grid_regions_give_each_quarter_one_region_in_every_view(model, processor):
     inputs = run_processor(processor, ((40, 40), (30, 60), (60, 20)), (1, 1, 1))
-    # each picture's first tile in pixel_values: the tiles (4 tokens each) before it
-    tiles = [len(image.positions) // 4
-             for (image,) in family_of(model).images(model.config, inputs)]
-    first = [sum(tiles[:b]) for b in range(len(tiles))]
-    tr = assert_quarters_are_regions(model, inputs, lambda b, image: colours_at(
-        model, processor, inputs, b, first[b], image.positions))
-    assert {v.name for (image,) in tr.images for v in image.views} == {"thumbnail", "tile"}
+    assert_tile_quarters_are_regions(model, inputs, lambda b, first_tile, positions: colours_at(
+        model, processor, inputs, b, first_tile, positions))
 
 
 def test_ward_regions_cluster_on_the_stitched_tiles(model, processor):
