@@ -12,8 +12,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..structure import placeholder_token_ids
-from .base import Family, image_positions
-from .layout import ImageTokens, View
+from .base import Family
+from .layout import ImageTokens, View, image_positions, runs
 
 WHO = "headscope.hf.Tracer"
 
@@ -38,9 +38,8 @@ class Generic(Family):
         pictures = []
         for b, positions in enumerate(image_positions(inputs["input_ids"],
                                                       self.image_token_ids(config))):
-            breaks = (positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1
             row = []
-            for run in torch.tensor_split(positions, breaks.tolist()) if len(positions) else ():
+            for run in runs(positions):
                 content = run if slots is None else run[slots[b, run].cpu()]
                 if not len(content):
                     continue
