@@ -87,14 +87,18 @@ def region_effects(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
     return effects, per_span[:, K:].contiguous()
 
 
+def other_mixers(decoder) -> list:
+    """The decoder layers that mix tokens otherwise than by softmax attention (a hybrid
+    decoder's gated delta nets, short convolutions, linear attention)."""
+    traced = {m.layer_idx for m in softmax_attention_layers(decoder)}
+    return sorted(set(range(int(decoder.config.num_hidden_layers))) - traced)
+
+
 def check_all_softmax(decoder) -> None:
     """Raises for a hybrid decoder: the "mask" ablation takes the region's keys out of
-    softmax attention, and its other mixers (gated delta nets, convolutions) would still
-    carry the region on."""
-    traced = [m.layer_idx for m in softmax_attention_layers(decoder)]
-    total = int(decoder.config.num_hidden_layers)
-    if len(traced) != total:
-        others = sorted(set(range(total)) - set(traced))
+    softmax attention, and its other mixers would still carry the region on."""
+    others = other_mixers(decoder)
+    if others:
         raise NotImplementedError(
             f"{WHO}: ablation='mask' removes a region's keys from softmax attention, but "
             f"decoder layers {others} of {type(decoder).__name__} mix tokens otherwise "
@@ -262,6 +266,8 @@ class _Runner:
         block = keymask.first_block_position()
         if block is not None:  # a block's queries see its later keys: not a shared prefix
             self.start = min(self.start, block)
+        if other_mixers(self.decoder):  # a recurrent state is not copied over a batch
+            self.start = 0
         if self.deepstack is not None:
             self.deepstack_means = [e.mean(0) for e in self.deepstack]
         self.keymask = keymask

@@ -5,8 +5,9 @@ the reference on the eager attentions of the softmax layers (a hybrid decoder's 
 mixers are not traced), greedy tokens are plain generate's and span features equal
 region_pool on eager attentions, a left-padded batch equals its rows alone, regions lie
 only on placeholders that hold a piece of the picture, and region_effects' "mask"
-ablation equals the model's own forward with the region's keys masked out (or is refused
-for a hybrid decoder, whose other mixers would carry the region on)."""
+ablation equals the model's own forward with the region's keys masked out (refused for a
+hybrid decoder, whose other mixers would carry the region on: there "zero" and "mean"
+equal the model's forward on ablated embeddings)."""
 from __future__ import annotations
 
 import pytest
@@ -233,6 +234,13 @@ def test_region_effects_mask_ablation_is_exact_or_refused(case):
                                                       r"from softmax attention, but decoder "
                                                       r"layers \[0"):
             region_effects(model, inputs, sequences, SPANS, rid, progress=False)
+        for ablation in ("zero", "mean"):  # the embeddings: every mixer sees them ablated
+            effects = region_effects(model, inputs, sequences, SPANS, rid, ablation=ablation,
+                                     progress=False)
+            want = _reference_effects(model, inputs, sequences, rid, [[k] for k in range(3)],
+                                      ablation)
+            torch.testing.assert_close(effects, want, atol=2e-5, rtol=1e-4)
+            assert effects.abs().max() > 1e-3
         return
     if model_type in UNBATCHED:
         with pytest.raises(NotImplementedError, match=UNBATCHED[model_type]):
