@@ -8,18 +8,20 @@ Each line of DATA (a JSON Lines file, or a folder holding one and the images) is
 ``image`` (or ``images``, a list) is relative to the file's folder. The prompt and the
 images go through the processor's chat template. ``answer`` (optional) is scored
 teacher-forced: its tokens (``tokenizer(answer, add_special_tokens=False)``) and the
-end-of-sequence token follow the prompt; without one the model generates greedily (up to
+end-of-sequence token follow the prompt (not with ``"ended": false``: an answer cut short,
+as a generation stopped by its token limit); without one the model generates greedily (up to
 ``--max-new-tokens``; image tokens are never generated) and its answer is recorded. One
 forward over prompt and answer inside a ``headscope.hf.Tracer(vas=True)`` gives the 36 VAS
 features of the whole sequence and the answer tokens' log-probabilities. The label column
 (``hallucinated``, or ``--label``) holds true/false (or 1/0); a record may leave it out.
-Every other key (scalars: strings, numbers, booleans) is copied to the table, e.g. a group
-for ``detector eval --group``. Results go to Parquet shards (``vas_table.py``); a rerun
+Every other key is copied to the table (lists and objects as their JSON text), e.g. a
+group for ``detector eval --group``. Results go to Parquet shards (``vas_table.py``); a rerun
 resumes, and under ``torchrun`` each process takes every world-size-th shard.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import time
@@ -49,6 +51,7 @@ class Record:
     prompt: str
     answer: Optional[str]         # None: generated
     label: Optional[bool]
+    ended: bool = True            # a given answer is complete: the end token follows it
     columns: Dict[str, Any] = field(default_factory=dict)  # its other keys, for the table
 
 
@@ -84,19 +87,20 @@ def _label(value, where: str, name: str) -> Optional[bool]:
 
 
 def _column_type(value, where: str, name: str) -> Optional[str]:
-    """The Arrow type of a copied key's value (None for null)."""
+    """The Arrow type of a copied key's value (None for null; lists and objects are
+    copied as their JSON text)."""
     if value is None:
         return None
     if isinstance(value, bool):
         return "bool"
     if isinstance(value, int):
         return "int64"
-    if isinstance(value, float) and math.isfinite(value):
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise UsageError(f"{where}: key {name!r} must be finite (it is copied to the "
+                             f"table), got {value!r}")
         return "float64"
-    if isinstance(value, str):
-        return "string"
-    raise UsageError(f"{where}: key {name!r} must be a string, a finite number or a boolean "
-                     f"(it is copied to the table), got {value!r}")
+    return "string"
 
 
 def _images(path: Path, record: Dict, where: str) -> List[Path]:
@@ -124,8 +128,13 @@ def read_records(data: Path, label: str) -> Tuple[List[Record], Dict[str, str]]:
         answer = record.get("answer")
         if answer is not None:
             answer = non_empty_string(record, "answer", where)
-        copied = {k: v for k, v in record.items()
-                  if k not in ("image", "images", "prompt", "answer", label)}
+        ended = record.get("ended", True)
+        if not isinstance(ended, bool) or (answer is None and "ended" in record):
+            raise UsageError(f"{where}: 'ended' must be true or false, and only with an "
+                             f"'answer', got {ended!r}")
+        copied = {k: json.dumps(v) if isinstance(v, (list, dict)) else v
+                  for k, v in record.items()
+                  if k not in ("image", "images", "prompt", "answer", "ended", label)}
         for name, value in copied.items():
             if name in RESERVED:
                 raise UsageError(f"{where}: key {name!r} is a column the table computes; "
@@ -138,7 +147,7 @@ def read_records(data: Path, label: str) -> Tuple[List[Record], Dict[str, str]]:
                     raise UsageError(f"{where}: key {name!r} holds a {kind} here but a "
                                      f"{types[name]} on an earlier line")
         records.append(Record(number, images, prompt, answer,
-                              _label(record.get(label), where, label), copied))
+                              _label(record.get(label), where, label), ended, copied))
     if not records:
         raise UsageError(f"{path}: holds no record")
     for record in records:  # keys that some records leave out are null there
@@ -222,8 +231,8 @@ def score_record(model, processor, record: Record, max_new_tokens: int) -> Dict[
     tokenizer = processor.tokenizer
     ends = end_tokens(model, tokenizer)
     if record.answer is not None:
-        answer = torch.tensor(answer_ids(tokenizer, record.answer) + ends[:1],
-                              dtype=torch.int64)
+        answer = torch.tensor(answer_ids(tokenizer, record.answer)
+                              + (ends[:1] if record.ended else []), dtype=torch.int64)
         text = record.answer
     else:
         family = family_of(model, WHO)

@@ -40,9 +40,10 @@ def write_answers(out: Path, count: int, start: int = 0, objects: Tuple[int, int
     """Writes the images of ``count`` held-out scenes of the hallucination measurement
     (:func:`~headscope.shapes.hallucination.described_scenes`: seeds ``1_002_000_000 +
     start + k``, ``objects = (lo, hi)`` objects in turn; 5 to 9 are the hard scenes) and
-    one line per scene: the prompt, the model's greedy ``answer``, ``hallucinated`` (the
-    answer names something the image does not hold, by the world's parser), the scene's
-    ``objects`` count and ``seed``. Returns the folder."""
+    one line per scene: the prompt, the model's greedy ``answer``, ``ended`` (false when the
+    token limit cut it before its end token), ``hallucinated`` (the answer names something
+    the image does not hold, by the world's parser), the scene's ``objects`` count and
+    ``seed``. Returns the folder."""
     from .hallucination import described_scenes
     from .model import load
     from .world import hallucinated
@@ -55,12 +56,13 @@ def write_answers(out: Path, count: int, start: int = 0, objects: Tuple[int, int
     lines = []
     for seed, num_objects, image, truth, inputs, sequences in described_scenes(
             model, processor, count, start, objects, progress=progress):
-        answer = processor.tokenizer.decode(sequences[0, inputs["input_ids"].shape[1]:],
-                                            skip_special_tokens=True)
+        tokens = sequences[0, inputs["input_ids"].shape[1]:]
+        answer = processor.tokenizer.decode(tokens, skip_special_tokens=True)
+        ended = bool(tokens.numel()) and int(tokens[-1]) == processor.tokenizer.eos_token_id
         name = f"scene{seed}.png"
         save_png(image, out / name)
         lines.append(json.dumps({"image": name, "prompt": PROMPT, "answer": answer,
-                                 "hallucinated": hallucinated(answer, truth),
+                                 "ended": ended, "hallucinated": hallucinated(answer, truth),
                                  "objects": num_objects, "seed": seed}))
     return _write_lines(out, lines)
 
