@@ -60,7 +60,7 @@ setup(
     install_requires=["torch>=2.9", "numpy"],
     # headscope.hf (the Tracer): the version requirements.txt pins is the one tested.
     extras_require={"hf": ["transformers>=5.24,<6", "safetensors", "pillow", "torchvision",
-                           "tqdm", "greenlet>=3"],
+                           "tqdm", "greenlet>=3", "pyarrow"],
                     # the embedded model and its demo (python -m headscope.shapes)
                     "shapes": ["transformers>=5.24,<6", "safetensors", "pillow", "torchvision",
                                "tqdm", "greenlet>=3", "matplotlib"]},
