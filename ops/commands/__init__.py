@@ -6,12 +6,14 @@ a hallucination detector on the VAS features of its answers.
     python -m headscope train --data runs/train --out head.safetensors
     python -m headscope eval --model MODEL --head head.safetensors --data DATA_TEST
     python -m headscope synthetic [--quick] [--seed dev|reported]
+    python -m headscope explain --model MODEL --image PHOTO --prompt TEXT [--serve]
     python -m headscope vas --model MODEL --data DATA --out runs/vas-fit
     python -m headscope detector fit --data runs/vas-fit --out detector.safetensors
     python -m headscope detector eval --detector detector.safetensors --data runs/vas-test
 
 ``synthetic`` measures the head of each feature set against raw attention on synthetic data
-whose truth is known (no model needed).
+whose truth is known (no model needed). ``explain`` answers a prompt about your pictures and
+shows which regions each span of the answer rests on (a page, report.json, PNGs).
 
 Exit codes: 0 success, 1 the run failed, 2 bad arguments or a missing or malformed input
 file (one line naming the argument or the file and line; checked before any work, so
@@ -32,24 +34,26 @@ COMMANDS = {
     "eval": "LDS, Pearson, subset LDS and pointing of a head against raw attention",
     "synthetic": "each feature set's head against raw attention on synthetic data with "
                  "value norms",
+    "explain": "answer a prompt about your pictures and show which regions each span rests on",
     "vas": "the VAS features and log-probability of each answer of a data set (Parquet)",
     "detector": "fit a hallucination detector on `vas` tables, or score it (AUROC)",
 }
 
 
 def parser() -> argparse.ArgumentParser:
-    from . import collect, detector, evaluate, synthetic, train, vas
+    from . import collect, detector, evaluate, explain, synthetic, train, vas
     top = Parser(prog="python -m headscope", description=__doc__.replace("``", ""),
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = top.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS)
                              + "}")
     for name, module in (("collect", collect), ("train", train), ("eval", evaluate),
-                         ("synthetic", synthetic), ("vas", vas), ("detector", detector)):
+                         ("synthetic", synthetic), ("explain", explain), ("vas", vas),
+                         ("detector", detector)):
         p = sub.add_parser(name, help=COMMANDS[name], description=module.__doc__.replace("``", ""),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == "collect":
-            p.add_argument("--model", required=True, help="local transformers model folder "
-                           "(from_pretrained with its processor, no network)")
+            p.add_argument("--model", required=True, help="a transformers model folder, or a "
+                           "hub id in the local Hugging Face cache (no network)")
             p.add_argument("--data", required=True,
                            help="folder with images and one .jsonl file (or the .jsonl file)")
             p.add_argument("--out", required=True, help="the collection's folder (resumed "

@@ -24,7 +24,7 @@ import headscope  # noqa: E402
 from headscope.commands import main  # noqa: E402
 from headscope.commands.shards import shard_path  # noqa: E402
 from headscope.commands.vas_table import LAYOUT, read_table  # noqa: E402
-from headscope.hf.families import supported_model_types  # noqa: E402
+from headscope.hf.families import FAMILIES  # noqa: E402
 from headscope.shapes.model import DATA_DIR  # noqa: E402
 
 # Hard scenes (5 to 9 objects) of the hallucination measurement whose answers hold both
@@ -32,11 +32,10 @@ from headscope.shapes.model import DATA_DIR  # noqa: E402
 FIT, TEST = (0, 8), (8, 8)  # 1 and 2 hallucinated answers (to 9-object scenes)
 OBJECTS = (5, 9)
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
-# Families whose tracing is not supported yet (as in test_hf.py)
-EXPECTED_FAILURES = {"llama4": pytest.mark.xfail(
-    raises=AssertionError, strict=True,
-    reason="transformers' Llama4ForConditionalGeneration.forward fails under the Tracer "
-           "(docs/hf.md)")}
+# every registered model type; where the family contract cannot hold yet (its TinySpec's
+# contract_xfail), the command fails too (exit 1)
+MODEL_TYPES = [pytest.param(t, marks=() if f.tiny.contract_xfail is None else pytest.mark.xfail(
+    strict=True, reason=f.tiny.contract_xfail[1])) for f in FAMILIES for t in f.model_types]
 
 
 def headscope_cli(*args, check=True) -> subprocess.CompletedProcess:
@@ -200,8 +199,7 @@ def test_torchrun_two_processes_equal_one(shapes_data, tmp_path):
 
 # ---- every supported family -------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", [pytest.param(t, marks=EXPECTED_FAILURES.get(t, ()))
-                                    for t in supported_model_types()])
+@pytest.mark.parametrize("family", MODEL_TYPES)
 def test_features_equal_the_tracers_on_every_family(family, tmp_path):
     """A record with an answer and one without: the table's features equal those of
     Tracer.generate over the same prompt (forced to the given answer's tokens, or free),
