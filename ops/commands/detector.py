@@ -18,17 +18,16 @@ within each group. Records without a label are left out of both commands.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
-from ..attribution import atomic_path
 from ..detector import VASDetector
 from ..metrics import auroc, auroc_interval, auroc_within
 from ..vas import VAS_COLUMNS
 from .errors import UsageError, check_output, integer, number
+from .shards import write_json
 from .vas_table import read_table
 
 FEATURES = {"vas": list(VAS_COLUMNS), "vas+logprob": [*VAS_COLUMNS, "answer_logprob"],
@@ -174,8 +173,7 @@ def evaluate(args) -> int:
                                 enumerate(dict.fromkeys(v for v in group if v is not None)))]
     print(table_text(results))
     if args.report is not None:
-        with atomic_path(args.report) as tmp:
-            Path(tmp).write_text(json.dumps(results, indent=2) + "\n")
+        write_json(Path(args.report), results)
         print(f"report written to {args.report}")
     return 0
 

@@ -115,10 +115,11 @@ def write_manifest(folder: Path, settings: Dict, layout: Layout = COLLECTION) ->
                              f"({', '.join(f'{k}: {old.get(k)!r}, now {settings[k]!r}' for k in differ)}); "
                              f"use another --out, or the same settings to resume")
         return
-    _write_json(path, {**settings, "checksums": {}})
+    write_json(path, {**settings, "checksums": {}})
 
 
-def _write_json(path: Path, value) -> None:
+def write_json(path: Path, value) -> None:
+    """``value`` as indented JSON in ``path``, written atomically."""
     with atomic_path(path) as tmp:
         Path(tmp).write_text(json.dumps(value, indent=2) + "\n")
 
@@ -157,7 +158,7 @@ def _record_checksums(folder: Path, checksums: Dict[str, str], layout: Layout) -
         fcntl.flock(fd, fcntl.LOCK_EX)
         manifest = read_manifest(folder, layout)
         manifest["checksums"].update(checksums)
-        _write_json(folder / MANIFEST, manifest)
+        write_json(folder / MANIFEST, manifest)
     finally:
         os.close(fd)  # releases the lock
 
