@@ -180,9 +180,19 @@ def load_model(folder: str, dtype: str, device: torch.device):
 
 
 def text_sizes(config) -> tuple:
-    """(layers, attention heads) of the model's text decoder."""
+    """(traced layers, attention heads) of the model's text decoder: a hybrid decoder's
+    softmax attention layers only (its ``layer_types`` of an attention kind), as the
+    Tracer traces them."""
     text = config.get_text_config(decoder=True)
-    return int(text.num_hidden_layers), int(text.num_attention_heads)
+    types = getattr(text, "layer_types", None)
+    layers = sum(t in SOFTMAX_LAYER_TYPES for t in types) if types \
+        else int(text.num_hidden_layers)
+    return layers, int(text.num_attention_heads)
+
+
+# transformers' layer types of softmax attention (a hybrid's others: "linear_attention",
+# "conv", ...)
+SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 def chat_inputs(processor, prompt: str, images: List, device) -> Dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ import torch
 import headscope
 
 pytest.importorskip("transformers")
+from headscope.commands.collect import text_sizes  # noqa: E402
 from headscope.hf import Tracer, grid_regions, region_effects  # noqa: E402
 from headscope.hf.families import GENERIC, family_of  # noqa: E402
 from headscope.hf.structure import output_projection, softmax_attention_layers  # noqa: E402
@@ -104,6 +105,8 @@ def test_read_by_structure(case):
     with Tracer(model, regions=2) as tr:
         layers = tr.layers
         assert tr.feature_width == len(layers) * text.num_attention_heads
+    # what the commands record of a checkpoint's config (collect, eval, vas) agrees
+    assert text_sizes(model.config) == (len(layers), text.num_attention_heads)
     types = getattr(text, "layer_types", None) or []
     if model.config.model_type in HYBRID:  # the softmax layers only
         assert 0 < len(layers) < text.num_hidden_layers
