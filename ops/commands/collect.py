@@ -197,12 +197,10 @@ SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention
 
 def chat_inputs(processor, prompt: str, images: List, device) -> Dict[str, torch.Tensor]:
     """The model inputs (batch of 1) of a user turn of ``images`` then the text ``prompt``,
-    through the processor's chat template, ending where the model's answer starts."""
-    messages = [{"role": "user", "content": [{"type": "image"} for _ in images]
-                 + [{"type": "text", "text": prompt}]}]
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=[text], images=list(images), return_tensors="pt")
-    return {k: v.to(device) for k, v in inputs.items()}
+    through the processor's chat template (:func:`headscope.explainer.prompt_inputs`), on
+    ``device``."""
+    from ..explainer import prompt_inputs as chat
+    return {k: v.to(device) for k, v in chat(processor, images, prompt).items()}
 
 
 def prompt_inputs(processor, example: Example, image, device) -> Dict[str, torch.Tensor]:

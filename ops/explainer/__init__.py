@@ -113,8 +113,9 @@ def prompt_inputs(processor, images: Sequence, prompt: str) -> dict:
     """The processor's inputs for ``prompt`` about ``images`` (PIL), through its chat
     template: one user turn holding the pictures, then the text."""
     if getattr(processor, "chat_template", None) is None:
-        raise ValueError("headscope.explain: the processor has no chat template; build the "
-                         "model inputs yourself and pass them as inputs=")
+        raise ValueError("headscope: the processor has no chat template to build the prompt "
+                         "with; build the model inputs yourself (headscope.explain takes them "
+                         "as inputs=)")
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
     text = processor.apply_chat_template([{"role": "user", "content": content}],
                                          add_generation_prompt=True, tokenize=False)
