@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .attribution import STD_EPS, atomic_path
+from .attribution import STD_EPS
+from .io import atomic_path
 from .vas import VAS_COLUMNS
 
 FORMAT = "headscope.VASDetector"

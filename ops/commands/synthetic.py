@@ -35,7 +35,9 @@ from typing import Dict, NamedTuple
 
 import torch
 
-from ..attribution import FEATURE_SETS, AttributionHead, atomic_path
+from ..attribution import AttributionHead
+from ..features import FEATURE_SETS
+from ..io import atomic_path
 from ..metrics import lds_per_image, mean_with_interval
 from .errors import check_output
 

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..attribution import FEATURE_BLOCKS
+from ..features import FEATURE_BLOCKS
 from .masks import MaskCall
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from .. import attribution as _attr
+from .. import features as _features
 from .. import vas as _vas
 from . import backend
 from .families import ImageTokens, family_of
@@ -61,9 +62,9 @@ class Tracer(Generation, backend.Binding):
         if writes not in _WRITES:
             raise ValueError(f"headscope.hf.Tracer: argument 'writes' must be one of {_WRITES}, "
                              f"got {writes!r}")
-        if not isinstance(features, str) or features not in _attr.FEATURE_SETS:
+        if not isinstance(features, str) or features not in _features.FEATURE_SETS:
             raise ValueError(f"headscope.hf.Tracer: argument 'features' must be one of "
-                             f"{', '.join(map(repr, _attr.FEATURE_SETS))}, got {features!r}")
+                             f"{', '.join(map(repr, _features.FEATURE_SETS))}, got {features!r}")
         if regions is not None and not (isinstance(regions, (int, torch.Tensor))
                                         or callable(regions)) or isinstance(regions, bool):
             raise TypeError(f"headscope.hf.Tracer: argument 'regions' must be an int, an int64 "
@@ -94,7 +95,7 @@ class Tracer(Generation, backend.Binding):
                              f"features={features!r}; pass features={head.feature_set!r} "
                              f"or a head fitted on {features!r} features")
         self.features = features
-        self.feature_width = _attr.feature_blocks(features) * L * H
+        self.feature_width = _features.feature_blocks(features) * L * H
         self.regions, self.vas, self.head, self.tokenizer = regions, bool(vas), head, tokenizer
         self.writes = writes
         self.splitter = splitter if splitter is not None else (

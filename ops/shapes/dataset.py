@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from ..attribution import atomic_path
+from ..io import atomic_path
 from .figures import save_png
 from .world import PROMPT, scene
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..attribution import atomic_path
+from ..io import atomic_path
 from .faithfulness import table
 
 COLOURS = {"head": "tab:green", "attention": "tab:blue", "gradient": "tab:orange",
