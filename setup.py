@@ -48,7 +48,8 @@ setup(
     version="0.1.0",
     description="Attention introspection ops for PyTorch: VAS features, vStream attribution, "
                 "KL projection and thin mixer",
-    packages=["headscope", "headscope.bench", "headscope.commands", "headscope.hf",
+    packages=["headscope", "headscope.bench", "headscope.commands", "headscope.explainer",
+              "headscope.hf",
               "headscope.hf.families", "headscope.shapes"],
     package_data={"headscope.shapes": ["data/*", "data/mixer/*"]},
     package_dir={"headscope": "ops"},
@@ -59,8 +60,12 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.9", "numpy"],
     # headscope.hf (the Tracer): the version requirements.txt pins is the one tested.
+    # (matplotlib: the span PNGs of python -m headscope explain)
     extras_require={"hf": ["transformers>=5.24,<6", "safetensors", "pillow", "torchvision",
-                           "tqdm", "greenlet>=3"],
+                           "tqdm", "greenlet>=3", "matplotlib"],
+                    # the live page of python -m headscope explain --serve
+                    "app": ["transformers>=5.24,<6", "safetensors", "pillow", "torchvision",
+                            "tqdm", "greenlet>=3", "matplotlib", "gradio>=6"],
                     # the embedded model and its demo (python -m headscope.shapes)
                     "shapes": ["transformers>=5.24,<6", "safetensors", "pillow", "torchvision",
                                "tqdm", "greenlet>=3", "matplotlib"]},

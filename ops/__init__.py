@@ -22,4 +22,12 @@ __all__ = ["FactorMixer", "kl_hvp", "kl_project", "thin_mix", "LIBRARY_PATH",
            "region_pool_qk", "region_pool_qk_layers", "spearman", "stack_layers",
            "ward_regions", "pattern_mask",
            "VAS_COLUMNS", "VASAccumulator", "VASDetector", "vas_aggregate", "vas_features",
-           "vas_head_stats", "vas_head_stats_qk"]
+           "vas_head_stats", "vas_head_stats_qk", "explain"]
+
+
+def __getattr__(name):
+    # headscope.explain needs transformers, which `import headscope` never imports
+    if name == "explain":
+        from .explainer import explain
+        return explain
+    raise AttributeError(f"module 'headscope' has no attribute {name!r}")

@@ -17,6 +17,9 @@ command -v ccache >/dev/null || missing+=(ccache)
 command -v clang++ >/dev/null || missing+=(clang)
 { command -v clang++ >/dev/null && [ -f "$(clang++ -print-file-name=libclang_rt.fuzzer-x86_64.a)" ]; } \
   || missing+=(libclang-rt-dev)
+# headless Chromium and its WebDriver, for the tests of python -m headscope explain's pages
+command -v chromium >/dev/null || missing+=(chromium)
+command -v chromedriver >/dev/null || missing+=(chromium-driver)
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"
   SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
@@ -30,6 +33,9 @@ if [ "${HEADSCOPE_SKIP_PIP:-0}" != 1 ]; then
   "$PYTHON" -c "import packaging" 2>/dev/null || "$PYTHON" -m pip install -q packaging
   if ! "$PYTHON" scripts/check_requirements.py requirements.txt; then
     "$PYTHON" -m pip install -q -r requirements.txt
+  fi
+  if ! "$PYTHON" scripts/check_requirements.py requirements-nodeps.txt; then
+    "$PYTHON" -m pip install -q --no-deps -r requirements-nodeps.txt
   fi
 fi
 "$PYTHON" -c "import torch; print(f'setup: torch {torch.__version__} (CUDA {torch.version.cuda}), '

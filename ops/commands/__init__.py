@@ -5,9 +5,11 @@ head on a user's own VLM.
     python -m headscope train --data runs/train --out head.safetensors
     python -m headscope eval --model MODEL --head head.safetensors --data DATA_TEST
     python -m headscope synthetic [--quick] [--seed dev|reported]
+    python -m headscope explain --model MODEL --image PHOTO --prompt TEXT [--serve]
 
 ``synthetic`` measures the head of each feature set against raw attention on synthetic data
-whose truth is known (no model needed).
+whose truth is known (no model needed). ``explain`` answers a prompt about your pictures and
+shows which regions each span of the answer rests on (a page, report.json, PNGs).
 
 Exit codes: 0 success, 1 the run failed, 2 bad arguments or a missing or malformed input
 file (one line naming the argument or the file and line; checked before any work, so
@@ -28,22 +30,23 @@ COMMANDS = {
     "eval": "LDS, Pearson, subset LDS and pointing of a head against raw attention",
     "synthetic": "each feature set's head against raw attention on synthetic data with "
                  "value norms",
+    "explain": "answer a prompt about your pictures and show which regions each span rests on",
 }
 
 
 def parser() -> argparse.ArgumentParser:
-    from . import collect, evaluate, synthetic, train
+    from . import collect, evaluate, explain, synthetic, train
     top = Parser(prog="python -m headscope", description=__doc__.replace("``", ""),
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = top.add_subparsers(dest="command", required=True,
-                             metavar="{collect,train,eval,synthetic}")
+                             metavar="{collect,train,eval,synthetic,explain}")
     for name, module in (("collect", collect), ("train", train), ("eval", evaluate),
-                         ("synthetic", synthetic)):
+                         ("synthetic", synthetic), ("explain", explain)):
         p = sub.add_parser(name, help=COMMANDS[name], description=module.__doc__.replace("``", ""),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == "collect":
-            p.add_argument("--model", required=True, help="local transformers model folder "
-                           "(from_pretrained with its processor, no network)")
+            p.add_argument("--model", required=True, help="a transformers model folder, or a "
+                           "hub id in the local Hugging Face cache (no network)")
             p.add_argument("--data", required=True,
                            help="folder with images and one .jsonl file (or the .jsonl file)")
             p.add_argument("--out", required=True, help="the collection's folder (resumed "

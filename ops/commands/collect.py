@@ -5,8 +5,10 @@ For each example: the chat-templated prompt with its image goes through the proc
 ``Tracer.generate_with`` generates greedily and cuts the answer into spans (sentence
 ends) with their features over K Ward regions of the image; ``region_effects`` measures
 the effect of ablating each region, and each of M random sets of K/2 regions, on each
-span. Results go to shards (``shards.py``); a rerun skips the shards already written.
-Under ``torchrun`` each process takes every world-size-th shard.
+span; with ``--attnlrp``, ``attnlrp_scores`` scores each span's regions too (the post-hoc
+baseline ``eval`` reports beside the head). Results go to shards (``shards.py``); a rerun
+skips the shards already written. Under ``torchrun`` each process takes every
+world-size-th shard.
 """
 from __future__ import annotations
 
@@ -53,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> List[str]:
                             help="the span features (default attention: the attention mass "
                                  "on each region, L*H columns; attention*value_norm: each "
                                  "key's weight times its value norm, L*H; both: 2*L*H)"),
+        parser.add_argument("--attnlrp", action="store_true",
+                            help="also score each span's regions with AttnLRP (the post-hoc "
+                                 "baseline eval reports, with its time per span)"),
         parser.add_argument("--seed", type=int, default=0,
                             help="seed of the random region sets"),
         parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
@@ -135,18 +140,27 @@ def _device(args) -> torch.device:
     return torch.device("cpu")
 
 
-def _model_folder(folder: str) -> Path:
-    if not Path(folder).is_dir():
-        raise UsageError(f"--model {folder}: no such folder (a local transformers model "
-                         f"folder, as save_pretrained writes)")
-    return Path(folder)
+def model_folder(name: str) -> Path:
+    """The folder of ``--model``: a local folder (as save_pretrained writes), or the
+    snapshot of a hub id in the local Hugging Face cache (``HF_HOME``, ``HF_HUB_CACHE``;
+    nothing is downloaded)."""
+    if Path(name).is_dir():
+        return Path(name)
+    from huggingface_hub import constants, snapshot_download
+    try:
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception as e:  # noqa: BLE001 - a bad id or one not in the cache: same answer
+        raise UsageError(f"--model {name}: no such folder, nor a model in the local Hugging "
+                         f"Face cache {constants.HF_HUB_CACHE}; allowed: a model folder, or a "
+                         f"hub id fetched first with `hf download {name}`") from e
+
 
 
 def load_config(folder: str):
     """The config of a local transformers model folder."""
     import transformers as tf
     try:
-        return tf.AutoConfig.from_pretrained(_model_folder(folder), local_files_only=True)
+        return tf.AutoConfig.from_pretrained(model_folder(folder), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"--model {folder}: no readable config.json: {e}") from e
 
@@ -155,7 +169,7 @@ def load_processor(folder: str):
     """The processor of a local transformers model folder; it must have a chat template."""
     import transformers as tf
     try:
-        processor = tf.AutoProcessor.from_pretrained(_model_folder(folder),
+        processor = tf.AutoProcessor.from_pretrained(model_folder(folder),
                                                      local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"--model {folder}: its processor cannot be loaded with "
@@ -171,7 +185,7 @@ def load_model(folder: str, dtype: str, device: torch.device):
     processor = load_processor(folder)
     try:
         model = tf.AutoModelForImageTextToText.from_pretrained(
-            _model_folder(folder), dtype=getattr(torch, dtype), local_files_only=True)
+            model_folder(folder), dtype=getattr(torch, dtype), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"--model {folder}: cannot be loaded with from_pretrained: {e}") from e
     return model.to(device).eval(), processor
@@ -229,7 +243,13 @@ def collect_example(model, processor, example: Example, args) -> Dict:
     t2 = time.perf_counter()
     (img,) = tracer.images[0]
     special = processor.tokenizer.all_special_ids
-    return {"features": torch.stack([s.features for s in spans]),
+    posthoc = {}
+    if args.attnlrp:
+        from ..hf import attnlrp_scores
+        scores = attnlrp_scores(model, inputs, tracer.sequences, spans, region_ids)
+        posthoc = {"attnlrp": scores.cpu(), "attnlrp_seconds": torch.tensor(
+            [time.perf_counter() - t2], dtype=torch.float64)}
+    return {**posthoc,"features": torch.stack([s.features for s in spans]),
             "special_only": torch.tensor([special_only(s.token_ids.tolist(), special)
                                           for s in spans], dtype=torch.bool),
             "effects": effects.cpu(), "subset_effects": subset_effects.cpu(),
@@ -248,7 +268,7 @@ def _shard_tensors(records: List[Dict]) -> Dict[str, torch.Tensor]:
                                                     torch.tensor(spans)),
             **{k: torch.cat([r[k] for r in records]) for k in
                ("span_bounds", "features", "effects", "subset_effects", "labels",
-                "special_only")},
+                "special_only", "attnlrp", "attnlrp_seconds") if k in records[0]},
             **{k: torch.stack([r[k] for r in records]) for k in
                ("subsets", "grid", "image_size", "seconds")}}
 
@@ -264,6 +284,7 @@ def collect(args) -> Tuple[Path, int]:
     from tqdm.auto import tqdm
     check_arguments(args)
     check_output(args.out, "--out", folder=True)
+    args.model = str(model_folder(args.model))
     examples = read_examples(Path(args.data))
     config = load_config(args.model)
     check_regions(args, examples, config, load_processor(args.model))
@@ -283,6 +304,7 @@ def collect(args) -> Tuple[Path, int]:
                              "grid": args.grid,
                              "max_new_tokens": args.max_new_tokens, "subsets": args.subsets,
                              "ablation": args.ablation, "seed": args.seed,
+                             "attnlrp": args.attnlrp,
                              "shard_size": args.shard_size, "dtype": args.dtype})
         record_missing_checksums(out, shards)
         collected_before = sum(len(_examples_of(examples, s, args.shard_size))

@@ -11,7 +11,8 @@ span-region pair, Pearson, the subset-level LDS (predicted joint effect of each 
 region set = the sum of its regions' scores) and pointing accuracy (spans whose text holds
 a boxed phrase: is the top-scored region's centroid inside the box), beside the pointing
 accuracy a uniformly random region has in expectation (per span, the share of regions
-whose centroid is inside the box).
+whose centroid is inside the box). A collection made with ``--attnlrp`` adds AttnLRP's
+scores as a baseline, with its milliseconds per span.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ ROWS = (("lds", "LDS (mean over images)"), ("lds_pooled", "LDS (pooled)"),
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="local transformers model folder")
+    parser.add_argument("--model", required=True, help="a transformers model folder, or "
+                        "a hub id in the local Hugging Face cache")
     parser.add_argument("--head", required=True, help="a head written by `train`")
     parser.add_argument("--data", required=True,
                         help="DATA (folder with images and a .jsonl file) or a collection")
@@ -112,6 +114,9 @@ def table(results: dict) -> str:
     lines.append(f"{'(pointing spans)':24}" + "".join(f"{s['pointing_spans']:>{w}}"
                                                       for s, w in zip(scorers, widths))
                  + f"{random['pointing_spans']:>9}")
+    for name in names:
+        if "ms_per_span" in results[name]:
+            lines.append(f"{name}: {results[name]['ms_per_span']:.1f} ms per span")
     lines.append(f"LDS per image (line: {' / '.join(names)}):")
     for i, line in enumerate(results["lines"]):
         lines.append(f"  {line:>6}: " + " / ".join(cell(s["lds_per_image"][i]) for s in scorers))
@@ -120,6 +125,7 @@ def table(results: dict) -> str:
 
 def run(args) -> int:
     check_output(args.report, "--report")
+    args.model = str(_collect.model_folder(args.model))
     folder = Path(args.data)
     is_collection = (folder / MANIFEST).is_file()
     if is_collection:
@@ -147,13 +153,19 @@ def run(args) -> int:
     check_feature_columns(data.manifest, features.shape[-1], "eval")
     # a raw baseline per block of L*H columns: its mean over layers and heads
     collected = feature_set(data.manifest)
-    baselines = FEATURE_BLOCKS[collected]
+    raw = FEATURE_BLOCKS[collected]
+    posthoc = {}
+    if "attnlrp" in data.tensors:
+        posthoc["attnlrp"] = score(data, data.tensors["attnlrp"])
+        posthoc["attnlrp"]["ms_per_span"] = \
+            1e3 * float(data.tensors["attnlrp_seconds"].sum()) / data.num_spans
     with torch.no_grad():
         results = {"head": score(data, head(feature_columns(features, collected,
                                                             head.feature_set))),
                    **{name: score(data, feature_columns(features, collected, name).mean(-1))
-                      for name in baselines},
-                   "baselines": list(baselines),
+                      for name in raw},
+                   **posthoc,
+                   "baselines": [*raw, *posthoc],
                    "random": random_baseline(data),
                    "lines": data.tensors["line"].tolist(),
                    "spans": data.num_spans, "collection": str(folder),

@@ -27,9 +27,12 @@ A shard's tensors (E examples, S spans, K regions, F features, M subsets):
 | ``image_size`` | (E, 2) int64 | the image's width and height in pixels |
 | ``seconds`` | (E, 2) float64 | time of generation (with features) and of the ablations |
 | ``special_only`` | (S,) bool | the span is only special tokens (the end-of-text span) |
+| ``attnlrp`` | (S, K) float32 | ``attnlrp_scores`` of each region for the span (``--attnlrp``) |
+| ``attnlrp_seconds`` | (E,) float64 | the time AttnLRP took for the example (``--attnlrp``) |
 
-``special_only`` is absent from shards of collections made before it was recorded; a
-collection reads it only when every shard holds it.
+``special_only`` is absent from shards of collections made before it was recorded, the
+``attnlrp`` tensors from collections made without ``--attnlrp``; a collection reads an
+optional tensor only when every shard holds it.
 
 Metadata ``texts`` (JSON list of the spans' text) and ``boxes`` (JSON list of each
 example's boxes).
@@ -55,11 +58,12 @@ VERSION = 2  # 2: the manifest holds each shard's SHA-256
 MANIFEST = "manifest.json"
 TENSORS = ("line", "span_example", "span_bounds", "features", "effects", "subsets",
            "subset_effects", "grid", "labels", "image_size", "seconds")
-OPTIONAL_TENSORS = ("special_only",)  # absent from shards written before they were added
+# absent from shards written before they were added (special_only) or without --attnlrp
+OPTIONAL_TENSORS = ("special_only", "attnlrp", "attnlrp_seconds")
 
 
 # manifest fields added after collections were written, with the value an older one means
-DEFAULTS = {"feature_set": "attention"}
+DEFAULTS = {"feature_set": "attention", "attnlrp": False}
 
 
 def feature_set(manifest: Dict) -> str:

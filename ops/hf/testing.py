@@ -8,7 +8,8 @@ would produce, left-padded when the rows differ in length. ``tiny_checkpoint(fol
 family)`` saves such a model with a real processor (``tiny_processor``, built in
 ``checkpoint.py``) for ``from_pretrained``, and ``tiny_dataset(folder, count)`` (also
 ``checkpoint.py``) writes synthetic images in the DATA format of ``python -m headscope
-collect``. The model types and token ids are :mod:`headscope.hf.tiny`'s.
+collect``. The model types are the family modules' (each family's ``tiny_config``,
+``tiny_image`` and ``TinySpec``), the shared token ids :mod:`headscope.hf.tiny`'s.
 """
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 import torch
 
 from .checkpoint import tiny_dataset, tiny_processor, tiny_tokenizer  # noqa: F401 (the API)
-from .tiny import (EOS, FAMILIES, IMAGE_TOKEN, PAD, VIDEO_TOKEN, VISION_END,  # noqa: F401
-                   VISION_START, VOCAB)
+from .families import supported_model_types
+from .tiny import (EOS, IMAGE_TOKEN, PAD, VIDEO_TOKEN, VISION_END, VISION_START,  # noqa: F401
+                   VOCAB)
+
+# every model type of a registered family (headscope.hf.families)
+FAMILIES = supported_model_types()
 
 
 def _text(hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,

@@ -1,14 +1,12 @@
-"""What the tiny test models (:mod:`headscope.hf.testing`) and their saved checkpoints
-(:mod:`headscope.hf.checkpoint`) share: the model types they cover and the ids of the tiny
-vocabulary's special tokens. Both import it at module level; it imports nothing of theirs.
+"""The ids of the tiny vocabulary's special tokens, which the tiny test models
+(:mod:`headscope.hf.testing`), their saved checkpoints (:mod:`headscope.hf.checkpoint`) and
+the family modules' ``TinySpec`` share. It imports nothing of theirs.
 """
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "idefics3",
-            "smolvlm", "llava_next", "llava_onevision", "mistral3",
-            "internvl", "glm4v", "glm4v_moe", "llama4", "gemma3",
-            "paligemma")  # model types
-
-# Token ids of the tiny vocabulary (random weights: only their roles matter).
+# Token ids of the tiny vocabulary (random weights: only their roles matter). Ids 2.. are
+# words (checkpoint.WORDS, then filler words); the top ids are special tokens: the shared
+# roles below, then MARKER_IDS, which each family allocates to its own marker tokens in its
+# TinySpec (the same id may serve different families, never two roles of one).
 VOCAB = 512
 IMAGE_TOKEN = 500
 VIDEO_TOKEN = 501
@@ -16,3 +14,4 @@ VISION_START = 502
 VISION_END = 503
 EOS = 504
 PAD = 0
+MARKER_IDS = tuple(range(505, VOCAB))

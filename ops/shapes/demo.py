@@ -1,6 +1,8 @@
 """The demo: the shapes model describes held-out scenes while headscope streams which
-regions ground each sentence; per span a PNG, per run a JSON report, an HTML page and a
-summary on the terminal.
+regions ground each sentence (``headscope.explainer.iter_explain``, what ``python -m
+headscope explain`` runs); per span a PNG with the object's true box, per scene the page of
+``python -m headscope explain``, per run a JSON report of the truth and pointing, an HTML
+page and a summary on the terminal.
 
 Scores are the attribution head's predicted effects when the model folder has a head,
 else raw attention (each region's pooled attention mass averaged over layers and heads).
@@ -20,11 +22,10 @@ import torch
 
 from ..io import atomic_path
 from ..metrics import in_box
-from ..vas import VAS_COLUMNS
 from .accuracy import HELD_OUT_SEED
 from .figures import region_centroids, save_png, span_figure
 from .model import load, prompt
-from .world import IMAGE_SIZE, describe, match_object, parse_sentence, scene
+from .world import IMAGE_SIZE, PROMPT, describe, match_object, parse_sentence, scene
 
 # Demo scenes are held out: seeds HELD_OUT_SEED + DEMO_OFFSET + i, past the accuracy set.
 DEMO_OFFSET = 900_000
@@ -41,10 +42,11 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
              regions: Union[int, Tuple[int, int]] = WORLD_GRID, max_new_tokens: int = 48,
              echo: Callable[[str], None] = print) -> dict:
     """Runs the demo on ``num_images`` held-out scenes (1, 2, 3, 4, 1, ... objects) and
-    writes ``out/report.json``, ``out/index.html`` and ``out/image{i}_span{j}.png``.
+    writes ``out/report.json``, ``out/index.html``, ``out/image{i}_span{j}.png`` and each
+    scene's explain page ``out/image{i}/``.
     ``regions``: ``(rows, cols)`` for a grid of blocks, or K for Ward regions. Returns the
     report."""
-    from ..hf import Tracer, grid_regions
+    from ..explainer import iter_explain
 
     if num_images < 1:
         raise ValueError(f"headscope.shapes.demo: argument 'num_images' must be >= 1, got "
@@ -53,36 +55,35 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
     out.mkdir(parents=True, exist_ok=True)
     model, processor, head = load(model_dir)
     score_name = "head's predicted effect" if head is not None else "raw attention"
+    regions_name = f"{regions} Ward regions" if isinstance(regions, int) else \
+        "a {}x{} grid".format(*regions)
     images = []
-    if isinstance(regions, int):
-        traced, regions_name = regions, f"{regions} Ward regions"
-    else:
-        traced, regions_name = grid_regions(*regions), "a {}x{} grid".format(*regions)
-    features = head.feature_set if head is not None else "attention"
-    with torch.no_grad(), Tracer(model, regions=traced, vas=True, head=head,
-                                 tokenizer=processor.tokenizer, features=features) as tr:
+    with torch.no_grad():
         for i in range(num_images):
             seed = HELD_OUT_SEED + DEMO_OFFSET + i
             image, objects = scene(seed, 1 + i % 4)
-            inputs = prompt(processor, image)
             echo(f"image {i} (seed {seed}, {len(objects)} objects)")
-            spans = []
-            for span in tr.generate(**inputs, max_new_tokens=max_new_tokens):
-                if not spans:  # the prefill has set this prompt's regions and images
-                    (picture,) = tr.images[0]
-                    grid = (picture.rows, picture.cols)
-                    labels = tr.region_ids[0, picture.grid.positions].cpu().numpy()
-                    K = tr.num_regions[0]
+            spans, result = [], None
+            for result in iter_explain(model, processor, [image], PROMPT, head,
+                                       regions=regions, inputs=prompt(processor, image),
+                                       max_new_tokens=max_new_tokens,
+                                       model_name="headscope.shapes"):
+                if not spans and result.spans:  # the prefill has set the regions
+                    (picture,) = result.pictures
+                    (view,) = picture.views
+                    grid = (view["rows"], view["cols"])
+                    labels = picture.labels.numpy()
+                    K = result.num_regions
                     centroids = region_centroids(labels, grid, IMAGE_SIZE, K)
-                text = processor.tokenizer.decode(span.token_ids, skip_special_tokens=True)
-                if not text.strip():  # the end-of-sequence token alone
-                    continue
-                s = _span_record(span, text.strip(), objects, centroids)
-                spans.append(s)
-                echo(f"  span {len(spans) - 1}: {s['text']!r:44} top region {s['top_region']}"
-                     f" ({s['scores'][s['top_region']]:+.3f})"
-                     + ("" if s["object"] is None else
-                        f", {'on' if s['pointing_hit'] else 'off'} the object"))
+                for span in result.spans[len(spans):]:
+                    s = None if span.special else _span_record(span, objects, centroids)
+                    spans.append(s)
+                    if s is not None:
+                        echo(f"  span {span.index}: {s['text']!r:44} top region "
+                             f"{s['top_region']} ({s['scores'][s['top_region']]:+.3f})"
+                             + ("" if s["object"] is None else
+                                f", {'on' if s['pointing_hit'] else 'off'} the object"))
+            spans = [s for s in spans if s is not None]
             for j, s in enumerate(spans):
                 s["png"] = f"image{i}_span{j}.png"
                 name = "hallucinated" if s["object"] is None and s["parsed"] else "no object"
@@ -92,17 +93,19 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
                             np.array(s["scores"]), title, score_name, s["box"], s["top_region"])
             image_file = f"image{i}.png"
             save_png(image, out / image_file)
+            page = result.save(out / f"image{i}")  # the page python -m headscope explain writes
             text = " ".join(s["text"] for s in spans)
-            vas = tr.vas_features()[0].tolist()
+            vas = list(result.vas_features.values())
             echo(f"  {'correct' if text == describe(objects) else 'truth: ' + describe(objects)}"
                  f"; VAS features: {len(vas)}, wrote {len(spans)} PNGs")
             images.append({
-                "seed": seed, "image": image_file, "truth": describe(objects),
+                "seed": seed, "image": image_file, "page": str(page.relative_to(out)),
+                "truth": describe(objects),
                 "description": text, "correct": text == describe(objects),
                 "objects": [dict(shape=o.shape, colour=o.colour, position=o.position,
                                  box=list(o.box)) for o in objects],
                 "num_regions": K, "region_grid": labels.reshape(grid).tolist(),
-                "vas_features": dict(zip(VAS_COLUMNS, vas)), "spans": spans})
+                "vas_features": result.vas_features, "spans": spans})
     report = {"scores": score_name, "regions": regions_name, "images": images,
               "summary": _summary(images)}
     _write_atomic(out / "report.json", json.dumps(report, indent=1) + "\n")
@@ -113,8 +116,9 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
     return report
 
 
-def _span_record(span, text: str, objects, centroids: np.ndarray) -> dict:
-    scores = span.scores if span.scores is not None else span.features.mean(-1)
+def _span_record(span, objects, centroids: np.ndarray) -> dict:
+    """One span of the report: an ``ExplainedSpan`` matched to the scene's objects."""
+    text, scores = span.text.strip(), span.scores
     parsed = parse_sentence(text)
     obj = match_object(parsed, objects)
     top = int(torch.argmax(scores))
@@ -148,6 +152,7 @@ def _html(report: dict) -> str:
         parts.append(f"<h2>seed {im['seed']}</h2><table><tr><td><img class='scene' "
                      f"src='{e(im['image'])}'></td><td><p><b>model:</b> "
                      f"{e(im['description'])}<br><b>truth:</b> {e(im['truth'])} ({verdict})"
+                     f"<br><a href='{e(im['page'])}'>choose a sentence, see its heat map</a>"
                      f"</p><p><small>VAS (first of 36): {e(vas)} ...</small></p></td></tr>")
         for s in im["spans"]:
             where = s["object"] or "names no object of the image"

@@ -1,5 +1,5 @@
 """Faithfulness against time per token on the shapes model, the vStream paper's headline
-figure: the trained attribution head, raw attention and gradient baselines scored against
+figure: the trained attribution head, raw attention, gradient baselines and AttnLRP scored against
 the true region ablation effects of each span of held-out descriptions.
 
 Faithfulness: LDS (Spearman across regions per span, averaged over a scene's spans, then
@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..features import feature_columns, feature_set_holding
-from ..hf import gradient_scores, region_effects
+from ..hf import attnlrp_scores, gradient_scores, region_effects
 from ..metrics import defined_mean, lds_per_image
 from .accuracy import HELD_OUT_SEED
 from .demo import DEFAULT_REGIONS
@@ -26,10 +26,11 @@ from .world import scene
 
 # The head evaluation's held-out scenes (docs/shapes.md): HELD_OUT_SEED + EVAL_OFFSET + k.
 EVAL_OFFSET = 500_000
-METHODS = ("head", "attention", "gradient", "gradient_norm", "perturbation")
+METHODS = ("head", "attention", "gradient", "gradient_norm", "attnlrp",
+           "perturbation")
 LABELS = {"head": "trained head", "attention": "raw attention",
           "gradient": "input x gradient", "gradient_norm": "gradient norm",
-          "perturbation": "perturbation (exact ablation)"}
+          "attnlrp": "AttnLRP (log p)", "perturbation": "perturbation (exact ablation)"}
 
 
 def r_squared(predicted: torch.Tensor, true: torch.Tensor) -> float:
@@ -85,9 +86,11 @@ def scene_record(model, processor, head, seed: int, num_objects: int, regions: i
     scores["gradient"], scores["gradient_norm"] = gradient_scores(
         model, inputs, tr.sequences, spans, tr.region_ids)
     t4 = time.perf_counter()
+    scores["attnlrp"] = attnlrp_scores(model, inputs, tr.sequences, spans, tr.region_ids)
+    t5 = time.perf_counter()
     scores["perturbation"] = effects
     seconds = {"head": t1 - t0, "attention": t2 - t1, "perturbation": t3 - t2,
-               "gradient": t4 - t3, "gradient_norm": t4 - t3}
+               "gradient": t4 - t3, "gradient_norm": t4 - t3, "attnlrp": t5 - t4}
     return {"seed": seed, "objects": num_objects, "tokens": spans[-1].end,
             "spans": len(spans), "effects": effects, "scores": scores, "seconds": seconds}
 
@@ -115,7 +118,9 @@ def _summary(records: List[dict], latency: dict) -> dict:
             # streamed scores: the tracer's added time (a negative difference is
             # noise, counted as 0) and the scores computed from its features
             "ms_per_token": max(tracer_added, 0.0) + own if streamed else own,
-            "score_ms_per_token": own}
+            "score_ms_per_token": own,
+            "ms_per_span": 1e3 * sum(r["seconds"][name] for r in records)
+            / int(span_scene.numel())}
     head_ms = methods["head"]["ms_per_token"]
     for m in methods.values():
         m["vs_head"] = m["ms_per_token"] / head_ms
@@ -168,10 +173,11 @@ def measure_faithfulness(scenes: int = 40, *, regions: int = DEFAULT_REGIONS,
 
 def table(result: dict) -> str:
     """The result as a markdown table."""
-    lines = ["| method | LDS | R^2 | R^2 of | ms per token | of which scoring | vs head |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| method | LDS | R^2 | R^2 of | ms per token | of which scoring | ms per span "
+             "| vs head |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for m in result["methods"].values():
         lines.append(f"| {m['label']} | {m['lds']:.3f} | {m['r2']:.3f} | {m['r2_of']} | "
                      f"{m['ms_per_token']:.3f} | {m['score_ms_per_token']:.4f} | "
-                     f"{m['vs_head']:.1f}x |")
+                     f"{m['ms_per_span']:.2f} | {m['vs_head']:.1f}x |")
     return "\n".join(lines)

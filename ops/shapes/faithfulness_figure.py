@@ -4,13 +4,14 @@ against ms per generated token, log time axis, one labelled point per method),
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from ..io import atomic_path
 from .faithfulness import table
 
 COLOURS = {"head": "tab:green", "attention": "tab:blue", "gradient": "tab:orange",
-           "gradient_norm": "tab:red", "perturbation": "black"}
+           "gradient_norm": "tab:red", "attnlrp": "tab:purple", "perturbation": "black"}
 
 
 def plot(path: Path, result: dict) -> None:
@@ -26,15 +27,23 @@ def plot(path: Path, result: dict) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), dpi=100)
     for ax, key, name in ((axes[0], "lds", "LDS (Spearman per span, mean over scenes)"),
                           (axes[1], "r2", "R\u00b2 of predicted vs true effects")):
+        placed = []  # (side, log time, value, label offset) of the labels so far
         for method, m in methods.items():
             x, y = m["ms_per_token"], m[key]
             ax.scatter(x, y, s=70, color=COLOURS[method], zorder=3)
             label = m["label"] + (" (affine fit)" if key == "r2" and
                                   m["r2_of"] == "best affine fit" else "")
-            # labels point away from the middle of the time axis, into the free space
+            # labels point away from the middle of the time axis, into the free space,
+            # and step past the labels of nearby points on the same side, away from them
             left = x > middle
+            offset = 0
+            near = [(ly, off) for side, lx, ly, off in placed
+                    if side == left and abs(math.log10(x) - lx) < 0.5 and abs(y - ly) < 0.06]
+            while any(off == offset for _, off in near):
+                offset += 11 if y >= near[0][0] else -11
+            placed.append((left, math.log10(x), y, offset))
             ax.annotate(label, (x, y), textcoords="offset points", va="center",
-                        xytext=(-9 if left else 9, 0), ha="right" if left else "left",
+                        xytext=(-9 if left else 9, offset), ha="right" if left else "left",
                         fontsize=8.5)
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
@@ -73,7 +82,8 @@ def write_faithfulness(out: Path, result: dict) -> dict:
             "(faithfulness 1 by construction). Head and attention time: the tracer's added "
             f"time per token ({result['tracer_added_ms_per_token']:.3f} ms, generate_with "
             "against plain generate, alternating rounds) plus computing the scores from the "
-            "features (\"of which scoring\"); gradients and perturbation: their whole "
-            "computation after generation, per generated token.\n")
+            "features (\"of which scoring\"); gradients, AttnLRP and perturbation: their whole "
+            "computation after generation, per generated token; ms per span: each method's "
+            "own time divided by the spans scored.\n")
     plot(paths["png"], result)
     return {k: str(v) for k, v in paths.items()}

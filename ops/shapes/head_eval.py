@@ -15,10 +15,11 @@ inside a ``Tracer`` with the world's 3 x 3 cells as regions (by default) and the
 feature set (``features``: the set every head evaluated reads from; "both" when heads of
 different sets are compared), and every span is scored by each head and by the raw
 baseline of each feature block (``FEATURE_BLOCKS``: the block's pooled mass averaged over
-layers and heads: raw attention, and raw value-norm-weighted attention) against its true
-effects (``region_effects``, ``ablation="mask"``). Spans made only of special tokens (the
-end-of-text span) are left out of every score: they name nothing, and their count is
-reported; ``python -m headscope train`` leaves them out of the fit by default too.
+layers and heads: raw attention, and raw value-norm-weighted attention) and by AttnLRP
+(``headscope.hf.attnlrp_scores``, the log-probability target, timed per span) against
+its true effects (``region_effects``, ``ablation="mask"``). Spans made only of special
+tokens (the end-of-text span) are left out of every score: they name nothing, and their
+count is reported; ``python -m headscope train`` leaves them out of the fit by default too.
 """
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ SEED_RANGES = {"dev": HELD_OUT_SEED + 3_000_000, "reported": HELD_OUT_SEED + 4_0
 RANGE_SIZE = 1_000_000  # scenes per range: the next range starts past it
 HEAD = "head"  # a single head's label
 RAW_NAMES = {"attention": "raw attention",
-             "attention*value_norm": "raw value-norm-weighted attention"}
+             "attention*value_norm": "raw value-norm-weighted attention",
+             "attnlrp": "AttnLRP (log p)"}
+POSTHOC = ("attnlrp",)  # post-hoc baselines, computed after generation
 WHO = "headscope.shapes.head_eval"
 
 def range_scenes(which: str, count: int) -> List[Tuple[int, int]]:
@@ -70,10 +73,13 @@ def check_traced(heads: Mapping[str, "AttributionHead"], features: str) -> None:
 
 def scene_record(model, processor, heads: Mapping[str, "AttributionHead"], regions, seed: int,
                  num_objects: int, max_new_tokens: int, features: str = "attention") -> dict:
-    """One scene: each kept span's scores (each head's, by its label, and each raw block's,
-    by the block's name), true effects and pointing. ``regions``: as ``Tracer`` takes them;
-    ``features``: the set traced, holding every head's blocks."""
-    from ..hf import Tracer, region_effects
+    """One scene: each kept span's scores (each head's, by its label, each raw block's, by
+    the block's name, and AttnLRP's as ``"attnlrp"``), true effects, pointing and the
+    seconds AttnLRP took. ``regions``: as ``Tracer`` takes them; ``features``: the set
+    traced, holding every head's blocks."""
+    import time
+
+    from ..hf import Tracer, attnlrp_scores, region_effects
 
     image, objects = scene(seed, num_objects)
     inputs = prompt(processor, image)
@@ -96,11 +102,15 @@ def scene_record(model, processor, heads: Mapping[str, "AttributionHead"], regio
     traced = torch.stack([s.features for s in kept]).float()  # (S, K, F)
     record["effects"] = region_effects(model, inputs, tracer.sequences, kept,
                                        tracer.region_ids, ablation="mask", progress=False)
+    start = time.perf_counter()
+    attnlrp = attnlrp_scores(model, inputs, tracer.sequences, kept, tracer.region_ids)
+    record["seconds"] = {"attnlrp": time.perf_counter() - start}
     record["scores"] = {
         **{label: head(feature_columns(traced, features, head.feature_set)).float()
            for label, head in heads.items()},
         **{block: feature_columns(traced, features, block).mean(-1)
-           for block in FEATURE_BLOCKS[features]}}
+           for block in FEATURE_BLOCKS[features]},
+        "attnlrp": attnlrp}
     pointing = []  # (hit per scorer, chance of a random region) per span naming an object
     for i, s in enumerate(kept):
         text = processor.tokenizer.decode(s.token_ids, skip_special_tokens=True)
@@ -127,8 +137,9 @@ def summarise(records: List[dict], heads: Sequence[str] = (HEAD,),
     """Per-image LDS of each head (by label) and each raw baseline (by block name), the
     paired difference of each head to each baseline (``lds_difference["head - attention"]``)
     and, with several heads, of each head to each later one, with its standard error and
-    bootstrap 95% interval over scenes, and pointing. Scenes count where every scorer's LDS
-    is defined."""
+    bootstrap 95% interval over scenes, pointing, and the milliseconds per span of each
+    baseline every record timed (``seconds``). Scenes count where every scorer's LDS is
+    defined."""
     scored = [r for r in records if r["spans"]]
     if not scored:
         raise ValueError(f"{WHO}: no scene has a span to score (every span is only special "
@@ -154,6 +165,9 @@ def summarise(records: List[dict], heads: Sequence[str] = (HEAD,),
                                if cases else None) for name in scorers}}
     out["pointing"]["random"] = (sum(chance for _, chance in cases) / len(cases)
                                  if cases else None)
+    timed = [name for name in baselines if all(name in r.get("seconds", {}) for r in scored)]
+    out["ms_per_span"] = {name: 1e3 * sum(r["seconds"][name] for r in scored)
+                          / out["spans"] for name in timed}
     return out
 
 
@@ -174,8 +188,8 @@ def evaluate_head(which: str = "reported", scenes: int = 300, *,
                   head_path: Union[None, Path, Sequence[Path]] = None,
                   features: Optional[str] = None, max_new_tokens: int = 48,
                   progress: bool = True) -> dict:
-    """The head against the raw baseline of each feature block on the first ``scenes``
-    scenes of the ``which`` seed range (``"dev"`` or ``"reported"``); ``regions``:
+    """The head against the raw baseline of each feature block and AttnLRP on the first
+    ``scenes`` scenes of the ``which`` seed range (``"dev"`` or ``"reported"``); ``regions``:
     ``(rows, cols)`` for a grid (the world's cells by default) or K for Ward regions;
     ``head_path``: a head file other than the model folder's, or several (compared on the
     same spans, labelled ``head:NAME`` by file name); ``features``: the set to trace (default:
@@ -211,7 +225,7 @@ def evaluate_head(which: str = "reported", scenes: int = 300, *,
             "regions": regions if isinstance(regions, int) else "{}x{} grid".format(*regions),
             "max_new_tokens": max_new_tokens, "features": features,
             "head_feature_sets": {label: h.feature_set for label, h in heads.items()},
-            **summarise(records, list(heads), list(FEATURE_BLOCKS[features]))}
+            **summarise(records, list(heads), [*FEATURE_BLOCKS[features], *POSTHOC])}
 
 
 def table(result: dict) -> str:
@@ -237,6 +251,8 @@ def table(result: dict) -> str:
              f"{cell(result['lds_difference'][f'{a} - {b}'])} | |"
              for a, b in compared_pairs(result["heads"], result["baselines"])]
     features = f", features {result['features']}" if "features" in result else ""
+    timed = "; ".join(f"{name(k)}: {v:.1f} ms per span"
+                      for k, v in result.get("ms_per_span", {}).items())
     return "\n".join([
         f"{result['scenes']} scenes ({result['seed_range']} seeds {result['seeds'][0]}.."
         f"{result['seeds'][1]}, {result['regions']}{features}), {result['scenes_scored']} "
@@ -245,4 +261,6 @@ def table(result: dict) -> str:
         f"{result['pointing_spans']} spans name an object of the image (pointing).", "",
         "| scores | per-image LDS (mean ± s.e. [bootstrap 95%]) | pointing |",
         "| --- | --- | --- |", *rows,
-        f"| a uniformly random region (expected) | | {pct['random']} |"])
+        f"| a uniformly random region (expected) | | {pct['random']} |",
+        *([f"Post-hoc cost: {timed} (after generation, this process's threads)."]
+          if timed else [])])

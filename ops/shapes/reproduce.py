@@ -1,9 +1,10 @@
 """``python -m headscope.shapes reproduce``: every measurement of docs/shapes.md in one
 command, in order: caption accuracy, the shipped head against raw attention and raw
 value-norm-weighted attention on the reported seed range (per-image LDS with the paired
-differences' intervals, pointing), the shipped head against the same raw baselines and
-random pointing (``python -m headscope eval`` on the held-out scenes, with Ward regions and
-with the world's 3 x 3 cells; the head is the shipped one, not refitted), latency, the
+differences' intervals, pointing), the shipped head against the same raw baselines,
+AttnLRP and random pointing (``python -m headscope eval`` on the held-out scenes, with Ward
+regions and with the world's 3 x 3 cells; the head is the shipped one, not refitted),
+latency, the
 faithfulness figure, hallucination detection (on ordinary scenes of 1 to 4 objects and
 on hard ones of 5 to 9), and the model with mixer vision attention against the softmax one
 (caption accuracy, projection settings).
@@ -54,10 +55,11 @@ QUICK = {"accuracy": {"scenes": 4},
          "mixer": {"scenes": 2, "sweep_scenes": 2, "rounds": 1}}
 # A step's format: raised when what it measures changes (latency 2: time per token is the
 # decode's time over its steps, span ends included; the head evaluations 2: a raw baseline
-# per feature block, the head reading its own block of features="both"; hallucination 2:
+# per feature block, the head reading its own block of features="both"; 3: AttnLRP beside
+# them, with its time per span; faithfulness 3: AttnLRP and ms per span; hallucination 2:
 # AUROC within object counts and of the count alone).
-FORMATS = {"accuracy": 1, "head_vs_attention": 2, "head_eval": 2, "head_eval_grid": 2,
-           "latency": 2, "faithfulness": 2, "hallucination": 2, "hallucination_hard": 2,
+FORMATS = {"accuracy": 1, "head_vs_attention": 3, "head_eval": 3, "head_eval_grid": 3,
+           "latency": 2, "faithfulness": 3, "hallucination": 2, "hallucination_hard": 2,
            "mixer": 1}
 USES = {"faithfulness": ("latency",)}  # steps whose result this one takes in
 EVAL_KEYS = ("lds", "lds_pooled", "pearson", "subset_lds", "pointing", "pointing_spans")
@@ -91,13 +93,16 @@ def _head_eval(out: Path, s: dict, done: dict, model_dir) -> dict:
     code = commands_main(["eval", "--model", str(folder), "--head", str(folder / HEAD_FILE),
                           "--data", str(data), "--report", str(report), *regions,
                           "--subsets", str(s["subsets"]), "--features", s["features"],
-                          "--max-new-tokens", str(s["max_new_tokens"])])
+                          "--max-new-tokens", str(s["max_new_tokens"]), "--attnlrp"])
     if code != 0:
         raise RuntimeError(f"headscope.shapes reproduce: python -m headscope eval exited "
                            f"{code}")
     results = json.loads(report.read_text())
     return {"seeds": [first, first + s["scenes"] - 1], "spans": results["spans"],
             "baselines": results["baselines"],
+            "ms_per_span": {scorer: results[scorer]["ms_per_span"]
+                            for scorer in results["baselines"]
+                            if "ms_per_span" in results[scorer]},
             **{scorer: {k: results[scorer][k] for k in EVAL_KEYS if k in results[scorer]}
                for scorer in ("head", *results["baselines"], "random")}}
 

@@ -35,6 +35,8 @@ def _head_eval(r: dict, regions: str = "8 Ward regions") -> list:
                                                   ("lds", "lds_pooled", "pearson",
                                                    "subset_lds", "pointing")) + " |")
     lines.append(f"| random region (expected) | | | | | {_cell(r['random']['pointing'])} |")
+    lines += [f"{RAW_NAMES.get(scorer, scorer)}: {ms:.1f} ms per span"
+              for scorer, ms in r.get("ms_per_span", {}).items()]
     return lines
 
 

@@ -1,6 +1,7 @@
 """Shared pytest fixtures and guards: the devices every device test runs on, the folder of
-the reference implementations (../shared/seeds; docs/vas.md, docs/mixer.md), tests that
-run in a process of their own, and a memory limit on the suite's process."""
+the reference implementations (../shared/seeds; docs/vas.md, docs/mixer.md), the geometry
+tests' pictures and colours, tests that run in a process of their own, and a memory limit
+on the suite's process."""
 from __future__ import annotations
 
 import faulthandler
@@ -68,6 +69,137 @@ def load_seed(module_name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+# ---- the geometry tests' harness (tests/python/test_families_*.py) ----------------------------
+
+# the four quarters' colours of their pictures (headscope.hf.testing.quarters): top left, top
+# right, bottom left, bottom right
+QUARTER_COLOURS = ((255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0))
+
+
+def quarter_prompts(processor, sizes, per_row, marker: str, colours=QUARTER_COLOURS):
+    """A processor's inputs, left-padded, for prompts of ``per_row[b]`` pictures each (the
+    pictures of ``sizes``, (height, width), in order, each of four coloured quarters),
+    ``marker`` standing for each picture in the text."""
+    from headscope.hf.testing import quarters
+    texts = ["describe " + " and ".join([marker] * count) + " the image ." for count in per_row]
+    processor.tokenizer.padding_side = "left"
+    return processor(text=texts, images=[quarters(*size, colours) for size in sizes],
+                     return_tensors="pt", padding=True)
+
+
+def nearest_colour(processor, pixels: torch.Tensor, colours=QUARTER_COLOURS) -> torch.Tensor:
+    """``(N, P)``: for pixels ``(N, P, channels)`` as the processor's image processor
+    normalised them, the index of the nearest of ``colours``."""
+    image_processor = processor.image_processor
+    mean = torch.tensor(image_processor.image_mean)
+    std = torch.tensor(image_processor.image_std)
+    refs = (torch.tensor(colours, dtype=torch.float32) / 255 - mean) / std  # (colours, C)
+    return torch.cdist(pixels.float(), refs[None].expand(len(pixels), -1, -1)).argmin(-1)
+
+
+def assert_every_image_token_placed(images, input_ids: torch.Tensor, image_token: int) -> None:
+    """A family's reading ``images`` of ``input_ids`` ``(B, T)``: per row, its pictures'
+    positions are its image tokens, each once, and ``grid_regions(1, 1)`` gives every
+    image token a region, every other position -1, one region per picture."""
+    from headscope.hf import grid_regions
+    from headscope.hf.regions import region_ids
+    rid, counts = region_ids(grid_regions(1, 1), images, torch.zeros(*input_ids.shape, 1))
+    for b, row in enumerate(images):
+        positions = torch.cat([image.positions for image in row])
+        is_image = input_ids[b] == image_token
+        assert len(set(positions.tolist())) == len(positions)
+        assert torch.equal(positions.sort().values, is_image.nonzero().flatten())
+        assert bool((rid[b][~is_image] == -1).all()) and bool((rid[b][is_image] >= 0).all())
+        assert counts[b] == len(row)
+
+
+def assert_canvas_views(image, rows: int, cols: int, side: int = 2) -> None:
+    """A picture of GotOcr2's tiles (InternVL, Aya Vision) as the image processor cut it on
+    a ``rows x cols`` canvas: one tile alone is the base view; more are the tiles, each over
+    its cell of the canvas, then a thumbnail over the whole picture, and the grid the tiles
+    stitched; every view ``side x side`` tokens."""
+    if rows * cols == 1:
+        assert [v.name for v in image.views] == ["base"]
+        assert image.grid is image.views[0]
+    else:
+        tiles = image.views[:-1]
+        assert [v.name for v in image.views] == ["tile"] * rows * cols + ["thumbnail"]
+        assert image.views[-1].box == (0, 0, 1, 1)
+        for t, view in enumerate(tiles):
+            r, c = divmod(t, cols)
+            assert view.box == pytest.approx((c / cols, r / rows, (c + 1) / cols,
+                                              (r + 1) / rows))
+        assert image.grid.name == "tiles" and image.grid.box == (0, 0, 1, 1)
+        assert (image.grid.rows, image.grid.cols) == (side * rows, side * cols)
+        assert sorted(image.grid.positions.tolist()) == \
+            sorted(torch.cat([v.positions for v in tiles]).tolist())
+    assert all((v.rows, v.cols) == (side, side) for v in image.views)
+
+
+def patch_pixels(conv: torch.nn.Conv2d, tile: torch.Tensor) -> torch.Tensor:
+    """``(patches, p * p, C)``: the pixels of each patch of ``tile`` ``(C, S, S)``, patches
+    row-major, as the vision tower's patch convolution ``conv`` reads them (checked against
+    it)."""
+    p = conv.kernel_size[0]
+    C, S = tile.shape[0], tile.shape[-1]
+    patches = tile.reshape(C, S // p, p, S // p, p).permute(1, 3, 2, 4, 0).reshape(-1, p * p * C)
+    with torch.no_grad():
+        embeds = conv(tile[None]).flatten(2)[0].t()
+    weight = conv.weight.permute(0, 2, 3, 1).reshape(conv.weight.shape[0], -1)
+    torch.testing.assert_close(embeds, patches @ weight.t() + conv.bias, atol=1e-5, rtol=1e-5)
+    return patches.reshape(len(patches), p * p, C)
+
+
+def tile_colours(processor, inputs, b: int, first_tile: int, positions, token_pixels,
+                 image_token: int, per_tile: int = 4) -> torch.Tensor:
+    """``(len(positions), pixels)``: the quarter colour (``nearest_colour``) of each pixel
+    read by the tokens at ``positions`` of row ``b`` of a picture of tiles, its tiles from
+    ``first_tile`` of ``inputs["pixel_values"]`` on, ``per_tile`` tokens each;
+    ``token_pixels(tile)`` gives a tile's ``(tokens, pixels, C)`` in the model's order."""
+    order = (inputs["input_ids"][b] == image_token).nonzero().flatten().tolist()
+    pixels = torch.cat([token_pixels(inputs["pixel_values"][first_tile + t])
+                        for t in range(len(order) // per_tile)])
+    colours = nearest_colour(processor, pixels)
+    at = {p: i for i, p in enumerate(order)}
+    return colours[[at[p] for p in positions.tolist()]]
+
+
+def assert_tile_quarters_are_regions(model, inputs, colours_at, per_tile: int = 4) -> None:
+    """``headscope.hf.testing.assert_quarters_are_regions`` on ``inputs`` of one picture of
+    tiles per row (``per_tile`` tokens each, every picture cut into several):
+    ``colours_at(b, first_tile, positions)`` gives the colours of row b's tokens at
+    ``positions``, its picture's tiles starting at ``first_tile`` of ``pixel_values``; both
+    the tiles and the thumbnail read all four colours."""
+    from headscope.hf.families import family_of
+    from headscope.hf.testing import assert_quarters_are_regions
+    tiles = [len(image.positions) // per_tile
+             for (image,) in family_of(model).images(model.config, inputs)]
+    first = [sum(tiles[:b]) for b in range(len(tiles))]
+    tr = assert_quarters_are_regions(model, inputs, lambda b, image: colours_at(
+        b, first[b], image.positions))
+    assert {v.name for (image,) in tr.images for v in image.views} == {"thumbnail", "tile"}
+
+
+def assert_tiles_need_pixel_values(model, inputs) -> None:
+    """A picture of GotOcr2's tiles (``inputs``: one picture of 2 tiles and a thumbnail)
+    needs ``pixel_values`` for its canvas: plain ``generate``, which hands the model the
+    vision output instead, raises naming ``tr.generate``, which works; the tiles must add
+    up to the image tokens."""
+    from headscope.hf import Tracer
+    from headscope.hf.families import family_of
+    family = family_of(model)
+    # plain generate hands the model the vision output, not pixel_values
+    with torch.no_grad(), Tracer(model, regions=2, vas=False) as tr:
+        with pytest.raises(ValueError, match=r"need the pixel_values .* tr\.generate"):
+            model.generate(**inputs, max_new_tokens=1)
+        assert len(list(tr.generate(**inputs, max_new_tokens=1))) == 1
+    with pytest.raises(ValueError, match="need the pixel_values"):
+        family.images(model.config, dict(inputs, pixel_values=None))
+    with pytest.raises(ValueError, match="pixel_values hold 4 tiles but input_ids 3"):
+        family.images(model.config, dict(inputs, pixel_values=torch.cat(
+            [inputs["pixel_values"], inputs["pixel_values"][:1]])))
 
 
 # ---- tests in a process of their own ---------------------------------------------------------

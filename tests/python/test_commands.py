@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 from headscope.commands import main  # noqa: E402
 from headscope.commands.shards import read_collection, shard_path  # noqa: E402
+from headscope.hf.families import FAMILIES  # noqa: E402
 from headscope.hf.testing import tiny_checkpoint, tiny_dataset  # noqa: E402
 
 IMAGES = 4
@@ -114,10 +115,16 @@ def test_train_and_eval_report_numbers(files, tmp_path):
     (boxed / "data.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     report = tmp_path / "report.json"
     out = headscope("eval", "--model", model, "--head", head, "--data", boxed,
-                    "--report", report, *COLLECT)
+                    "--report", report, *COLLECT, "--attnlrp")
     assert "LDS (mean over images)" in out.stdout and "pointing accuracy" in out.stdout
     results = json.loads(report.read_text())
-    for scorer in ("head", "attention"):
+    # --attnlrp: AttnLRP's scores are collected and scored as a baseline, timed per span
+    assert results["baselines"][-1] == "attnlrp" and results["manifest"]["attnlrp"] is True
+    assert results["attnlrp"]["ms_per_span"] > 0 and "attnlrp: " in out.stdout
+    lrp = read_collection(tmp_path / "report.collect").tensors["attnlrp"]
+    assert lrp.shape == (col.num_spans, 4) and bool(torch.isfinite(lrp).all())
+    assert lrp.abs().max() > 0
+    for scorer in ("head", "attention", "attnlrp"):
         r = results[scorer]
         for key in ("lds", "lds_pooled", "pearson", "subset_lds", "pointing"):
             assert isinstance(r[key], float) and -1 <= r[key] <= 1, (scorer, key, r[key])
@@ -562,13 +569,13 @@ def test_grid_collection_has_the_grid_regions(files, tmp_path):
     assert got.tensors["effects"].shape[1] == 6
 
 
-@pytest.mark.parametrize("family", ["mistral3", "internvl", "idefics3", "glm4v"])
+@pytest.mark.parametrize("family", [t for f in FAMILIES for t in f.tiny.commands])
 def test_collect_train_eval_on_a_saved_model_of_another_layout(tmp_path, family):
     """The commands on a saved tiny model of a family other than the Qwen-VL of the
-    other tests (Mistral 3: rows with break tokens; InternVL: tiles and a thumbnail;
-    Idefics3: tiles with row and column markers and a global image; GLM-4.1V: Qwen's grid
-    under its own processor and markers), with its real processor, on non-square
-    pictures."""
+    other tests, with its real processor, on non-square pictures: the model types each
+    family module names in its TinySpec.commands (layouts of their own: rows with break
+    tokens, tiles and a thumbnail, tiles with row and column markers, Qwen's grid under
+    another processor)."""
     model = tiny_checkpoint(tmp_path / "model", family)
     data = tiny_dataset(tmp_path / "data", 3, size=(48, 24))
     collection = tmp_path / "collection"

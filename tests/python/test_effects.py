@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 from conftest import DEVICES  # noqa: E402
 from headscope.hf import Tracer, region_effects  # noqa: E402
-from headscope.hf.families import family_of  # noqa: E402
+from headscope.hf.families import FAMILIES, family_of  # noqa: E402
 from headscope.hf.keymask import removed_score  # noqa: E402
 from headscope.hf.testing import image_prompt, tiny_model  # noqa: E402
 
@@ -124,13 +124,16 @@ def _reference_effects(model, inputs, sequences, rid, sets, ablation, hole=None)
     return torch.tensor(out, dtype=torch.float32).T
 
 
-# "zero" and "mean" differ between families only in Qwen3-VL's deepstack features
-@pytest.mark.parametrize("family, ablation", [
-    ("qwen2_vl", "mask"), ("qwen3_vl", "mask"), ("llava", "mask"), ("qwen2_vl", "zero"),
-    ("qwen2_vl", "mean"), ("qwen3_vl", "zero"), ("qwen3_vl", "mean"), ("llava_next", "mask"),
-    ("llava_next", "zero"), ("llava_onevision", "mask"), ("mistral3", "mask"),
-    ("internvl", "mask"), ("glm4v", "mask"), ("glm4v_moe", "mask"), ("gemma3", "mask"),
-    ("paligemma", "mask"), ("llava_llama4_chunked", "mask")])
+# The model types and ablations each family module chooses (TinySpec.effects; "zero" and
+# "mean" differ between families only in Qwen3-VL's deepstack features), and LLaVA on Llama
+# 4's chunked decoder (test_families_patterns.VARIANTS)
+EFFECTS = [(model_type, ablation) for family in FAMILIES
+           for model_type, ablations in family.tiny.effects.items() for ablation in ablations]
+EFFECTS.append(("llava_llama4_chunked", "mask"))
+UNSEEN = [t for family in FAMILIES for t in family.tiny.unseen_region_effects]
+
+
+@pytest.mark.parametrize("family, ablation", EFFECTS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_batched_effects_equal_one_region_at_a_time(family, ablation, device):
     model, inputs, sequences, rid = _case(family, device)
@@ -152,7 +155,7 @@ def test_batched_effects_equal_one_region_at_a_time(family, ablation, device):
     torch.testing.assert_close(effects[0] + effects[1], effects[2], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "llava_next", "llava_onevision"])
+@pytest.mark.parametrize("family", UNSEEN)
 @pytest.mark.parametrize("ablation", ["mask", "zero"])
 def test_region_the_span_cannot_see_has_no_effect(family, ablation):
     model, inputs, sequences, rid = _case(family)

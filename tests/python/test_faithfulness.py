@@ -145,13 +145,16 @@ def test_faithfulness_command_end_to_end(tmp_path):
                  "--rounds", "1", "--tokens", "8"]) == 0
     result = json.loads((out / "faithfulness.json").read_text())
     methods = result["methods"]
-    assert set(methods) == {"head", "attention", "gradient", "gradient_norm", "perturbation"}
+    assert set(methods) == {"head", "attention", "gradient", "gradient_norm", "attnlrp",
+                            "perturbation"}
     assert methods["perturbation"]["lds"] == 1.0 and methods["perturbation"]["r2"] == 1.0
     for m in methods.values():
         assert -1 <= m["lds"] <= 1 and m["r2"] <= 1 and m["ms_per_token"] > 0
+        assert m["ms_per_span"] > 0
     assert methods["head"]["vs_head"] == 1.0
     assert result["seeds"] == [1_000_500_000, 1_000_500_001]
     assert sum(s["spans"] for s in result["per_scene"]) == result["spans"] > 0
-    assert "| trained head |" in (out / "faithfulness.md").read_text()
+    table = (out / "faithfulness.md").read_text()
+    assert "| trained head |" in table and "| AttnLRP (log p) |" in table
     png = (out / "faithfulness.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000

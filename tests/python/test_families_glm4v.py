@@ -9,21 +9,20 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
-np = pytest.importorskip("numpy")
+pytest.importorskip("numpy")
 pytest.importorskip("PIL.Image")
 
+from conftest import assert_every_image_token_placed, nearest_colour, quarter_prompts  # noqa: E402
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
-from headscope.hf.regions import region_ids  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
                                   assert_quarter_colours, assert_quarters_are_regions,
-                                  quarters, tiny_model, tiny_processor)
+                                  tiny_model, tiny_processor)
 
 IMAGE = "<|begin_of_image|><|image|><|end_of_image|>"
 # (height, width): square, 1:2 wide, 3:1 tall, larger than max_pixels (scaled down),
 # thin, and odd sizes
 SIZES = ((32, 32), (24, 48), (60, 20), (200, 100), (16, 40), (30, 50))
-COLOURS = np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 0]], np.uint8)
 
 
 @pytest.fixture(scope="module", params=["glm4v", "glm4v_moe"])
@@ -37,11 +36,7 @@ def processor():
 
 
 def run_processor(processor, sizes, per_row):
-    """The processor's inputs for prompts of ``per_row`` pictures each (left padding)."""
-    pictures = [quarters(*s, COLOURS) for s in sizes]
-    texts = ["describe " + " and ".join([IMAGE] * count) + " the image ." for count in per_row]
-    processor.tokenizer.padding_side = "left"
-    return processor(text=texts, images=pictures, return_tensors="pt", padding=True)
+    return quarter_prompts(processor, sizes, per_row, IMAGE)
 
 
 @pytest.mark.parametrize("per_row", [(1,) * len(SIZES), (2, 1, 3)])
@@ -51,7 +46,6 @@ def test_views_follow_the_processors_layout(model, processor, per_row):
     ids = inputs["input_ids"]
     assert [len(row) for row in images] == list(per_row)
     want_tokens = processor._get_num_multimodal_tokens(image_sizes=SIZES).num_image_tokens
-    rid, counts = region_ids(grid_regions(1, 1), images, torch.zeros(*ids.shape, 1))
     picture = 0
     for b, row in enumerate(images):
         for image in row:
@@ -65,12 +59,8 @@ def test_views_follow_the_processors_layout(model, processor, per_row):
             assert torch.equal(view.positions, torch.arange(first, last + 1))
             assert int(ids[b, first - 1]) == VISION_START and int(ids[b, last + 1]) == VISION_END
             picture += 1
-        positions = torch.cat([im.positions for im in row])
-        assert torch.equal(positions.sort().values, (ids[b] == IMAGE_TOKEN).nonzero().flatten())
-        assert bool((rid[b][ids[b] != IMAGE_TOKEN] == -1).all())
-        assert bool((rid[b][ids[b] == IMAGE_TOKEN] >= 0).all())
-        assert counts[b] == len(row)
     assert picture == len(SIZES)
+    assert_every_image_token_placed(images, ids, IMAGE_TOKEN)
 
 
 def test_a_grid_that_does_not_match_input_ids_raises(model, processor):
@@ -84,7 +74,7 @@ def test_a_grid_that_does_not_match_input_ids_raises(model, processor):
 
 
 def token_colours(model, processor, inputs, picture: int) -> torch.Tensor:
-    """(tokens, pixels): the index of the nearest of COLOURS for each pixel each token of
+    """(tokens, pixels): the index of the nearest quarter colour for each pixel each token of
     ``picture`` reads, in the model's token order. The vision tower merges each run of
     ``merge ** 2`` consecutive patches into one token (its downsampling convolution over
     ``view(-1, merge, merge, hidden)``), and a patch row holds channels x time x p x p."""
@@ -95,10 +85,7 @@ def token_colours(model, processor, inputs, picture: int) -> torch.Tensor:
     patches = inputs["pixel_values"][start:start + sizes[picture]]
     pixels = patches.reshape(-1, m * m, vc.in_channels, T, p * p)[:, :, :, 0]
     pixels = pixels.permute(0, 1, 3, 2).reshape(len(patches) // (m * m), -1, vc.in_channels)
-    ip = processor.image_processor
-    mean, std = torch.tensor(ip.image_mean), torch.tensor(ip.image_std)
-    refs = (torch.from_numpy(COLOURS).float() / 255 - mean) / std  # (4, C)
-    return torch.cdist(pixels.float(), refs[None].expand(len(pixels), -1, -1)).argmin(-1)
+    return nearest_colour(processor, pixels)
 
 
 def test_patches_merge_into_the_processors_token_order(model, processor):

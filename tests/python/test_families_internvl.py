@@ -14,13 +14,14 @@ pytest.importorskip("torchvision")
 np = pytest.importorskip("numpy")
 Image = pytest.importorskip("PIL.Image")
 
-from headscope.hf import Tracer, grid_regions  # noqa: E402
+from conftest import (assert_canvas_views, assert_every_image_token_placed,  # noqa: E402
+                      assert_tile_quarters_are_regions, assert_tiles_need_pixel_values,
+                      patch_pixels, tile_colours)
+from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.internvl import IMAGE_END, IMAGE_START  # noqa: E402
-from headscope.hf.regions import region_ids  # noqa: E402
-from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours,  # noqa: E402
-                                  assert_quarters_are_regions, quarters, tiny_model,
-                                  tiny_processor)
+from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours, quarters,  # noqa: E402
+                                  tiny_model, tiny_processor)
 
 TILE = 16  # the tiny processor's tile side in pixels
 MAX_TILES = 6
@@ -59,57 +60,24 @@ def test_canvas_and_views_follow_the_processor(model, processor, per_row):
     images = family_of(model).images(config, inputs)
     ids = inputs["input_ids"]
     want_tokens = processor._get_num_multimodal_tokens(image_sizes=list(SIZES)).num_image_tokens
-    rid, counts = region_ids(grid_regions(1, 1), images, torch.zeros(*ids.shape, 1))
     picture = 0
     assert [len(row) for row in images] == list(per_row)
     for b, row in enumerate(images):
         for image in row:
-            rows, cols = processor_canvas(SIZES[picture])
-            tiles = [v for v in image.views if v.name == "tile"]
-            thumbs = [v for v in image.views if v.name == "thumbnail"]
-            if rows * cols == 1:
-                assert [v.name for v in image.views] == ["base"]
-                assert image.grid is image.views[0]
-            else:
-                assert len(tiles) == rows * cols and len(thumbs) == 1
-                assert thumbs[0].box == (0, 0, 1, 1) and image.views[-1] is thumbs[0]
-                for t, view in enumerate(tiles):
-                    r, c = divmod(t, cols)
-                    assert view.box == pytest.approx((c / cols, r / rows, (c + 1) / cols,
-                                                      (r + 1) / rows))
-                assert image.grid.name == "tiles" and image.grid.box == (0, 0, 1, 1)
-                assert (image.grid.rows, image.grid.cols) == (2 * rows, 2 * cols)
-                assert sorted(image.grid.positions.tolist()) == \
-                    sorted(torch.cat([v.positions for v in tiles]).tolist())
-            assert all((v.rows, v.cols) == (2, 2) for v in image.views)
+            assert_canvas_views(image, *processor_canvas(SIZES[picture]))
             # the processor's own count: the picture's tokens and its two markers
             assert len(image.positions) + 2 == want_tokens[picture]
             p = image.positions
             assert int(ids[b, p.min() - 1]) == IMAGE_START
             assert int(ids[b, p.max() + 1]) == IMAGE_END
             picture += 1
-        positions = torch.cat([im.positions for im in row])
-        assert len(set(positions.tolist())) == len(positions)
-        assert torch.equal(positions.sort().values, (ids[b] == IMAGE_TOKEN).nonzero().flatten())
-        assert bool((rid[b][ids[b] != IMAGE_TOKEN] == -1).all())
-        assert bool((rid[b][ids[b] == IMAGE_TOKEN] >= 0).all())
-        assert counts[b] == len(row)
     assert picture == len(SIZES)
+    assert_every_image_token_placed(images, ids, IMAGE_TOKEN)
 
 
 def test_tiles_without_pixel_values_raise(model, processor):
     inputs = run_processor(processor, ((30, 60),), (1,))
-    family = family_of(model)
-    # plain generate hands the model the vision output, not pixel_values
-    with torch.no_grad(), Tracer(model, regions=2, vas=False) as tr:
-        with pytest.raises(ValueError, match=r"need the pixel_values .* tr\.generate"):
-            model.generate(**inputs, max_new_tokens=1)
-        assert len(list(tr.generate(**inputs, max_new_tokens=1))) == 1
-    with pytest.raises(ValueError, match="need the pixel_values"):
-        family.images(model.config, dict(inputs, pixel_values=None))
-    with pytest.raises(ValueError, match="pixel_values hold 4 tiles but input_ids 3"):
-        family.images(model.config, dict(inputs, pixel_values=torch.cat(
-            [inputs["pixel_values"], inputs["pixel_values"][:1]])))
+    assert_tiles_need_pixel_values(model, inputs)
 
 
 def token_pixels(model, tile: torch.Tensor) -> torch.Tensor:
@@ -117,33 +85,20 @@ def token_pixels(model, tile: torch.Tensor) -> torch.Tensor:
     vision tower's patch convolution (patches row-major, checked against the convolution)
     and the model's pixel shuffle of the patch grid."""
     conv = model.model.vision_tower.embeddings.patch_embeddings.projection
-    p = conv.kernel_size[0]
-    C, S = tile.shape[0], tile.shape[-1]
-    patches = tile.reshape(C, S // p, p, S // p, p).permute(1, 3, 2, 4, 0).reshape(-1, p * p * C)
-    with torch.no_grad():
-        embeds = conv(tile[None]).flatten(2)[0].t()
-    weight = conv.weight.permute(0, 2, 3, 1).reshape(conv.weight.shape[0], -1)
-    torch.testing.assert_close(embeds, patches @ weight.t() + conv.bias, atol=1e-5, rtol=1e-5)
+    patches = patch_pixels(conv, tile)
+    p, S = conv.kernel_size[0], tile.shape[-1]
     side = S // p
     index = torch.arange(side * side, dtype=torch.float64).reshape(1, side, side, 1)
     shuffled = model.model.pixel_shuffle(index, scale_factor=model.config.downsample_ratio)
     which = shuffled.reshape(-1, shuffled.shape[-1]).round().to(torch.int64)  # (tokens, 4)
-    return patches[which].reshape(which.shape[0], -1, C)
+    return patches[which].reshape(which.shape[0], -1, tile.shape[0])
 
 
 def colours_at(model, processor, inputs, b: int, first_tile: int, positions) -> torch.Tensor:
     """(len(positions), pixels): the colour index of each pixel read by the tokens at
     ``positions`` of row ``b``, whose picture's tiles start at ``first_tile``."""
-    ip = processor.image_processor
-    mean, std = torch.tensor(ip.image_mean), torch.tensor(ip.image_std)
-    refs = (torch.from_numpy(COLOURS).float() / 255 - mean) / std
-    order = (inputs["input_ids"][b] == IMAGE_TOKEN).nonzero().flatten().tolist()
-    tiles = len(order) // 4
-    pixels = torch.cat([token_pixels(model, inputs["pixel_values"][first_tile + t])
-                        for t in range(tiles)])
-    colours = torch.cdist(pixels.float(), refs[None].expand(len(pixels), -1, -1)).argmin(-1)
-    at = {p: i for i, p in enumerate(order)}
-    return colours[[at[p] for p in positions.tolist()]]
+    return tile_colours(processor, inputs, b, first_tile, positions,
+                        lambda tile: token_pixels(model, tile), IMAGE_TOKEN)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -156,13 +111,8 @@ def test_each_tokens_pixels_carry_the_colour_of_its_boxes_quarter(model, process
 
 def test_grid_regions_give_each_quarter_one_region_in_every_view(model, processor):
     inputs = run_processor(processor, ((40, 40), (30, 60), (60, 20)), (1, 1, 1))
-    # each picture's first tile in pixel_values: the tiles (4 tokens each) before it
-    tiles = [len(image.positions) // 4
-             for (image,) in family_of(model).images(model.config, inputs)]
-    first = [sum(tiles[:b]) for b in range(len(tiles))]
-    tr = assert_quarters_are_regions(model, inputs, lambda b, image: colours_at(
-        model, processor, inputs, b, first[b], image.positions))
-    assert {v.name for (image,) in tr.images for v in image.views} == {"thumbnail", "tile"}
+    assert_tile_quarters_are_regions(model, inputs, lambda b, first_tile, positions: colours_at(
+        model, processor, inputs, b, first_tile, positions))
 
 
 def test_ward_regions_cluster_on_the_stitched_tiles(model, processor):

@@ -9,22 +9,22 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
-np = pytest.importorskip("numpy")
-Image = pytest.importorskip("PIL.Image")
+pytest.importorskip("numpy")
+pytest.importorskip("PIL.Image")
 
+from conftest import nearest_colour, quarter_prompts  # noqa: E402
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.regions import region_ids  # noqa: E402
 from headscope.hf.families.mistral3 import IMAGE_BREAK, IMAGE_END  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours,  # noqa: E402
-                                  assert_quarters_are_regions, quarters, tiny_model,
+                                  assert_quarters_are_regions, tiny_model,
                                   tiny_processor)
 
 # (height, width) of the pictures given to the processor: square, 2:1 wide, 1:3 tall
 # (rounded up to multiples of 8 pixels: 8 x 3 tokens), larger than the longest edge (scaled
 # down), and odd sizes
 SIZES = ((64, 64), (32, 64), (60, 20), (200, 100), (40, 40), (30, 50))
-COLOURS = np.array([[255, 0, 0], [0, 255, 0], [0, 0, 255], [255, 255, 0]], np.uint8)
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +38,7 @@ def processor():
 
 
 def run_processor(processor, sizes, per_row):
-    """The processor's inputs for prompts of ``per_row`` pictures each (left padding)."""
-    pictures = [quarters(*s, COLOURS) for s in sizes]
-    texts, i = [], 0
-    for count in per_row:
-        texts.append("describe " + " and ".join(["[IMG]"] * count) + " the image .")
-        i += count
-    processor.tokenizer.padding_side = "left"
-    return processor(text=texts, images=pictures, return_tensors="pt", padding=True)
+    return quarter_prompts(processor, sizes, per_row, "[IMG]")
 
 
 def rows_in_ids(ids: torch.Tensor) -> list:
@@ -146,19 +139,11 @@ def colours_at(model, processor, inputs, b: int, picture: int, positions: torch.
     scatters a picture's tokens over its image tokens in sequence order."""
     h, w = inputs["image_sizes"][picture].tolist()
     pixels = token_pixels(model, inputs["pixel_values"][picture], (h, w))
-    colours = colour_quarter(processor, pixels)
+    colours = nearest_colour(processor, pixels)
     order = (inputs["input_ids"][b] == IMAGE_TOKEN).nonzero().flatten()
     assert len(order) == len(colours)
     at = {p: i for i, p in enumerate(order.tolist())}
     return colours[[at[p] for p in positions.tolist()]]
-
-
-def colour_quarter(processor, pixels: torch.Tensor) -> torch.Tensor:
-    """(tokens, pixels) index of the nearest of COLOURS, as the processor normalises them."""
-    ip = processor.image_processor
-    mean, std = torch.tensor(ip.image_mean), torch.tensor(ip.image_std)
-    refs = (torch.from_numpy(COLOURS).float() / 255 - mean) / std  # (4, C)
-    return torch.cdist(pixels.float(), refs[None].expand(pixels.shape[0], -1, -1)).argmin(-1)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -196,9 +181,9 @@ def test_a_sliding_window_text_model_is_traced_under_its_window():
     """MistralConfig's default has a sliding window (the Mistral 3 checkpoints have none):
     the Tracer pools under it. A window of 8, smaller than the prompts: greedy tokens equal
     and span features equal region pooling of the eager attentions."""
-    import test_hf as contract
+    import test_family_contract as contract
     window = dict(sliding_window=8)
     models = (tiny_model("mistral3", text_overrides=window),
               tiny_model("mistral3", text_overrides=window, attn_implementation="eager"))
-    assert contract._prompt(models[0], batch=2)["input_ids"].shape[1] > 2 * 8
+    assert contract.prompt(models[0], batch=2)["input_ids"].shape[1] > 2 * 8
     contract.test_generate_same_tokens_and_span_features_equal_region_pool(models)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-import test_hf as contract  # noqa: E402
+import test_family_contract as contract  # noqa: E402
 from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.masks import Pattern, mask_function, read_pattern  # noqa: E402
 from headscope.hf.testing import tiny_model  # noqa: E402
@@ -56,7 +56,7 @@ def test_mistral_window_binds_in_the_test_prompts(models):
     window = getattr(model.config.text_config, "sliding_window", None)
     if window is None:
         pytest.skip("no window")
-    assert contract._prompt(model, batch=2)["input_ids"].shape[1] > 2 * window
+    assert contract.prompt(model, batch=2)["input_ids"].shape[1] > 2 * window
 
 
 def test_llama4_chunks_bind_in_the_test_prompts(models):
@@ -68,14 +68,14 @@ def test_llama4_chunks_bind_in_the_test_prompts(models):
         pytest.skip("no chunks")
     assert text.layer_types == ["chunked_attention", "full_attention"]
     assert text.no_rope_layers == [1, 0]  # RoPE on the chunked layer, none on the global one
-    assert contract._prompt(model, batch=2)["input_ids"].shape[1] > 4 * text.attention_chunk_size
+    assert contract.prompt(model, batch=2)["input_ids"].shape[1] > 4 * text.attention_chunk_size
 
 
 def _span_feature_error(model, eager, steps=7):
     """Max |span features - eager region pooling of the teacher-forced sequence| of a
     greedy generation of ``steps`` tokens from the contract's left-padded batch."""
     import headscope
-    inputs = contract._prompt(model, batch=2)
+    inputs = contract.prompt(model, batch=2)
     every3 = lambda ids: len(ids) % 3 == 0  # noqa: E731
     with Tracer(model, regions=4, vas=False, splitter=every3) as tr:
         spans = list(tr.generate(**inputs, max_new_tokens=steps, do_sample=False,
@@ -115,7 +115,7 @@ def test_paligemma2_vas_through_the_qk_op_with_soft_cap(monkeypatch):
     gives the reference's features."""
     model = tiny_model("paligemma")
     assert model.config.text_config.attn_logit_softcapping
-    inputs = contract._prompt(model, batch=2)
+    inputs = contract.prompt(model, batch=2)
     _, attns, writes = contract.eager_run(model, inputs)
     import headscope
     want, _ = headscope.vas_features(attns, writes, inputs["attention_mask"],
@@ -163,7 +163,7 @@ def test_unexpressible_mask_functions_raise(fn, match, monkeypatch):
     """A mask the ops cannot express stops the traced forward with what it was, never a
     wrong number."""
     model = tiny_model("qwen2_vl")
-    inputs = contract._prompt(model)
+    inputs = contract.prompt(model)
     from headscope.hf import backend
     with Tracer(model, vas=True) as tr:
         mask = tr.mask

@@ -62,6 +62,9 @@ def test_summary_pairs_scenes_and_leaves_out_special_spans():
         {"spans": 0, "special_spans": 1},
     ]
     s = summarise(records)
+    assert s["ms_per_span"] == {}  # no record timed a baseline
+    records[0]["seconds"], records[1]["seconds"] = {"attention": 0.003}, {"attention": 0.006}
+    assert summarise(records)["ms_per_span"] == pytest.approx({"attention": 3.0})
     assert s["scenes"] == 3 and s["scenes_scored"] == 2 and s["spans"] == 3
     assert s["special_spans_left_out"] == 3
     assert s["lds"]["head"]["mean"] == pytest.approx(0.5)
@@ -142,6 +145,8 @@ def test_head_eval_command_on_the_shipped_model(tmp_path, capsys):
     assert result["pointing"]["random"] == pytest.approx(1 / 9)
     printed = capsys.readouterr().out
     assert "special-token-only spans left out" in printed
+    assert "attnlrp" in result["baselines"] and result["ms_per_span"]["attnlrp"] > 0
+    assert "| AttnLRP (log p) |" in printed and "AttnLRP (log p): " in printed
     assert f"| head ({shipped.feature_set}) - raw " in printed
     # traced with both blocks, the same head scores the same spans exactly as before (its
     # columns are the same numbers), and each block is a raw baseline
@@ -149,7 +154,7 @@ def test_head_eval_command_on_the_shipped_model(tmp_path, capsys):
     assert main(["--threads", "1", "head-eval", "--seeds", "dev", "--scenes", "4",
                  "--features", "both", "--json", str(both)]) == 0
     both = json.loads(both.read_text())
-    assert both["baselines"] == ["attention", "attention*value_norm"]
+    assert both["baselines"] == ["attention", "attention*value_norm", "attnlrp"]
     for name in ("head", *result["baselines"]):
         assert both["lds"][name] == result["lds"][name], name
     assert "| raw value-norm-weighted attention |" in capsys.readouterr().out

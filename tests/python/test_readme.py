@@ -11,9 +11,9 @@ import pytest
 from conftest import REPO
 
 
-def python_blocks():
-    """(heading the block stands under, code) of each ```python block of README.md."""
-    text = (REPO / "README.md").read_text()
+def python_blocks(page: str = "README.md"):
+    """(heading the block stands under, code) of each ```python block of ``page``."""
+    text = (REPO / page).read_text()
     blocks, heading = [], "top"
     for match in re.finditer(r"^(#+ [^\n]*)$|^```(\w*)\n(.*?)^```$", text, re.M | re.S):
         if match.group(1):
@@ -45,6 +45,16 @@ def test_readme_example_runs(code, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     if "Tracer(" in code:
         assert "torch.Size([1, 36])" in out and "torch.Size([4, 8])" in out
+
+
+@pytest.mark.parametrize("code", python_blocks("docs/explain.md"))
+def test_explain_docs_example_runs(code, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "docs/explain.md", "exec"), {})
+    assert (tmp_path / "explained" / "index.html").is_file()
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("0 'A red star at the top right.' [(2, "), printed
 
 
 def test_readme_states_the_bad_input_count():

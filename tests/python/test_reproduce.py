@@ -23,16 +23,19 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     assert versus["seed_range"] == "reported" and versus["scenes"] == 2
     assert versus["seeds"] == [1_004_000_000, 1_004_000_001]
     assert versus["regions"] == "3x3 grid" and versus["special_spans_left_out"] >= 1
-    # the head reads its own block; both raw baselines are scored beside it
+    # the head reads its own block; both raw baselines and AttnLRP are scored beside it
     assert versus["features"] == "both"
-    assert versus["baselines"] == ["attention", "attention*value_norm"]
-    assert list(versus["lds_difference"]) == ["head - attention", "head - attention*value_norm"]
+    assert versus["baselines"] == ["attention", "attention*value_norm", "attnlrp"]
+    assert list(versus["lds_difference"]) == ["head - attention", "head - attention*value_norm",
+                                              "head - attnlrp"]
+    assert versus["ms_per_span"]["attnlrp"] > 0
     head_eval = steps["head_eval"]["result"]
     assert head_eval["seeds"] == [1_000_500_000, 1_000_500_001]
     assert 0 <= head_eval["random"]["pointing"] <= 1
     assert head_eval["random"]["pointing_spans"] == head_eval["head"]["pointing_spans"]
-    assert head_eval["baselines"] == ["attention", "attention*value_norm"]
+    assert head_eval["baselines"] == ["attention", "attention*value_norm", "attnlrp"]
     assert -1 <= head_eval["attention*value_norm"]["lds"] <= 1
+    assert -1 <= head_eval["attnlrp"]["lds"] <= 1 and head_eval["ms_per_span"]["attnlrp"] > 0
     on_cells = steps["head_eval_grid"]["result"]
     assert on_cells["seeds"] == head_eval["seeds"] and on_cells["spans"] == head_eval["spans"]
     if on_cells["random"]["pointing_spans"]:  # one cell in nine holds a given object
@@ -48,6 +51,7 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     assert [row["max_iter"] for row in mixer["sweep"]["settings"]][-1] == 50
     text = (tmp_path / "results.md").read_text()
     assert "| raw value-norm-weighted attention |" in text
+    assert "| AttnLRP (log p) |" in text and "AttnLRP (log p): " in text
     for title in ("Caption accuracy", "The head against raw attention", "Attribution head",
                   "Attribution head on the world's cells", "Latency",
                   "Faithfulness against time", "Hallucination detection",

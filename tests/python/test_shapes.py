@@ -183,6 +183,9 @@ def test_demo_writes_its_files(shipped, tmp_path, capsys, regions):
         assert report["regions"] == "a 3x3 grid"
         assert image["region_grid"] == grid_regions(3, 3)(None, (6, 6)).reshape(6, 6).tolist()
     assert len(image["vas_features"]) == 36
+    explained = json.loads((tmp_path / image["page"]).with_name("report.json").read_text())
+    assert [s["text"].strip() for s in explained["spans"] if not s["special"]] == \
+        [s["text"] for s in image["spans"]]  # the explain page of the same run
     assert image["spans"] and image["description"] == " ".join(s["text"] for s in image["spans"])
     for s in image["spans"]:
         assert s["text"] in printed

@@ -1,30 +1,24 @@
 """One module per family of VLMs behind one interface (:class:`Family`): the Tracer,
 ``region_effects`` and the commands ask :func:`family_of` and know no family by name.
-Adding a family: a module here with a :class:`Family` subclass, its line in
-:data:`FAMILIES`, and its model types in the tests' parametrisation
-(``headscope.hf.testing.FAMILIES``); see docs/DEVELOPING.md."""
+Each module registers its family with ``@register``; importing this package imports every
+module in it, so :data:`FAMILIES`, :func:`supported_model_types`, the tiny test models,
+their processors and the tests' parametrisations all come from those modules. Adding a
+family: docs/DEVELOPING.md."""
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Tuple
 
-from .base import Family
-from .gemma3 import Gemma3
-from .glm4v import Glm4v
-from .idefics3 import Idefics3
-from .internvl import InternVL
+from .base import REGISTRY, Family, TinySpec, register
 from .layout import WHOLE, ImageTokens, View
-from .llama4 import Llama4
-from .llava import Llava
-from .llava_next import LlavaNext
-from .llava_onevision import LlavaOnevision
-from .mistral3 import Mistral3
-from .paligemma import PaliGemma
-from .qwen_vl import QwenVL
 from .unsupported import unsupported_reason
 
-FAMILIES: Tuple[Family, ...] = (QwenVL(), Llava(), Idefics3(), LlavaNext(),
-                                LlavaOnevision(), Mistral3(), InternVL(), Glm4v(),
-                                Llama4(), Gemma3(), PaliGemma())
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+# every registered family, by name
+FAMILIES: Tuple[Family, ...] = tuple(sorted(REGISTRY, key=lambda f: f.name))
 
 
 def supported_model_types() -> Tuple[str, ...]:
@@ -48,5 +42,5 @@ def family_of(model_or_config, who: str = "headscope.hf") -> Family:
                      f"{', '.join(supported_model_types())}")
 
 
-__all__ = ["FAMILIES", "Family", "ImageTokens", "View", "WHOLE", "family_of",
-           "supported_model_types"]
+__all__ = ["FAMILIES", "Family", "ImageTokens", "TinySpec", "View", "WHOLE", "family_of",
+           "register", "supported_model_types"]

@@ -2,11 +2,64 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 
 import torch
 
-from .layout import ImageTokens, View
+from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VOCAB
+from .layout import ImageTokens
+
+# LLaVA's chat template, with "<image> " where a picture goes: ``llava_template("[IMG] ")``
+# puts another family's image marker there.
+_LLAVA_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<image> "
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %} "
+    "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def llava_template(image: str = "<image> ") -> str:
+    """LLaVA's one-turn chat template ("USER: ... ASSISTANT:") with ``image`` where each
+    picture goes."""
+    return _LLAVA_TEMPLATE.replace("<image> ", image)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """What the tests need of a family besides its layout: the tiny vocabulary's special
+    tokens, the processor's settings, and which shared tests run on it.
+
+    ``tokens``: every special token of the tiny tokenizer by name, with its id: the shared
+    ids of :mod:`headscope.hf.tiny` (``IMAGE_TOKEN``, ``EOS``, ...) and the family's own
+    markers from ``MARKER_IDS`` (ids may repeat across families, never within one: checked
+    at registration). ``tokenizer_extras``: the named special tokens its processor reads
+    off the tokenizer (``image_token``, ``boi_token``, ...). ``chat_template``: a one-turn
+    template for the processor.
+
+    The shared tests' choices: ``grids``, the two pictures of the contract's prompts
+    (``image_prompt``'s ``grids``); ``contract_xfail``, ``(exception, reason)`` where the
+    contract cannot hold yet (every contract test a strict xfail); ``effects``, per model
+    type the ablations checked against one region at a time (test_effects.py);
+    ``unseen_region_effects``, the model types whose effects are checked zero on a region
+    no query sees; ``commands``, the model types the commands run end to end on, from a
+    saved checkpoint (test_commands.py); ``geometry_waiver``, why a family has no geometry
+    test against its real processor (a ``tests/python/test_families_*.py`` that names its
+    model types), if so."""
+    tokens: Mapping[str, int]
+    chat_template: str
+    tokenizer_extras: Mapping[str, str] = field(default_factory=dict)
+    grids: Tuple[Tuple[int, int], ...] = ((8, 8), (6, 4))
+    contract_xfail: Optional[Tuple[Type[BaseException], str]] = None
+    effects: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
+    unseen_region_effects: Tuple[str, ...] = ()
+    commands: Tuple[str, ...] = ()
+    geometry_waiver: Optional[str] = None
+
+    def by_id(self) -> Dict[int, str]:
+        """The special tokens by id."""
+        return {i: name for name, i in self.tokens.items()}
 
 
 class Family:
@@ -14,15 +67,19 @@ class Family:
     which tokens are image tokens, and where each lies on its picture. The Tracer,
     ``region_effects`` and the commands ask the family and know no family by name.
 
-    A subclass sets :attr:`name`, :attr:`model_types` (the ``config.model_type`` values it
-    reads), :attr:`layout` (one line for the families table), :attr:`input_keys` (the
+    A subclass sets :attr:`name`, :attr:`titles`, :attr:`model_types` (the
+    ``config.model_type`` values it reads), :attr:`layout` (one line for the families table), :attr:`input_keys` (the
     model inputs :meth:`images` needs besides ``input_ids``; the Tracer takes them from the
     model's forward or from ``generate``'s arguments), :attr:`layout_keys` (those of them
     the model does not take) and implements :meth:`images`;
     :meth:`tiny_config` and :meth:`tiny_image` build the tiny random models and prompts of
-    the tests (``headscope.hf.testing``)."""
+    the tests (``headscope.hf.testing``), :meth:`tiny_processor` their real processor and
+    :attr:`tiny` (a :class:`TinySpec`) their tokens and tests. :func:`register` enters the
+    class in the registry every list of families derives from."""
 
     name: str = ""
+    # the family's names as the README lists them ("GLM-4.1V", "GLM-4.5V")
+    titles: Tuple[str, ...] = ()
     model_types: Tuple[str, ...] = ()
     layout: str = ""
     input_keys: Tuple[str, ...] = ()
@@ -32,6 +89,8 @@ class Family:
     layout_keys: Tuple[str, ...] = ()
     # the tiny models' text attention when the family's decoder runs under one only
     tiny_attention: Optional[str] = None
+    # the tiny test models' vocabulary, processor settings and shared tests
+    tiny: TinySpec = None
 
     def decoder(self, model) -> torch.nn.Module:
         """The text decoder: its attention layers are the traced ones."""
@@ -104,6 +163,53 @@ class Family:
         ``grid`` a size hint the family may ignore."""
         raise NotImplementedError
 
+    def tiny_processor(self, model_type: str, tokenizer, *, min_pixels: int, max_pixels: int,
+                       longest_edge: int, max_tiles: int):
+        """The real transformers processor of a tiny ``model_type`` model, offline:
+        ``tokenizer`` (the tiny vocabulary with :attr:`tiny`'s tokens), an image processor
+        sized to :meth:`tiny_config`'s vision tower and :attr:`tiny`'s chat template. The
+        size options are :func:`headscope.hf.testing.tiny_processor`'s; each family reads
+        those that its image processor has."""
+        raise NotImplementedError(f"headscope.hf.testing.tiny_processor: no tiny {model_type} "
+                                  f"processor")
+
+
+REGISTRY: List[Family] = []
+
+
+def register(cls: Type[Family]) -> Type[Family]:
+    """Class decorator: enters one instance of a family in :data:`REGISTRY`, after checking
+    that the class sets its own names and :class:`TinySpec` (no family falls back to a
+    parent's tokens), that its model types are new, that its TinySpec's test choices name
+    its own model types, and that its tiny tokens are in the vocabulary, one id each."""
+    family = cls()
+    who = f"headscope.hf.families: {cls.__name__}"
+    missing = [a for a in ("name", "titles", "model_types", "layout", "tiny")
+               if a not in vars(cls)]
+    if missing or not isinstance(family.tiny, TinySpec):
+        raise TypeError(f"{who} must set its own {', '.join(missing or ['tiny'])} "
+                        f"(tiny: a TinySpec)")
+    taken = {t for f in REGISTRY for t in f.model_types}
+    clash = taken.intersection(family.model_types)
+    if clash:
+        raise ValueError(f"{who}: model types {sorted(clash)} are already registered")
+    named = {*family.tiny.effects, *family.tiny.unseen_region_effects, *family.tiny.commands}
+    if not named <= set(family.model_types):
+        raise ValueError(f"{who}: its TinySpec names model types of no family of its own: "
+                         f"{sorted(named - set(family.model_types))}")
+    ids = list(family.tiny.tokens.values())
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        roles = [n for n, i in family.tiny.tokens.items() if i in repeated]
+        raise ValueError(f"{who}: the tiny tokens {roles} share the ids {repeated}")
+    outside = [n for n, i in family.tiny.tokens.items() if not 0 < i < VOCAB]
+    if outside or IMAGE_TOKEN not in ids or EOS not in ids:
+        raise ValueError(f"{who}: the tiny tokens need IMAGE_TOKEN and EOS, every id in "
+                         f"[1, {VOCAB}) (family markers in MARKER_IDS "
+                         f"{MARKER_IDS[0]}..{MARKER_IDS[-1]}); out of range: {outside}")
+    REGISTRY.append(family)
+    return cls
+
 
 def missing_input(config, key: str, detail: str = "") -> ValueError:
     """The error for a picture layout that needs the model input ``key``, which plain
@@ -113,55 +219,3 @@ def missing_input(config, key: str, detail: str = "") -> ValueError:
                       f"{key} of its inputs{detail}, and model.generate does not pass it to "
                       f"the model's forward; generate with tr.generate(**inputs, ...) or "
                       f"tr.generate_with(on_span, **inputs, ...)")
-
-
-def image_positions(input_ids: torch.Tensor, token_ids: Sequence[int]) -> List[torch.Tensor]:
-    """Per batch row, the sequence positions of its image tokens (on the CPU)."""
-    is_image = torch.isin(input_ids.cpu(), torch.tensor(list(token_ids)))
-    return [row.nonzero().flatten() for row in is_image]
-
-
-def square_pictures(who: str, inputs: Dict[str, Any], token_ids: Sequence[int],
-                    side: int) -> List[List[ImageTokens]]:
-    """Per batch row, its pictures for a model that lays every picture out as one
-    ``side x side`` grid of image tokens (one "base" view)."""
-    per_row = image_positions(inputs["input_ids"], token_ids)
-    count = sum(len(p) for p in per_row)
-    pictures = split_images(who, per_row, [side * side] * (count // (side * side)))
-    return [[ImageTokens((View("base", p, side, side),)) for p in row] for row in pictures]
-
-
-def image_runs(who: str, positions: torch.Tensor, side: int) -> List[torch.Tensor]:
-    """One row's image positions cut into runs of consecutive positions, each checked to
-    hold one ``side x side`` tile or global image."""
-    breaks = (positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1
-    runs = list(torch.tensor_split(positions, breaks.tolist()))
-    for run in runs:
-        if len(run) != side * side:
-            raise ValueError(f"{who}: a run of {len(run)} image tokens at position "
-                             f"{int(run[0])}; each tile and global image of this model is "
-                             f"{side * side} tokens ({side} x {side})")
-    return runs
-
-
-def split_images(who: str, per_row: List[torch.Tensor], sizes: Sequence[int]
-                 ) -> List[List[torch.Tensor]]:
-    """Cuts each row's image positions into consecutive pictures of ``sizes`` tokens (the
-    batch's pictures in order), checking that the counts add up."""
-    images, i = [], 0
-    for b, positions in enumerate(per_row):
-        row, used = [], 0
-        while used < len(positions):
-            if i >= len(sizes):
-                raise ValueError(f"{who}: row {b} has more image tokens than its pictures "
-                                 f"account for")
-            row.append(positions[used:used + sizes[i]])
-            used += sizes[i]
-            i += 1
-        if used != len(positions):
-            raise ValueError(f"{who}: row {b}'s {len(positions)} image tokens do not split "
-                             f"into whole pictures")
-        images.append(row)
-    if i != len(sizes):
-        raise ValueError(f"{who}: {len(sizes)} pictures in the inputs but {i} in input_ids")
-    return images

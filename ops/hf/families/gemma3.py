@@ -18,19 +18,29 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .base import Family, image_positions, image_runs, split_images, square_pictures
-from .layout import Box, ImageTokens, View
+from ..tiny import EOS, IMAGE_TOKEN, VISION_END, VISION_START
+from .base import Family, TinySpec, llava_template, register
+from .layout import (Box, ImageTokens, View, image_positions, image_runs, split_images,
+                     square_pictures)
 
 WHO = "headscope.hf.Tracer"
 
 
+@register
 class Gemma3(Family):
     name = "gemma3"
+    titles = ("Gemma 3",)
     model_types = ("gemma3",)
     layout = ("one square grid per picture (pooled patches), bidirectional inside it; "
               "pan-and-scan: the whole picture, then its crops side by side along the longer "
               "side, one grid each")
     input_keys = layout_keys = ("num_crops", "image_sizes")
+    tiny = TinySpec(
+        tokens={"<image_soft_token>": IMAGE_TOKEN, "<start_of_image>": VISION_START,
+                "<end_of_image>": VISION_END, "</s>": EOS},
+        tokenizer_extras={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                          "image_token": "<image_soft_token>"},
+        chat_template=llava_template("<start_of_image> "), effects={"gemma3": ("mask",)})
 
     def image_token_ids(self, config) -> Tuple[int, ...]:
         return (int(config.image_token_id),)
@@ -76,12 +86,19 @@ class Gemma3(Family):
 
     def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        from ..tiny import IMAGE_TOKEN, VISION_END, VISION_START
         vc = model.config.vision_config
         pixels = torch.randn(1, 3, vc.image_size, vc.image_size, generator=generator)
         tokens = torch.full((int(model.config.mm_tokens_per_image),), IMAGE_TOKEN)
         return torch.cat([torch.tensor([VISION_START]), tokens, torch.tensor([VISION_END])]), \
             {"pixel_values": pixels}
+
+    def tiny_processor(self, model_type: str, tokenizer, **_):
+        """32 x 32 pixels, 16 tokens; pan-and-scan when the call asks for it."""
+        import transformers as tf
+        side = siglip_vision(32)["image_size"]
+        images = tf.Gemma3ImageProcessor(size={"height": side, "width": side})
+        return tf.Gemma3Processor(image_processor=images, tokenizer=tokenizer,
+                                  image_seq_length=16, chat_template=self.tiny.chat_template)
 
 
 def pan_and_scan_layout(inputs: Dict[str, Any]) -> Tuple[List[int], List[Tuple[int, int]]]:

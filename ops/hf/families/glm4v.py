@@ -8,19 +8,31 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VIDEO_TOKEN, VISION_END, VISION_START
+from .base import TinySpec, llava_template, register
 from .qwen_vl import QwenVL, mrope_section
 
-# The tiny models' video markers (headscope.hf.testing's free ids); their image markers
-# are testing's VISION_START and VISION_END
-VIDEO_START = 510  # <|begin_of_video|>
-VIDEO_END = 511    # <|end_of_video|>
+# The tiny models' video markers; their image markers are the shared VISION_START and
+# VISION_END
+VIDEO_START = MARKER_IDS[5]  # <|begin_of_video|>
+VIDEO_END = MARKER_IDS[6]    # <|end_of_video|>
 
 
+@register
 class Glm4v(QwenVL):
     name = "glm4v"
+    titles = ("GLM-4.1V", "GLM-4.5V")
     model_types = ("glm4v", "glm4v_moe")
     layout = ("one grid per picture (patches merged 2x2), between <|begin_of_image|> and "
               "<|end_of_image|>")
+    tiny = TinySpec(
+        tokens={"<|image|>": IMAGE_TOKEN, "<|video|>": VIDEO_TOKEN,
+                "<|begin_of_image|>": VISION_START, "<|end_of_image|>": VISION_END,
+                "<|begin_of_video|>": VIDEO_START, "<|end_of_video|>": VIDEO_END,
+                "<|endoftext|>": EOS},
+        tokenizer_extras={"image_token": "<|image|>", "video_token": "<|video|>"},
+        chat_template=llava_template("<|begin_of_image|><|image|><|end_of_image|> "),
+        effects={"glm4v": ("mask",), "glm4v_moe": ("mask",)}, commands=("glm4v",))
 
     # ---- tiny models ----------------------------------------------------------------------
 
@@ -48,3 +60,14 @@ class Glm4v(QwenVL):
                    first_k_dense_replace=1)
         return tf.Glm4vMoeConfig(text_config=moe, vision_config=vision, **markers), \
             tf.Glm4vMoeForConditionalGeneration
+
+    def tiny_processor(self, model_type: str, tokenizer, *, min_pixels: int, max_pixels: int,
+                       **_):
+        """Qwen-VL's sizes."""
+        import transformers as tf
+        sizes = dict(patch_size=4, temporal_patch_size=2, merge_size=2)
+        size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+        return tf.Glm4vProcessor(image_processor=tf.Glm4vImageProcessor(size=size, **sizes),
+                                 tokenizer=tokenizer,
+                                 video_processor=tf.Glm4vVideoProcessor(**sizes),
+                                 chat_template=self.tiny.chat_template)

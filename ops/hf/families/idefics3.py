@@ -18,41 +18,42 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .base import Family, image_positions, image_runs
-from .layout import WHOLE, ImageTokens, View
+from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS
+from .base import Family, TinySpec, llava_template, register
+from .layout import (WHOLE, ImageTokens, View, image_positions, image_runs, patches_per_side,
+                     stitch, tile_boxes)
 
 WHO = "headscope.hf.Tracer"
 
-# Marker ids of the tiny vocabulary (headscope.hf.testing): special tokens at free ids
-# above EOS, the 6 x 6 ``<row_i_col_j>`` markers as ordinary text ids below the image token.
-FAKE_TOKEN = 507       # <fake_token_around_image>
-GLOBAL_TOKEN = 508     # <global-img>
-NEWLINE = 509          # "\n"
-END_OF_UTTERANCE = 510  # <end_of_utterance>
+# Marker ids of the tiny vocabulary: special tokens among MARKER_IDS, the 6 x 6
+# ``<row_i_col_j>`` markers at ordinary text ids below the image token.
+FAKE_TOKEN = MARKER_IDS[2]        # <fake_token_around_image>
+GLOBAL_TOKEN = MARKER_IDS[3]      # <global-img>
+NEWLINE = MARKER_IDS[4]           # "\n"
+END_OF_UTTERANCE = MARKER_IDS[5]  # <end_of_utterance>
 ROW_COL_BASE = 464     # <row_{i+1}_col_{j+1}> is ROW_COL_BASE + 6 * i + j
 TINY_TILE = 16         # the tiny vision tower's input size in pixels: one tile
-
-
-def tiny_tokens() -> Dict[int, str]:
-    """The tiny vocabulary's Idefics3/SmolVLM tokens by id (besides the image token)."""
-    tokens = {FAKE_TOKEN: "<fake_token_around_image>", GLOBAL_TOKEN: "<global-img>",
-              NEWLINE: "\n", END_OF_UTTERANCE: "<end_of_utterance>"}
-    tokens.update({ROW_COL_BASE + 6 * i + j: f"<row_{i + 1}_col_{j + 1}>"
-                   for i in range(6) for j in range(6)})
-    return tokens
+TINY_TOKENS = {"<image>": IMAGE_TOKEN, "</s>": EOS, "<fake_token_around_image>": FAKE_TOKEN,
+               "<global-img>": GLOBAL_TOKEN, "\n": NEWLINE,
+               "<end_of_utterance>": END_OF_UTTERANCE,
+               **{f"<row_{i + 1}_col_{j + 1}>": ROW_COL_BASE + 6 * i + j
+                  for i in range(6) for j in range(6)}}
 
 
 def tile_side(config) -> int:
     """Tokens along each side of one tile (and of the global image)."""
-    vision = config.vision_config
-    return int(vision.image_size) // int(vision.patch_size) // int(config.scale_factor)
+    return patches_per_side(config.vision_config) // int(config.scale_factor)
 
 
+@register
 class Idefics3(Family):
     name = "idefics3"
+    titles = ("Idefics3", "SmolVLM")
     model_types = ("idefics3", "smolvlm")
     layout = ("rows x cols tiles plus a global image, each a square token grid (pixel "
               "shuffle), with <row_i_col_j>, newline and <global-img> markers")
+    tiny = TinySpec(tokens=TINY_TOKENS, chat_template=llava_template(),
+                    grids=((2, 2), (1, 3)), commands=("idefics3",))
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         side = tile_side(config)
@@ -102,7 +103,6 @@ class Idefics3(Family):
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """``grid``: the picture's rows x cols tiles ((0, 0): not split), laid out as
         ``get_image_prompt_string`` does, with a tokenizer that gives "\\n" one token."""
-        from ..tiny import IMAGE_TOKEN
         rows, cols = grid
         seq = [IMAGE_TOKEN] * tile_side(model.config) ** 2
         ids = []
@@ -116,6 +116,19 @@ class Idefics3(Family):
         pixels = torch.randn(1, count, 3, size, size, generator=generator)
         mask = torch.ones(1, count, size, size, dtype=torch.int64)
         return torch.tensor(ids), {"pixel_values": pixels, "pixel_attention_mask": mask}
+
+    def tiny_processor(self, model_type: str, tokenizer, **_):
+        """Longest edge 48 pixels, up to 3 x 3 tiles of 16 x 16 pixels and a global image,
+        4 tokens each (Idefics3; SmolVLM's processor needs num2words)."""
+        import transformers as tf
+        if model_type != "idefics3":
+            raise NotImplementedError(f"headscope.hf.testing.tiny_processor: no tiny "
+                                      f"{model_type} processor (SmolVLMProcessor needs "
+                                      f"num2words); build one from tiny_tokenizer")
+        images = tf.Idefics3ImageProcessor(size={"longest_edge": 3 * TINY_TILE},
+                                           max_image_size={"longest_edge": TINY_TILE})
+        return tf.Idefics3Processor(image_processor=images, tokenizer=tokenizer,
+                                    image_seq_len=4, chat_template=self.tiny.chat_template)
 
 
 def _picture(rows: List[List[torch.Tensor]], global_run: torch.Tensor, side: int,
@@ -133,8 +146,7 @@ def _picture(rows: List[List[torch.Tensor]], global_run: torch.Tensor, side: int
         raise ValueError(f"{WHO}: no newline token between the last tile and the global "
                          f"image at position {start}: the rows of tiles cannot be told apart "
                          f"(a tokenizer that drops newlines?)")
-    tiles = tuple(View("tile", run, side, side, (j / C, i / R, (j + 1) / C, (i + 1) / R))
-                  for i, row in enumerate(rows) for j, run in enumerate(row))
-    stitched = torch.stack([torch.stack(row) for row in rows])  # (R, C, side * side)
-    stitched = stitched.reshape(R, C, side, side).permute(0, 2, 1, 3).reshape(-1)
+    tiles = tuple(View("tile", run, side, side, box)
+                  for run, box in zip([run for row in rows for run in row], tile_boxes(R, C)))
+    stitched = stitch(torch.stack([torch.stack(row) for row in rows])).flatten()
     return ImageTokens(tiles + (whole,), View("tiles", stitched, R * side, C * side, WHOLE))

@@ -4,61 +4,55 @@ each tile pixel-shuffled to ``image_seq_length`` tokens, between ``<img>`` and `
 the canvas (which the processor drops) is read back from ``pixel_values``' tiles."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .base import Family, image_positions, missing_input
-from .layout import ImageTokens, View
+from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VIDEO_TOKEN
+from .base import Family, TinySpec, llava_template, missing_input, register
+from .layout import (ImageTokens, canvas_and_thumbnail, image_positions, patches_per_side,
+                     runs, thumbnail)
 
 WHO = "headscope.hf.Tracer"
 
-# The tiny models' marker tokens (headscope.hf.testing's free ids)
-IMAGE_START = 507  # <img>
-IMAGE_END = 508    # </img>
+# The tiny models' marker tokens
+IMAGE_START = MARKER_IDS[2]  # <img>
+IMAGE_END = MARKER_IDS[3]    # </img>
 
 
+@register
 class InternVL(Family):
     name = "internvl"
+    titles = ("InternVL",)
     model_types = ("internvl",)
     layout = ("rows x cols tiles on the optimal canvas plus a thumbnail (more than one "
               "tile), each a square token grid after the pixel shuffle, between <img> and "
               "</img>")
     input_keys = ("pixel_values",)
+    tiny = TinySpec(
+        tokens={"<IMG_CONTEXT>": IMAGE_TOKEN, "<video>": VIDEO_TOKEN, "<img>": IMAGE_START,
+                "</img>": IMAGE_END, "</s>": EOS},
+        tokenizer_extras={"start_image_token": "<img>", "end_image_token": "</img>",
+                          "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
+        chat_template=llava_template("<IMG_CONTEXT> "), grids=((2, 2), (1, 3)),
+        effects={"internvl": ("mask",)}, commands=("internvl",))
 
     def side(self, config) -> int:
         """Tokens per side of a tile: its patches per side times the shuffle's ratio."""
-        vision = config.vision_config
-        size, patch = vision.image_size, vision.patch_size
-        size = size[0] if isinstance(size, (list, tuple)) else size
-        patch = patch[0] if isinstance(patch, (list, tuple)) else patch
-        return int(int(size) // int(patch) * float(config.downsample_ratio))
+        return int(patches_per_side(config.vision_config) * float(config.downsample_ratio))
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         side = self.side(config)
         per_tile = side * side
-        tiles = inputs.get("pixel_values")
-        out, used = [], 0
+        pictures = []
         for row in image_positions(inputs["input_ids"], self.image_token_ids(config)):
-            pictures = []
-            for positions in _runs(row):
+            pictures.append([])
+            for positions in runs(row):
                 if len(positions) % per_tile:
                     raise ValueError(f"{WHO}: a picture of {len(positions)} image tokens is "
                                      f"not a whole number of tiles of {per_tile} tokens")
-                count = len(positions) // per_tile
-                if count > 1 and tiles is None:
-                    raise missing_input(config, "pixel_values",
-                                        " (their tiles give each picture's canvas)")
-                mine = tiles[used:used + count] if tiles is not None else None
-                if mine is not None and len(mine) != count:
-                    raise ValueError(f"{WHO}: input_ids hold more tiles than pixel_values")
-                used += count
-                pictures.append(_picture(positions, count, side, mine))
-            out.append(pictures)
-        if tiles is not None and used != len(tiles):
-            raise ValueError(f"{WHO}: pixel_values hold {len(tiles)} tiles but input_ids "
-                             f"{used}")
-        return out
+                pictures[-1].append((positions, len(positions) // per_tile))
+        return tiled_pictures(config, pictures, side, inputs.get("pixel_values"))
 
     # ---- tiny models ----------------------------------------------------------------------
 
@@ -78,7 +72,6 @@ class InternVL(Family):
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """``grid``: the canvas's rows x cols tiles; the tiles are cut from one random
         picture and the thumbnail is that picture downscaled, as the processor makes them."""
-        from ..tiny import IMAGE_TOKEN
         vc = model.config.vision_config
         size = vc.image_size[0] if isinstance(vc.image_size, (list, tuple)) else vc.image_size
         rows, cols = grid
@@ -92,59 +85,34 @@ class InternVL(Family):
                          torch.tensor([IMAGE_END])])
         return ids, {"pixel_values": torch.stack(tiles)}
 
-
-def thumbnail(picture: torch.Tensor, size: int) -> torch.Tensor:
-    """(C, size, size): ``picture`` (C, H, W) resized to one tile."""
-    return torch.nn.functional.interpolate(picture[None].float(), (size, size),
-                                           mode="bilinear", antialias=True,
-                                           align_corners=False)[0].to(picture.dtype)
-
-
-def canvas(tiles: torch.Tensor) -> Tuple[int, int]:
-    """(rows, cols) of the canvas of ``tiles`` (N + 1, C, S, S): N tiles, row-major, and the
-    thumbnail last: the arrangement rows * cols = N whose stitched picture, downscaled to
-    one tile, is nearest the thumbnail (the processor keeps no other trace of it; the
-    canvas's shape follows the picture's aspect ratio, which the thumbnail has lost but
-    its content keeps)."""
-    n = len(tiles) - 1
-    C, S = tiles.shape[1], tiles.shape[-1]
-    best, found = None, None
-    for rows in range(1, n + 1):
-        if n % rows:
-            continue
-        cols = n // rows
-        stitched = tiles[:n].reshape(rows, cols, C, S, S).permute(2, 0, 3, 1, 4)
-        small = thumbnail(stitched.reshape(C, rows * S, cols * S), S)
-        error = float((small.float() - tiles[n].float()).pow(2).mean())
-        if best is None or error < best:
-            best, found = error, (rows, cols)
-    return found
+    def tiny_processor(self, model_type: str, tokenizer, *, max_tiles: int, **_):
+        """Up to ``max_tiles`` tiles of 16 x 16 pixels and a thumbnail, 4 tokens each."""
+        import transformers as tf
+        images = tf.GotOcr2ImageProcessor(size={"height": 16, "width": 16}, crop_to_patches=True,
+                                          min_patches=1, max_patches=max_tiles)
+        return tf.InternVLProcessor(image_processor=images, tokenizer=tokenizer,
+                                    video_processor=tf.InternVLVideoProcessor(),
+                                    image_seq_length=4, chat_template=self.tiny.chat_template)
 
 
-def _runs(positions: torch.Tensor) -> List[torch.Tensor]:
-    """Consecutive runs of positions: each picture's tokens are one run between its
-    markers."""
-    if len(positions) == 0:
-        return []
-    cuts = ((positions[1:] - positions[:-1]) != 1).nonzero().flatten() + 1
-    return list(torch.tensor_split(positions, cuts))
-
-
-def _picture(positions: torch.Tensor, count: int, side: int, tiles) -> ImageTokens:
-    per_tile = side * side
-    if count == 1:
-        return ImageTokens((View("base", positions, side, side),))
-    rows, cols = canvas(tiles)
-    views = []
-    for t in range(rows * cols):
-        r, c = divmod(t, cols)
-        views.append(View("tile", positions[t * per_tile:(t + 1) * per_tile], side, side,
-                          (c / cols, r / rows, (c + 1) / cols, (r + 1) / rows)))
-    views.append(View("thumbnail", positions[rows * cols * per_tile:], side, side))
-    # the tiles stitched into one grid over the canvas, row-major
-    y = torch.arange(rows * side)[:, None]
-    x = torch.arange(cols * side)[None, :]
-    tile = (y // side) * cols + x // side
-    index = tile * per_tile + (y % side) * side + x % side
-    grid = View("tiles", positions[index.flatten()], rows * side, cols * side)
-    return ImageTokens(tuple(views), grid)
+def tiled_pictures(config, pictures: List[List[Tuple[torch.Tensor, int]]], side: int,
+                   tiles: Optional[torch.Tensor]) -> List[List[ImageTokens]]:
+    """Per batch row, its pictures of GotOcr2's tiles (``canvas_and_thumbnail``) from each
+    picture's image positions and its count of tiles (the thumbnail among them), the
+    canvases read from ``tiles`` (``pixel_values``, taken in order; None: only pictures of
+    one tile can be read), checking that the counts add up."""
+    out, used = [], 0
+    for row in pictures:
+        out.append([])
+        for positions, count in row:
+            if count > 1 and tiles is None:
+                raise missing_input(config, "pixel_values",
+                                    " (their tiles give each picture's canvas)")
+            mine = tiles[used:used + count] if tiles is not None else None
+            if mine is not None and len(mine) != count:
+                raise ValueError(f"{WHO}: input_ids hold more tiles than pixel_values")
+            used += count
+            out[-1].append(canvas_and_thumbnail(positions, count, side, mine))
+    if tiles is not None and used != len(tiles):
+        raise ValueError(f"{WHO}: pixel_values hold {len(tiles)} tiles but input_ids {used}")
+    return out

@@ -6,8 +6,9 @@ on the picture, in coordinates normalised to [0, 1], so that a region is the sam
 the picture in every view."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -96,3 +97,134 @@ class ImageTokens:
         h = (torch.minimum(boxes[:, None, 3], g[None, :, 3])
              - torch.maximum(boxes[:, None, 1], g[None, :, 1])).clamp_min(0)
         return w * h
+
+
+# ---- reading a layout from the inputs: what several families share ---------------------------
+
+def patches_per_side(vision_config) -> int:
+    """Patches along each side of the vision tower's square input (``image_size //
+    patch_size``; of a ``[height, width]`` size, the first)."""
+    size, patch = vision_config.image_size, vision_config.patch_size
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    return int(size) // int(patch)
+
+
+def runs(positions: torch.Tensor) -> List[torch.Tensor]:
+    """``positions`` (ascending) cut into runs of consecutive positions."""
+    if len(positions) == 0:
+        return []
+    breaks = (positions[1:] - positions[:-1] != 1).nonzero().flatten() + 1
+    return list(torch.tensor_split(positions, breaks.tolist()))
+
+
+def tile_boxes(rows: int, cols: int) -> List[Box]:
+    """The boxes of a ``rows x cols`` canvas of equal tiles on the picture, row-major:
+    ``j / cols`` exactly (``cell_boxes``' linspace can be an ulp off, 0.6666666666666667
+    for 2 / 3)."""
+    return [(j / cols, i / rows, (j + 1) / cols, (i + 1) / rows)
+            for i in range(rows) for j in range(cols)]
+
+
+def stitch(tiles: torch.Tensor) -> torch.Tensor:
+    """``(R * side, C * side)``: the positions of ``tiles`` ``(R, C, side * side)`` (each
+    tile's tokens row-major, the tiles row-major) laid out as one grid over the canvas."""
+    R, C, n = tiles.shape
+    side = math.isqrt(n)
+    return tiles.reshape(R, C, side, side).permute(0, 2, 1, 3).reshape(R * side, C * side)
+
+
+def image_positions(input_ids: torch.Tensor, token_ids: Sequence[int]) -> List[torch.Tensor]:
+    """Per batch row, the sequence positions of its image tokens (on the CPU)."""
+    is_image = torch.isin(input_ids.cpu(), torch.tensor(list(token_ids)))
+    return [row.nonzero().flatten() for row in is_image]
+
+
+def square_pictures(who: str, inputs: Dict[str, Any], token_ids: Sequence[int],
+                    side: int) -> List[List[ImageTokens]]:
+    """Per batch row, its pictures for a model that lays every picture out as one
+    ``side x side`` grid of image tokens (one "base" view)."""
+    per_row = image_positions(inputs["input_ids"], token_ids)
+    count = sum(len(p) for p in per_row)
+    pictures = split_images(who, per_row, [side * side] * (count // (side * side)))
+    return [[ImageTokens((View("base", p, side, side),)) for p in row] for row in pictures]
+
+
+def image_runs(who: str, positions: torch.Tensor, side: int) -> List[torch.Tensor]:
+    """One row's image positions cut into runs of consecutive positions, each checked to
+    hold one ``side x side`` tile or global image."""
+    found = runs(positions)
+    for run in found:
+        if len(run) != side * side:
+            raise ValueError(f"{who}: a run of {len(run)} image tokens at position "
+                             f"{int(run[0])}; each tile and global image of this model is "
+                             f"{side * side} tokens ({side} x {side})")
+    return found
+
+
+def split_images(who: str, per_row: List[torch.Tensor], sizes: Sequence[int]
+                 ) -> List[List[torch.Tensor]]:
+    """Cuts each row's image positions into consecutive pictures of ``sizes`` tokens (the
+    batch's pictures in order), checking that the counts add up."""
+    images, i = [], 0
+    for b, positions in enumerate(per_row):
+        row, used = [], 0
+        while used < len(positions):
+            if i >= len(sizes):
+                raise ValueError(f"{who}: row {b} has more image tokens than its pictures "
+                                 f"account for")
+            row.append(positions[used:used + sizes[i]])
+            used += sizes[i]
+            i += 1
+        if used != len(positions):
+            raise ValueError(f"{who}: row {b}'s {len(positions)} image tokens do not split "
+                             f"into whole pictures")
+        images.append(row)
+    if i != len(sizes):
+        raise ValueError(f"{who}: {len(sizes)} pictures in the inputs but {i} in input_ids")
+    return images
+
+
+def thumbnail(picture: torch.Tensor, size: int) -> torch.Tensor:
+    """(C, size, size): ``picture`` (C, H, W) resized to one tile."""
+    return torch.nn.functional.interpolate(picture[None].float(), (size, size),
+                                           mode="bilinear", antialias=True,
+                                           align_corners=False)[0].to(picture.dtype)
+
+
+def canvas(tiles: torch.Tensor) -> Tuple[int, int]:
+    """(rows, cols) of the canvas of ``tiles`` (N + 1, C, S, S): N tiles, row-major, and the
+    thumbnail last: the arrangement rows * cols = N whose stitched picture, downscaled to
+    one tile, is nearest the thumbnail (the processor keeps no other trace of it; the
+    canvas's shape follows the picture's aspect ratio, which the thumbnail has lost but
+    its content keeps)."""
+    n = len(tiles) - 1
+    C, S = tiles.shape[1], tiles.shape[-1]
+    best, found = None, None
+    for rows in range(1, n + 1):
+        if n % rows:
+            continue
+        cols = n // rows
+        stitched = tiles[:n].reshape(rows, cols, C, S, S).permute(2, 0, 3, 1, 4)
+        small = thumbnail(stitched.reshape(C, rows * S, cols * S), S)
+        error = float((small.float() - tiles[n].float()).pow(2).mean())
+        if best is None or error < best:
+            best, found = error, (rows, cols)
+    return found
+
+
+def canvas_and_thumbnail(positions: torch.Tensor, count: int, side: int, tiles) -> ImageTokens:
+    """One picture shown as ``count`` square tiles of ``side x side`` tokens at
+    ``positions`` (in order): one tile alone is the base view; more are a canvas's tiles,
+    row-major, and a thumbnail last, the canvas read back from the tiles' pixels ``tiles``
+    ``(count, C, S, S)`` (:func:`canvas`)."""
+    per_tile = side * side
+    if count == 1:
+        return ImageTokens((View("base", positions, side, side),))
+    rows, cols = canvas(tiles)
+    tiles = positions[:rows * cols * per_tile].reshape(rows, cols, per_tile)
+    views = [View("tile", run, side, side, box)
+             for run, box in zip(tiles.reshape(-1, per_tile), tile_boxes(rows, cols))]
+    views.append(View("thumbnail", positions[rows * cols * per_tile:], side, side))
+    grid = View("tiles", stitch(tiles).flatten(), rows * side, cols * side)
+    return ImageTokens(tuple(views), grid)

@@ -22,33 +22,47 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .base import Family, image_positions, image_runs, missing_input
-from .layout import WHOLE, ImageTokens, View
+from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VISION_END, VISION_START
+from .base import Family, TinySpec, llava_template, missing_input, register
+from .layout import WHOLE, ImageTokens, View, image_positions, image_runs, patches_per_side, stitch
 
 WHO = "headscope.hf.Tracer"
 PADDING = -1.0  # black after the Llama 4 image processor's normalisation (mean, std 0.5)
 
-# The tiny models' marker tokens (headscope.hf.testing's free ids); <|patch|> is testing's
-# IMAGE_TOKEN, <|image_start|> and <|image_end|> its VISION_START and VISION_END
-TILE_X_SEPARATOR = 507  # <|tile_x_separator|>
-TILE_Y_SEPARATOR = 508  # <|tile_y_separator|>
-GLOBAL_MARKER = 509     # <|image|>
+# The tiny models' marker tokens; <|patch|> is the shared IMAGE_TOKEN, <|image_start|> and
+# <|image_end|> VISION_START and VISION_END
+TILE_X_SEPARATOR = MARKER_IDS[2]  # <|tile_x_separator|>
+TILE_Y_SEPARATOR = MARKER_IDS[3]  # <|tile_y_separator|>
+GLOBAL_MARKER = MARKER_IDS[4]     # <|image|>
 TINY_TILE = 16          # the tiny vision tower's input size in pixels: one tile
 
 
 def tile_side(config) -> int:
     """Tokens along each side of one tile (and of the global image)."""
     vision = config.vision_config
-    return int(int(vision.image_size) // int(vision.patch_size) * float(vision.pixel_shuffle_ratio))
+    return int(patches_per_side(vision) * float(vision.pixel_shuffle_ratio))
 
 
+@register
 class Llama4(Family):
     name = "llama4"
+    titles = ("Llama 4",)
     model_types = ("llama4",)
     layout = ("R x C tiles of a canvas the picture fills without distortion (padding "
               "right and bottom) plus a global image, each a square token grid (pixel "
               "shuffle), with tile x / y separators and <|image|> before the global image")
     input_keys = ("pixel_values",)
+    tiny = TinySpec(
+        tokens={"<|patch|>": IMAGE_TOKEN, "<|image_start|>": VISION_START,
+                "<|image_end|>": VISION_END, "<|tile_x_separator|>": TILE_X_SEPARATOR,
+                "<|tile_y_separator|>": TILE_Y_SEPARATOR, "<|image|>": GLOBAL_MARKER,
+                "</s>": EOS},
+        chat_template=llava_template("<|image|> "), grids=((2, 2), (1, 3)),
+        contract_xfail=(AttributeError,
+                        "transformers 5.24's Llama4ForConditionalGeneration.forward reads "
+                        "image_outputs off its language model's output and raises (docs/hf.md; "
+                        "its text decoder's chunked and NoPE layers are traced behind LLaVA in "
+                        "test_families_patterns.py)"))
 
     def decoder(self, model) -> torch.nn.Module:
         # get_decoder gives the causal LM around the text model, which holds the layers
@@ -108,7 +122,6 @@ class Llama4(Family):
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """``grid``: the canvas's rows x cols tiles, laid out as ``_prompt_split_image``
         does (no padding: random pixels)."""
-        from ..tiny import IMAGE_TOKEN, VISION_END, VISION_START
         R, C = grid
         tile = [IMAGE_TOKEN] * tile_side(model.config) ** 2
         ids = [VISION_START]
@@ -122,6 +135,15 @@ class Llama4(Family):
         count = R * C + (R * C > 1)
         pixels = torch.randn(count, 3, size, size, generator=generator)
         return torch.tensor(ids), {"pixel_values": pixels}
+
+    def tiny_processor(self, model_type: str, tokenizer, *, max_tiles: int, **_):
+        """A canvas of up to ``max_tiles`` tiles of 16 x 16 pixels and a global image, 4
+        tokens each."""
+        import transformers as tf
+        images = tf.Llama4ImageProcessor(size={"height": TINY_TILE, "width": TINY_TILE},
+                                         max_patches=max_tiles)
+        return tf.Llama4Processor(image_processor=images, tokenizer=tokenizer, patch_size=4,
+                                  pixel_shuffle_ratio=0.5, chat_template=self.tiny.chat_template)
 
 
 def _pictures(ids: torch.Tensor, positions: torch.Tensor, side: int, begin: int):
@@ -188,7 +210,7 @@ def _picture(rows: List[List[torch.Tensor]], whole: torch.Tensor,
     one_tile = not rows
     if one_tile:
         rows = [[whole]]
-    R, C = len(rows), len(rows[0])
+    R = len(rows)
     pixels = torch.cat([torch.cat(row, 2) for row in canvas], 1)  # (channels, R*T, C*T)
     T = pixels.shape[1] // R
     h, w = content_size(pixels)
@@ -209,7 +231,6 @@ def _picture(rows: List[List[torch.Tensor]], whole: torch.Tensor,
     markers = torch.cat(markers).sort().values
     if one_tile:
         return ImageTokens(tuple(views), markers=markers)
-    stitched = torch.stack([torch.stack(row) for row in rows])  # (R, C, side * side)
-    stitched = stitched.reshape(R, C, side, side).permute(0, 2, 1, 3).reshape(R * side, C * side)
+    stitched = stitch(torch.stack([torch.stack(row) for row in rows]))
     grid = View("tiles", stitched[:shown_rows, :shown_cols].flatten(), shown_rows, shown_cols)
     return ImageTokens(tuple(views) + (View("global", whole, side, side, WHOLE),), grid, markers)

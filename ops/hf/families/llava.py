@@ -7,8 +7,9 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .base import Family, square_pictures
-from .layout import ImageTokens
+from ..tiny import EOS, IMAGE_TOKEN
+from .base import Family, TinySpec, llava_template, register
+from .layout import ImageTokens, patches_per_side, square_pictures
 
 WHO = "headscope.hf.Tracer"
 # Towers that see every picture at one fixed square size (a Pixtral tower keeps the
@@ -16,10 +17,18 @@ WHO = "headscope.hf.Tracer"
 _FIXED_GRID_TOWERS = ("clip_vision_model", "siglip_vision_model")
 
 
+@register
 class Llava(Family):
     name = "llava"
+    titles = ("LLaVA",)
     model_types = ("llava",)
     layout = "one square patch grid per picture (the centre crop)"
+    tiny = TinySpec(
+        tokens={"<image>": IMAGE_TOKEN, "</s>": EOS}, chat_template=llava_template(),
+        grids=((8, 8), (8, 8)),  # the grid is fixed by the vision tower
+        effects={"llava": ("mask",)}, unseen_region_effects=("llava",),
+        geometry_waiver="one fixed square patch grid per picture (the tower's input, the "
+                        "processor's centre crop): the contract's tr.images test covers it")
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         if getattr(config, "vision_feature_select_strategy", "default") != "default":
@@ -31,8 +40,8 @@ class Llava(Family):
             raise NotImplementedError(
                 f"{WHO}: a LLaVA model with a {vision.model_type} vision tower has no fixed "
                 f"square patch grid; supported towers: {', '.join(_FIXED_GRID_TOWERS)}")
-        side = int(vision.image_size) // int(vision.patch_size)
-        return square_pictures(WHO, inputs, self.image_token_ids(config), side)
+        return square_pictures(WHO, inputs, self.image_token_ids(config),
+                               patches_per_side(vision))
 
     def tiny_config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
                     ids: Dict[str, int]):
@@ -46,11 +55,20 @@ class Llava(Family):
 
     def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        from ..tiny import IMAGE_TOKEN
         vc = model.config.vision_config
-        side = vc.image_size // vc.patch_size
+        side = patches_per_side(vc)
         pixels = torch.randn(1, 3, vc.image_size, vc.image_size, generator=generator)
         return torch.full((side * side,), IMAGE_TOKEN), {"pixel_values": pixels}
+
+    def tiny_processor(self, model_type: str, tokenizer, **_):
+        """16 x 16 pixels (the CLIP tower's input)."""
+        import transformers as tf
+        images = tf.CLIPImageProcessor(size={"shortest_edge": 16},
+                                       crop_size={"height": 16, "width": 16})
+        return tf.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4,
+                                 vision_feature_select_strategy="default",
+                                 num_additional_image_tokens=1,
+                                 chat_template=self.tiny.chat_template)
 
 
 def clip_vision(hidden: int) -> Dict[str, Any]:

@@ -10,8 +10,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from .base import Family, image_positions, split_images, missing_input
-from .layout import WHOLE, Box, ImageTokens, View
+from ..tiny import EOS, IMAGE_TOKEN
+from .base import Family, TinySpec, llava_template, missing_input, register
+from .layout import WHOLE, Box, ImageTokens, View, image_positions, patches_per_side, split_images
 from .llava import clip_vision
 
 WHO = "headscope.hf.Tracer"
@@ -30,7 +31,7 @@ def anyres_tiles(config, height: int, width: int) -> Tuple[int, int, Box]:
     from transformers.image_processing_utils import select_best_resolution
     vision = config.vision_config
     tile = int(vision.image_size)
-    side = tile // int(vision.patch_size)
+    side = patches_per_side(vision)
     canvas_h, canvas_w = select_best_resolution([height, width], config.image_grid_pinpoints)
     rows, cols = canvas_h // tile * side, canvas_w // tile * side
     top = left = 0
@@ -76,18 +77,22 @@ def lay_out(positions: torch.Tensor, pieces: Sequence[Piece]) -> ImageTokens:
     return ImageTokens(tuple(views), tiles[0] if tiles else views[0], positions[is_marker])
 
 
+@register
 class LlavaNext(Family):
     name = "llava_next"
+    titles = ("LLaVA-NeXT",)
     model_types = ("llava_next",)
     layout = ("base view (the picture squashed to the tower's square), then the anyres tiles "
               "stitched and unpadded to the picture's aspect ratio, a newline after each row")
     input_keys = ("image_sizes",)
+    tiny = TinySpec(tokens={"<image>": IMAGE_TOKEN, "</s>": EOS}, chat_template=llava_template(),
+                    effects={"llava_next": ("mask", "zero")},
+                    unseen_region_effects=("llava_next",))
 
     def pieces(self, config, inputs: Dict[str, Any], index: int, height: int, width: int
                ) -> List[Piece]:
         """Picture ``index``'s views and markers in sequence order (``pack_image_features``)."""
-        vision = config.vision_config
-        side = int(vision.image_size) // int(vision.patch_size)
+        side = patches_per_side(config.vision_config)
         rows, cols, box = anyres_tiles(config, height, width)
         return [("base", side, side, WHOLE, 0, 0), ("tiles", rows, cols, box, 1, 0)]
 
@@ -122,8 +127,6 @@ class LlavaNext(Family):
         processor gives it: the base and its tiles (batch, tiles, 3, size, size), its size
         in ``image_sizes`` and its image tokens, newlines included."""
         from transformers.image_processing_utils import select_best_resolution
-
-        from ..tiny import IMAGE_TOKEN
         config = model.config
         vc = config.vision_config
         height, width = grid[0] * vc.patch_size, grid[1] * vc.patch_size
@@ -133,6 +136,20 @@ class LlavaNext(Family):
         pixels = torch.randn(1, tiles, 3, vc.image_size, vc.image_size, generator=generator)
         count = token_count(self.pieces(config, {"image_sizes": sizes}, 0, height, width))
         return torch.full((count,), IMAGE_TOKEN), {"pixel_values": pixels, "image_sizes": sizes}
+
+    def tiny_processor(self, model_type: str, tokenizer, **_):
+        """A base and tiles of 16 x 16 pixels on the canvases of :func:`tiny_pinpoints`."""
+        import transformers as tf
+        vision = clip_vision(32)
+        tile = vision["image_size"]
+        images = tf.LlavaNextImageProcessor(size={"shortest_edge": tile},
+                                            crop_size={"height": tile, "width": tile},
+                                            image_grid_pinpoints=tiny_pinpoints(vision))
+        return tf.LlavaNextProcessor(image_processor=images, tokenizer=tokenizer,
+                                     patch_size=vision["patch_size"],
+                                     vision_feature_select_strategy="default",
+                                     num_additional_image_tokens=1,
+                                     chat_template=self.tiny.chat_template)
 
 
 def tiny_pinpoints(vision: Dict[str, Any]) -> List[List[int]]:

@@ -10,22 +10,28 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .layout import WHOLE
+from ..tiny import EOS, IMAGE_TOKEN, VIDEO_TOKEN
+from .base import TinySpec, llava_template, register
+from .layout import WHOLE, patches_per_side
 from .llava_next import LlavaNext, Piece, anyres_tiles, tiny_pinpoints
 
 
+@register
 class LlavaOnevision(LlavaNext):
     name = "llava_onevision"
+    titles = ("LLaVA-OneVision",)
     model_types = ("llava_onevision",)
     layout = ("base view, then the anyres tiles stitched, unpadded and scaled down to at most "
               "anyres_max_N tiles' tokens, a newline after each row; several pictures in a "
               "prompt: the base view of the picture padded to a square and one newline")
     input_keys = ("image_sizes", "batch_num_images")
+    tiny = TinySpec(tokens={"<image>": IMAGE_TOKEN, "<video>": VIDEO_TOKEN, "</s>": EOS},
+                    chat_template=llava_template(), effects={"llava_onevision": ("mask",)},
+                    unseen_region_effects=("llava_onevision",))
 
     def pieces(self, config, inputs: Dict[str, Any], index: int, height: int, width: int
                ) -> List[Piece]:
-        vision = config.vision_config
-        side = int(vision.image_size) // int(vision.patch_size)
+        side = patches_per_side(config.vision_config)
         counts = inputs.get("batch_num_images")
         if counts is not None:
             patched = [n == 1 for n in counts.tolist() for _ in range(n)]
@@ -60,6 +66,21 @@ class LlavaOnevision(LlavaNext):
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         ids, inputs = super().tiny_image(model, grid, generator)
         return ids, dict(inputs, batch_num_images=torch.tensor([1]))
+
+    def tiny_processor(self, model_type: str, tokenizer, **_):
+        """A base and tiles of 16 x 16 pixels (SigLIP) on the canvases of
+        ``tiny_pinpoints``."""
+        import transformers as tf
+        vision = tiny_siglip(32)
+        tile = vision["image_size"]
+        images = tf.LlavaOnevisionImageProcessor(size={"height": tile, "width": tile},
+                                                 image_grid_pinpoints=tiny_pinpoints(vision))
+        return tf.LlavaOnevisionProcessor(
+            image_processor=images, tokenizer=tokenizer,
+            video_processor=tf.LlavaOnevisionVideoProcessor(size={"height": tile, "width": tile}),
+            num_image_tokens=(tile // vision["patch_size"]) ** 2,
+            vision_feature_select_strategy="full", vision_aspect_ratio=TINY_ASPECT,
+            chat_template=self.tiny.chat_template)
 
 
 # The tiny models' tiles grids hold at most about two tiles' tokens, so that a 2 x 2 canvas

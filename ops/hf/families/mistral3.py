@@ -8,24 +8,31 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .base import Family, image_positions, split_images, missing_input
-from .layout import ImageTokens, View
+from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS
+from .base import Family, TinySpec, llava_template, missing_input, register
+from .layout import ImageTokens, View, image_positions, runs, split_images
 
 WHO = "headscope.hf.Tracer"
 
-# The tiny models' marker tokens (headscope.hf.testing's free ids)
-IMAGE_BREAK = 507  # [IMG_BREAK]
-IMAGE_END = 508    # [IMG_END]
+# The tiny models' marker tokens
+IMAGE_BREAK = MARKER_IDS[2]  # [IMG_BREAK]
+IMAGE_END = MARKER_IDS[3]    # [IMG_END]
 
 
+@register
 class Mistral3(Family):
     name = "mistral3"
+    titles = ("Mistral 3",)
     model_types = ("mistral3",)
     layout = ("one grid per picture (its processed size / (patch x merge)), rows separated "
               "by [IMG_BREAK], ended by [IMG_END]")
     # plain generate hands the model the vision output (its per-picture token counts), not
     # image_sizes; each picture's first run of image tokens then gives its width
     input_keys = ("image_sizes", "mm_encoder_outputs")
+    tiny = TinySpec(tokens={"[IMG]": IMAGE_TOKEN, "[IMG_BREAK]": IMAGE_BREAK,
+                            "[IMG_END]": IMAGE_END, "</s>": EOS},
+                    chat_template=llava_template("[IMG] "), effects={"mistral3": ("mask",)},
+                    commands=("mistral3",))
 
     def grids(self, config, image_sizes) -> List[Tuple[int, int]]:
         """Each picture's token grid (rows, cols) from its processed ``(height, width)``, as
@@ -76,7 +83,6 @@ class Mistral3(Family):
     def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
         """``grid``: the picture's patch grid (even sizes)."""
-        from ..tiny import IMAGE_TOKEN
         vc = model.config.vision_config
         patch, merge = vc.patch_size, model.config.spatial_merge_size
         rows, cols = grid[0] // merge, grid[1] // merge
@@ -87,12 +93,19 @@ class Mistral3(Family):
         pixels = torch.randn(1, vc.num_channels, *size, generator=generator)
         return ids.flatten(), {"pixel_values": pixels, "image_sizes": torch.tensor([size])}
 
+    def tiny_processor(self, model_type: str, tokenizer, *, longest_edge: int, **_):
+        """Longest edge ``longest_edge`` pixels, sides rounded up to multiples of 8,
+        patches of 4 merged 2 x 2."""
+        import transformers as tf
+        images = tf.PixtralImageProcessor(size={"longest_edge": longest_edge})
+        return tf.PixtralProcessor(image_processor=images, tokenizer=tokenizer, patch_size=4,
+                                   spatial_merge_size=2, chat_template=self.tiny.chat_template)
+
 
 def _grid_of_runs(positions: torch.Tensor) -> Tuple[int, int]:
     """(rows, cols) of a picture of ``len(positions)`` tokens whose first row is its first
     run of consecutive positions."""
-    gaps = (positions[1:] - positions[:-1] != 1).nonzero()
-    cols = int(gaps[0]) + 1 if len(gaps) else len(positions)
+    cols = len(runs(positions)[0])
     if len(positions) % cols:
         raise ValueError(f"{WHO}: a picture of {len(positions)} image tokens does not split "
                          f"into rows of {cols} (its first run of image tokens)")

@@ -9,25 +9,32 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .base import Family, square_pictures
+from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS
+from .base import Family, TinySpec, llava_template, register
 from .gemma3 import alternating_layers
-from .layout import ImageTokens
+from .layout import ImageTokens, patches_per_side, square_pictures
 from .llava import Llava
 
 WHO = "headscope.hf.Tracer"
 
 
+@register
 class PaliGemma(Family):
     name = "paligemma"
+    titles = ("PaliGemma", "PaliGemma 2")
     model_types = ("paligemma",)
     layout = "one square patch grid per picture, before the prompt; image and prompt one " \
              "bidirectional prefix"
     tiny_attention = "eager"  # Gemma 2's soft cap: sdpa refuses it
+    tiny = TinySpec(
+        tokens={"<image>": IMAGE_TOKEN, "<eos>": EOS, "<bos>": MARKER_IDS[0]},
+        chat_template=llava_template(), effects={"paligemma": ("mask",)},
+        geometry_waiver="one fixed square patch grid per picture (the SigLIP tower's input), "
+                        "before the prompt: the contract's tr.images test covers it")
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
-        vision = config.vision_config
-        side = int(vision.image_size) // int(vision.patch_size)
-        return square_pictures(WHO, inputs, self.image_token_ids(config), side)
+        return square_pictures(WHO, inputs, self.image_token_ids(config),
+                               patches_per_side(config.vision_config))
 
     def prompt_types(self, model, is_image: torch.Tensor) -> Dict[str, torch.Tensor]:
         return {"token_type_ids": torch.zeros_like(is_image, dtype=torch.int64)}

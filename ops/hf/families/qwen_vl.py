@@ -8,17 +8,43 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from .base import Family, image_positions, split_images, missing_input
-from .layout import ImageTokens, View
+from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VIDEO_TOKEN, VISION_END, VISION_START
+from .base import Family, TinySpec, missing_input, register
+from .layout import ImageTokens, View, image_positions, split_images
 
 WHO = "headscope.hf.Tracer"
 
+# Qwen-VL's chat template, reduced to what a one-turn image prompt needs.
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
+
+@register
 class QwenVL(Family):
     name = "qwen_vl"
+    titles = ("Qwen2-VL", "Qwen2.5-VL", "Qwen3-VL", "Qwen3-VL-MoE")
     model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
     layout = "one grid per picture (patches merged 2x2), between vision start and end"
     input_keys = ("image_grid_thw",)
+    tiny = TinySpec(
+        tokens={"<|image_pad|>": IMAGE_TOKEN, "<|video_pad|>": VIDEO_TOKEN,
+                "<|vision_start|>": VISION_START, "<|vision_end|>": VISION_END,
+                "<|endoftext|>": EOS, "<|im_start|>": MARKER_IDS[0],
+                "<|im_end|>": MARKER_IDS[1]},
+        tokenizer_extras={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                          "vision_bos_token": "<|vision_start|>",
+                          "vision_eos_token": "<|vision_end|>"},
+        chat_template=QWEN_TEMPLATE,
+        effects={"qwen2_vl": ("mask", "zero", "mean"), "qwen3_vl": ("mask", "zero", "mean")},
+        unseen_region_effects=("qwen2_vl",),
+        geometry_waiver="each picture is one grid of image_grid_thw's patches merged 2 x 2, "
+                        "the numbers the processor writes and the model reads; the commands' "
+                        "tests run the real Qwen2-VL processor end to end")
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         thw = inputs.get("image_grid_thw")
@@ -74,7 +100,6 @@ class QwenVL(Family):
 
     def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
                    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        from ..tiny import IMAGE_TOKEN, VISION_END, VISION_START
         vc = model.config.vision_config
         m = vc.spatial_merge_size
         tokens = torch.full(((grid[0] // m) * (grid[1] // m),), IMAGE_TOKEN)
@@ -82,6 +107,22 @@ class QwenVL(Family):
         patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
         pixels = torch.randn(grid[0] * grid[1], patch, generator=generator)
         return ids, {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, *grid]])}
+
+    def tiny_processor(self, model_type: str, tokenizer, *, min_pixels: int, max_pixels: int,
+                       **_):
+        """Patches of 4 pixels merged 2 x 2, pictures resized to between ``min_pixels``
+        and ``max_pixels``."""
+        import transformers as tf
+        sizes = dict(patch_size=4, temporal_patch_size=2, merge_size=2)
+        images = tf.Qwen2VLImageProcessor(
+            size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, **sizes)
+        if model_type in ("qwen2_vl", "qwen2_5_vl"):
+            video = tf.Qwen2VLVideoProcessor(**sizes)
+            cls = tf.Qwen2VLProcessor if model_type == "qwen2_vl" else tf.Qwen2_5_VLProcessor
+        else:
+            video, cls = tf.Qwen3VLVideoProcessor(**sizes), tf.Qwen3VLProcessor
+        return cls(image_processor=images, tokenizer=tokenizer, video_processor=video,
+                   chat_template=self.tiny.chat_template)
 
 
 def mrope_section(head_dim: int) -> list:

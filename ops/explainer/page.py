@@ -1,0 +1,337 @@
+"""What an :class:`~headscope.explainer.Explanation` looks like: heat maps of a span's
+region scores on the picture plane, the self-contained HTML page, one PNG per span and
+report.json.
+
+Every token of every view (tiles, thumbnails, global images, crops) has a box on its
+picture; a picture's region map paints each token's box with its region, coarse views
+first, so the finest view present decides each pixel. A span's heat map colours each
+pixel by its region's score, scaled to the span's lowest and highest score (the colour
+bar says which numbers those are)."""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import uuid
+from pathlib import Path
+import numpy as np
+
+from ..io import atomic_path
+
+DISPLAY_SIDE = 448       # the longest side of a picture on the page, in pixels
+COLORMAP = "inferno"
+HEAT_ALPHA = 0.6
+SCORE_HELP = {
+    "raw attention": "each region's attention mass from the span, mean over the decoder's "
+                     "layers and heads",
+    "head's predicted effect": "the attribution head's predicted effect of ablating the "
+                               "region on the span",
+}
+
+
+def display_size(image, side: int = DISPLAY_SIDE) -> tuple:
+    """(width, height) of ``image`` scaled so that its longest side is ``side``."""
+    w, h = image.size
+    scale = side / max(w, h)
+    return max(1, round(w * scale)), max(1, round(h * scale))
+
+
+def displayed(image):
+    """``image`` at its display size: small pictures enlarged to crisp pixels, large ones
+    reduced smoothly."""
+    from PIL import Image
+    size = display_size(image)
+    return image.resize(size, Image.NEAREST if size[0] > image.size[0] else Image.LANCZOS)
+
+
+def region_map(picture, size: tuple) -> np.ndarray:
+    """``(height, width)`` int64: the region of each pixel of the picture drawn at ``size``
+    (width, height), -1 where no token lies. Tokens are painted coarsest first."""
+    width, height = size
+    boxes = picture.boxes.double().numpy()
+    labels = picture.labels.numpy()
+    area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+    out = np.full((height, width), -1, dtype=np.int64)
+    scale = np.array([width, height, width, height], dtype=np.float64)
+    pixels = np.clip(np.rint(boxes * scale), 0, scale).astype(np.int64)
+    for i in np.argsort(-area, kind="stable"):
+        x0, y0, x1, y1 = pixels[i]
+        out[y0:max(y1, y0 + 1), x0:max(x1, x0 + 1)] = labels[i]
+    return out
+
+
+def region_centres(label_map: np.ndarray, regions: tuple) -> dict:
+    """Region -> its pixels' centre ``(x, y)`` normalised to the picture, for the
+    regions ``[first, end)`` that cover any pixel."""
+    height, width = label_map.shape
+    ys, xs = np.mgrid[0:height, 0:width]
+    centres = {}
+    for k in range(*regions):
+        mask = label_map == k
+        if mask.any():
+            centres[k] = ((xs[mask].mean() + 0.5) / width, (ys[mask].mean() + 0.5) / height)
+    return centres
+
+
+def scale(scores: np.ndarray) -> tuple:
+    """(low, high) of a span's scores: the ends of its colour bar."""
+    low, high = float(np.min(scores)), float(np.max(scores))
+    return low, high
+
+
+def heat_rgba(label_map: np.ndarray, scores: np.ndarray, low: float, high: float
+              ) -> np.ndarray:
+    """``(height, width, 4)`` uint8: each pixel coloured by its region's score on the
+    colormap from ``low`` to ``high``, translucent; transparent off the tokens."""
+    import matplotlib
+    cmap = matplotlib.colormaps[COLORMAP]
+    span = high - low
+    values = np.where(label_map >= 0, scores[np.clip(label_map, 0, None)], np.nan)
+    t = np.full(values.shape, 0.5) if span <= 0 else (values - low) / span
+    rgba = cmap(np.nan_to_num(t, nan=0.0))
+    rgba[..., 3] = np.where(np.isnan(values), 0.0, HEAT_ALPHA)
+    return (rgba * 255).round().astype(np.uint8)
+
+
+def png_data_uri(array_or_image) -> str:
+    """A PNG of a PIL image or an ``(h, w, 3|4)`` uint8 array as a data URI."""
+    from PIL import Image
+    image = array_or_image if isinstance(array_or_image, Image.Image) \
+        else Image.fromarray(array_or_image)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", optimize=True)
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _shown_spans(explanation) -> list:
+    return [s for s in explanation.spans if not s.special]
+
+
+def report(explanation) -> dict:
+    """Every number of the explanation (report.json)."""
+    e = explanation
+    return {
+        "model": e.model_name, "prompt": e.prompt, "answer": e.answer,
+        "scores": e.score_name, "regions": e.regions_name, "feature_set": e.feature_set,
+        "num_regions": e.num_regions, "complete": e.done,
+        "pictures": [{"width": p.image.size[0], "height": p.image.size[1],
+                      "regions": list(p.regions), "views": p.views,
+                      "token_boxes": p.boxes.tolist(), "token_regions": p.labels.tolist()}
+                     for p in e.pictures],
+        "spans": [{"index": s.index, "start": s.start, "end": s.end, "text": s.text,
+                   "token_ids": s.token_ids, "special": s.special,
+                   "png": None if s.special else png_name(s),
+                   "scores": s.scores.tolist(), "attention": s.attention.tolist(),
+                   "head_scores": None if s.head_scores is None else s.head_scores.tolist(),
+                   "top_regions": [k for k, _ in s.top_regions(e.num_regions)],
+                   "features": s.features.tolist()} for s in e.spans],
+        "vas_features": e.vas_features, "hallucination_probability": e.hallucination,
+    }
+
+
+def png_name(span) -> str:
+    return f"span{span.index}.png"
+
+
+def span_png(explanation, span) -> bytes:
+    """A PNG of one span's picture(s) under its heat map, with region numbers and a
+    labelled colour bar."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import Normalize
+
+    scores = span.scores.double().numpy()
+    low, high = scale(scores)
+    pictures = explanation.pictures
+    fig, axes = plt.subplots(1, len(pictures), figsize=(4.4 * len(pictures) + 1.4, 4.6),
+                             dpi=100, squeeze=False, layout="constrained")
+    for ax, picture in zip(axes[0], pictures):
+        size = display_size(picture.image)
+        labels = region_map(picture, size)
+        ax.imshow(np.asarray(displayed(picture.image)))
+        ax.imshow(heat_rgba(labels, scores, low, high))
+        for k, (x, y) in region_centres(labels, picture.regions).items():
+            ax.text(x * size[0], y * size[1], str(k), ha="center", va="center", fontsize=8,
+                    bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.7))
+        ax.set_xticks([])
+        ax.set_yticks([])
+    bar = plt.cm.ScalarMappable(Normalize(low, high if high > low else low + 1e-12),
+                                cmap=COLORMAP)
+    fig.colorbar(bar, ax=list(axes[0]), shrink=0.85).set_label(explanation.score_name)
+    text = span.text.strip()
+    fig.suptitle(f"\u201c{text[:77] + '...' if len(text) > 80 else text}\u201d", fontsize=11)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def _colour_stops() -> str:
+    import matplotlib
+    cmap = matplotlib.colormaps[COLORMAP]
+    stops = []
+    for t in np.linspace(0, 1, 11):
+        r, g, b, _ = (np.array(cmap(t)) * 255).round().astype(int)
+        stops.append(f"rgb({r},{g},{b}) {t * 100:.0f}%")
+    return ", ".join(stops)
+
+
+def _page_data(explanation) -> dict:
+    """What the page's script needs: per picture its base image and region centres, per
+    listed span its overlays (one per picture), colour bar ends and region table."""
+    e = explanation
+    pictures, maps = [], []
+    for p in e.pictures:
+        size = display_size(p.image)
+        labels = region_map(p, size)
+        maps.append(labels)
+        pictures.append({"src": png_data_uri(displayed(p.image)), "width": size[0],
+                         "height": size[1],
+                         "centres": {str(k): [round(x, 4), round(y, 4)]
+                                     for k, (x, y) in region_centres(labels, p.regions).items()}})
+    spans = []
+    for s in _shown_spans(e):
+        scores = s.scores.double().numpy()
+        low, high = scale(scores)
+        spans.append({
+            "index": s.index, "text": s.text, "low": low, "high": high,
+            "overlays": [png_data_uri(heat_rgba(m, scores, low, high)) for m in maps],
+            "table": [[k, next(i for i, p in enumerate(e.pictures)
+                               if p.regions[0] <= k < p.regions[1]),
+                       float(scores[k]), float(s.attention[k])]
+                      for k, _ in s.top_regions(e.num_regions)]})
+    return {"pictures": pictures, "spans": spans, "head": e.score_name != "raw attention"}
+
+
+STYLE = """
+.hs{font-family:system-ui,sans-serif;color:#222;max-width:1100px}
+.hs h1{font-size:1.3em;margin:.2em 0}.hs .meta{color:#666;font-size:.9em}
+.hs .prompt{background:#f3f3f3;padding:.5em .8em;border-radius:6px}
+.hs .answer{line-height:1.9;font-size:1.05em}
+.hs .span{cursor:pointer;border-bottom:3px solid #f0a020;padding:1px 2px;border-radius:3px}
+.hs .span:hover{background:#fff3d6}.hs .span.chosen{background:#f0a020;color:#000}
+.hs .span sup{color:#888;font-size:.7em;margin-left:1px}
+.hs .view{display:flex;flex-wrap:wrap;gap:24px;align-items:flex-start;margin-top:1em}
+.hs .pic{position:relative;display:inline-block;line-height:0}
+.hs .pic img{display:block}.hs .pic img.heat{position:absolute;left:0;top:0}
+.hs .pic .rid{position:absolute;transform:translate(-50%,-50%);font-size:11px;line-height:1;
+ background:rgba(255,255,255,.75);padding:1px 3px;border-radius:3px;pointer-events:none}
+.hs .bar{width:260px;height:14px;border:1px solid #999}
+.hs .ticks{display:flex;justify-content:space-between;width:262px;font-size:.8em}
+.hs table{border-collapse:collapse;font-size:.9em}
+.hs td,.hs th{padding:2px 10px;border-bottom:1px solid #ddd;text-align:right}
+.hs tr.top td{font-weight:bold}.hs .note{color:#666;font-size:.85em}
+"""
+
+SCRIPT = """
+(function(root, data){
+  var fmt = function(v){ return Math.abs(v) >= 1000 || (Math.abs(v) < 0.001 && v !== 0)
+      ? v.toExponential(2) : v.toFixed(4); };
+  var heats = root.querySelectorAll('img.heat');
+  function choose(i){
+    var s = data.spans[i];
+    root.querySelectorAll('.span').forEach(function(el){
+      el.classList.toggle('chosen', +el.dataset.i === i); });
+    heats.forEach(function(img, p){ img.src = s.overlays[p]; img.alt = 'heat map of span ' + s.index; });
+    root.querySelector('.chosen-text').textContent = '\\u201c' + s.text.trim() + '\\u201d';
+    root.querySelector('.low').textContent = fmt(s.low);
+    root.querySelector('.mid').textContent = fmt((s.low + s.high) / 2);
+    root.querySelector('.high').textContent = fmt(s.high);
+    var rows = s.table.map(function(r, j){
+      return '<tr' + (j === 0 ? ' class="top"' : '') + '><td>' + r[0] + '</td><td>' + r[1] +
+        '</td><td>' + fmt(r[2]) + '</td>' + (data.head ? '<td>' + fmt(r[3]) + '</td>' : '') + '</tr>'; });
+    root.querySelector('tbody.scores').innerHTML = rows.join('');
+  }
+  root.querySelectorAll('.span').forEach(function(el){
+    el.addEventListener('click', function(){ choose(+el.dataset.i); });
+    el.addEventListener('keydown', function(ev){
+      if (ev.key === 'Enter' || ev.key === ' ') { ev.preventDefault(); choose(+el.dataset.i); } });
+  });
+  if (data.spans.length) choose(0);
+})(document.getElementById('ROOT'), DATA);
+"""
+
+
+def _body(explanation, root: str) -> str:
+    e = explanation
+    x = html.escape
+    data = _page_data(e)
+    shown = {s.index: i for i, s in enumerate(_shown_spans(e))}
+    answer = []
+    for s in e.spans:
+        if s.index in shown:
+            answer.append(f"<span class='span' role='button' tabindex='0' "
+                          f"data-i='{shown[s.index]}'>{x(s.text)}<sup>{s.index}</sup></span>")
+        else:
+            answer.append(x(s.text))
+    hidden = len(e.spans) - len(shown)
+    notes = []
+    if hidden:
+        notes.append(f"{hidden} span{'s' if hidden > 1 else ''} of special tokens only "
+                     f"(such as end-of-text) not listed; report.json holds "
+                     f"{'them' if hidden > 1 else 'it'}.")
+    if not e.done:
+        notes.append("Generating...")
+    pictures = "".join(
+        f"<div class='pic'><img class='base' src='{p['src']}' width='{p['width']}' "
+        f"height='{p['height']}' alt='picture {i}'><img class='heat' width='{p['width']}' "
+        f"height='{p['height']}' alt=''>"
+        + "".join(f"<span class='rid' style='left:{c[0] * 100:.2f}%;top:{c[1] * 100:.2f}%'>"
+                  f"{k}</span>" for k, c in p["centres"].items())
+        + "</div>" for i, p in enumerate(data["pictures"]))
+    extra = []
+    if e.hallucination is not None:
+        extra.append(f"<p><b>Hallucination probability</b> (VAS detector): "
+                     f"{e.hallucination:.3f}</p>")
+    if e.vas_features is not None:
+        cells = "".join(f"<tr><td style='text-align:left'>{x(k)}</td><td>{v:.5g}</td></tr>"
+                        for k, v in e.vas_features.items())
+        extra.append(f"<details><summary>VAS features of the prompt and answer "
+                     f"({len(e.vas_features)})</summary><table>{cells}</table></details>")
+    head_column = "<th>raw attention</th>" if data["head"] else ""
+    script = SCRIPT.replace("ROOT", root).replace(
+        "DATA", json.dumps(data).replace("</", "<\\/"))
+    return (
+        f"<div class='hs' id='{root}'><style>{STYLE}</style>"
+        f"<h1>headscope explain</h1><p class='meta'>{x(e.model_name)} &middot; scores: "
+        f"{x(e.score_name)} ({x(SCORE_HELP.get(e.score_name, ''))}) &middot; regions: "
+        f"{x(e.regions_name)}, {e.num_regions} in all</p>"
+        f"<p class='prompt'><b>Prompt:</b> {x(e.prompt)}</p>"
+        f"<p class='answer'><b>Answer</b> <span class='note'>(choose a span)</span>: "
+        f"{''.join(answer)}</p><p class='note'>{' '.join(notes)}</p>"
+        f"<div class='view'><div>{pictures}</div><div><p class='chosen-text'></p>"
+        f"<div class='bar' style='background:linear-gradient(to right, {_colour_stops()})'>"
+        f"</div><div class='ticks'><span class='low'></span><span class='mid'></span>"
+        f"<span class='high'></span></div><p class='note'>{x(e.score_name)} per region "
+        f"(colour bar: the span's lowest to highest)</p>"
+        f"<table><thead><tr><th>region</th><th>picture</th><th>{x(e.score_name)}</th>"
+        f"{head_column}</tr></thead><tbody class='scores'></tbody></table></div></div>"
+        f"{''.join(extra)}<script>{script}</script></div>")
+
+
+def page(explanation, inline: bool = False) -> str:
+    """The page of ``explanation``: a whole HTML document, or (``inline``) a fragment for
+    a notebook, its element ids unique."""
+    root = "hs-" + uuid.uuid4().hex[:8] if inline else "hs-page"
+    body = _body(explanation, root)
+    if inline:
+        return body
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>headscope explain: "
+            f"{html.escape(explanation.prompt[:60])}</title></head><body>{body}</body></html>\n")
+
+
+def save(explanation, folder: Path) -> Path:
+    """index.html, report.json and a PNG per listed span into ``folder``, atomically."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for s in _shown_spans(explanation):
+        _write(folder / png_name(s), span_png(explanation, s))
+    _write(folder / "report.json", (json.dumps(report(explanation), indent=1) + "\n").encode())
+    _write(folder / "index.html", page(explanation).encode())
+    return folder / "index.html"
+
+
+def _write(path: Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        Path(tmp).write_bytes(data)

@@ -1,0 +1,112 @@
+"""The family registry (headscope.hf.families) and what derives from it: every registered
+model type has its row in docs/hf.md's families table, its family's names in the README,
+and a geometry test against its real processor or a waiver with a reason in its family
+module; the tiny models' lists and tokens come from the registry, and a family module that
+leaves anything out, or gives two roles one token id, is refused when it registers."""
+from __future__ import annotations
+
+import re
+from typing import Dict, List
+
+import pytest
+
+from conftest import REPO
+from headscope.hf.families import FAMILIES, Family, TinySpec, register, supported_model_types
+from headscope.hf.families.base import REGISTRY
+from headscope.hf.tiny import EOS, IMAGE_TOKEN, MARKER_IDS
+
+TESTS = REPO / "tests" / "python"
+
+
+def docs_rows() -> Dict[str, str]:
+    """Each model type of docs/hf.md's families table (its "model types" column, each in
+    backticks) with its row."""
+    text = (REPO / "docs" / "hf.md").read_text()
+    table = text[text.index("| family | model types |"):]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        for model_type in re.findall(r"`([a-z0-9_]+)`", line.split("|")[2]):
+            rows[model_type] = line
+    return rows
+
+
+def geometry_tests(model_type: str) -> List[str]:
+    """The test files that check ``model_type``'s layout against its real processor: a
+    tests/python/test_families_*.py that builds a tiny processor and names the model type."""
+    return [p.name for p in sorted(TESTS.glob("test_families_*.py"))
+            if "tiny_processor(" in p.read_text() and f'"{model_type}"' in p.read_text()]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_every_model_type_is_documented_and_geometry_tested_or_waived(family):
+    rows = docs_rows()
+    readme = (REPO / "README.md").read_text()
+    for model_type in family.model_types:
+        assert model_type in rows, f"{model_type}: no row in docs/hf.md's families table"
+    for title in family.titles:
+        assert title in readme, f"{title} ({family.name}): not in the README's list"
+    untested = [t for t in family.model_types if not geometry_tests(t)]
+    if family.tiny.geometry_waiver is None:
+        assert not untested, (f"{untested}: no tests/python/test_families_*.py checks the "
+                              f"layout against the real processor, and {family.name}'s "
+                              f"TinySpec gives no geometry_waiver")
+    else:
+        assert len(family.tiny.geometry_waiver) > 40  # a reason, not a flag
+
+
+def test_docs_table_lists_no_unregistered_model_type():
+    assert set(docs_rows()) == set(supported_model_types())
+
+
+def test_tiny_lists_and_tokens_come_from_the_registry():
+    from headscope.hf import testing
+    from headscope.hf.checkpoint import special_tokens
+    assert testing.FAMILIES == supported_model_types()
+    assert len(set(supported_model_types())) == len(supported_model_types())
+    assert sorted(REGISTRY, key=lambda f: f.name) == list(FAMILIES)
+    for family in FAMILIES:
+        for model_type in family.model_types:
+            assert special_tokens(model_type) == {i: n for n, i in family.tiny.tokens.items()}
+    with pytest.raises(ValueError, match="family must be one of .*got 'gpt2'"):
+        special_tokens("gpt2")
+    with pytest.raises(ValueError, match="family must be one of .*got 'gpt2'"):
+        testing.tiny_model("gpt2")
+
+
+def _family(**overrides):
+    attributes = dict(name="toy", titles=("Toy",), model_types=("toy",), layout="none",
+                      tiny=TinySpec(tokens={"<image>": IMAGE_TOKEN, "</s>": EOS},
+                                    chat_template=""))
+    attributes.update(overrides)
+    return type("Toy", (Family,), attributes)
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (dict(tiny=None), "must set its own tiny"),
+    (dict(model_types=("qwen2_vl",)), r"model types \['qwen2_vl'\] are already registered"),
+    (dict(tiny=TinySpec(tokens={"<image>": IMAGE_TOKEN, "</s>": EOS, "<a>": MARKER_IDS[0],
+                                "<b>": MARKER_IDS[0]}, chat_template="")),
+     r"the tiny tokens \['<a>', '<b>'\] share the ids \[505\]"),
+    (dict(tiny=TinySpec(tokens={"<image>": IMAGE_TOKEN}, chat_template="")),
+     "need IMAGE_TOKEN and EOS"),
+    (dict(tiny=TinySpec(tokens={"<image>": IMAGE_TOKEN, "</s>": EOS, "<big>": 600},
+                        chat_template="")), r"out of range: \['<big>'\]"),
+    (dict(tiny=TinySpec(tokens={"<image>": IMAGE_TOKEN, "</s>": EOS}, chat_template="",
+                        commands=("qwen2_vl",))), "names model types of no family of its own"),
+])
+def test_registration_refuses_an_incomplete_or_colliding_family(overrides, error):
+    cls = _family(**overrides)
+    before = list(REGISTRY)
+    with pytest.raises((TypeError, ValueError), match=error):
+        register(cls)
+    assert REGISTRY == before
+
+
+def test_a_subclass_must_declare_its_own_tiny_spec():
+    from headscope.hf.families.qwen_vl import QwenVL
+    child = type("Child", (QwenVL,), dict(name="child", titles=("Child",),
+                                         model_types=("child",), layout="Qwen's"))
+    with pytest.raises(TypeError, match="must set its own tiny"):
+        register(child)
