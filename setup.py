@@ -62,7 +62,7 @@ setup(
     # headscope.hf (the Tracer): the version requirements.txt pins is the one tested.
     # (matplotlib: the span PNGs of python -m headscope explain)
     extras_require={"hf": ["transformers>=5.24,<6", "safetensors", "pillow", "torchvision",
-                           "tqdm", "greenlet>=3", "matplotlib"],
+                           "tqdm", "greenlet>=3", "matplotlib", "pyarrow"],
                     # the live page of python -m headscope explain --serve
                     "app": ["transformers>=5.24,<6", "safetensors", "pillow", "torchvision",
                             "tqdm", "greenlet>=3", "matplotlib", "gradio>=6"],

@@ -2,6 +2,9 @@
 regression on the standardised features, stored as safetensors."""
 from __future__ import annotations
 
+import json
+from typing import Optional, Sequence
+
 import torch
 from torch import Tensor
 
@@ -19,13 +22,26 @@ class VASDetector:
     ``fit(features (N, F), labels (N,))`` minimises the mean logistic loss plus
     ``l2 * ||weight||^2`` (standardised units) with L-BFGS in float64; labels are 1 (or
     True) for a hallucinated answer. ``F`` defaults to the 36 columns of
-    :data:`headscope.VAS_COLUMNS`.
+    :data:`headscope.VAS_COLUMNS`. ``columns``: the features' names, saved with the
+    detector (default: ``VAS_COLUMNS`` for 36 features, else none), so that a file says
+    what it reads (``python -m headscope detector`` picks the columns of its table by
+    them).
     """
 
-    def __init__(self, num_features: int = len(VAS_COLUMNS)):
+    def __init__(self, num_features: int = len(VAS_COLUMNS),
+                 columns: Optional[Sequence[str]] = None):
         if num_features < 1:
             raise ValueError(f"headscope.VASDetector: num_features must be >= 1, got "
                              f"{num_features}")
+        if columns is None and num_features == len(VAS_COLUMNS):
+            columns = VAS_COLUMNS
+        if columns is not None and (not isinstance(columns, (list, tuple))
+                                    or len(columns) != num_features or len(set(columns))
+                                    != num_features or not all(isinstance(c, str)
+                                                               for c in columns)):
+            raise ValueError(f"headscope.VASDetector: columns must be {num_features} distinct "
+                             f"names, got {columns!r}")
+        self.columns = None if columns is None else list(columns)
         self.num_features = int(num_features)
         self.weight = torch.zeros(self.num_features, dtype=torch.float64)
         self.mean = torch.zeros(self.num_features, dtype=torch.float64)
@@ -89,10 +105,12 @@ class VASDetector:
         from safetensors.torch import save_file
         tensors = {"weight": self.weight, "mean": self.mean, "std": self.std,
                    "bias": self.bias}
+        metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION),
+                    "num_features": str(self.num_features)}
+        if self.columns is not None:
+            metadata["columns"] = json.dumps(self.columns)
         with atomic_path(path) as tmp:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
-                      metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION),
-                                "num_features": str(self.num_features)})
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
 
     @classmethod
     def load(cls, path) -> "VASDetector":
@@ -116,7 +134,11 @@ class VASDetector:
         if not all(bool(torch.isfinite(v).all()) for v in tensors.values()) or \
                 not bool((tensors["std"] > 0).all()):
             raise ValueError(f"{where}: values must be finite and std positive")
-        detector = cls(F)
+        try:
+            columns = json.loads(meta["columns"]) if "columns" in meta else None
+            detector = cls(F, columns)
+        except (json.JSONDecodeError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: its column names are damaged: {e}") from e
         for k, v in tensors.items():
             setattr(detector, k, v.to(torch.float64))
         return detector

@@ -1,9 +1,11 @@
 """Faithfulness metrics of region scores against measured ablation effects: per-span LDS
 averaged per image, pointing at a boxed object (with the exact expectation of pointing at a
-uniformly random region), and bootstrap intervals of a mean.
+uniformly random region), and bootstrap intervals of a mean; and the AUROC of a detector's
+scores, overall and within strata (pairs of one stratum only), with bootstrap intervals.
 
 What ``python -m headscope eval`` reports, and what ``headscope.shapes`` and
-``python -m headscope synthetic`` measure with; :func:`headscope.lds` is the paper's metric
+``python -m headscope synthetic`` measure with (``python -m headscope detector eval`` and
+``headscope.shapes`` the AUROC); :func:`headscope.lds` is the paper's metric
 on an ``(n_images, K)`` table (one span per image).
 """
 from __future__ import annotations
@@ -15,8 +17,9 @@ import torch
 
 from .attribution import spearman
 
-__all__ = ["bootstrap_interval", "defined_mean", "in_box", "lds_per_image",
-           "mean_with_interval", "per_image", "random_pointing", "region_centroids"]
+__all__ = ["auroc", "auroc_interval", "auroc_within", "bootstrap_interval", "defined_mean",
+           "in_box", "lds_per_image", "mean_with_interval", "per_image", "random_pointing",
+           "region_centroids"]
 
 WHO = "headscope.metrics"
 
@@ -105,3 +108,53 @@ def mean_with_interval(values: torch.Tensor) -> Dict[str, Optional[float]]:
     return {"mean": float(values.mean()),
             "se": float(values.std(unbiased=True) / math.sqrt(n)),
             "interval95": list(bootstrap_interval(values)), "n": n}
+
+
+def auroc(scores: torch.Tensor, labels: torch.Tensor) -> Optional[float]:
+    """Area under the ROC curve of ``scores`` for ``labels`` (None with one class)."""
+    from sklearn.metrics import roc_auc_score
+    if labels.all() or not labels.any():
+        return None
+    return float(roc_auc_score(labels.numpy(), scores.double().numpy()))
+
+
+def auroc_within(scores: torch.Tensor, labels: torch.Tensor,
+                 strata: torch.Tensor) -> Optional[float]:
+    """AUROC over the pairs of a positive and a negative of the same stratum only: the
+    probability that a positive scores above a negative of its stratum (ties count half),
+    e.g. a hallucinated answer against a faithful one to a scene of the same object count.
+    None without such a pair."""
+    above = pairs = 0.0
+    scores, labels = scores.double(), labels.bool()
+    for value in strata.unique():
+        same = strata == value
+        pos, neg = scores[same & labels], scores[same & ~labels]
+        if len(pos) and len(neg):
+            diff = pos[:, None] - neg[None, :]
+            above += float((diff > 0).sum()) + 0.5 * float((diff == 0).sum())
+            pairs += len(pos) * len(neg)
+    return above / pairs if pairs else None
+
+
+def auroc_interval(scores: torch.Tensor, labels: torch.Tensor, rounds: int = 1000,
+                   seed: int = 0, strata: Optional[torch.Tensor] = None) -> Optional[list]:
+    """The 2.5% and 97.5% quantiles of the AUROC (within ``strata`` when given:
+    :func:`auroc_within`) over ``rounds`` resamples with replacement (seeded; resamples
+    without a pair to compare are skipped); None when there is no pair to compare."""
+    def metric(pick):
+        if strata is None:
+            return auroc(scores[pick], labels[pick])
+        return auroc_within(scores[pick], labels[pick], strata[pick])
+
+    if metric(torch.arange(len(labels))) is None:
+        return None
+    generator = torch.Generator().manual_seed(seed)
+    values = []
+    for _ in range(rounds):
+        pick = torch.randint(len(labels), (len(labels),), generator=generator)
+        value = metric(pick)
+        if value is not None:
+            values.append(value)
+    low, high = torch.tensor(values, dtype=torch.float64).quantile(
+        torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return [low, high]

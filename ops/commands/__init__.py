@@ -1,11 +1,15 @@
 """``python -m headscope collect|train|eval``: the loop that fits and checks an attribution
-head on a user's own VLM.
+head on a user's own VLM; ``vas`` and ``detector fit|eval``: the loop that fits and checks
+a hallucination detector on the VAS features of its answers.
 
     python -m headscope collect --model MODEL --data DATA --out runs/train
     python -m headscope train --data runs/train --out head.safetensors
     python -m headscope eval --model MODEL --head head.safetensors --data DATA_TEST
     python -m headscope synthetic [--quick] [--seed dev|reported]
     python -m headscope explain --model MODEL --image PHOTO --prompt TEXT [--serve]
+    python -m headscope vas --model MODEL --data DATA --out runs/vas-fit
+    python -m headscope detector fit --data runs/vas-fit --out detector.safetensors
+    python -m headscope detector eval --detector detector.safetensors --data runs/vas-test
 
 ``synthetic`` measures the head of each feature set against raw attention on synthetic data
 whose truth is known (no model needed). ``explain`` answers a prompt about your pictures and
@@ -31,17 +35,20 @@ COMMANDS = {
     "synthetic": "each feature set's head against raw attention on synthetic data with "
                  "value norms",
     "explain": "answer a prompt about your pictures and show which regions each span rests on",
+    "vas": "the VAS features and log-probability of each answer of a data set (Parquet)",
+    "detector": "fit a hallucination detector on `vas` tables, or score it (AUROC)",
 }
 
 
 def parser() -> argparse.ArgumentParser:
-    from . import collect, evaluate, explain, synthetic, train
+    from . import collect, detector, evaluate, explain, synthetic, train, vas
     top = Parser(prog="python -m headscope", description=__doc__.replace("``", ""),
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = top.add_subparsers(dest="command", required=True,
-                             metavar="{collect,train,eval,synthetic,explain}")
+    sub = top.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS)
+                             + "}")
     for name, module in (("collect", collect), ("train", train), ("eval", evaluate),
-                         ("synthetic", synthetic), ("explain", explain)):
+                         ("synthetic", synthetic), ("explain", explain), ("vas", vas),
+                         ("detector", detector)):
         p = sub.add_parser(name, help=COMMANDS[name], description=module.__doc__.replace("``", ""),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == "collect":
@@ -58,7 +65,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)  # exits 2 on bad usage
-    prog = f"headscope {args.command}"
+    prog = " ".join(["headscope", args.command] + ([args.action] if "action" in args else []))
     try:
         return args.run(args)
     except UsageError as e:

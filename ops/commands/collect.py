@@ -13,7 +13,6 @@ world-size-th shard.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
 from pathlib import Path
@@ -24,8 +23,7 @@ import torch
 from ..features import FEATURE_SETS
 from .data import Example, image_size, load_image, read_examples
 from .errors import UsageError, check_output, given, grid, integer, refuse_ignored
-from .shards import (record_missing_checksums, remove_temporaries, shard_path,
-                     write_manifest, write_shard)
+from .shards import COLLECTION, fill_shards, write_shard
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> List[str]:
@@ -121,18 +119,8 @@ def check_regions(args, examples: List[Example], config, processor) -> None:
                              f"at most {min(g[0] for g in grids)}x{min(g[1] for g in grids)}")
 
 
-def _world() -> tuple:
-    """(rank, world size, distributed module or None) under torchrun, else (0, 1, None)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1, None
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), world, dist
-
-
-def _device(args) -> torch.device:
+def device(args) -> torch.device:
+    """The device of ``--device``, else this process's GPU if any, else the CPU."""
     if args.device:
         return torch.device(args.device)
     if torch.cuda.is_available():
@@ -197,12 +185,18 @@ def text_sizes(config) -> tuple:
     return int(text.num_hidden_layers), int(text.num_attention_heads)
 
 
-def prompt_inputs(processor, example: Example, image, device) -> Dict[str, torch.Tensor]:
-    messages = [{"role": "user", "content": [{"type": "image"},
-                                             {"type": "text", "text": example.prompt}]}]
+def chat_inputs(processor, prompt: str, images: List, device) -> Dict[str, torch.Tensor]:
+    """The model inputs (batch of 1) of a user turn of ``images`` then the text ``prompt``,
+    through the processor's chat template, ending where the model's answer starts."""
+    messages = [{"role": "user", "content": [{"type": "image"} for _ in images]
+                 + [{"type": "text", "text": prompt}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    inputs = processor(text=[text], images=list(images), return_tensors="pt")
     return {k: v.to(device) for k, v in inputs.items()}
+
+
+def prompt_inputs(processor, example: Example, image, device) -> Dict[str, torch.Tensor]:
+    return chat_inputs(processor, example.prompt, [image], device)
 
 
 def random_subsets(count: int, regions: int, seed: int, line: int) -> torch.Tensor:
@@ -273,15 +267,10 @@ def _shard_tensors(records: List[Dict]) -> Dict[str, torch.Tensor]:
                ("subsets", "grid", "image_size", "seconds")}}
 
 
-def _examples_of(examples: List[Example], shard: int, size: int) -> List[Example]:
-    return examples[shard * size:(shard + 1) * size]
-
-
 def collect(args) -> Tuple[Path, int]:
     """Runs (or resumes) the collection of ``args.data`` into ``args.out``; returns the
     folder and how many examples this run collected (on rank 0: in every process).
     Everything is checked before the folder is created."""
-    from tqdm.auto import tqdm
     check_arguments(args)
     check_output(args.out, "--out", folder=True)
     args.model = str(model_folder(args.model))
@@ -290,44 +279,23 @@ def collect(args) -> Tuple[Path, int]:
     check_regions(args, examples, config, load_processor(args.model))
     L, H = text_sizes(config)
     out = Path(args.out)
-    shards = math.ceil(len(examples) / args.shard_size)
-    rank, world, dist = _world()
-    collected_before = 0
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        remove_temporaries(out)
-        write_manifest(out, {"model": str(Path(args.model).resolve()),
-                             "num_layers": L, "num_heads": H,
-                             "feature_set": args.features,
-                             "data": str(Path(args.data).resolve()),
-                             "examples": len(examples), "regions": args.regions,
-                             "grid": args.grid,
-                             "max_new_tokens": args.max_new_tokens, "subsets": args.subsets,
-                             "ablation": args.ablation, "seed": args.seed,
-                             "attnlrp": args.attnlrp,
-                             "shard_size": args.shard_size, "dtype": args.dtype})
-        record_missing_checksums(out, shards)
-        collected_before = sum(len(_examples_of(examples, s, args.shard_size))
-                               for s in range(shards) if shard_path(out, s).exists())
-    if dist is not None:
-        dist.barrier()
-    todo = [s for s in range(rank, shards, world) if not shard_path(out, s).exists()]
-    if todo:
-        model, processor = load_model(args.model, args.dtype, _device(args))
-        total = sum(len(_examples_of(examples, s, args.shard_size)) for s in todo)
-        with tqdm(total=total, desc=f"collect (rank {rank})" if world > 1 else "collect",
-                  unit="example", position=rank) as bar:
-            for s in todo:
-                records = []
-                for example in _examples_of(examples, s, args.shard_size):
-                    records.append(collect_example(model, processor, example, args))
-                    bar.update(1)
-                write_shard(out, s, _shard_tensors(records),
-                            [t for r in records for t in r["texts"]],
-                            [r["boxes"] for r in records])
-    if dist is not None:
-        dist.barrier()
-    return out, len(examples) - collected_before
+
+    def start():
+        model, processor = load_model(args.model, args.dtype, device(args))
+        return lambda i: collect_example(model, processor, examples[i], args)
+
+    def write(shard: int, records: List[Dict]) -> None:
+        write_shard(out, shard, _shard_tensors(records),
+                    [t for r in records for t in r["texts"]], [r["boxes"] for r in records])
+
+    before = fill_shards(out, COLLECTION, {
+        "model": str(Path(args.model).resolve()), "num_layers": L, "num_heads": H,
+        "feature_set": args.features, "data": str(Path(args.data).resolve()),
+        "regions": args.regions, "grid": args.grid, "max_new_tokens": args.max_new_tokens,
+        "subsets": args.subsets, "ablation": args.ablation, "seed": args.seed,
+        "attnlrp": args.attnlrp, "dtype": args.dtype}, len(examples), args.shard_size, start, write, "collect",
+        "example")
+    return out, len(examples) - before
 
 
 def run(args) -> int:

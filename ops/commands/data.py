@@ -14,7 +14,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 from .errors import UsageError
 
@@ -42,10 +42,9 @@ def jsonl_file(data: Path) -> Path:
     return found[0]
 
 
-def read_examples(data: Path) -> List[Example]:
-    """Every example of DATA, checked: the error names the file and the line."""
-    path = jsonl_file(data)
-    examples = []
+def json_records(path: Path) -> Iterator[Tuple[int, Dict, str]]:
+    """``(line number, JSON object, "file:line")`` of each non-blank line of the JSON Lines
+    file ``path``; a line that is no JSON object is an error naming the file and line."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -60,16 +59,34 @@ def read_examples(data: Path) -> List[Example]:
             raise UsageError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
         if not isinstance(record, dict):
             raise UsageError(f"{where}: must be a JSON object, got {type(record).__name__}")
-        for key in ("image", "prompt"):
-            if not isinstance(record.get(key), str) or not record[key]:
-                raise UsageError(f"{where}: {key!r} must be a non-empty string")
+        yield number, record, where
+
+
+def non_empty_string(record: Dict, key: str, where: str) -> str:
+    if not isinstance(record.get(key), str) or not record[key]:
+        raise UsageError(f"{where}: {key!r} must be a non-empty string")
+    return record[key]
+
+
+def image_file(path: Path, name: str, where: str) -> Path:
+    """The image ``name`` of a line of the JSON Lines file ``path`` (relative to its
+    folder), which must exist."""
+    image = path.parent / name
+    if not image.is_file():
+        raise UsageError(f"{where}: image {name!r} not found ({image})")
+    return image
+
+
+def read_examples(data: Path) -> List[Example]:
+    """Every example of DATA, checked: the error names the file and the line."""
+    path = jsonl_file(data)
+    examples = []
+    for number, record, where in json_records(path):
+        image, prompt = (non_empty_string(record, key, where) for key in ("image", "prompt"))
         unknown = sorted(set(record) - {"image", "prompt", "boxes"})
         if unknown:
             raise UsageError(f"{where}: unknown keys {unknown} (expected image, prompt, boxes)")
-        image = path.parent / record["image"]
-        if not image.is_file():
-            raise UsageError(f"{where}: image {record['image']!r} not found ({image})")
-        examples.append(Example(number, image, record["prompt"],
+        examples.append(Example(number, image_file(path, image, where), prompt,
                                 _boxes(record.get("boxes", {}), where)))
     if not examples:
         raise UsageError(f"{path}: holds no example")
@@ -91,23 +108,30 @@ def _boxes(boxes, where: str) -> Dict[str, Box]:
     return out
 
 
-def _open_image(example: Example, use):
-    """``use(image)`` of the example's opened image; an unreadable image is a UsageError
-    naming it."""
+def open_image(path: Path, line: int, use):
+    """``use(image)`` of the opened image ``path`` (of the DATA file's ``line``); an
+    unreadable image is a UsageError naming it."""
     from PIL import Image, UnidentifiedImageError
     try:
-        with Image.open(example.image) as image:
+        with Image.open(path) as image:
             return use(image)
     except (OSError, UnidentifiedImageError) as e:
-        raise UsageError(f"{example.image} (line {example.line}): not a readable image: "
-                         f"{e}") from e
+        raise UsageError(f"{path} (line {line}): not a readable image: {e}") from e
+
+
+def rgb(image):
+    return image.convert("RGB")
+
+
+def size(image) -> tuple:
+    return image.size
 
 
 def load_image(example: Example):
     """The example's image as RGB (PIL)."""
-    return _open_image(example, lambda image: image.convert("RGB"))
+    return open_image(example.image, example.line, rgb)
 
 
 def image_size(example: Example) -> tuple:
     """(width, height) of the example's image, from its header (checks it opens)."""
-    return _open_image(example, lambda image: image.size)
+    return open_image(example.image, example.line, size)

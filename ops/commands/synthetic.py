@@ -29,7 +29,6 @@ command; ``reported`` (the default), the data of the numbers docs/attribution.md
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Dict, NamedTuple
 
@@ -37,9 +36,9 @@ import torch
 
 from ..attribution import AttributionHead
 from ..features import FEATURE_SETS
-from ..io import atomic_path
 from ..metrics import lds_per_image, mean_with_interval
 from .errors import check_output
+from .shards import write_json
 
 SEEDS = {"dev": 1, "reported": 2}
 HEAD_SPREAD = 1.0       # std of the heads' log value-norm scales
@@ -165,7 +164,6 @@ def run(args) -> int:
     result["seed_name"] = args.seed
     print(table(result))
     if args.report is not None:
-        with atomic_path(args.report) as tmp:
-            Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(Path(args.report), result)
         print(f"report written to {args.report}")
     return 0

@@ -1,11 +1,13 @@
-"""python -m headscope.shapes {train,demo,accuracy,latency,data,hallucination,faithfulness,
-head-eval,mixer,reproduce}: the embedded shapes model.
+"""python -m headscope.shapes {train,demo,accuracy,latency,data,answers,hallucination,
+faithfulness,head-eval,mixer,reproduce}: the embedded shapes model.
 
   train     train the model from scratch into a folder (resumable: rerun the same command)
   demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
   accuracy  caption accuracy of a model on held-out scenes
   latency   per-token time of generation with streaming attribution against plain generate
   data      write scenes as a DATA folder for python -m headscope collect|eval
+  answers   the model's answers to held-out scenes, labelled hallucinated or not, as a
+            DATA folder for python -m headscope vas
   hallucination  AUROC of VASDetector and of the mean token log-probability on hard scenes
   faithfulness   LDS and R^2 against time per token: head, raw attention, gradients, ablation
   head-eval      the head against raw attention (and value-norm-weighted attention) on a
@@ -131,6 +133,18 @@ def main(argv=None) -> int:
     p.add_argument("--noise", type=float, default=None, help="background noise (default: "
                    "drawn per scene)")
 
+    p = sub.add_parser("answers", help="labelled answers to held-out scenes as a DATA "
+                                       "folder for python -m headscope vas")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--count", type=count, required=True)
+    p.add_argument("--start", type=integer(0), default=0,
+                   help="first scene: seeds 1002000000 + start .. (the hallucination "
+                        "measurement's scenes; default 0)")
+    p.add_argument("--objects", type=_object_range, default=(1, 4), metavar="LO-HI",
+                   help="objects per scene, cycling from LO to HI (default 1-4; 5-9: the "
+                        "hard scenes)")
+    p.add_argument("--model", **model)
+
     p = sub.add_parser("hallucination", help="hallucination detection from VAS (AUROC)")
     p.add_argument("--model", **model)
     p.add_argument("--fit", type=count, default=1000, help="answers to fit the detector on")
@@ -255,6 +269,9 @@ def _run(args) -> None:
     elif args.command == "data":
         from .dataset import write_dataset
         print(write_dataset(args.out, args.first_seed, args.count, args.noise))
+    elif args.command == "answers":
+        from .dataset import write_answers
+        print(write_answers(args.out, args.count, args.start, args.objects, args.model))
     else:
         from .latency import format_latency, measure_latency
         result = measure_latency(args.rounds, args.tokens, args.model)

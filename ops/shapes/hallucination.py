@@ -7,41 +7,54 @@ hallucinated and a faithful answer to scenes of the same count), beside the AURO
 object count alone."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Iterator, Tuple
 
 import torch
 
 from ..detector import VASDetector
+from ..metrics import auroc, auroc_interval, auroc_within
 from .accuracy import HELD_OUT_SEED
 from .model import load, prompt
-from .world import match_object, parse_description, scene
+from .world import hallucinated as names_what_is_not_there, scene
 
 # Held-out scenes of their own, seeds from here on.
 OFFSET = 2_000_000
 
 
-def answers(count: int, start: int = 0, model_dir=None, max_new_tokens: int = 64,
-            progress: bool = True, objects: Tuple[int, int] = (1, 4)) -> dict:
+def described_scenes(model, processor, count: int, start: int = 0,
+                     objects: Tuple[int, int] = (1, 4), max_new_tokens: int = 64,
+                     progress: bool = True) -> Iterator[tuple]:
     """For ``count`` held-out scenes (seeds ``HELD_OUT_SEED + OFFSET + start + k``,
-    ``lo + k % (hi - lo + 1)`` objects for ``objects = (lo, hi)``): the answer's VAS
-    features ``(N, 36)``, its mean token log-probability ``(N,)``, whether it is
-    hallucinated ``(N,)``, the scene's object count ``(N,)`` and the texts."""
+    ``lo + k % (hi - lo + 1)`` objects for ``objects = (lo, hi)``), in order: ``(seed,
+    object count, image, its objects, prompt inputs, the greedy answer's sequence)``."""
     from tqdm import tqdm
 
-    from ..hf import Tracer
-
     lo, hi = objects
-    model, processor, _ = load(model_dir, head=False)
-    eos = processor.tokenizer.eos_token_id
-    features, logprob, hallucinated, counts, texts = [], [], [], [], []
     for k in tqdm(range(start, start + count), desc="answers", disable=not progress):
-        counts.append(lo + k % (hi - lo + 1))
-        image, truth = scene(HELD_OUT_SEED + OFFSET + k, counts[-1])
+        seed, num_objects = HELD_OUT_SEED + OFFSET + k, lo + k % (hi - lo + 1)
+        image, truth = scene(seed, num_objects)
         inputs = prompt(processor, image)
-        P = inputs["input_ids"].shape[1]
         with torch.no_grad():
             sequences = model.generate(**inputs, max_new_tokens=max_new_tokens,
                                        do_sample=False)
+        yield seed, num_objects, image, truth, inputs, sequences
+
+
+def answers(count: int, start: int = 0, model_dir=None, max_new_tokens: int = 64,
+            progress: bool = True, objects: Tuple[int, int] = (1, 4)) -> dict:
+    """For ``count`` held-out scenes (:func:`described_scenes`): the answer's VAS
+    features ``(N, 36)``, its mean token log-probability ``(N,)``, whether it is
+    hallucinated ``(N,)``, the scene's object count ``(N,)`` and the texts."""
+    from ..hf import Tracer
+
+    model, processor, _ = load(model_dir, head=False)
+    eos = processor.tokenizer.eos_token_id
+    features, logprob, hallucinated, counts, texts = [], [], [], [], []
+    for _, num_objects, _, truth, inputs, sequences in described_scenes(
+            model, processor, count, start, objects, max_new_tokens, progress):
+        counts.append(num_objects)
+        P = inputs["input_ids"].shape[1]
+        with torch.no_grad():
             # one forward over the prompt and the answer gives both its VAS and its logits
             types = torch.zeros_like(sequences, dtype=inputs["mm_token_type_ids"].dtype)
             types[:, :P] = inputs["mm_token_type_ids"]
@@ -57,37 +70,10 @@ def answers(count: int, start: int = 0, model_dir=None, max_new_tokens: int = 64
         logprob.append(float(lp[keep].mean()))
         text = processor.tokenizer.decode(answer, skip_special_tokens=True)
         texts.append(text)
-        parsed = parse_description(text)
-        hallucinated.append(not parsed or any(match_object(p, truth) is None
-                                              for p in parsed))
+        hallucinated.append(names_what_is_not_there(text, truth))
     return {"features": torch.stack(features), "logprob": torch.tensor(logprob),
             "hallucinated": torch.tensor(hallucinated), "objects": torch.tensor(counts),
             "texts": texts}
-
-
-def auroc(scores: torch.Tensor, labels: torch.Tensor) -> Optional[float]:
-    """Area under the ROC curve of ``scores`` for ``labels`` (None with one class)."""
-    from sklearn.metrics import roc_auc_score
-    if labels.all() or not labels.any():
-        return None
-    return float(roc_auc_score(labels.numpy(), scores.double().numpy()))
-
-
-def auroc_within(scores: torch.Tensor, labels: torch.Tensor,
-                 strata: torch.Tensor) -> Optional[float]:
-    """AUROC over the pairs of a positive and a negative of the same stratum only: the
-    probability that a hallucinated answer scores above a faithful one to a scene of the
-    same object count (ties count half). None without such a pair."""
-    above = pairs = 0.0
-    scores, labels = scores.double(), labels.bool()
-    for value in strata.unique():
-        same = strata == value
-        pos, neg = scores[same & labels], scores[same & ~labels]
-        if len(pos) and len(neg):
-            diff = pos[:, None] - neg[None, :]
-            above += float((diff > 0).sum()) + 0.5 * float((diff == 0).sum())
-            pairs += len(pos) * len(neg)
-    return above / pairs if pairs else None
 
 
 def measure_hallucination(fit_count: int = 1000, test_count: int = 1000, model_dir=None,
@@ -121,7 +107,7 @@ def measure_hallucination(fit_count: int = 1000, test_count: int = 1000, model_d
               "test_hallucinated": float(labels.double().mean())}
     result.update({f"auroc_{name}": None if s is None else auroc(s, labels)
                    for name, s in scores.items()})
-    result["auroc_95_interval"] = {name: None if s is None else bootstrap_interval(s, labels)
+    result["auroc_95_interval"] = {name: None if s is None else auroc_interval(s, labels)
                                    for name, s in scores.items()}
     counts = test["objects"]
     result["auroc_object_count_alone"] = auroc(counts.double(), labels)
@@ -129,35 +115,11 @@ def measure_hallucination(fit_count: int = 1000, test_count: int = 1000, model_d
         name: None if s is None else auroc_within(s, labels, counts)
         for name, s in scores.items()}
     result["auroc_within_object_count_95_interval"] = {
-        name: None if s is None else bootstrap_interval(s, labels, strata=counts)
+        name: None if s is None else auroc_interval(s, labels, strata=counts)
         for name, s in scores.items()}
     result["seeds"] = [HELD_OUT_SEED + OFFSET, HELD_OUT_SEED + OFFSET + fit_count
                        + test_count - 1]
     return result
-
-
-def bootstrap_interval(scores: torch.Tensor, labels: torch.Tensor, rounds: int = 1000,
-                       seed: int = 0, strata: Optional[torch.Tensor] = None) -> Optional[list]:
-    """The 2.5% and 97.5% quantiles of the AUROC (within ``strata`` when given:
-    :func:`auroc_within`) over ``rounds`` resamples of the answers with replacement
-    (resamples without a pair to compare are skipped); None without one in the answers."""
-    def metric(pick):
-        if strata is None:
-            return auroc(scores[pick], labels[pick])
-        return auroc_within(scores[pick], labels[pick], strata[pick])
-
-    if metric(torch.arange(len(labels))) is None:
-        return None
-    generator = torch.Generator().manual_seed(seed)
-    values = []
-    for _ in range(rounds):
-        pick = torch.randint(len(labels), (len(labels),), generator=generator)
-        value = metric(pick)
-        if value is not None:
-            values.append(value)
-    low, high = torch.tensor(values, dtype=torch.float64).quantile(
-        torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return [low, high]
 
 
 def _with(answers: dict, key: str) -> torch.Tensor:

@@ -138,6 +138,13 @@ def parse_description(text: str) -> List[Optional[Tuple[str, str, str]]]:
     return [parse_sentence(s) for s in sentences]
 
 
+def hallucinated(text: str, objects) -> bool:
+    """Whether a description names something the image does not hold: it does not parse,
+    or one of its sentences names no object of ``objects``."""
+    parsed = parse_description(text)
+    return not parsed or any(match_object(p, objects) is None for p in parsed)
+
+
 def match_object(parsed: Optional[Tuple[str, str, str]], objects) -> Optional[SceneObject]:
     """The scene object a parsed sentence names (same colour, shape and place), or None:
     a sentence that names no object of the image is a hallucination."""

@@ -471,7 +471,8 @@ def test_dataset_folder_for_collect(tmp_path):
 
 def test_hallucination_answers_are_labelled_by_the_scene(shipped):
     from headscope.shapes.accuracy import HELD_OUT_SEED
-    from headscope.shapes.hallucination import OFFSET, answers, auroc
+    from headscope.metrics import auroc
+    from headscope.shapes.hallucination import OFFSET, answers
     got = answers(4, start=1, progress=False)
     assert got["objects"].tolist() == [2, 3, 4, 1]
     assert got["features"].shape == (4, 36) and torch.isfinite(got["features"]).all()
@@ -535,7 +536,7 @@ def test_hallucination_detectors_within_object_counts(monkeypatch):
 
 
 def test_auroc_within_object_counts_compares_only_answers_to_scenes_of_one_count():
-    from headscope.shapes.hallucination import auroc, auroc_within, bootstrap_interval
+    from headscope.metrics import auroc, auroc_interval, auroc_within
     # the score is the object count: above chance overall when crowded scenes err more, but no
     # better than chance between answers to scenes of the same count
     counts = torch.tensor([5, 5, 5, 5, 9, 9, 9, 9])
@@ -546,17 +547,17 @@ def test_auroc_within_object_counts_compares_only_answers_to_scenes_of_one_count
     # pairs of one count: 5: (0.9 vs 0.1, 0.2, 0.3); 9: (0.5, 0.6, 0.7 vs 0.0): all above
     assert auroc_within(scores, labels, counts) == 1.0
     assert auroc_within(scores, labels, torch.arange(8)) is None  # no pair of one count
-    low, high = bootstrap_interval(scores, labels, rounds=50, strata=counts)
+    low, high = auroc_interval(scores, labels, rounds=50, strata=counts)
     assert low <= 1.0 and high == 1.0
 
 
 def test_auroc_bootstrap_interval_holds_the_estimate_and_narrows_with_more_answers():
-    from headscope.shapes.hallucination import auroc, bootstrap_interval
+    from headscope.metrics import auroc, auroc_interval
     g = torch.Generator().manual_seed(0)
     labels = torch.rand(400, generator=g) < 0.5
     scores = labels.double() + torch.randn(400, generator=g, dtype=torch.float64)
-    low, high = bootstrap_interval(scores, labels, rounds=300)
+    low, high = auroc_interval(scores, labels, rounds=300)
     assert low < auroc(scores, labels) < high
-    low4, high4 = bootstrap_interval(scores[:100], labels[:100], rounds=300)
+    low4, high4 = auroc_interval(scores[:100], labels[:100], rounds=300)
     assert high4 - low4 > 1.5 * (high - low)  # width shrinks like 1 / sqrt(N)
-    assert bootstrap_interval(scores, torch.ones(400, dtype=torch.bool)) is None
+    assert auroc_interval(scores, torch.ones(400, dtype=torch.bool)) is None
