@@ -15,32 +15,25 @@ correlation with measured ablation effects, scored by LDS (Spearman correlation)
 * ``ward_regions``: the paper's regions (Ward clustering of patch features on the grid).
 """
 # No "from __future__ import annotations": TorchScript reads the class annotations.
-import contextlib
 import json
 import math
-import os
 import sys
-import tempfile
 from typing import Iterable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
+from .features import FEATURE_SETS, check_feature_set, feature_blocks
+from .io import atomic_path
+
 FORMAT = "headscope.AttributionHead"
 FORMAT_VERSION = 1
 FEATURE_LAYOUT = "layer_major"  # feature index = layer * num_heads + head
-# What the columns hold: the attention mass on a region, that mass with each key weighted by
-# its value norm ||v_j W_O^h|| (key_weights), or both ([attention | attention*value_norm]).
-# Heads and collections without the field hold "attention".
-FEATURE_SETS = ("attention", "attention*value_norm", "both")
-# Each set's blocks of L*H columns, in column order.
-FEATURE_BLOCKS = {"attention": ("attention",), "attention*value_norm": ("attention*value_norm",),
-                  "both": ("attention", "attention*value_norm")}
 STD_EPS = 1e-8                   # added to the feature and target stds (as the reference)
 
-__all__ = ["AttributionHead", "LDS", "feature_columns", "feature_set_holding", "lds",
-           "linear_attribution", "pearson", "region_pool", "region_pool_qk",
-           "region_pool_qk_layers", "spearman", "stack_layers", "ward_regions"]
+__all__ = ["AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "region_pool",
+           "region_pool_qk", "region_pool_qk_layers", "spearman", "stack_layers",
+           "ward_regions"]
 
 
 # ---- thin wrappers over torch.ops.headscope.* -------------------------------------------
@@ -231,90 +224,11 @@ def _check_fit_data(where: str, features: Tensor, targets: Tensor, num_features:
             targets.reshape(-1).to(torch.float64))
 
 
-def _umask() -> int:
-    """The process's umask, read without changing it (os.umask would, for all threads)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
-
-
-@contextlib.contextmanager
-def atomic_path(path):
-    """Yields a temporary file name beside ``path``; on leaving the block without an error
-    the file is flushed to disk, given the permissions a plain ``open`` would give it, and
-    renamed to ``path`` (atomic on POSIX), else removed."""
-    folder = os.path.dirname(os.path.abspath(str(path)))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(str(path)) + ".",
-                                   suffix=".tmp", dir=folder)
-    except OSError as e:  # the error names ``path``, not the temporary file
-        raise OSError(e.errno, e.strerror, str(path)) from None
-    os.close(fd)
-    try:
-        yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private (0600)
-        os.replace(tmp, str(path))
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _dist_group(group):
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         return dist, group
     return None, None
-
-
-def check_feature_set(where: str, feature_set: str) -> None:
-    if feature_set not in FEATURE_SETS:
-        raise ValueError(f"{where}: feature_set must be one of "
-                         f"{', '.join(map(repr, FEATURE_SETS))}, got {feature_set!r}")
-
-
-def feature_blocks(feature_set: str) -> int:
-    """Blocks of L*H columns of a feature set: 2 for "both", else 1."""
-    return len(FEATURE_BLOCKS[feature_set])
-
-
-def feature_set_holding(sets: Iterable[str]) -> str:
-    """The feature set whose columns hold every set of ``sets``: their common set, else
-    "both" (e.g. a head's set and the attention block of a raw-attention baseline)."""
-    sets = set(sets)
-    for feature_set in sets:
-        check_feature_set("feature_set_holding", feature_set)
-    return sets.pop() if len(sets) == 1 else "both"
-
-
-def feature_columns(features: Tensor, feature_set: str, wanted: str) -> Tensor:
-    """The columns of feature set ``wanted`` out of ``features`` ``(..., F)`` of
-    ``feature_set``: its blocks of L*H columns in its order (e.g. the attention block of
-    "both", or a single block's raw baseline input). Every block of ``wanted`` must be one
-    of ``feature_set``'s."""
-    check_feature_set("feature_columns", feature_set)
-    check_feature_set("feature_columns", wanted)
-    have, want = FEATURE_BLOCKS[feature_set], FEATURE_BLOCKS[wanted]
-    missing = [b for b in want if b not in have]
-    if missing:
-        raise ValueError(f"feature_columns: features of set {feature_set!r} (blocks "
-                         f"{list(have)}) have no {missing[0]!r} block, which set {wanted!r} "
-                         f"needs; collect or trace with features={wanted!r} or 'both'")
-    if features.shape[-1] % len(have):
-        raise ValueError(f"feature_columns: {features.shape[-1]} columns do not split into "
-                         f"the {len(have)} blocks of feature set {feature_set!r}")
-    if have == want:
-        return features
-    width = features.shape[-1] // len(have)
-    return torch.cat([features[..., have.index(b) * width:(have.index(b) + 1) * width]
-                      for b in want], -1)
 
 
 class AttributionHead(nn.Module):

@@ -8,7 +8,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .attribution import STD_EPS, atomic_path
+from .attribution import STD_EPS
+from .io import atomic_path
 from .vas import VAS_COLUMNS
 
 FORMAT = "headscope.VASDetector"

@@ -219,18 +219,10 @@ def bench_decode(device, quick: bool, spec: str = "qwen2_vl") -> dict:
     ratio_both = round_ratios(per_token["both"], per_token["plain"])
     both_vs_attention = round_ratios(per_token["both"], per_token["traced"])
 
-    def answer_vas():
-        tracer.attach()
-        try:
-            tracer._final = final
-            return tracer.vas_features()
-        finally:
-            tracer.detach()
     tracer.attach()
     list(tracer.generate(**inputs, **gen))
-    final = tracer._final
     tracer.detach()
-    t_vas = statistics.median(interleaved({"vas": answer_vas}, device, rounds=3)["vas"])
+    t_vas = statistics.median(interleaved({"vas": tracer.answer_vas}, device, rounds=3)["vas"])
     t_prefill = statistics.median(interleaved(
         {"p": lambda: model(**inputs, logits_to_keep=1)}, device, rounds=3)["p"])
     rows = [{"what": "plain generate", "ms_per_token": 1e3 * statistics.median(per_token["plain"]),

@@ -20,7 +20,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from ..attribution import FEATURE_SETS
+from ..features import FEATURE_SETS
 from .data import Example, image_size, load_image, read_examples
 from .errors import UsageError, check_output, given, grid, integer, refuse_ignored
 from .shards import COLLECTION, fill_shards, write_shard

@@ -24,8 +24,9 @@ from typing import Optional
 
 import torch
 
-from ..attribution import (FEATURE_BLOCKS, AttributionHead, atomic_path, feature_columns,
-                           feature_set_holding)
+from ..attribution import AttributionHead
+from ..features import FEATURE_BLOCKS, feature_columns, feature_set_holding
+from ..io import atomic_path
 from . import collect as _collect
 from .errors import UsageError, check_output, given, option, refuse_ignored
 from .metrics import random_baseline, score

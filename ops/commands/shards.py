@@ -51,7 +51,8 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-from ..attribution import FEATURE_SETS, atomic_path, feature_blocks
+from ..features import FEATURE_SETS, feature_blocks
+from ..io import atomic_path
 from .errors import UsageError
 
 FORMAT = "headscope.collect"

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 import numpy as np
 
-from ..attribution import atomic_path
+from ..io import atomic_path
 
 DISPLAY_SIDE = 448       # the longest side of a picture on the page, in pixels
 COLORMAP = "inferno"

@@ -50,7 +50,7 @@ def screenshot(page: Path, out: Path, span: int = 1) -> Path:
     PNG of the window to ``out``."""
     from selenium.webdriver.common.by import By
 
-    from ..attribution import atomic_path
+    from ..io import atomic_path
     with headless_chromium() as browser:
         browser.get(Path(page).resolve().as_uri())
         spans = browser.find_elements(By.CSS_SELECTOR, ".span")

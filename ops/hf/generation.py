@@ -1,12 +1,13 @@
-"""The generation side of :class:`~headscope.hf.Tracer`: ``generate`` and
-``generate_with`` run ``model.generate`` with a streamer that cuts each row's answer into
-spans and makes each span (pooled features from the tracer's query rows, head scores,
-text) as it ends; then the final sequence's inputs for VAS.
+"""The generation side of :class:`~headscope.hf.Tracer`, a component it holds:
+:class:`Generation` runs ``model.generate`` with a streamer that cuts each row's answer
+into spans and makes each span (pooled features from the tracer's query rows, head
+scores, text) as it ends; then keeps the final sequence's inputs for the answer's VAS.
 """
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, Iterator, List, Sequence
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -30,44 +31,71 @@ def sentence_end(tokenizer) -> Callable[[Sequence[int]], bool]:
     return ends
 
 
+@dataclass
+class Answer:
+    """What a finished ``generate`` leaves for the answer's VAS: the model inputs of the
+    final sequence (the prompt's, with each row's answer tokens up to and including its
+    end-of-sequence token kept in the mask) and the prompt's length."""
+    inputs: Dict[str, torch.Tensor]
+    prompt_length: int
+    pending: bool = True  # its forward has not run yet
+
+
 class Generation:
-    """The Tracer's generation methods (a mixin: the state they use is the Tracer's)."""
+    """A tracer's ``generate`` and ``generate_with``, and what the last generation left:
+    :attr:`sequences` and its :class:`Answer`. It reads the tracer's public attributes
+    (model, family, splitter, head, tokenizer, vas, feature_width, num_regions, rows);
+    the tracer gives it ``run_model(kwargs, streamer)``, which runs ``model.generate`` in
+    the tracer's generation phases, and ``paused()``, the phase while a span's consumer
+    runs (the model must not be called then)."""
 
+    def __init__(self, tracer, run_model: Callable[[dict, SpanCutter], torch.Tensor],
+                 paused: Callable[[], ContextManager]):
+        self.tracer = tracer
+        self._run_model = run_model
+        self._paused = paused
+        self.thread: Optional[int] = None  # ident of the thread running generate
+        self.sequences: Optional[torch.Tensor] = None
+        self.answer: Optional[Answer] = None
+        self._head_device = None
 
-    def generate(self, **kwargs) -> Iterator[Span]:
-        """Runs ``model.generate(**kwargs)`` and yields each row's spans as they end, in
-        order. The model runs on the caller's thread and pauses at each span while the loop
-        body runs (no second thread). ``tr.sequences`` holds generate's output once the
-        iterator is exhausted; leaving the loop early stops generation."""
-        self._check_generate(kwargs)
-        return self._generate(kwargs)
+    def spans(self, kwargs) -> Iterator[Span]:
+        """``Tracer.generate``: the spans, on the caller's thread."""
+        self._check(kwargs)
+        return self._spans(kwargs)
 
-    def generate_with(self, on_span: Callable[[Span], None], **kwargs) -> torch.Tensor:
-        """Runs ``model.generate(**kwargs)`` and calls ``on_span`` with each span, in order,
-        as it ends (between two decode steps: generation waits for it); returns generate's
-        output (also ``tr.sequences``). An exception in ``on_span`` stops generation and
-        propagates."""
-        self._check_generate(kwargs)
-        cutter, P, eos = self._start_generation(kwargs, on_span)
-        sequences = self._run_generate(kwargs, cutter)
-        self._end_generation(kwargs, sequences, P, eos)
+    def _spans(self, kwargs) -> Iterator[Span]:
+        def run(emit: Callable[[Span], None]) -> tuple:
+            cutter, P, eos = self._start(kwargs, emit)
+            return self._run(kwargs, cutter), P, eos
+
+        sequences, P, eos = yield from iterate_spans(run)
+        self._end(kwargs, sequences, P, eos)
+
+    def run_with(self, on_span: Callable[[Span], None], kwargs) -> torch.Tensor:
+        """``Tracer.generate_with``: each span to ``on_span``; generate's output."""
+        self._check(kwargs)
+        cutter, P, eos = self._start(kwargs, on_span)
+        sequences = self._run(kwargs, cutter)
+        self._end(kwargs, sequences, P, eos)
         return sequences
 
-    def _check_generate(self, kwargs) -> None:
+    def _check(self, kwargs) -> None:
+        model = self.tracer.model
         for name, allowed in _UNSUPPORTED_GENERATE.items():
-            value = kwargs.get(name, getattr(self.model.generation_config, name, allowed))
+            value = kwargs.get(name, getattr(model.generation_config, name, allowed))
             if value not in (allowed, None):
                 raise NotImplementedError(f"headscope.hf.Tracer.generate: {name}={value!r} is "
                                           f"not supported (one sequence per prompt)")
-        if not self._attached:
+        if not self.tracer.attached:
             raise RuntimeError("headscope.hf.Tracer.generate: the tracer is detached")
-        if self.model.device.type == "mps":  # generate streams tokens a step late there
+        if model.device.type == "mps":  # generate streams tokens a step late there
             raise NotImplementedError("headscope.hf.Tracer.generate: not supported on MPS")
-        if self._generating is not None:
+        if self.thread is not None:
             raise RuntimeError("headscope.hf.Tracer.generate: a generation is already running")
 
     def _eos_ids(self, kwargs) -> List[int]:
-        config = kwargs.get("generation_config") or self.model.generation_config
+        config = kwargs.get("generation_config") or self.tracer.model.generation_config
         # as generate: an eos_token_id argument, None included, overrides the config's
         eos = kwargs["eos_token_id"] if "eos_token_id" in kwargs else config.eos_token_id
         if eos is None:
@@ -75,7 +103,7 @@ class Generation:
         return [int(e) for e in (eos.tolist() if isinstance(eos, torch.Tensor) else
                                  eos if isinstance(eos, (list, tuple)) else [eos])]
 
-    def _start_generation(self, kwargs, emit: Callable[[Span], None]) -> tuple:
+    def _start(self, kwargs, emit: Callable[[Span], None]) -> tuple:
         """The streamer that cuts spans and hands them to ``emit``, during which the model
         must not be called."""
         ids = kwargs.get("input_ids")
@@ -85,95 +113,43 @@ class Generation:
         eos = self._eos_ids(kwargs)
 
         def paused_emit(span: Span) -> None:
-            self._paused = True
-            try:
+            with self._paused():
                 emit(span)
-            finally:
-                self._paused = False
 
-        cutter = SpanCutter(self._make_span, paused_emit, B, self.splitter, eos,
+        cutter = SpanCutter(self._make_span, paused_emit, B, self.tracer.splitter, eos,
                             inner=kwargs.pop("streamer", None))
-        self.sequences, self._final = None, None
-        self._head_device = self._find_head_device()
+        self.sequences, self.answer = None, None
+        self._head_device = head_device(self.tracer.head, self.tracer.model)
         return cutter, P, eos
 
-    def _run_generate(self, kwargs, cutter) -> torch.Tensor:
-        self._generating = threading.get_ident()
-        self._mode = "generate"
-        # What the model hook would note, from generate's inputs (its forwards may not get
-        # them all: Qwen's get the vision output, not the grid); off for the generation, it
-        # costs nothing per step.
-        self._note_inputs(kwargs)
-        self._model_hook.remove()
+    def _run(self, kwargs, cutter: SpanCutter) -> torch.Tensor:
+        self.thread = threading.get_ident()
         try:
             with cutter.interrupts:
-                return self.model.generate(**self.family.model_inputs(kwargs), streamer=cutter)
+                return self._run_model(kwargs, cutter)
         finally:
-            self._mode = "forward"
-            self._rows = None
-            self._decoding = False
-            self._generating = None
-            if self._attached:  # (a callback may have detached the tracer)
-                self._model_hook = self._hook_model()
+            self.thread = None
 
-    def _end_generation(self, kwargs, sequences: torch.Tensor, P: int, eos: List[int]) -> None:
+    def _end(self, kwargs, sequences: torch.Tensor, P: int, eos: List[int]) -> None:
         self.sequences = sequences
-        if self.vas:
-            self._final = (self._final_inputs(kwargs, sequences, P, eos), P)
-
-    def _generate(self, kwargs) -> Iterator[Span]:
-        def run(emit: Callable[[Span], None]) -> tuple:
-            cutter, P, eos = self._start_generation(kwargs, emit)
-            return self._run_generate(kwargs, cutter), P, eos
-
-        sequences, P, eos = yield from iterate_spans(run)
-        self._end_generation(kwargs, sequences, P, eos)
+        if self.tracer.vas:
+            self.answer = Answer(self._final_inputs(kwargs, sequences, P, eos), P)
 
     def _make_span(self, b: int, start: int, token_ids: List[int], finished: bool) -> Span:
         """Row b's open span, on the generating thread: its pooled features (K_b, F) (F the
         tracer's feature_width), the head's scores and its text."""
-        if self._rows is None:
-            features = torch.zeros(0, self.feature_width)
+        tracer = self.tracer
+        if tracer.rows is None:
+            features = torch.zeros(0, tracer.feature_width)
         else:
-            features = self._rows.pool(b, len(token_ids), finished)
-            features = features[:self.num_regions[b]]
+            features = tracer.rows.pool(b, len(token_ids), finished)
+            features = features[:tracer.num_regions[b]]
         scores = None
-        if self.head is not None and features.shape[0] > 0:
-            scores = self.head(features.to(self._head_device)).float().cpu()
-        text = self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
+        if tracer.head is not None and features.shape[0] > 0:
+            scores = tracer.head(features.to(self._head_device)).float().cpu()
+        text = tracer.tokenizer.decode(token_ids) if tracer.tokenizer is not None else None
         return Span(b, start, start + len(token_ids), torch.tensor(token_ids, dtype=torch.int64),
                     features.float().cpu(), scores, text)
-
-    def _check_head(self, head) -> None:
-        """A head must map a span's (K, F) features (F = L*H, 2*L*H for features="both")
-        to (K,) scores: tried once here on zeros, so that a head that does not fit fails
-        now, not inside generation."""
-        if head is None:
-            return
-        F = "2*L*H" if self.features == "both" else "L*H"
-        if not callable(head):
-            raise TypeError(f"headscope.hf.Tracer: argument 'head' must be an AttributionHead "
-                            f"or a callable (K, {F}) -> (K,), got {type(head).__name__}")
-        LH = self.feature_width
-        probe = torch.zeros(2, LH, device=self._find_head_device(head))
-        try:
-            with torch.no_grad():
-                scores = head(probe)
-        except Exception as e:
-            raise ValueError(f"headscope.hf.Tracer: argument 'head' must map features (K, {F} = "
-                             f"{LH}) to scores (K,); on (2, {LH}) zeros it raised "
-                             f"{type(e).__name__}: {e}") from e
-        if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != (2,):
-            raise ValueError(f"headscope.hf.Tracer: argument 'head' must map features (K, {F} = "
-                             f"{LH}) to scores (K,); on (2, {LH}) zeros it returned "
-                             + (f"shape {tuple(scores.shape)}" if isinstance(scores, torch.Tensor)
-                                else type(scores).__name__))
-
-    def _find_head_device(self, head=None):
-        for t in getattr(head if head is not None else self.head, "parameters",
-                         lambda: iter(()))():
-            return t.device
-        return self.model.device
 
     def _final_inputs(self, kwargs, sequences: torch.Tensor, P: int, eos: List[int]
                       ) -> Dict[str, torch.Tensor]:
@@ -195,5 +171,37 @@ class Generation:
             types = kwargs.get(name)
             if types is not None:
                 final[name] = torch.nn.functional.pad(types, (0, answer.shape[1]),
-                                                      value=self.family.answer_type(name))
+                                                      value=self.tracer.family.answer_type(name))
         return final
+
+
+def check_head(head, features: str, width: int, device) -> None:
+    """A head must map a span's (K, F) features (F = ``width``: L*H, 2*L*H for
+    features="both") to (K,) scores: tried once on zeros, so that a head that does not fit
+    fails when the tracer is made, not inside generation."""
+    if head is None:
+        return
+    F = "2*L*H" if features == "both" else "L*H"
+    if not callable(head):
+        raise TypeError(f"headscope.hf.Tracer: argument 'head' must be an AttributionHead "
+                        f"or a callable (K, {F}) -> (K,), got {type(head).__name__}")
+    probe = torch.zeros(2, width, device=device)
+    try:
+        with torch.no_grad():
+            scores = head(probe)
+    except Exception as e:
+        raise ValueError(f"headscope.hf.Tracer: argument 'head' must map features (K, {F} = "
+                         f"{width}) to scores (K,); on (2, {width}) zeros it raised "
+                         f"{type(e).__name__}: {e}") from e
+    if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != (2,):
+        raise ValueError(f"headscope.hf.Tracer: argument 'head' must map features (K, {F} = "
+                         f"{width}) to scores (K,); on (2, {width}) zeros it returned "
+                         + (f"shape {tuple(scores.shape)}" if isinstance(scores, torch.Tensor)
+                            else type(scores).__name__))
+
+
+def head_device(head, model):
+    """Where a head's parameters are (the model's device for a head without any)."""
+    for t in getattr(head, "parameters", lambda: iter(()))():
+        return t.device
+    return model.device

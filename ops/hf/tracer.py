@@ -5,30 +5,60 @@ Attaching sets the text decoder's attention implementation to ``"headscope"`` (s
 ``backend.py``), which runs the implementation the model was loaded with and hands each
 layer's q (after rotary), key cache, mask and per-head outputs to this object; detaching
 puts the original back. Only the text decoder is traced.
+
+A tracer's one state is its :class:`Phase`. It holds its generation as a component
+(:class:`~headscope.hf.generation.Generation`: ``generate``, the spans, what a generation
+leaves), and a generation's query rows as a :class:`~headscope.hf.rows.SpanRows`, which
+owns the decode protocol (``rows.py`` reads it top to bottom): the decoder's forward hook
+calls its ``begin_step``, each layer's attention call its ``add``, a span's end its
+``pool``.
 """
 from __future__ import annotations
 
+import contextlib
+import enum
 import threading
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
-from .. import attribution as _attr
 from .. import vas as _vas
+from ..attribution import AttributionHead
+from ..features import FEATURE_SETS, feature_blocks
 from . import backend
 from .families import ImageTokens, family_of
 from .families.generic import picture_slots
+from .generation import Generation, check_head, head_device, sentence_end
 from .masks import MaskCall
 from .regions import Regions, grid_regions, region_ids as _region_ids
+from .rows import KeyTable, SpanRows
+from .stream import Span, SpanCutter
 from .structure import output_projection, softmax_attention_layers
-from .rows import SpanRows
-from .value_norm import value_norm_factors, value_norms
-from .generation import Generation, sentence_end
+from .value_norm import value_norm_factors
 
 _WRITES = ("heads", "residual")
 
 
-class Tracer(Generation, backend.Binding):
+class Phase(enum.Enum):
+    """What a tracer does with its model's calls. The decoder's forward hook moves it
+    between READY and VAS, or, while a generation runs, between GENERATING, PREFILL and
+    DECODE; the generation pauses it at each span."""
+    DETACHED = "detached"  # not bound: the model runs as it was loaded
+    READY = "ready"  # bound; a forward without a key cache computes VAS and region ids
+    VAS = "vas"  # in such a forward (vas=True): each layer's VAS statistics
+    ANSWER = "answer"  # the forward over generate's final sequence: VAS, no region ids
+    GENERATING = "generating"  # generate runs; its forwards compute nothing (no regions)
+    PREFILL = "prefill"  # generate's first forward: each layer's last query row to the rows
+    DECODE = "decode"  # a decode step: each layer's query row and keys to the rows
+    PAUSED = "paused"  # generate waits at a span for its consumer: the model must not run
+
+
+_IN_GENERATION = frozenset({Phase.GENERATING, Phase.PREFILL, Phase.DECODE, Phase.PAUSED})
+# the attention call compares by identity (an enum's hash runs Python code)
+_DECODE, _PREFILL, _VAS, _ANSWER = Phase.DECODE, Phase.PREFILL, Phase.VAS, Phase.ANSWER
+
+
+class Tracer(backend.Binding):
     """VAS features and span attribution of a transformers VLM while it runs.
 
         with Tracer(model, regions=8, vas=True, head=head, tokenizer=tok) as tr:
@@ -63,9 +93,9 @@ class Tracer(Generation, backend.Binding):
         if writes not in _WRITES:
             raise ValueError(f"headscope.hf.Tracer: argument 'writes' must be one of {_WRITES}, "
                              f"got {writes!r}")
-        if not isinstance(features, str) or features not in _attr.FEATURE_SETS:
+        if not isinstance(features, str) or features not in FEATURE_SETS:
             raise ValueError(f"headscope.hf.Tracer: argument 'features' must be one of "
-                             f"{', '.join(map(repr, _attr.FEATURE_SETS))}, got {features!r}")
+                             f"{', '.join(map(repr, FEATURE_SETS))}, got {features!r}")
         if regions is not None and not (isinstance(regions, (int, torch.Tensor))
                                         or callable(regions)) or isinstance(regions, bool):
             raise TypeError(f"headscope.hf.Tracer: argument 'regions' must be an int, an int64 "
@@ -96,31 +126,27 @@ class Tracer(Generation, backend.Binding):
                              f"run of image tokens is one picture in sequence order); use "
                              f"regions=K (Ward regions of each run) or labels")
         L, H = self.num_layers, self.num_heads
-        if isinstance(head, _attr.AttributionHead) and (head.num_layers, head.num_heads) != (L, H):
+        if isinstance(head, AttributionHead) and (head.num_layers, head.num_heads) != (L, H):
             raise ValueError(f"headscope.hf.Tracer: the head was fitted for L={head.num_layers}, "
                              f"H={head.num_heads}; this model has L={L}, H={H}")
-        if isinstance(head, _attr.AttributionHead) and head.feature_set != features:
+        if isinstance(head, AttributionHead) and head.feature_set != features:
             raise ValueError(f"headscope.hf.Tracer: the head was fitted on feature set "
                              f"{head.feature_set!r} but this tracer computes "
                              f"features={features!r}; pass features={head.feature_set!r} "
                              f"or a head fitted on {features!r} features")
         self.features = features
-        self.feature_width = _attr.feature_blocks(features) * L * H
+        self.feature_width = feature_blocks(features) * L * H
         self.regions, self.vas, self.head, self.tokenizer = regions, bool(vas), head, tokenizer
         self.writes = writes
         self.splitter = splitter if splitter is not None else (
             sentence_end(tokenizer) if tokenizer is not None else None)
-        self._check_head(head)
-        self.sequences: Optional[torch.Tensor] = None
+        check_head(head, features, self.feature_width, head_device(head, model))
+        self.phase = Phase.DETACHED
+        self.generation = Generation(self, run_model=self._run_generate, paused=self._paused)
         self.images: Optional[List[List[ImageTokens]]] = None
-        self.region_ids: Optional[torch.Tensor] = None
         self.num_regions: Optional[List[int]] = None
-        self.observing = False
-        self._decoding = False  # a decode step of tr.generate with regions: keep q rows
-        self._paused = False  # generation is paused at a span (its consumer runs)
-        self._attached = False
-        self._mode = "forward"
-        self._generating: Optional[int] = None  # thread ident of a running tr.generate
+        self.rows: Optional[SpanRows] = None  # the running generation's query rows
+        self._region_ids: Optional[KeyTable] = None  # the last prompt's (shared with rows)
         # each layer's transformers layer type (None: every layer takes the one mask built)
         types = getattr(self.config, "layer_types", None)
         self._layer_types: Optional[List[str]] = [types[i] for i in self.layers] if types \
@@ -133,24 +159,37 @@ class Tracer(Generation, backend.Binding):
         self._probing = False  # the model runs for picture_slots: the hooks stand aside
         self._stats: Optional[torch.Tensor] = None
         self._seen: set = set()
-        self._rows: Optional[SpanRows] = None
-        self._final: Optional[tuple] = None  # (final sequence's inputs, prompt length)
         self._factors: Dict[int, torch.Tensor] = {}  # layer -> value_norm_factors of o_proj
         self._R: Dict[int, torch.Tensor] = {}  # layer -> R^T per head (writes="residual")
-        self._image_keys: Optional[torch.Tensor] = None  # prompt positions of image keys
-        self._head_device = None
+        self._model_hook = None
         self.attach()
+
+    @property
+    def attached(self) -> bool:
+        return self.phase is not Phase.DETACHED
+
+    @property
+    def region_ids(self) -> Optional[torch.Tensor]:
+        """(B, T) int64 region ids of the last prompt's positions, -1 off the images."""
+        return None if self._region_ids is None else self._region_ids.prompt
+
+    @property
+    def sequences(self) -> Optional[torch.Tensor]:
+        """The output of the last ``generate``, once it has finished."""
+        return self.generation.sequences
 
     # ---- attaching ----------------------------------------------------------------------
 
     def attach(self) -> "Tracer":
-        if self._attached:
+        if self.attached:
             return self
         self.bind(self.config)
-        self._model_hook = self._hook_model()
+        generating = self.generation.thread is not None  # (a span's consumer attaches)
+        if not generating:  # generate keeps the model hook off while it runs
+            self._model_hook = self._hook_model()
         self._decoder_hook = self.decoder.register_forward_pre_hook(self._on_decoder_forward,
                                                                     with_kwargs=True)
-        self._attached = True
+        self.phase = Phase.PAUSED if generating else Phase.READY
         return self
 
     def _hook_model(self):
@@ -158,14 +197,14 @@ class Tracer(Generation, backend.Binding):
 
     def detach(self) -> None:
         """Puts the model back as it was: its attention implementation, no hooks."""
-        if not self._attached:
+        if not self.attached:
             return
-        self._model_hook.remove()
+        if self._model_hook is not None:
+            self._model_hook.remove()
+            self._model_hook = None
         self._decoder_hook.remove()
         self.unbind(self.config)
-        self.observing = False
-        self._decoding = False
-        self._attached = False
+        self.phase = Phase.DETACHED
 
     def __enter__(self) -> "Tracer":
         return self
@@ -173,21 +212,20 @@ class Tracer(Generation, backend.Binding):
     def __exit__(self, *exc) -> None:
         self.detach()
 
+    # ---- the model's calls --------------------------------------------------------------
+
     def attention(self, module, query, key, value, attention_mask, **kwargs):
         base = self._base_attention or self.base_attention(module)
         out, weights = base(module, query, key, value, attention_mask, **kwargs)
-        if self._decoding:  # inline: the only work of a decode step, once per layer
+        phase = self.phase
+        if phase is _DECODE:  # inline: the only work of a decode step, once per layer
             layer = self._layers[id(module)]
             mask = self._masks.get(self._layer_types[layer] if self._layer_types else "")
             if mask is None or mask.pattern is None or key.shape[2] != mask.kv_length \
                     or query.shape[2] != 1:
                 mask = self._check_decode_step(layer, module, query, key, kwargs)
-            if mask.pattern.drops_keys:
-                self._rows.step(layer, query, key, mask)
-            else:
-                self._rows.queries[layer].append(query)
-                self._rows.keys[layer] = key
-        elif self.observing:
+            self.rows.add(layer, query, key, mask)
+        elif phase is _VAS or phase is _PREFILL or phase is _ANSWER:
             self.observe(module, query, key, value, out, weights, kwargs)
         return out, weights
 
@@ -207,8 +245,6 @@ class Tracer(Generation, backend.Binding):
         self._built.add(id(built))
         return built
 
-    # ---- what the model shows us ----------------------------------------------------------
-
     def _on_model_forward(self, module, args, kwargs):
         if self._probing:
             return None
@@ -225,10 +261,14 @@ class Tracer(Generation, backend.Binding):
                                   if k not in ("cache", "past_key_values", "use_cache")}
 
     def _on_decoder_forward(self, module, args, kwargs):
+        """Starts a forward: its masks, and the phase that says what it computes (a
+        forward without a cache: region ids, and VAS or, in generate, the rows)."""
         if self._probing:
             return None
-        if self._generating is not None and (threading.get_ident() != self._generating
-                                             or self._paused):
+        phase = self.phase
+        generating = phase in _IN_GENERATION
+        if generating and (phase is Phase.PAUSED
+                           or threading.get_ident() != self.generation.thread):
             raise RuntimeError("headscope.hf.Tracer: the model was called while a generation "
                                "of this tracer is running on it (from another thread, or while "
                                "it is paused at a span); finish or close that generation first")
@@ -240,48 +280,44 @@ class Tracer(Generation, backend.Binding):
         self._built = set()
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         past = cache.get_seq_length() if cache is not None else 0
-        generating = self._mode == "generate"
-        pooling = generating and self.regions is not None
         if past == 0:
             embeds = kwargs.get("inputs_embeds")
             if embeds is None:
                 ids = kwargs.get("input_ids", args[0] if args else None)
                 embeds = module.get_input_embeddings()(ids)
-            self._start_forward(embeds, pooling)
-            self._vas_now = self.vas and not generating
-        else:
-            self._vas_now = False
-        # _start_forward made the query rows exactly when there is something to pool
-        self._pool_now = pooling and self._rows is not None
-        self._decoding = self._pool_now and past > 0
-        if self._decoding:
-            self._rows.flush()  # the last step's rows of layers whose cache drops keys
-            if self._rows.held_rows() >= self._rows.FOLD:
-                self._rows.fold()  # between two steps: the last step's rows and keys are in
-            self._rows.end += 1  # this step's rows come in its forward
-        self.observing = self._vas_now or self._pool_now
+            self._start_forward(embeds, generating, with_regions=phase is not Phase.ANSWER)
+            if generating:
+                self.phase = Phase.PREFILL if self.rows is not None else Phase.GENERATING
+            elif phase is not Phase.ANSWER:
+                self.phase = Phase.VAS if self.vas else Phase.READY
+        elif self.rows is not None and generating:
+            self.rows.begin_step()
+            self.phase = Phase.DECODE
+        elif phase is Phase.VAS:
+            self.phase = Phase.READY  # a forward on a cache: nothing to compute
 
-    def _start_forward(self, embeds: torch.Tensor, pooling: bool) -> None:
+    def _start_forward(self, embeds: torch.Tensor, generating: bool,
+                       with_regions: bool) -> None:
+        """A forward without a cache: the VAS statistics start over; the prompt's region
+        ids (``with_regions``, given regions) and, in generate, the query rows."""
         B, T = embeds.shape[:2]
         self._stats, self._seen = None, set()
-        self._kmax = 0
-        if self._mode != "vas" and self.regions is not None:
-            ids = self._inputs.get("input_ids")
-            if ids is None or tuple(ids.shape) != (B, T):
-                raise ValueError("headscope.hf.Tracer: regions need the model's input_ids "
-                                 f"(B, T) = ({B}, {T}) to find the image tokens")
-            if not self.family.has_layout:
-                self._inputs["picture_slots"] = self._picture_slots()
-            self.images = self.family.images(self.model.config, self._inputs)
-            self.region_ids, self.num_regions = _region_ids(self.regions, self.images, embeds)
-            self._kmax = max(self.num_regions)
-        self._rows = None
-        if pooling and self._kmax > 0:
-            self._rows = SpanRows(self.num_layers, self.num_heads, B, self.region_ids,
-                                  self._kmax, self.features)
-            if any(self._rows.blocks):  # once per prompt: every layer's norms take them
-                is_image = (self.region_ids >= 0).any(0)
-                self._image_keys = torch.nonzero(is_image).flatten().to(embeds.device)
+        self.rows = None
+        if not with_regions or self.regions is None:
+            return
+        ids = self._inputs.get("input_ids")
+        if ids is None or tuple(ids.shape) != (B, T):
+            raise ValueError("headscope.hf.Tracer: regions need the model's input_ids "
+                             f"(B, T) = ({B}, {T}) to find the image tokens")
+        if not self.family.has_layout:
+            self._inputs["picture_slots"] = self._picture_slots()
+        self.images = self.family.images(self.model.config, self._inputs)
+        region_ids, self.num_regions = _region_ids(self.regions, self.images, embeds)
+        self._region_ids = KeyTable(region_ids, -1)
+        kmax = max(self.num_regions)
+        if generating and kmax > 0:
+            self.rows = SpanRows(self.num_layers, self.num_heads, self._region_ids, kmax,
+                                 self.features)
 
     def _picture_slots(self) -> torch.Tensor:
         """Which image placeholders hold a piece of the picture (generic reading)."""
@@ -296,12 +332,16 @@ class Tracer(Generation, backend.Binding):
     def observe(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 out: torch.Tensor, weights: Optional[torch.Tensor],
                 kwargs: Dict[str, Any]) -> None:
+        """A layer's call in a forward that computes: the prefill's rows, or VAS."""
         layer = self._layers[id(module)]
         mask = self._checked_mask(layer, module, kwargs, k)
         scale = kwargs.get("scaling")
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         softcap = kwargs.get("softcap")
-        if self._vas_now and mask.full:
+        if self.phase is _PREFILL:
+            factors = self._factors_of(layer, module) if self.rows.weighted else None
+            self.rows.start(layer, q, k, v, scale, mask, softcap, factors)
+        elif mask.full:
             if q.shape[2] != k.shape[2]:
                 raise NotImplementedError(
                     f"headscope.hf.Tracer: decoder layer {self.layers[layer]} ran "
@@ -321,20 +361,6 @@ class Tracer(Generation, backend.Binding):
                 self._stats = stats.new_zeros(q.shape[0], self.num_layers, stats.shape[1], 3)
             self._stats[:, layer] = stats
             self._seen.add(layer)
-        if self._pool_now:
-            norms = self._prompt_value_norms(layer, module, v) if any(self._rows.blocks) \
-                else None
-            self._rows.start(layer, q, k, scale, mask, softcap, norms)
-
-    def _prompt_value_norms(self, layer: int, module, v: torch.Tensor) -> torch.Tensor:
-        """(B, H, P) value norms ``||v_j W_O^h||`` of the prompt's image keys from the
-        prefill's value cache ``v`` (B, Hkv, P, Dh); 0 at the other keys, which the ops
-        never read."""
-        factors = self._factors_of(layer, module)
-        norms = v.new_zeros(v.shape[0], self.num_heads, v.shape[2], dtype=factors.dtype)
-        keys = self._image_keys.to(v.device)  # (a model split over devices)
-        norms[:, :, keys] = value_norms(v[:, :, keys], factors)
-        return norms
 
     def _factors_of(self, layer: int, module) -> torch.Tensor:
         """The layer's value_norm_factors (H, min(hidden, Dh), Dh), computed once from its
@@ -395,8 +421,9 @@ class Tracer(Generation, backend.Binding):
         the whole final sequence)."""
         if not self.vas:
             raise RuntimeError("headscope.hf.Tracer: VAS is off (Tracer(..., vas=True))")
-        if self._final is not None:
-            self._vas_pass()
+        answer = self.generation.answer
+        if answer is not None and answer.pending:
+            self._answer_pass()
         if self._stats is None or len(self._seen) != self.num_layers:
             raise RuntimeError("headscope.hf.Tracer: no complete forward over a whole sequence "
                                "has run under this tracer yet (VAS needs one without a "
@@ -407,22 +434,81 @@ class Tracer(Generation, backend.Binding):
         """(B, 36) float32 VAS features (columns ``headscope.VAS_COLUMNS``)."""
         return _vas.vas_aggregate(self.vas_head_stats())
 
-    def _vas_pass(self) -> None:
+    def answer_vas(self) -> torch.Tensor:
+        """(B, 36) VAS features of the last :meth:`generate`'s prompt and whole answer:
+        runs the forward over its final sequence at each call (:meth:`vas_features` after
+        ``generate`` runs it once and keeps it)."""
+        self._answer_pass()
+        return self.vas_features()
+
+    def _answer_pass(self) -> None:
         """One forward over the final sequence of :meth:`generate` (prompt and answer);
         an answer the model cannot take back as input is refused here, not during
         generation, so that its spans and ``tr.sequences`` are kept."""
-        (final, P), self._final = self._final, None
-        self.family.check_answer(self.model.config, final["input_ids"][:, P:])
-        was_attached = self._attached
+        if not self.vas:
+            raise RuntimeError("headscope.hf.Tracer: VAS is off (Tracer(..., vas=True))")
+        answer = self.generation.answer
+        if answer is None:
+            raise RuntimeError("headscope.hf.Tracer.answer_vas: no generate has finished "
+                               "under this tracer")
+        answer.pending = False
+        self.family.check_answer(self.model.config,
+                                 answer.inputs["input_ids"][:, answer.prompt_length:])
+        was_attached = self.attached
         self.attach()
-        self._mode = "vas"
+        self.phase = Phase.ANSWER
         try:
             with torch.no_grad():
                 # the last position's logits only, as an index: an int would let a model
                 # skip the other query rows of its KV-shared layers (Gemma 4)
-                last = torch.tensor([final["input_ids"].shape[1] - 1])
-                self.model(**final, use_cache=False, logits_to_keep=last)
+                last = torch.tensor([answer.inputs["input_ids"].shape[1] - 1])
+                self.model(**answer.inputs, use_cache=False, logits_to_keep=last)
         finally:
-            self._mode = "forward"
+            self.phase = Phase.READY
             if not was_attached:
                 self.detach()
+
+    # ---- generation ---------------------------------------------------------------------
+
+    def generate(self, **kwargs) -> Iterator[Span]:
+        """Runs ``model.generate(**kwargs)`` and yields each row's spans as they end, in
+        order. The model runs on the caller's thread and pauses at each span while the loop
+        body runs (no second thread). ``tr.sequences`` holds generate's output once the
+        iterator is exhausted; leaving the loop early stops generation."""
+        return self.generation.spans(kwargs)
+
+    def generate_with(self, on_span: Callable[[Span], None], **kwargs) -> torch.Tensor:
+        """Runs ``model.generate(**kwargs)`` and calls ``on_span`` with each span, in order,
+        as it ends (between two decode steps: generation waits for it); returns generate's
+        output (also ``tr.sequences``). An exception in ``on_span`` stops generation and
+        propagates."""
+        return self.generation.run_with(on_span, kwargs)
+
+    def _run_generate(self, kwargs, streamer: SpanCutter) -> torch.Tensor:
+        """``model.generate`` in the generation phases (for :attr:`generation`). What the
+        model hook would note comes from generate's inputs (its forwards may not get them
+        all: Qwen's get the vision output, not the grid); the hook is off meanwhile, so it
+        costs nothing per step."""
+        self._note_inputs(kwargs)
+        self._model_hook.remove()
+        self._model_hook = None
+        self.phase = Phase.GENERATING
+        try:
+            return self.model.generate(**self.family.model_inputs(kwargs), streamer=streamer)
+        finally:
+            self.rows = None
+            if self.attached:  # (a span's consumer may have detached the tracer)
+                self.phase = Phase.READY
+                self._model_hook = self._hook_model()
+
+    @contextlib.contextmanager
+    def _paused(self):
+        """The phase while a span's consumer runs (for :attr:`generation`)."""
+        phase = self.phase
+        if phase is not Phase.DETACHED:
+            self.phase = Phase.PAUSED
+        try:
+            yield
+        finally:
+            if self.phase is Phase.PAUSED:  # (the consumer may have detached the tracer)
+                self.phase = phase

@@ -69,7 +69,7 @@ def _head_file(text: str) -> Path:
 def main(argv=None) -> int:
     from ..commands.errors import (INTERRUPTED, USAGE, Parser, UsageError, check_output, grid,
                                    integer, number)
-    from ..attribution import FEATURE_SETS
+    from ..features import FEATURE_SETS
     from .processor import TOKEN_GRID
     parser = Parser(prog=PROG, description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -281,7 +281,7 @@ def _run(args) -> None:
 
 
 def _write_json(path: Path, result: dict) -> None:
-    from ..attribution import atomic_path
+    from ..io import atomic_path
     with atomic_path(path) as tmp:
         Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Optional, Tuple
 
-from ..attribution import atomic_path
+from ..io import atomic_path
 from .figures import save_png
 from .world import PROMPT, scene
 

@@ -20,7 +20,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from ..attribution import atomic_path
+from ..io import atomic_path
 from ..metrics import in_box
 from .accuracy import HELD_OUT_SEED
 from .figures import region_centroids, save_png, span_figure

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..attribution import feature_columns, feature_set_holding
+from ..features import feature_columns, feature_set_holding
 from ..hf import attnlrp_scores, gradient_scores, region_effects
 from ..metrics import defined_mean, lds_per_image
 from .accuracy import HELD_OUT_SEED

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from ..attribution import atomic_path
+from ..io import atomic_path
 from .faithfulness import table
 
 COLOURS = {"head": "tab:green", "attention": "tab:blue", "gradient": "tab:orange",

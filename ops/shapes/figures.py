@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ..attribution import atomic_path
+from ..io import atomic_path
 from ..metrics import region_centroids as normalised_centroids
 
 

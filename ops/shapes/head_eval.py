@@ -28,7 +28,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..attribution import FEATURE_BLOCKS, feature_columns, feature_set_holding
+from ..features import FEATURE_BLOCKS, feature_columns, feature_set_holding
 from ..hf import special_only
 from ..metrics import in_box, lds_per_image, mean_with_interval, random_pointing
 from .accuracy import HELD_OUT_SEED

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
-from ..attribution import atomic_path
+from ..io import atomic_path
 from .accuracy import HELD_OUT_SEED
 from .faithfulness import EVAL_OFFSET
 

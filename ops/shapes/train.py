@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from ..attribution import atomic_path
+from ..io import atomic_path
 from .accuracy import HELD_OUT_SEED, caption_accuracy, held_out_scenes
 from .model import build_model, training_batch
 from .processor import build_processor

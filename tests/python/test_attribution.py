@@ -1109,7 +1109,7 @@ def test_torch_export():
 
 
 def test_feature_columns_and_the_set_that_holds_them():
-    from headscope.attribution import feature_columns, feature_set_holding
+    from headscope.features import feature_columns, feature_set_holding
     both = torch.arange(2 * 3 * 8, dtype=torch.float32).reshape(2, 3, 8)  # L*H = 4
     assert torch.equal(feature_columns(both, "both", "attention"), both[..., :4])
     assert torch.equal(feature_columns(both, "both", "attention*value_norm"), both[..., 4:])

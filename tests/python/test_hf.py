@@ -83,7 +83,7 @@ def test_generation_keeps_only_the_open_spans_query_rows():
     held = []
     with Tracer(model, regions=2, vas=False) as tr:
         def every3(ids):
-            held.append(len(tr._rows.queries[0]))
+            held.append(tr.rows.held_rows())
             return len(ids) % 3 == 0
         tr.splitter = every3
         spans = list(tr.generate(**inputs, max_new_tokens=12, do_sample=False,
@@ -108,7 +108,7 @@ def test_long_spans_are_folded_into_running_sums_exactly(monkeypatch, features):
         held = []
         with Tracer(model, regions=3, vas=False, features=features) as tr:
             def splitter(ids):
-                held.append(len(tr._rows.queries[0]))
+                held.append(tr.rows.held_rows())
                 return len(ids) % every[len(held) % 2] == 0
             tr.splitter = splitter
             return list(tr.generate(**inputs, **gen)), max(held)
