@@ -22,7 +22,9 @@ bash scripts/fuzz.sh
 
 echo "== pytest"
 export HEADSCOPE_EXAMPLE_BIN=$PWD/$BUILD/example/headscope_run_torchscript
-"$PYTHON" -m pytest tests/python -q -rs "$@"
+# one worker per core (pytest-xdist); every test stays bounded in its worker (pytest.ini,
+# conftest.py), and the slowest are listed at the end
+"$PYTHON" -m pytest tests/python -q -rs -n "${HEADSCOPE_TEST_WORKERS:-$(nproc)}" --durations=15 "$@"
 
 echo "== the README's first command's demo, on one image"
 demo_out=$(mktemp -d)

@@ -50,9 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--detector", default=None, metavar="FILE",
                         help="a headscope.VASDetector (safetensors): the answer's "
                              "hallucination probability")
-    parser.add_argument("--regions", type=regions_type, default="3x3", metavar="3x3|K",
+    parser.add_argument("--regions", type=regions_type, default=None, metavar="3x3|K",
                         help="ROWSxCOLS blocks of each picture, or K Ward regions of its "
-                             "image tokens (default 3x3)")
+                             "image tokens (default 3x3; 9 Ward regions for a model traced "
+                             "by its structure, whose pictures have no known layout)")
     parser.add_argument("--max-new-tokens", type=integer(1), default=64, metavar="N",
                         help="tokens to generate at most (default 64)")
     parser.add_argument("--out", default="explain", metavar="DIR",
@@ -151,6 +152,17 @@ def supported_family(args, config):
         raise UsageError(f"--model {args.model}: {e}") from e
 
 
+def choose_regions(args, config, family) -> None:
+    """``args.regions``: the default where none was given; a grid needs the picture's
+    layout, which a model traced by its structure does not have."""
+    if args.regions is None:
+        args.regions = "3x3" if family.has_layout else "9"
+    elif "x" in args.regions and not family.has_layout:
+        raise UsageError(f"--regions {args.regions}: no picture layout is known for model type "
+                         f"{config.model_type!r} (traced by its structure, each picture a run "
+                         f"of image tokens); allowed: K Ward regions, such as --regions 9")
+
+
 def check_pictures(args, pictures: List, processor, config, family) -> None:
     """The processor gives one picture per --image, each with enough image tokens for the
     regions asked for."""
@@ -216,6 +228,7 @@ def run(args) -> int:
     name, args.model = args.model, str(_collect.model_folder(args.model))
     config = _collect.load_config(args.model)
     family = supported_family(args, config)
+    choose_regions(args, config, family)
     processor = _collect.load_processor(args.model)
     pictures = [Image.open(path).convert("RGB") for path in args.image]
     check_pictures(args, pictures, processor, config, family)

@@ -199,6 +199,8 @@ def test_bad_arguments_fail_before_any_work(qwen, picture, tmp_path, capsys):
     AttributionHead(3, 4).save(work / "wrong.safetensors")
     other = tiny_checkpoint(work / "bert", "qwen2_vl")
     config = json.loads((other / "config.json").read_text())
+    # a text model: no image placeholder in its config (the generic path needs one)
+    config = {k: v for k, v in config.items() if k not in ("image_token_id", "video_token_id")}
     (other / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
     before = _files(tmp_path)
     busy = socket.socket()
@@ -367,3 +369,21 @@ def test_ctrl_c_exits_130_and_writes_nothing(qwen, picture, tmp_path, capsys, mo
     out, err = capsys.readouterr()
     assert code == 130 and err.strip().splitlines()[-1] == "headscope explain: interrupted", err
     assert "[0]" in out and not (tmp_path / "out").exists()
+
+
+def test_a_model_traced_by_its_structure_gets_ward_regions_and_refuses_a_grid():
+    from types import SimpleNamespace
+
+    from headscope.commands.errors import UsageError
+    from headscope.commands.explain import choose_regions
+    from headscope.hf.families import GENERIC, family_of
+
+    config = SimpleNamespace(model_type="cosmos3")
+    args = SimpleNamespace(regions=None)
+    choose_regions(args, config, GENERIC)
+    assert args.regions == "9"
+    with pytest.raises(UsageError, match="no picture layout is known for model type 'cosmos3'"):
+        choose_regions(SimpleNamespace(regions="3x3"), config, GENERIC)
+    laid_out = SimpleNamespace(regions=None)
+    choose_regions(laid_out, config, family_of(SimpleNamespace(model_type="qwen2_vl")))
+    assert laid_out.regions == "3x3"
