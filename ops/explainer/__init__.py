@@ -158,17 +158,17 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     if "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
-    features = getattr(head, "feature_set", "attention")
     tokenizer = getattr(processor, "tokenizer", processor)
     special_ids = tokenizer.all_special_ids
-    result = Explanation(prompt=prompt, pictures=[], feature_set=features,
+    result = Explanation(prompt=prompt, pictures=[], feature_set="",
                          score_name=RAW_ATTENTION if head is None else HEAD_EFFECT,
                          regions_name=regions_name,
                          model_name=model_name or getattr(model.config, "_name_or_path", "")
                          or type(model).__name__)
     answer_ids: List[int] = []
     with torch.no_grad(), Tracer(model, regions=traced, vas=True, head=head,
-                                 tokenizer=tokenizer, features=features) as tr:
+                                 tokenizer=tokenizer) as tr:
+        result.feature_set = tr.features
         L, H = tr.num_layers, tr.num_heads
         for span in tr.generate(**inputs, max_new_tokens=max_new_tokens, **generate_kwargs):
             if not result.pictures:  # the prefill has laid out the pictures and regions

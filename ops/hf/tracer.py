@@ -77,7 +77,8 @@ class Tracer(backend.Binding):
     head's write into the residual stream, through its block of ``o_proj``).
     ``splitter``: a callable that gets a row's generated ids so far and says whether the
     last one ends a span (default: sentence ends, given a tokenizer; else one span per
-    answer). ``features``: what a span's features hold (see docs/hf.md):
+    answer). ``features``: what a span's features hold (see docs/hf.md; default: the
+    head's own ``feature_set``, else ``"attention"``):
     ``"attention"`` (``(K, L*H)``, the attention mass on each region),
     ``"attention*value_norm"`` (``(K, L*H)``, each prompt key's attention weight times its
     value norm ``||v_j W_O^h||``) or ``"both"`` (``(K, 2*L*H)``: the attention columns,
@@ -89,7 +90,9 @@ class Tracer(backend.Binding):
     def __init__(self, model, regions: Optional[Regions] = None, vas: bool = True,
                  head: Optional[Callable] = None, tokenizer=None, *, writes: str = "heads",
                  splitter: Optional[Callable[[Sequence[int]], bool]] = None,
-                 features: str = "attention"):
+                 features: Optional[str] = None):
+        if features is None:  # the head's own feature set, or plain attention without one
+            features = head.feature_set if isinstance(head, AttributionHead) else "attention"
         if writes not in _WRITES:
             raise ValueError(f"headscope.hf.Tracer: argument 'writes' must be one of {_WRITES}, "
                              f"got {writes!r}")
@@ -131,9 +134,9 @@ class Tracer(backend.Binding):
                              f"H={head.num_heads}; this model has L={L}, H={H}")
         if isinstance(head, AttributionHead) and head.feature_set != features:
             raise ValueError(f"headscope.hf.Tracer: the head was fitted on feature set "
-                             f"{head.feature_set!r} but this tracer computes "
-                             f"features={features!r}; pass features={head.feature_set!r} "
-                             f"or a head fitted on {features!r} features")
+                             f"{head.feature_set!r} but features={features!r} was passed; "
+                             f"leave 'features' out (the head's own set) or pass a head "
+                             f"fitted on {features!r} features")
         self.features = features
         self.feature_width = feature_blocks(features) * L * H
         self.regions, self.vas, self.head, self.tokenizer = regions, bool(vas), head, tokenizer

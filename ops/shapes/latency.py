@@ -31,8 +31,7 @@ def measure_latency(rounds: int = 7, new_tokens: int = 40, model_dir=None,
     inputs = prompt(processor, image)
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     tracer = Tracer(model, regions=regions, vas=False, head=head,
-                    tokenizer=processor.tokenizer,
-                    features=head.feature_set if head is not None else "attention")
+                    tokenizer=processor.tokenizer)
     tracer.detach()
 
     def plain():

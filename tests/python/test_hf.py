@@ -259,7 +259,7 @@ def test_value_norm_span_features_equal_eager_float64_reference(family_name):
 def test_features_option_checks_its_value_and_the_heads_feature_set():
     model = tiny_model("qwen2_vl")
     L, H = 2, 4
-    for bad in ("value_norm", None, "Both"):
+    for bad in ("value_norm", 3, "Both"):
         with pytest.raises(ValueError, match=r"argument 'features' must be one of 'attention', "
                                              r"'attention\*value_norm', 'both', got"):
             Tracer(model, features=bad)
@@ -267,21 +267,28 @@ def test_features_option_checks_its_value_and_the_heads_feature_set():
                           ("attention*value_norm", "attention")):
         head = headscope.AttributionHead(L, H, feature_set=fitted)
         with pytest.raises(ValueError, match=re.escape(
-                f"head was fitted on feature set '{fitted}' but this tracer computes "
-                f"features='{asked}'; pass features='{fitted}'")):
+                f"head was fitted on feature set '{fitted}' but features='{asked}' was "
+                f"passed; leave 'features' out")):
             Tracer(model, regions=2, head=head, features=asked)
     # a plain callable is checked on the width of the feature set
     with pytest.raises(ValueError, match=r"'head' must map features \(K, 2\*L\*H = 16\)"):
         Tracer(model, regions=2, head=torch.nn.Linear(L * H, 1), features="both")
     assert model.config.text_config._attn_implementation == "sdpa"  # none stayed bound
-    head = headscope.AttributionHead(L, H, feature_set="both")
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(2 * L * H))
-    with Tracer(model, regions=3, vas=False, head=head, features="both") as tr:
-        spans = list(tr.generate(**_prompt(model), max_new_tokens=4, do_sample=False))
-    assert spans
-    for s in spans:
-        torch.testing.assert_close(s.scores, head(s.features))
+    # without features=, the tracer computes the head's own set; the same set passed
+    # explicitly is no conflict
+    for fitted, blocks in (("both", 2), ("attention*value_norm", 1)):
+        head = headscope.AttributionHead(L, H, feature_set=fitted)
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(blocks * L * H))
+        for explicit in ({}, {"features": fitted}):
+            with Tracer(model, regions=3, vas=False, head=head, **explicit) as tr:
+                assert tr.features == fitted and tr.feature_width == blocks * L * H
+                spans = list(tr.generate(**_prompt(model), max_new_tokens=4, do_sample=False))
+            assert spans
+            for s in spans:
+                assert s.features.shape[1] == blocks * L * H
+                torch.testing.assert_close(s.scores, head(s.features))
+    assert Tracer(model, regions=2).features == "attention"  # no head: plain attention
 
 
 def test_bfloat16_model():
