@@ -27,8 +27,8 @@ DEFAULT_GRID = (3, 3)
 @dataclass
 class ExplainedSpan:
     """One span of the answer. ``text``: its part of the decoded answer (special tokens
-    left out, spacing as in the whole answer); ``special``: it holds only special tokens
-    (such as end-of-text), so it names nothing of the pictures; ``features`` ``(K, F)``:
+    left out, spacing as in the whole answer); ``special``: the tracer's ``span.special``,
+    it holds only special tokens (such as end-of-text), so it names nothing of the pictures; ``features`` ``(K, F)``:
     the tracer's span features; ``attention`` ``(K,)``: their attention block averaged over
     layers and heads (raw attention); ``head_scores`` ``(K,)``: the head's predicted
     effects, or None without a head; ``scores``: what the page shows (the head's, else raw
@@ -145,7 +145,6 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
     """:func:`explain`, yielding the explanation after each span as the model generates
     it, and once more when generation has ended (``done`` True, VAS set)."""
     from ..hf import Tracer
-    from ..hf.stream import special_only
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("headscope.explain: argument 'prompt' must be a non-empty string")
     if not images:
@@ -159,7 +158,6 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
     if "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
     tokenizer = getattr(processor, "tokenizer", processor)
-    special_ids = tokenizer.all_special_ids
     result = Explanation(prompt=prompt, pictures=[], feature_set="",
                          score_name=RAW_ATTENTION if head is None else HEAD_EFFECT,
                          regions_name=regions_name,
@@ -181,7 +179,7 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
                 text=result.answer[len(before):] if result.answer.startswith(before)
                 else tokenizer.decode(span.token_ids, skip_special_tokens=True),
                 token_ids=span.token_ids.tolist(),
-                special=special_only(span.token_ids.tolist(), special_ids),
+                special=span.special,
                 features=span.features, attention=span.features[:, :L * H].mean(-1),
                 head_scores=span.scores))
             yield result

@@ -11,7 +11,7 @@ from typing import Callable, ContextManager, Dict, Iterator, List, Optional, Seq
 
 import torch
 
-from .stream import Span, SpanCutter, iterate_spans
+from .stream import Span, SpanCutter, iterate_spans, special_only
 
 _UNSUPPORTED_GENERATE = {"num_beams": 1, "num_return_sequences": 1, "assistant_model": None,
                          "prompt_lookup_num_tokens": None}
@@ -111,6 +111,8 @@ class Generation:
             raise ValueError("headscope.hf.Tracer.generate: pass the prompt's input_ids")
         B, P = ids.shape
         eos = self._eos_ids(kwargs)
+        # the tokenizer's special tokens; a duck tokenizer without them, or none: end-of-text
+        self._special_ids = getattr(self.tracer.tokenizer, "all_special_ids", None) or eos
 
         def paused_emit(span: Span) -> None:
             with self._paused():
@@ -149,7 +151,8 @@ class Generation:
             scores = tracer.head(features.to(self._head_device)).float().cpu()
         text = tracer.tokenizer.decode(token_ids) if tracer.tokenizer is not None else None
         return Span(b, start, start + len(token_ids), torch.tensor(token_ids, dtype=torch.int64),
-                    features.float().cpu(), scores, text)
+                    features.float().cpu(), scores, text,
+                    special_only(token_ids, self._special_ids))
 
     def _final_inputs(self, kwargs, sequences: torch.Tensor, P: int, eos: List[int]
                       ) -> Dict[str, torch.Tensor]:

@@ -31,7 +31,9 @@ class Span:
     each key's weight times its value norm instead, with ``"both"`` ``(K, 2*L*H)``, the
     attention columns then the weighted ones. ``scores`` ``(K,)``: the head's predicted effect of
     ablating each region (None without a head). ``text``: the span decoded (None without a
-    tokenizer).
+    tokenizer). ``special``: every token is a special one (the tokenizer's
+    ``all_special_ids``, or the generation's end-of-sequence ids without a tokenizer), such
+    as the end-of-text span, which names nothing of the image.
     """
     batch_index: int
     start: int
@@ -40,6 +42,7 @@ class Span:
     features: torch.Tensor
     scores: Optional[torch.Tensor] = None
     text: Optional[str] = None
+    special: bool = False
 
 
 def special_only(token_ids: Sequence[int], special_ids: Sequence[int]) -> bool:

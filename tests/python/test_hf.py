@@ -149,6 +149,32 @@ def test_spans_cover_every_token_with_eos_and_sentence_splitter():
         assert all(s.text == Tok().decode(s.token_ids.tolist()) for s in mine)
 
 
+def test_span_special_marks_spans_of_special_tokens_only():
+    model = tiny_model("qwen2_vl")
+    inputs = _prompt(model, batch=2)
+    plain = model.generate(**inputs, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    answer = plain[0, inputs["input_ids"].shape[1]:].tolist()
+    # an end-of-sequence id the tiny model does generate, and another token for a tokenizer
+    eos = answer[3]
+    other = next(t for t in answer if t != eos)
+
+    class Tok:
+        all_special_ids = [other]
+
+        def decode(self, ids):
+            return "w" * len(ids)
+
+    # one span per token; without a tokenizer the end-of-sequence ids are the special ones
+    for tokenizer, special in ((None, {eos}), (Tok(), {other})):
+        with Tracer(model, regions=2, vas=False, tokenizer=tokenizer,
+                    splitter=lambda ids: True) as tr:
+            spans = list(tr.generate(**inputs, max_new_tokens=12, do_sample=False,
+                                     eos_token_id=eos))
+        assert all(len(s.token_ids) == 1 for s in spans)
+        assert [s.special for s in spans] == [s.token_ids[0].item() in special for s in spans]
+        assert any(s.special for s in spans) and not all(s.special for s in spans)
+
+
 def test_head_scores_spans():
     model = tiny_model("qwen2_vl")
     L, H = 2, 4
