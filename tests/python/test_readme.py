@@ -57,6 +57,34 @@ def test_explain_docs_example_runs(code, tmp_path, monkeypatch, capsys):
     assert printed[0].startswith("0 'A red star at the top right.' [(2, "), printed
 
 
+# each page's blocks run in order in one namespace, as a reader runs them one after another
+DOC_PAGES = ("docs/effects.md", "docs/mixer.md", "docs/shapes.md")
+
+
+def test_every_docs_page_with_python_has_its_examples_run():
+    pages = {str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")
+             if "```python" in p.read_text()}
+    assert pages == set(DOC_PAGES) | {"docs/explain.md"}, pages
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("page", DOC_PAGES)
+def test_docs_examples_run_in_order(page, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    blocks = [block.values[0] for block in python_blocks(page)]
+    assert blocks, page
+    namespace = {}
+    for code in blocks:
+        exec(compile(code, page, "exec"), namespace)
+    out = capsys.readouterr().out
+    if page == "docs/effects.md":
+        spans = len(namespace["spans"])
+        assert spans > 0
+        for shape in ((spans, 8), (spans, 16)):
+            assert f"torch.Size([{shape[0]}, {shape[1]}])" in out, out
+
+
 def test_readme_states_the_bad_input_count():
     import bad_inputs
     text = (REPO / "README.md").read_text()
