@@ -111,25 +111,6 @@ def _flat_patches(patch: int, side: int, temporal: int = 2, channels: int = 3) -
     return picture
 
 
-def _qwen3_5(moe: bool = False):
-    import transformers as tf
-    text = _text(model_type="qwen3_5_moe_text" if moe else "qwen3_5_text",
-                 layer_types=["linear_attention", "full_attention"] * 2, num_hidden_layers=4,
-                 rope_parameters=dict(_MROPE, mrope_interleaved=True),
-                 linear_conv_kernel_dim=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                 linear_num_key_heads=2, linear_num_value_heads=4)
-    if moe:
-        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                    shared_expert_intermediate_size=32)
-    vision = dict(depth=2, hidden_size=32, intermediate_size=32, out_hidden_size=64,
-                  num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
-                  num_position_embeddings=16)
-    cls = tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config
-    model = tf.Qwen3_5MoeForConditionalGeneration if moe else tf.Qwen3_5ForConditionalGeneration
-    return Recipe(cls(text_config=text, vision_config=vision, tie_word_embeddings=False, **IDS),
-                  model, _flat_patches(4, 4))
-
-
 def _glm46v():
     import transformers as tf
     config = tf.Glm46VConfig(
@@ -320,7 +301,7 @@ def _got_ocr2():
     return Recipe(config, tf.GotOcr2ForConditionalGeneration, _pixels(1, 3, 64, 64))
 
 
-RECIPES = {"vipllava": _vipllava, "got_ocr2": _got_ocr2, "gemma4": _gemma4, "ernie4_5_vl_moe": _ernie4_5_vl_moe, "molmo2": _molmo2, "minicpmv4_6": _minicpmv4_6, "cosmos3_edge": _cosmos3_edge, "kimi_k25": _kimi_k25, "qwen3_5": _qwen3_5, "qwen3_5_moe": lambda: _qwen3_5(moe=True), "glm46v": _glm46v,
+RECIPES = {"vipllava": _vipllava, "got_ocr2": _got_ocr2, "gemma4": _gemma4, "ernie4_5_vl_moe": _ernie4_5_vl_moe, "molmo2": _molmo2, "minicpmv4_6": _minicpmv4_6, "cosmos3_edge": _cosmos3_edge, "kimi_k25": _kimi_k25, "glm46v": _glm46v,
            "hunyuan_vl": _hunyuan_vl, "granite4_vision": _granite4_vision, "lfm2_vl": _lfm2_vl, "cohere2_vision": _cohere2_vision, "ovis2": _ovis2}
 
 

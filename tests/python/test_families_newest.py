@@ -25,10 +25,10 @@ from headscope.hf.tiny_newest import (RECIPES, batch_rows, newest_rows,  # noqa:
                                       tiny_newest)
 
 TYPES = sorted(RECIPES)
-HYBRID = {"qwen3_5", "qwen3_5_moe", "lfm2_vl", "minicpmv4_6"}
+HYBRID = {"lfm2_vl", "minicpmv4_6"}
 # softmax layers that gate their attention output before o_proj (Qwen3.5's): a head's
 # write is its attention output before the gate
-GATED = {"qwen3_5", "qwen3_5_moe", "minicpmv4_6"}
+GATED = {"minicpmv4_6"}
 # placeholders per picture that hold no piece of it: HunYuan-VL's begin, end and one
 # row break per row of its 4 x 4 grid; Granite 4 Vision's row breaks after each of the
 # 2 rows of its unpadded view

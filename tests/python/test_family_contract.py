@@ -17,6 +17,7 @@ from conftest import DEVICES, load_seed
 pytest.importorskip("transformers")
 from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.families import FAMILIES, family_of  # noqa: E402
+from headscope.hf.structure import output_projection, softmax_attention_layers  # noqa: E402
 from headscope.hf.testing import eager_reference, image_prompt, tiny_model  # noqa: E402
 
 TYPES = ("mm_token_type_ids", "token_type_ids")  # per-position type inputs
@@ -95,7 +96,9 @@ def test_vas_features_equal_seed_on_eager_attentions(models):
         feats = tr.vas_features()
         stats = tr.vas_head_stats()
     _, attns, writes = eager_run(eager, inputs)
-    L, H = model.config.text_config.num_hidden_layers, model.config.text_config.num_attention_heads
+    # a hybrid decoder's softmax layers only
+    L = len(softmax_attention_layers(family_of(model).decoder(model)))
+    H = model.config.text_config.num_attention_heads
     assert feats.shape == (1, 36) and feats.dtype == torch.float32
     assert stats.shape == (1, L, H, 3)
     try:
@@ -135,8 +138,9 @@ def test_residual_writes_equal_writes_through_o_proj(models):
     H = model.config.text_config.num_attention_heads
     lengths = inputs["attention_mask"].sum(-1)
     want = []
-    for layer, A, O in zip(family_of(model).decoder(model).layers, attns, writes):
-        W = layer.self_attn.o_proj.weight  # (hidden, H * Dh)
+    for attention, A, O in zip(softmax_attention_layers(family_of(model).decoder(model)),
+                               attns, writes):
+        W = output_projection(attention).weight  # (hidden, H * Dh)
         Dh = W.shape[1] // H
         # each head's write into the residual stream, hidden wide: O_h W_O^h^T
         resid = torch.einsum("bhtd,ehd->bhte", O, W.reshape(W.shape[0], H, Dh))

@@ -1,7 +1,8 @@
-"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: each picture is one grid of tokens
-(patches merged ``spatial_merge_size`` squared to one token) between
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE: each picture is
+one grid of tokens (patches merged ``spatial_merge_size`` squared to one token) between
 ``<|vision_start|>`` and ``<|vision_end|>``; ``image_grid_thw`` gives each picture's
-patch grid."""
+patch grid. Qwen3.5's decoder is a hybrid (gated delta nets between gated softmax
+layers): only its softmax layers are traced."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
@@ -27,8 +28,9 @@ QWEN_TEMPLATE = (
 @register
 class QwenVL(Family):
     name = "qwen_vl"
-    titles = ("Qwen2-VL", "Qwen2.5-VL", "Qwen3-VL", "Qwen3-VL-MoE")
-    model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+    titles = ("Qwen2-VL", "Qwen2.5-VL", "Qwen3-VL", "Qwen3-VL-MoE", "Qwen3.5", "Qwen3.5-MoE")
+    model_types = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5",
+                   "qwen3_5_moe")
     layout = "one grid per picture (patches merged 2x2), between vision start and end"
     input_keys = ("image_grid_thw",)
     tiny = TinySpec(
@@ -95,6 +97,8 @@ class QwenVL(Family):
                 tf.Qwen3VLForConditionalGeneration
         moe = dict(text, rope_parameters=rope, num_experts=4, num_experts_per_tok=2,
                    moe_intermediate_size=text["intermediate_size"] // 2, decoder_sparse_step=1)
+        if model_type in ("qwen3_5", "qwen3_5_moe"):
+            return qwen3_5_config(model_type, text, rope, vision, ids)
         return tf.Qwen3VLMoeConfig(text_config=moe, vision_config=vision, **ids), \
             tf.Qwen3VLMoeForConditionalGeneration
 
@@ -123,6 +127,31 @@ class QwenVL(Family):
             video, cls = tf.Qwen3VLVideoProcessor(**sizes), tf.Qwen3VLProcessor
         return cls(image_processor=images, tokenizer=tokenizer, video_processor=video,
                    chat_template=self.tiny.chat_template)
+
+
+def qwen3_5_config(model_type: str, text: Dict[str, Any], rope: Dict[str, Any],
+                   vision: Dict[str, Any], ids: Dict[str, int]):
+    """A tiny Qwen3.5 (or -MoE): gated delta nets and softmax layers in turn, the last a
+    softmax layer, as in the checkpoints; the Qwen3-VL vision tower without deepstack."""
+    import transformers as tf
+    layers = text["num_hidden_layers"]
+    hybrid = dict(layer_types=["full_attention" if i % 2 else "linear_attention"
+                               for i in range(layers)],
+                  linear_conv_kernel_dim=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4)
+    hybrid.update(text)  # entries the caller set win
+    hybrid["rope_parameters"] = rope
+    vision = {k: v for k, v in vision.items() if k != "deepstack_visual_indexes"}
+    if model_type == "qwen3_5":
+        return tf.Qwen3_5Config(text_config=hybrid, vision_config=vision,
+                                tie_word_embeddings=False, **ids), \
+            tf.Qwen3_5ForConditionalGeneration
+    hybrid.update(num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=text["intermediate_size"] // 2,
+                  shared_expert_intermediate_size=text["intermediate_size"] // 2)
+    return tf.Qwen3_5MoeConfig(text_config=hybrid, vision_config=vision,
+                               tie_word_embeddings=False, **ids), \
+        tf.Qwen3_5MoeForConditionalGeneration
 
 
 def mrope_section(head_dim: int) -> list:

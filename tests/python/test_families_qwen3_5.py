@@ -1,0 +1,140 @@
+"""Qwen3.5's and Qwen3.5-MoE's layout (headscope.hf.families.qwen_vl) against their real
+processor (Qwen3VLProcessor with a tiny Qwen2-VL image processor and tokenizer, built
+offline): each picture's grid and markers for several aspect ratios, a four-coloured
+picture whose tokens' pixels must lie where their boxes say, and grid_regions on it
+through the tiny hybrid models (their softmax layers traced)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("torchvision")
+pytest.importorskip("numpy")
+pytest.importorskip("PIL.Image")
+
+from conftest import assert_every_image_token_placed, nearest_colour, quarter_prompts  # noqa: E402
+from headscope.hf import Tracer, grid_regions  # noqa: E402
+from headscope.hf.families import family_of  # noqa: E402
+from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
+                                  assert_quarter_colours, assert_quarters_are_regions,
+                                  tiny_model, tiny_processor)
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+# (height, width): square, 1:2 wide, 3:1 tall, larger than max_pixels (scaled down),
+# thin, and odd sizes
+SIZES = ((32, 32), (24, 48), (60, 20), (200, 100), (16, 40), (30, 50))
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def model(request):
+    return tiny_model(request.param)
+
+
+@pytest.fixture(scope="module")
+def processor(model):
+    return tiny_processor(model.config.model_type)
+
+
+def run_processor(processor, sizes, per_row):
+    return quarter_prompts(processor, sizes, per_row, IMAGE)
+
+
+def test_only_the_softmax_layers_are_traced(model, processor):
+    inputs = run_processor(processor, ((24, 48),), (1,))
+    types = model.config.text_config.layer_types
+    with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), vas=True) as tr:
+        model(**inputs)
+        assert tr.layers == [i for i, t in enumerate(types) if t == "full_attention"]
+        assert 0 < len(tr.layers) < len(types)
+
+
+@pytest.mark.parametrize("per_row", [(1,) * len(SIZES), (2, 1, 3)])
+def test_views_follow_the_processors_layout(model, processor, per_row):
+    inputs = run_processor(processor, SIZES, per_row)
+    images = family_of(model).images(model.config, inputs)
+    ids = inputs["input_ids"]
+    assert [len(row) for row in images] == list(per_row)
+    want_tokens = processor._get_num_multimodal_tokens(image_sizes=SIZES).num_image_tokens
+    picture = 0
+    for b, row in enumerate(images):
+        for image in row:
+            t, h, w = inputs["image_grid_thw"][picture].tolist()
+            (view,) = image.views
+            assert view.name == "base" and image.grid is view and view.box == (0, 0, 1, 1)
+            assert (view.rows, view.cols) == (h // 2, w // 2) and t == 1
+            assert view.rows * view.cols == want_tokens[picture]
+            # one run of image tokens between the vision start and end markers
+            first, last = int(view.positions[0]), int(view.positions[-1])
+            assert torch.equal(view.positions, torch.arange(first, last + 1))
+            assert int(ids[b, first - 1]) == VISION_START and int(ids[b, last + 1]) == VISION_END
+            picture += 1
+    assert picture == len(SIZES)
+    assert_every_image_token_placed(images, ids, IMAGE_TOKEN)
+
+
+def test_a_grid_that_does_not_match_input_ids_raises(model, processor):
+    inputs = run_processor(processor, ((24, 48),), (1,))
+    family = family_of(model)
+    wrong = dict(inputs, image_grid_thw=inputs["image_grid_thw"] * torch.tensor([1, 2, 1]))
+    with pytest.raises(ValueError, match="do not split into whole pictures|more image tokens"):
+        family.images(model.config, wrong)
+    with pytest.raises(ValueError, match="need the image_grid_thw"):
+        family.images(model.config, dict(inputs, image_grid_thw=None))
+
+
+def token_colours(model, processor, inputs, picture: int) -> torch.Tensor:
+    """(tokens, pixels): the index of the nearest quarter colour for each pixel each token of
+    ``picture`` reads, in the model's token order. The vision tower's patch merger joins
+    each run of ``merge ** 2`` consecutive patches into one token (its
+    ``view(-1, hidden * merge ** 2)``), and a patch row holds channels x time x p x p."""
+    vc = model.config.vision_config
+    m, p, T = vc.spatial_merge_size, vc.patch_size, vc.temporal_patch_size
+    sizes = inputs["image_grid_thw"].prod(-1).tolist()
+    start = sum(sizes[:picture])
+    patches = inputs["pixel_values"][start:start + sizes[picture]]
+    pixels = patches.reshape(-1, m * m, vc.in_channels, T, p * p)[:, :, :, 0]
+    pixels = pixels.permute(0, 1, 3, 2).reshape(len(patches) // (m * m), -1, vc.in_channels)
+    return nearest_colour(processor, pixels)
+
+
+def test_patches_merge_into_the_processors_token_order(model, processor):
+    """What token_colours assumes, through the model's own vision tower: its merger's first
+    linear layer receives the patches in runs of merge ** 2 (one token each)."""
+    inputs = run_processor(processor, ((24, 48),), (1,))
+    got = []
+    hook = model.model.visual.merger.linear_fc1.register_forward_pre_hook(
+        lambda module, args: got.append(args[0].shape))
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        hook.remove()
+    vc = model.config.vision_config
+    m = vc.spatial_merge_size
+    assert got == [torch.Size([len(inputs["pixel_values"]) // (m * m), vc.hidden_size * m * m])]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_each_tokens_pixels_carry_the_colour_of_its_boxes_quarter(model, processor, size):
+    inputs = run_processor(processor, (size,), (1,))
+    (image,), = family_of(model).images(model.config, inputs)
+    colours = token_colours(model, processor, inputs, 0)
+    assert_quarter_colours(image.boxes, colours)
+
+
+def test_grid_regions_give_each_quarter_one_region_through_the_model(model, processor):
+    inputs = run_processor(processor, ((32, 32), (24, 48), (60, 20)), (1, 1, 1))
+    assert_quarters_are_regions(
+        model, inputs, lambda b, image: token_colours(model, processor, inputs, b))
+
+
+def test_generation_keeps_the_prompts_regions(model, processor):
+    """tr.generate hands image_grid_thw to the forward, through the hybrid's own cache."""
+    inputs = run_processor(processor, ((24, 48), (60, 20), (32, 32)), (2, 1))
+    with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
+        model(**inputs)
+        want = tr.region_ids.clone()
+        for _ in tr.generate(**inputs, max_new_tokens=2, do_sample=False):
+            pass
+        assert torch.equal(tr.region_ids[:, :want.shape[1]], want)
