@@ -111,19 +111,6 @@ def _flat_patches(patch: int, side: int, temporal: int = 2, channels: int = 3) -
     return picture
 
 
-def _glm46v():
-    import transformers as tf
-    config = tf.Glm46VConfig(
-        text_config=_text(rope_parameters=_MROPE),
-        vision_config=dict(depth=2, hidden_size=48, out_hidden_size=64, intermediate_size=22,
-                           num_heads=2, patch_size=4, spatial_merge_size=2,
-                           temporal_patch_size=2),
-        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
-        image_start_token_id=VISION_START, image_end_token_id=VISION_END,
-        tie_word_embeddings=False)
-    return Recipe(config, tf.Glm46VForConditionalGeneration, _flat_patches(4, 4))
-
-
 def _hunyuan_vl():
     import transformers as tf
     config = tf.HunYuanVLConfig(
@@ -301,7 +288,7 @@ def _got_ocr2():
     return Recipe(config, tf.GotOcr2ForConditionalGeneration, _pixels(1, 3, 64, 64))
 
 
-RECIPES = {"vipllava": _vipllava, "got_ocr2": _got_ocr2, "gemma4": _gemma4, "ernie4_5_vl_moe": _ernie4_5_vl_moe, "molmo2": _molmo2, "minicpmv4_6": _minicpmv4_6, "cosmos3_edge": _cosmos3_edge, "kimi_k25": _kimi_k25, "glm46v": _glm46v,
+RECIPES = {"vipllava": _vipllava, "got_ocr2": _got_ocr2, "gemma4": _gemma4, "ernie4_5_vl_moe": _ernie4_5_vl_moe, "molmo2": _molmo2, "minicpmv4_6": _minicpmv4_6, "cosmos3_edge": _cosmos3_edge, "kimi_k25": _kimi_k25,
            "hunyuan_vl": _hunyuan_vl, "granite4_vision": _granite4_vision, "lfm2_vl": _lfm2_vl, "cohere2_vision": _cohere2_vision, "ovis2": _ovis2}
 
 

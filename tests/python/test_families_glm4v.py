@@ -1,7 +1,8 @@
-"""GLM-4.1V's layout (headscope.hf.families.glm4v) against its real processor
-(Glm4vProcessor with a tiny image processor and tokenizer, built offline): each picture's
-grid and markers for several aspect ratios, a four-coloured picture whose tokens' pixels
-must lie where their boxes say, and grid_regions on it through the tiny models."""
+"""GLM-4.1V's, GLM-4.5V's and GLM-4.6V's layout (headscope.hf.families.glm4v) against
+their real processors (Glm4vProcessor, Glm46VProcessor with a tiny image processor and
+tokenizer, built offline): each picture's grid and markers for several aspect ratios, a
+four-coloured picture whose tokens' pixels must lie where their boxes say, and
+grid_regions on it through the tiny models."""
 from __future__ import annotations
 
 import pytest
@@ -25,14 +26,14 @@ IMAGE = "<|begin_of_image|><|image|><|end_of_image|>"
 SIZES = ((32, 32), (24, 48), (60, 20), (200, 100), (16, 40), (30, 50))
 
 
-@pytest.fixture(scope="module", params=["glm4v", "glm4v_moe"])
+@pytest.fixture(scope="module", params=["glm4v", "glm4v_moe", "glm46v"])
 def model(request):
     return tiny_model(request.param)
 
 
 @pytest.fixture(scope="module")
-def processor():
-    return tiny_processor("glm4v")
+def processor(model):
+    return tiny_processor(model.config.model_type)
 
 
 def run_processor(processor, sizes, per_row):

@@ -1,4 +1,4 @@
-"""GLM-4.1V and GLM-4.5V (``glm4v``, ``glm4v_moe``): Qwen-VL's layout under other marker
+"""GLM-4.1V, GLM-4.5V and GLM-4.6V (``glm4v``, ``glm4v_moe``, ``glm46v``): Qwen-VL's layout under other marker
 names. Each picture is one grid of tokens (patches merged ``spatial_merge_size`` squared
 to one token by the vision tower's downsampling convolution, in the row-major order of the
 merged grid) between ``<|begin_of_image|>`` and ``<|end_of_image|>``; ``image_grid_thw``
@@ -21,8 +21,8 @@ VIDEO_END = MARKER_IDS[6]    # <|end_of_video|>
 @register
 class Glm4v(QwenVL):
     name = "glm4v"
-    titles = ("GLM-4.1V", "GLM-4.5V")
-    model_types = ("glm4v", "glm4v_moe")
+    titles = ("GLM-4.1V", "GLM-4.5V", "GLM-4.6V")
+    model_types = ("glm4v", "glm4v_moe", "glm46v")
     layout = ("one grid per picture (patches merged 2x2), between <|begin_of_image|> and "
               "<|end_of_image|>")
     tiny = TinySpec(
@@ -55,6 +55,10 @@ class Glm4v(QwenVL):
             return tf.Glm4vConfig(text_config=dict(text, rope_parameters=rope),
                                   vision_config=vision, **markers), \
                 tf.Glm4vForConditionalGeneration
+        if model_type == "glm46v":  # GLM-4.1V's text decoder and vision tower
+            return tf.Glm46VConfig(text_config=dict(text, rope_parameters=rope),
+                                   vision_config=vision, tie_word_embeddings=False,
+                                   **markers), tf.Glm46VForConditionalGeneration
         moe = dict(text, rope_parameters=rope, n_routed_experts=4, num_experts_per_tok=2,
                    n_shared_experts=1, moe_intermediate_size=text["intermediate_size"] // 2,
                    first_k_dense_replace=1)
@@ -67,7 +71,11 @@ class Glm4v(QwenVL):
         import transformers as tf
         sizes = dict(patch_size=4, temporal_patch_size=2, merge_size=2)
         size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
-        return tf.Glm4vProcessor(image_processor=tf.Glm4vImageProcessor(size=size, **sizes),
-                                 tokenizer=tokenizer,
-                                 video_processor=tf.Glm4vVideoProcessor(**sizes),
-                                 chat_template=self.tiny.chat_template)
+        if model_type == "glm46v":
+            cls, images, video = (tf.Glm46VProcessor, tf.Glm46VImageProcessor,
+                                  tf.Glm46VVideoProcessor)
+        else:
+            cls, images, video = (tf.Glm4vProcessor, tf.Glm4vImageProcessor,
+                                  tf.Glm4vVideoProcessor)
+        return cls(image_processor=images(size=size, **sizes), tokenizer=tokenizer,
+                   video_processor=video(**sizes), chat_template=self.tiny.chat_template)
