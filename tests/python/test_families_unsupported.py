@@ -53,7 +53,7 @@ def test_a_model_with_no_image_placeholder_is_refused_naming_why():
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
 def test_hybrid_decoders_are_not_refused_by_model_type(name):
     """Qwen3.5's gated delta nets are not traced, its softmax layers are, through the
-    Qwen-VL family (test_families_qwen3_5.py)."""
+    Qwen-VL family (test_families_qwen_layout.py)."""
     from headscope.hf.families.qwen_vl import QwenVL
     linear = dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
                   linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"] * 2)

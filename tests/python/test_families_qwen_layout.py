@@ -1,8 +1,10 @@
-"""GLM-4.1V's, GLM-4.5V's and GLM-4.6V's layout (headscope.hf.families.glm4v) against
-their real processors (Glm4vProcessor, Glm46VProcessor with a tiny image processor and
-tokenizer, built offline): each picture's grid and markers for several aspect ratios, a
-four-coloured picture whose tokens' pixels must lie where their boxes say, and
-grid_regions on it through the tiny models."""
+"""Qwen-VL's layout, one grid of merged patches per picture, against the real processors
+(tiny image processors and tokenizer, built offline) of the model types whose geometry it
+checks: Qwen3.5 and Qwen3.5-MoE (headscope.hf.families.qwen_vl; Qwen3VLProcessor, their
+hybrid decoders traced on their softmax layers), GLM-4.1V, GLM-4.5V and GLM-4.6V
+(headscope.hf.families.glm4v; Glm4vProcessor, Glm46VProcessor): each picture's grid and
+markers for several aspect ratios, a four-coloured picture whose tokens' pixels must lie
+where their boxes say, and grid_regions on it through the tiny models."""
 from __future__ import annotations
 
 import pytest
@@ -20,24 +22,42 @@ from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa
                                   assert_quarter_colours, assert_quarters_are_regions,
                                   tiny_model, tiny_processor)
 
-IMAGE = "<|begin_of_image|><|image|><|end_of_image|>"
+# a picture in the prompt text, by family
+IMAGE = {"qwen_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+         "glm4v": "<|begin_of_image|><|image|><|end_of_image|>"}
+HYBRID = ("qwen3_5", "qwen3_5_moe")
 # (height, width): square, 1:2 wide, 3:1 tall, larger than max_pixels (scaled down),
 # thin, and odd sizes
 SIZES = ((32, 32), (24, 48), (60, 20), (200, 100), (16, 40), (30, 50))
 
 
-@pytest.fixture(scope="module", params=["glm4v", "glm4v_moe", "glm46v"])
+@pytest.fixture(scope="module", params=[*HYBRID, "glm4v", "glm4v_moe", "glm46v"])
 def model(request):
     return tiny_model(request.param)
 
 
 @pytest.fixture(scope="module")
 def processor(model):
-    return tiny_processor(model.config.model_type)
+    processor = tiny_processor(model.config.model_type)
+    processor.picture = IMAGE[family_of(model).name]
+    return processor
 
 
 def run_processor(processor, sizes, per_row):
-    return quarter_prompts(processor, sizes, per_row, IMAGE)
+    return quarter_prompts(processor, sizes, per_row, processor.picture)
+
+
+def test_a_hybrid_decoder_is_traced_on_its_softmax_layers_only(model, processor):
+    """Qwen3.5's gated delta nets are not traced; every layer of the others is."""
+    inputs = run_processor(processor, ((24, 48),), (1,))
+    text = model.config.text_config
+    types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), vas=True) as tr:
+        model(**inputs)
+        layers = tr.layers
+    assert layers == [i for i, t in enumerate(types) if t == "full_attention"]
+    if model.config.model_type in HYBRID:
+        assert 0 < len(layers) < text.num_hidden_layers
 
 
 @pytest.mark.parametrize("per_row", [(1,) * len(SIZES), (2, 1, 3)])
@@ -77,8 +97,9 @@ def test_a_grid_that_does_not_match_input_ids_raises(model, processor):
 def token_colours(model, processor, inputs, picture: int) -> torch.Tensor:
     """(tokens, pixels): the index of the nearest quarter colour for each pixel each token of
     ``picture`` reads, in the model's token order. The vision tower merges each run of
-    ``merge ** 2`` consecutive patches into one token (its downsampling convolution over
-    ``view(-1, merge, merge, hidden)``), and a patch row holds channels x time x p x p."""
+    ``merge ** 2`` consecutive patches into one token (GLM-4V's downsampling convolution
+    over ``view(-1, merge, merge, hidden)``, Qwen3.5's patch merger over
+    ``view(-1, hidden * merge ** 2)``), and a patch row holds channels x time x p x p."""
     vc = model.config.vision_config
     m, p, T = vc.spatial_merge_size, vc.patch_size, vc.temporal_patch_size
     sizes = inputs["image_grid_thw"].prod(-1).tolist()
@@ -91,19 +112,23 @@ def token_colours(model, processor, inputs, picture: int) -> torch.Tensor:
 
 def test_patches_merge_into_the_processors_token_order(model, processor):
     """What token_colours assumes, through the model's own vision tower: its downsampling
-    convolution receives the patches in runs of merge ** 2 (one token each)."""
+    convolution (GLM-4V) or its patch merger's first linear layer (Qwen3.5) receives the
+    patches in runs of merge ** 2 (one token each)."""
     inputs = run_processor(processor, ((24, 48),), (1,))
+    visual = model.model.visual
+    convolution = hasattr(visual, "downsample")
+    merging = visual.downsample if convolution else visual.merger.linear_fc1
     got = []
-    hook = model.model.visual.downsample.register_forward_pre_hook(
-        lambda module, args: got.append(args[0].shape))
+    hook = merging.register_forward_pre_hook(lambda module, args: got.append(args[0].shape))
     try:
         with torch.no_grad():
             model(**inputs)
     finally:
         hook.remove()
-    m = model.config.vision_config.spatial_merge_size
-    assert got == [torch.Size([len(inputs["pixel_values"]) // (m * m),
-                               model.config.vision_config.hidden_size, m, m])]
+    m, hidden = model.config.vision_config.spatial_merge_size, visual.config.hidden_size
+    tokens = len(inputs["pixel_values"]) // (m * m)
+    want = (tokens, hidden, m, m) if convolution else (tokens, hidden * m * m)
+    assert got == [torch.Size(want)]
 
 
 @pytest.mark.parametrize("size", SIZES)
