@@ -238,8 +238,8 @@ def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwar
 
     for attention in softmax_attention_layers(decoder):
         hooks.append(output_projection(attention).register_forward_pre_hook(grab))
-        query = getattr(attention, "q_proj", None)
-        if query is not None and query.out_features == 2 * H * attention.head_dim:
+        query, head_dim = getattr(attention, "q_proj", None), getattr(attention, "head_dim", 0)
+        if query is not None and query.out_features == 2 * H * head_dim:
             hooks.append(query.register_forward_hook(gate))
     try:
         with torch.no_grad():

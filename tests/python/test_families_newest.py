@@ -19,16 +19,14 @@ pytest.importorskip("transformers")
 from headscope.commands.collect import text_sizes  # noqa: E402
 from headscope.hf import Tracer, grid_regions, region_effects  # noqa: E402
 from headscope.hf.families import GENERIC, family_of  # noqa: E402
-from headscope.hf.structure import output_projection, softmax_attention_layers  # noqa: E402
+from headscope.hf.structure import softmax_attention_layers  # noqa: E402
+from headscope.hf.testing import eager_reference as shared_eager_reference  # noqa: E402
 from headscope.hf.tiny import IMAGE_TOKEN  # noqa: E402
 from headscope.hf.tiny_newest import (RECIPES, batch_rows, newest_rows,  # noqa: E402
                                       tiny_newest)
 
 TYPES = sorted(RECIPES)
 HYBRID = {"lfm2_vl", "minicpmv4_6"}
-# softmax layers that gate their attention output before o_proj (Qwen3.5's): a head's
-# write is its attention output before the gate
-GATED = {"minicpmv4_6"}
 # placeholders per picture that hold no piece of it: HunYuan-VL's begin, end and one
 # row break per row of its 4 x 4 grid; Granite 4 Vision's row breaks after each of the
 # 2 rows of its unpadded view
@@ -66,35 +64,9 @@ def _softmax_layers(model):
 
 
 def eager_reference(eager, inputs):
-    """Per softmax layer of the eager model, its attention weights (B, H, T, T), as the
-    eager attention function returns them, and its per-head writes (B, H, T, Dh): the
-    output projection's input, with a Qwen3.5 output gate divided out."""
-    decoder = family_of(eager).decoder(eager)
-    H = decoder.config.num_attention_heads
-    gated = eager.config.model_type in GATED
-    attns, writes, gates, hooks = [], [], [], []
-
-    def write(module, args):
-        x = args[0]
-        if gated:  # q_proj gives (query, gate) per head; o_proj gets out * sigmoid(gate)
-            x = x / torch.sigmoid(gates.pop())
-        writes.append(x.reshape(*x.shape[:2], H, -1).transpose(1, 2))
-
-    def gate(module, args, out):
-        per_head = out.reshape(*out.shape[:2], H, -1)
-        gates.append(per_head.chunk(2, -1)[1].reshape(*out.shape[:2], -1))
-
-    for module in softmax_attention_layers(decoder):
-        hooks.append(module.register_forward_hook(lambda m, a, out: attns.append(out[1])))
-        hooks.append(output_projection(module).register_forward_pre_hook(write))
-        if gated:
-            hooks.append(module.q_proj.register_forward_hook(gate))
-    try:
-        with torch.no_grad():
-            eager(**inputs, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
+    """Per softmax layer of the eager model, its attention weights (B, H, T, T) and its
+    per-head writes (B, H, T, Dh): headscope.hf.testing's reference, without a cache."""
+    _, attns, writes = shared_eager_reference(eager, inputs, use_cache=False)
     return attns, writes
 
 
