@@ -188,13 +188,6 @@ def check_pictures(args, pictures: List, processor, config, family) -> None:
                              f"image tokens of {path}; allowed: 1 to {rows * cols}")
 
 
-def _device(args):
-    import torch
-    if args.device:
-        return torch.device(args.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def span_line(span) -> str:
     """One span on the terminal: its number, text and best regions with their scores."""
     if span.special:
@@ -242,7 +235,7 @@ def run(args) -> int:
         if args.seed is not None:
             import torch
             torch.manual_seed(args.seed)
-    model, processor = _collect.load_model(args.model, args.dtype, _device(args))
+    model, processor = _collect.load_model(args.model, args.dtype, _collect.device(args))
 
     def explanations():
         return iter_explain(model, processor, pictures, args.prompt, head,

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,25 @@ def sigint_as_at_a_terminal() -> None:
     """For a child process (``preexec_fn``): SIGINT back to its default action, so that
     Python installs its KeyboardInterrupt handler however the suite was started."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def kill_once_written(argv, path: Path, env, who: str, timeout: float = 300) -> None:
+    """Runs ``argv`` and kills it (SIGKILL, as a crash or an out-of-memory kill would) as
+    soon as ``path`` exists: the resume tests' interrupted run. Fails if the process ends
+    first or ``path`` does not appear within ``timeout`` seconds."""
+    proc = subprocess.Popen(list(map(str, argv)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            assert proc.poll() is None, f"{who} ended before writing {path.name}"
+            assert time.monotonic() < deadline, f"{who} wrote no {path.name} in {timeout} s"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
 
 
 def load_seed(module_name: str):

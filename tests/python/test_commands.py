@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 from headscope.commands import main  # noqa: E402
 from headscope.commands.shards import read_collection, shard_path  # noqa: E402
+from conftest import kill_once_written  # noqa: E402
 from headscope.hf.families import FAMILIES  # noqa: E402
 from headscope.hf.testing import tiny_checkpoint, tiny_dataset  # noqa: E402
 
@@ -199,18 +198,9 @@ def test_value_norm_features_through_collect_train_eval(files, tmp_path):
 def test_resume_after_kill_equals_straight_run(files, tmp_path):
     root, model, data, collection = files
     out = tmp_path / "resumed"
-    proc = subprocess.Popen([sys.executable, "-m", "headscope", "collect", "--model", str(model),
-                             "--data", str(data), "--out", str(out), *COLLECT],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
-    try:
-        deadline = time.monotonic() + 300
-        while not shard_path(out, 0).exists():
-            assert proc.poll() is None, "collect ended before its first shard"
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait()
+    kill_once_written([sys.executable, "-m", "headscope", "collect", "--model", model,
+                       "--data", data, "--out", out, *COLLECT], shard_path(out, 0), ENV,
+                      "collect")
     done = sorted(p.name for p in out.glob("shard-*.safetensors"))
     assert 1 <= len(done) < IMAGES, done
     rerun = headscope("collect", "--model", model, "--data", data, "--out", out, *COLLECT)

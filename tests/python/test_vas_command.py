@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ pytest.importorskip("pyarrow")
 import headscope  # noqa: E402
 from headscope.commands import main  # noqa: E402
 from headscope.commands.shards import shard_path  # noqa: E402
+from conftest import kill_once_written  # noqa: E402
 from headscope.commands.vas_table import LAYOUT, read_table  # noqa: E402
 from headscope.hf.families import FAMILIES  # noqa: E402
 from headscope.shapes.model import DATA_DIR  # noqa: E402
@@ -167,17 +166,8 @@ def test_resume_after_kill_equals_straight_run(shapes_data, tmp_path):
     root, fit, _ = shapes_data
     out = tmp_path / "resumed"
     args = ["vas", "--model", DATA_DIR, "--data", fit, "--out", out, "--shard-size", "3"]
-    proc = subprocess.Popen([sys.executable, "-m", "headscope", *map(str, args)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
-    try:
-        deadline = time.monotonic() + 300
-        while not shard_path(out, 0, LAYOUT).exists():
-            assert proc.poll() is None, "vas ended before its first shard"
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait()
+    kill_once_written([sys.executable, "-m", "headscope", *args], shard_path(out, 0, LAYOUT),
+                      ENV, "vas")
     done = sorted(p.name for p in out.glob("shard-*.parquet"))
     assert 1 <= len(done) < 3, done
     rerun = headscope_cli(*args)
