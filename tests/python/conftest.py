@@ -79,6 +79,21 @@ def kill_once_written(argv, path: Path, env, who: str, timeout: float = 300) -> 
         proc.wait()
 
 
+def usage_error(capsys, *argv) -> str:
+    """Runs ``python -m headscope ARGV`` in this process where it must refuse its arguments:
+    exit 2, one line on stderr, nothing on stdout. Returns that line."""
+    from headscope.commands import main
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse's own checks
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2, (argv, code, out, err)
+    assert len(err.strip().splitlines()) == 1 and not out, (argv, out, err)
+    return err
+
+
 def load_seed(module_name: str):
     """Imports ../shared/seeds/<module_name>.py, or skips when the folder is absent."""
     path = SEEDS / f"{module_name}.py"

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 from headscope.commands import main  # noqa: E402
 from headscope.commands.shards import read_collection, shard_path  # noqa: E402
-from conftest import kill_once_written  # noqa: E402
+from conftest import kill_once_written, usage_error  # noqa: E402
 from headscope.hf.families import FAMILIES  # noqa: E402
 from headscope.hf.testing import tiny_checkpoint, tiny_dataset  # noqa: E402
 
@@ -232,7 +232,7 @@ def test_help_and_errors(files, tmp_path, capsys):
     assert e.value.code == 2
 
     def error(*argv) -> str:
-        return _usage_error(capsys, *argv)
+        return usage_error(capsys, *argv)
 
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -270,19 +270,6 @@ def test_help_and_errors(files, tmp_path, capsys):
     assert "num_layers=3, expected 2" in error(
         "eval", "--model", model, "--head", tmp_path / "wrong.safetensors", "--data",
         collection, "--report", tmp_path / "r.json")
-
-
-def _usage_error(capsys, *argv) -> str:
-    """Runs a command that must refuse its arguments: exit 2 and one line on stderr."""
-    capsys.readouterr()
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:  # argparse's own checks
-        code = e.code
-    out, err = capsys.readouterr()
-    assert code == 2, (code, out, err)
-    assert len(err.strip().splitlines()) == 1 and not out, (out, err)
-    return err
 
 
 def _files_under(folder):
@@ -366,7 +353,7 @@ def test_bad_arguments_fail_before_any_work(files, tmp_path, capsys, case):
     p.train = ["train", "--data", collection]
     before = _files_under(tmp_path)
     argv, words = BAD_ARGUMENTS[case]
-    err = _usage_error(capsys, *argv(p))
+    err = usage_error(capsys, *argv(p))
     assert ".tmp" not in err and "Traceback" not in err, err
     for word in words:
         assert word in err, (word, err)
@@ -376,7 +363,7 @@ def test_bad_arguments_fail_before_any_work(files, tmp_path, capsys, case):
 def test_refused_collection_leaves_nothing_that_blocks_a_rerun(files, tmp_path, capsys):
     root, model, data, collection = files
     out = tmp_path / "out"
-    _usage_error(capsys, "collect", "--model", model, "--data", data, "--out", out,
+    usage_error(capsys, "collect", "--model", model, "--data", data, "--out", out,
                  "--regions", "500")
     headscope("collect", "--model", model, "--data", data, "--out", out, "--regions", "2",
               "--max-new-tokens", "2", "--subsets", "0", "--shard-size", "4")
@@ -397,7 +384,7 @@ def test_damaged_shard_is_found_by_its_checksum(files, tmp_path, capsys):
     shard.write_bytes(bytes(data_bytes))
     with pytest.raises(UsageError, match="shard-00001.safetensors: damaged"):
         read_collection(copy)
-    err = _usage_error(capsys, "train", "--data", copy, "--out", tmp_path / "h.safetensors")
+    err = usage_error(capsys, "train", "--data", copy, "--out", tmp_path / "h.safetensors")
     assert "shard-00001.safetensors: damaged" in err
     assert not (tmp_path / "h.safetensors").exists()
 
@@ -484,11 +471,11 @@ def test_train_leaves_special_spans_out_and_fits_a_block_of_both(tmp_path, capsy
     fitted("--val-fraction", "0.5")
     assert "validation LDS" in capsys.readouterr().out
     _written_collection(tmp_path / "attention", "attention", special)
-    err = _usage_error(capsys, "train", "--data", tmp_path / "attention", "--out",
+    err = usage_error(capsys, "train", "--data", tmp_path / "attention", "--out",
                        tmp_path / "h.safetensors", "--features", "both")
     assert "--features both: the collection" in err and "holds feature set 'attention'" in err
     _written_collection(tmp_path / "older", "attention")
-    err = _usage_error(capsys, "train", "--data", tmp_path / "older", "--out",
+    err = usage_error(capsys, "train", "--data", tmp_path / "older", "--out",
                        tmp_path / "h.safetensors")
     assert "does not record which spans are only special tokens" in err
     assert "--keep-special-spans" in err

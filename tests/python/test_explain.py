@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 
 from headscope.commands import main  # noqa: E402
 from headscope.hf.testing import FAMILIES, quarters, tiny_checkpoint  # noqa: E402
+from conftest import usage_error  # noqa: E402
 
 PROMPT = "describe the image ."
 COLOURS = ((200, 30, 30), (30, 200, 30), (30, 30, 200), (220, 220, 40))
@@ -229,13 +230,7 @@ def test_bad_arguments_fail_before_any_work(qwen, picture, tmp_path, capsys):
                 argv[argv.index(override[i]) + 1] = override[i + 1]
             else:
                 argv += override[i:i + 2]
-        capsys.readouterr()
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-        out, err = capsys.readouterr()
-        assert code == 2 and not out and len(err.strip().splitlines()) == 1, (expected, out, err)
+        err = usage_error(capsys, *argv)
         assert expected in err, (expected, err)
         assert _files(tmp_path) == before, expected
     busy.close()

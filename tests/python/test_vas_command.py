@@ -21,7 +21,7 @@ pytest.importorskip("pyarrow")
 import headscope  # noqa: E402
 from headscope.commands import main  # noqa: E402
 from headscope.commands.shards import shard_path  # noqa: E402
-from conftest import kill_once_written  # noqa: E402
+from conftest import kill_once_written, usage_error  # noqa: E402
 from headscope.commands.vas_table import LAYOUT, read_table  # noqa: E402
 from headscope.hf.families import FAMILIES  # noqa: E402
 from headscope.shapes.model import DATA_DIR  # noqa: E402
@@ -296,13 +296,7 @@ def test_unsupported_family_and_bad_arguments_fail_before_any_work(shapes_data, 
         if argv[0] == "vas":
             argv = argv + ["--out", tmp_path / "out"]
         before = sorted(p.name for p in tmp_path.iterdir())
-        capsys.readouterr()
-        try:
-            code = main([str(a) for a in argv])
-        except SystemExit as e:  # argparse's own checks
-            code = e.code
-        out, err = capsys.readouterr()
-        assert code == 2 and len(err.strip().splitlines()) == 1 and not out, (argv, out, err)
+        err = usage_error(capsys, *argv)
         for word in words:
             assert word in err, (word, err)
         assert sorted(p.name for p in tmp_path.iterdir()) == before, err
