@@ -288,8 +288,22 @@ def _got_ocr2():
     return Recipe(config, tf.GotOcr2ForConditionalGeneration, _pixels(1, 3, 64, 64))
 
 
-RECIPES = {"vipllava": _vipllava, "got_ocr2": _got_ocr2, "gemma4": _gemma4, "ernie4_5_vl_moe": _ernie4_5_vl_moe, "molmo2": _molmo2, "minicpmv4_6": _minicpmv4_6, "cosmos3_edge": _cosmos3_edge, "kimi_k25": _kimi_k25,
-           "hunyuan_vl": _hunyuan_vl, "granite4_vision": _granite4_vision, "lfm2_vl": _lfm2_vl, "cohere2_vision": _cohere2_vision, "ovis2": _ovis2}
+# model type: (its name as the README lists it, its recipe)
+RECIPES = {
+    "vipllava": ("VipLLaVA", _vipllava),
+    "got_ocr2": ("GOT-OCR 2", _got_ocr2),
+    "gemma4": ("Gemma 4", _gemma4),
+    "ernie4_5_vl_moe": ("ERNIE 4.5-VL", _ernie4_5_vl_moe),
+    "molmo2": ("Molmo 2", _molmo2),
+    "minicpmv4_6": ("MiniCPM-V 4.6", _minicpmv4_6),
+    "cosmos3_edge": ("Cosmos 3 Edge", _cosmos3_edge),
+    "kimi_k25": ("Kimi K2.5", _kimi_k25),
+    "hunyuan_vl": ("HunYuan-VL", _hunyuan_vl),
+    "granite4_vision": ("Granite 4 Vision", _granite4_vision),
+    "lfm2_vl": ("LFM2-VL", _lfm2_vl),
+    "cohere2_vision": ("Cohere 2 Vision", _cohere2_vision),
+    "ovis2": ("Ovis 2", _ovis2),
+}
 
 
 def tiny_newest(model_type: str, seed: int = 0, attn_implementation: str = "sdpa"
@@ -298,7 +312,7 @@ def tiny_newest(model_type: str, seed: int = 0, attn_implementation: str = "sdpa
     if model_type not in RECIPES:
         raise ValueError(f"headscope.hf.tiny_newest: model_type must be one of "
                          f"{sorted(RECIPES)}, got {model_type!r}")
-    recipe = RECIPES[model_type]()
+    recipe = RECIPES[model_type][1]()
     recipe.config.get_text_config(decoder=True)._attn_implementation_internal = \
         attn_implementation
     torch.manual_seed(seed)

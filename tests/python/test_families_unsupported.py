@@ -65,7 +65,7 @@ def test_a_decoder_with_no_softmax_layer_is_refused_naming_why():
     """An LFM2-VL whose decoder layers are all short convolutions forms no attention
     weights at all."""
     from headscope.hf.tiny_newest import RECIPES
-    recipe = RECIPES["lfm2_vl"]()
+    recipe = RECIPES["lfm2_vl"][1]()
     recipe.config.text_config.layer_types = ["conv"] * recipe.config.text_config.num_hidden_layers
     model = recipe.cls(recipe.config).eval()
     before = model.config.text_config._attn_implementation
