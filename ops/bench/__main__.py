@@ -1,6 +1,6 @@
 """Benchmarks: each op beside its baselines in one process; prints ratios and peak memory.
 
-    python -m headscope.bench [--family mixer vas attribution hf] [--device cpu|cuda]
+    python -m headscope.bench [--family mixer vas attribution hf cost] [--device cpu|cuda]
                               [--quick] [--big] [--json results.json]
 
 Timings are for reading, never assertions. The JSON holds each family's results and the
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ["mixer", "vas", "attribution", "hf"]
+FAMILIES = ["mixer", "vas", "attribution", "hf", "cost"]
 
 
 def main(argv=None) -> None:
@@ -29,7 +29,8 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for smoke runs")
     parser.add_argument("--big", action="store_true",
                         help="also the sizes that take minutes on a CPU (families that have "
-                             "them: mixer's vision tower at 9k and 16k patches)")
+                             "them: mixer's vision tower at 9k and 16k patches; cost's "
+                             "Qwen2-VL-2B-shaped decoder, about an hour)")
     parser.add_argument("--json", type=Path, default=Path("bench_results.json"))
     args = parser.parse_args(argv)
 

@@ -21,15 +21,17 @@ def _proc_status_bytes(key: str) -> int:
     raise RuntimeError(f"{key} missing from /proc/self/status")
 
 
-def peak_bytes(fn: Callable[[], object], device="cpu") -> int:
-    """Extra memory one call needs at its peak, beyond what exists before it.
+def peak_bytes(fn: Callable[[], object], device="cpu", warmup: bool = True) -> int:
+    """Extra memory one call needs at its peak, beyond what exists before it (``warmup``:
+    after an uncounted first call, which a call that takes minutes can do without).
 
     CUDA: the caching allocator's peak. CPU (torch and NumPy alike): the growth of the
     process's resident-set high-water mark, reset through /proc/self/clear_refs after
     malloc_trim has returned freed memory to the system (so that reused free lists do
     not hide what the call needs).
     """
-    fn()  # warm up lazy initialisation so it is not counted
+    if warmup:  # lazy initialisation is not counted
+        fn()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -43,13 +43,17 @@ from .timing import TokenClock, interleaved, round_ratios
 K_REGIONS = 16
 
 
-def _model(quick: bool, attn: str, spec: str = "qwen2_vl"):
+def _model(quick: bool, attn: str, spec: str = "qwen2_vl", layers: int = 0,
+           dtype: torch.dtype = torch.float32):
+    """The Qwen2-VL-2B-shaped model (``layers`` of its decoder, default 4, ``quick`` 2;
+    input and output embeddings tied, as in Qwen2-VL-2B) or the cut Gemma-3-4B."""
     from headscope.hf.testing import tiny_model
     if spec == "gemma3":
         return _gemma3(quick, attn)
-    return tiny_model("qwen2_vl", hidden=1536, layers=2 if quick else 4, heads=12, kv_heads=2,
-                      intermediate=8960, vocab=151936, vision_hidden=64,
-                      attn_implementation=attn)
+    return tiny_model("qwen2_vl", hidden=1536, layers=layers or (2 if quick else 4), heads=12,
+                      kv_heads=2, intermediate=8960, vocab=151936, vision_hidden=64,
+                      attn_implementation=attn, dtype=dtype,
+                      overrides={"tie_word_embeddings": True})
 
 
 def _gemma3(quick: bool, attn: str):

@@ -14,7 +14,7 @@ from headscope.bench.tables import cell
 
 
 @pytest.mark.timeout(960)  # the hf family's run takes minutes; its own limit is 900 s
-@pytest.mark.parametrize("family", ["mixer", "vas", "attribution", "hf"])
+@pytest.mark.parametrize("family", ["mixer", "vas", "attribution", "hf", "cost"])
 def test_quick_benchmark_runs(family, tmp_path):
     out = tmp_path / "bench.json"
     result = subprocess.run([sys.executable, "-m", "headscope.bench", "--family", family, "--quick",

@@ -1,0 +1,265 @@
+"""The cost of attributing a span: streaming attribution (``headscope.hf.Tracer`` with an
+attribution head) against AttnLRP (``headscope.hf.attnlrp_scores``) and input x gradient
+(``headscope.hf.gradient_scores``), in one process, in rounds that run each in turn:
+plain ``generate``, ``Tracer.generate`` with the head, AttnLRP and input x gradient on the
+spans that generation gave.
+
+What a span costs each method:
+
+* the head: the tracer's work during the generation (the prompt's regions and query rows
+  at the prefill, each decode step's rows, each span's pooled features and the head's
+  scores; timed inside the tracer, ``head work``) over the generation's spans; beside it,
+  ``Tracer.generate`` minus plain ``generate`` of the same round (all overheads included,
+  but a difference of two runs, so it carries their noise);
+* AttnLRP and input x gradient: their call on the generation's spans (one forward over the
+  prompt and answer, one backward per span) over the spans.
+
+``vs_head``: the method's time per span over the head's (``head work``), the median of
+the rounds' ratios and their range; ``vs_head_diff``: over the head's paired difference.
+``peak_MiB``: the extra peak memory of one call (the whole generation for plain generate
+and the tracer). ``per_token_ms``: per generated token.
+
+Models: (a) the shapes model (``headscope.shapes.load``, its shipped head, one held-out
+4-object scene, 40 new tokens); (b) a Qwen2-VL-2B-shaped decoder, all 28 layers (hidden
+1536, 12 heads, 2 KV heads, intermediate 8960, vocabulary 151936, embeddings tied),
+random weights, a one-block vision tower, one 1,024-token picture, 64 new tokens, 16
+Ward regions and a random head on the value-norm-weighted features, in float32 and
+bfloat16 (``--big`` only; it takes an hour on two CPU cores). ``--quick``: the tiny
+Qwen2-VL test model, a 64-token picture, 8 new tokens. A last table: peak memory against
+the picture's size on the tiny test model.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import statistics
+import time
+
+import torch
+
+from ._util import mib, peak_bytes, print_table
+from .timing import round_ratios, sync
+
+REGIONS = 16
+
+
+@contextlib.contextmanager
+def tracer_work_clock(tracer, device):
+    """Adds the seconds the tracer's own work takes to the yielded list's only entry:
+    each call that computes what streaming attribution adds (the prefill's region ids and
+    rows, each decode step's rows, each span's features and scores), the device synced
+    around it."""
+    from headscope.hf.rows import SpanRows
+    spent = [0.0]
+
+    def timed(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            sync(device)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync(device)
+                spent[0] += time.perf_counter() - start
+        return wrapper
+
+    instance = [(tracer, "_start_forward"), (tracer, "observe"), (tracer.generation, "_make_span")]
+    methods = [(SpanRows, "add"), (SpanRows, "begin_step")]
+    saved = [(cls, name, getattr(cls, name)) for cls, name in methods]
+    for owner, name in instance + methods:
+        setattr(owner, name, timed(getattr(owner, name)))
+    try:
+        yield spent
+    finally:
+        for owner, name in instance:
+            delattr(owner, name)  # the class's method again
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+
+
+def compare(model, inputs, head, tokenizer, regions: int, new_tokens: int, device,
+            rounds: int, warmup: bool) -> list[dict]:
+    """One model's rows: plain generate, the head (work inside the tracer, and the paired
+    difference), AttnLRP and input x gradient per span, ``rounds`` alternating rounds; the
+    first call of each measures its peak memory (``warmup``: in an untimed round)."""
+    from headscope.hf import Tracer, attnlrp_scores, gradient_scores
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    tracer = Tracer(model, regions=regions, vas=False, head=head, tokenizer=tokenizer)
+    tracer.detach()
+    times = {"plain": [], "traced": [], "work": [], "attnlrp": [], "gradient": []}
+    spans = []
+
+    def clocked(name, fn):
+        def run():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+        return run
+
+    @torch.no_grad()
+    def plain():
+        model.generate(**inputs, **gen)
+
+    @torch.no_grad()
+    def traced():
+        with tracer.attach(), tracer_work_clock(tracer, device) as work:
+            got = list(tracer.generate(**inputs, **gen))
+        assert got[-1].end == new_tokens and all(s.scores is not None for s in got)
+        spans[:] = [(s.start, s.end) for s in got]
+        times["work"].append(work[0])
+
+    def attnlrp():
+        attnlrp_scores(model, inputs, tracer.sequences, spans, tracer.region_ids)
+
+    def gradient():
+        gradient_scores(model, inputs, tracer.sequences, spans, tracer.region_ids)
+
+    runs = {name: clocked(name, fn) for name, fn in
+            (("plain", plain), ("traced", traced), ("attnlrp", attnlrp), ("gradient", gradient))}
+    peaks = {name: peak_bytes(fn, device, warmup=False) for name, fn in runs.items()}
+    if warmup:
+        for values in times.values():
+            values.clear()
+    for _ in range(rounds if warmup else rounds - 1):
+        for name, fn in runs.items():
+            time.sleep(0.2)  # the previous call's worker threads go idle
+            fn()
+    S = len(spans)
+    work = times["work"]
+    diff = [t - p for t, p in zip(times["traced"], times["plain"])]
+
+    def median_ms(values, per=1):
+        return 1e3 * statistics.median(values) / per
+
+    rows = [{"what": "plain generate", "spans": S, "per_token_ms": median_ms(times["plain"],
+                                                                              new_tokens),
+             "peak_MiB": mib(peaks["plain"])},
+            {"what": "head work (in the tracer)", "per_span_ms": median_ms(work, S),
+             "per_token_ms": median_ms(work, new_tokens), "vs_head": 1.0,
+             "peak_MiB": mib(peaks["traced"])},
+            {"what": "head: Tracer.generate - plain", "per_span_ms": median_ms(diff, S),
+             "per_token_ms": median_ms(diff, new_tokens),
+             "range": f"{1e3 * min(diff) / S:.3g}-{1e3 * max(diff) / S:.3g} ms per span"}]
+    for name, label in (("attnlrp", "AttnLRP"), ("gradient", "input x gradient")):
+        ratio = round_ratios(times[name], work)
+        row = {"what": label, "per_span_ms": median_ms(times[name], S), "vs_head": ratio[0],
+               "range": f"{ratio[1]:.3g}-{ratio[2]:.3g}", "peak_MiB": mib(peaks[name])}
+        if min(diff) > 0:  # a ratio to a difference that noise made negative means nothing
+            row["vs_head_diff"] = round_ratios(times[name], diff)[0]
+        rows.append(row)
+    return rows
+
+
+COLUMNS = ["what", "spans", "per_span_ms", "per_token_ms", "vs_head", "range", "vs_head_diff",
+           "peak_MiB"]
+
+
+def bench_shapes(device, quick: bool) -> dict:
+    """The shapes model, its shipped head, one held-out 4-object scene."""
+    from headscope.shapes.accuracy import held_out_scenes
+    from headscope.shapes.demo import DEFAULT_REGIONS
+    from headscope.shapes.model import load, prompt
+    model, processor, head = load()
+    model = model.to(device)
+    _, image, _ = held_out_scenes(4)[3]
+    inputs = {k: v.to(device) for k, v in prompt(processor, image).items()}
+    new = 8 if quick else 40
+    rows = compare(model, inputs, head, processor.tokenizer, DEFAULT_REGIONS, new, device,
+                   rounds=1 if quick else 7, warmup=True)
+    P = inputs["input_ids"].shape[1]
+    print_table(f"cost per span, shapes model ({P}-token prompt, {new} new tokens; "
+                f"{device.type}, float32)", rows, COLUMNS)
+    return {"rows": rows}
+
+
+def _random_head(model):
+    """An attribution head with random weights on the model's value-norm-weighted
+    features: scoring costs what a fitted head's does."""
+    from headscope import AttributionHead
+    text = model.config.text_config
+    head = AttributionHead(text.num_hidden_layers, text.num_attention_heads,
+                           feature_set="attention*value_norm")
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.num_features, generator=torch.Generator().manual_seed(0)))
+    return head
+
+
+def bench_decoder(device, quick: bool, dtype: torch.dtype, layers: int) -> dict:
+    """The Qwen2-VL-2B-shaped decoder with ``layers`` layers (``quick``: the tiny test
+    model)."""
+    from headscope.hf.testing import tiny_model
+
+    from .hf import _inputs, _model
+    if quick:
+        model, side, new = tiny_model("qwen2_vl", dtype=dtype), 8, 8
+    else:
+        model, side, new = _model(False, "sdpa", layers=layers, dtype=dtype), 32, 64
+    model = model.to(device)
+    inputs = _inputs(model, side, device)
+    rows = compare(model, inputs, _random_head(model).to(device), None, REGIONS, new, device,
+                   rounds=2 if layers == 28 else 1, warmup=quick)
+    text = model.config.text_config
+    P = inputs["input_ids"].shape[1]
+    name = "tiny Qwen2-VL" if quick else "Qwen2-VL-2B-shaped"
+    print_table(f"cost per span, {name}, {text.num_hidden_layers} layers, one {side * side}-token "
+                f"picture ({P}-token prompt), {new} new tokens ({device.type}, "
+                f"{str(dtype).removeprefix('torch.')})", rows, COLUMNS)
+    return {"rows": rows}
+
+
+def bench_growth(device, quick: bool) -> dict:
+    """Peak memory of one call of each against the picture's size, on the tiny test model
+    (a span of 8 tokens)."""
+    from headscope.hf import Tracer, attnlrp_scores, gradient_scores
+    from headscope.hf.testing import tiny_model
+
+    from .hf import _inputs
+    model = tiny_model("qwen2_vl").to(device)
+    head = _random_head(model).to(device)
+    gen = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    rows = []
+    for side in (4, 8) if quick else (8, 16, 32):
+        inputs = _inputs(model, side, device)
+        tracer = Tracer(model, regions=REGIONS, vas=False, head=head)
+
+        @torch.no_grad()
+        def traced():
+            list(tracer.generate(**inputs, **gen))
+
+        traced_peak = peak_bytes(traced, device)
+        tracer.detach()
+        spans = [(0, 8)]
+        rows.append({"picture_tokens": side * side, "T": inputs["input_ids"].shape[1] + 8,
+                     "plain_MiB": mib(peak_bytes(torch.no_grad()(
+                         lambda: model.generate(**inputs, **gen)), device)),
+                     "tracer_MiB": mib(traced_peak),
+                     "attnlrp_MiB": mib(peak_bytes(lambda: attnlrp_scores(
+                         model, inputs, tracer.sequences, spans, tracer.region_ids), device)),
+                     "gradient_MiB": mib(peak_bytes(lambda: gradient_scores(
+                         model, inputs, tracer.sequences, spans, tracer.region_ids), device))})
+    print_table(f"peak memory against the picture's size, tiny Qwen2-VL, 8 new tokens "
+                f"({device.type}, float32)", rows,
+                ["picture_tokens", "T", "plain_MiB", "tracer_MiB", "attnlrp_MiB", "gradient_MiB"])
+    return {"rows": rows}
+
+
+def run(device, quick: bool = False, big: bool = False) -> dict:
+    try:
+        import transformers
+    except ImportError:
+        print("transformers is not installed (pip install headscope[hf]): cost family skipped")
+        return {}
+    transformers.logging.set_verbosity_error()
+    results = {"shapes": bench_shapes(device, quick)}
+    # --quick: the tiny model in bfloat16 (the path float32 takes too); by default 4 of the
+    # 2B shape's layers in float32; --big: all 28, float32 and bfloat16
+    dtypes = (torch.float32, torch.bfloat16) if big else \
+        (torch.bfloat16,) if quick else (torch.float32,)
+    for dtype in dtypes:
+        name = f"decoder_{str(dtype).removeprefix('torch.')}"
+        results[name] = bench_decoder(device, quick, dtype, layers=28 if big else 4)
+    results["growth"] = bench_growth(device, quick)
+    return results
