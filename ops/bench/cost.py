@@ -1,32 +1,47 @@
 """The cost of attributing a span: streaming attribution (``headscope.hf.Tracer`` with an
 attribution head) against AttnLRP (``headscope.hf.attnlrp_scores``) and input x gradient
-(``headscope.hf.gradient_scores``), in one process, in rounds that run each in turn:
-plain ``generate``, ``Tracer.generate`` with the head, AttnLRP and input x gradient on the
-spans that generation gave.
+(``headscope.hf.gradient_scores``), in one process: plain ``generate``, ``Tracer.generate``
+with the head, then AttnLRP and input x gradient on the spans that generation gave, in
+turn, round after round.
 
-What a span costs each method:
+What a span costs each method (``per_span_ms``):
 
-* the head: the tracer's work during the generation (the prompt's regions and query rows
-  at the prefill, each decode step's rows, each span's pooled features and the head's
-  scores; timed inside the tracer, ``head work``) over the generation's spans; beside it,
-  ``Tracer.generate`` minus plain ``generate`` of the same round (all overheads included,
-  but a difference of two runs, so it carries their noise);
+* the head (``head work``): the tracer's own work during the generation, timed inside it
+  (the prompt's Ward regions and the prefill's query rows, each decode step's pooled rows,
+  each span's features and the head's scores), over the generation's spans; that is, its
+  extra time per generated token times the span's tokens plus the span's share of the
+  prefill's work and of the scoring. Beside it, ``Tracer.generate - plain``: the whole
+  call's extra time over plain ``generate`` in the same round, which holds every overhead
+  but is a difference of two runs and carries their noise (on a shared CPU it can come out
+  negative);
 * AttnLRP and input x gradient: their call on the generation's spans (one forward over the
-  prompt and answer, one backward per span) over the spans.
+  prompt and the answer, one backward per span) over the spans.
 
-``vs_head``: the method's time per span over the head's (``head work``), the median of
-the rounds' ratios and their range; ``vs_head_diff``: over the head's paired difference.
-``peak_MiB``: the extra peak memory of one call (the whole generation for plain generate
-and the tracer). ``per_token_ms``: per generated token.
+``vs_head``: a method's time per span over the head's, the median of the rounds' ratios
+(``range``: lowest and highest); ``vs_head_diff``: over ``Tracer.generate - plain``, where
+that was positive in every round. ``per_token_ms``: per generated token. ``peak_MiB``: the
+extra peak memory of one call (the whole generation for plain generate and the tracer).
+
+How peak memory grows with the sequence (last table): plain generate and the tracer hold
+the key/value cache and the prefill's activations, linear in the prompt's length T (the
+tracer adds the prompt's region ids and a few rows per layer); input x gradient keeps the
+whole sequence's activations for its backward, also linear in T but with the MLP's width;
+AttnLRP keeps, besides, every layer's attention probabilities (heads x T x T), so its peak
+grows with T squared.
 
 Models: (a) the shapes model (``headscope.shapes.load``, its shipped head, one held-out
-4-object scene, 40 new tokens); (b) a Qwen2-VL-2B-shaped decoder, all 28 layers (hidden
-1536, 12 heads, 2 KV heads, intermediate 8960, vocabulary 151936, embeddings tied),
-random weights, a one-block vision tower, one 1,024-token picture, 64 new tokens, 16
-Ward regions and a random head on the value-norm-weighted features, in float32 and
-bfloat16 (``--big`` only; it takes an hour on two CPU cores). ``--quick``: the tiny
-Qwen2-VL test model, a 64-token picture, 8 new tokens. A last table: peak memory against
-the picture's size on the tiny test model.
+4-object scene, 8 Ward regions, 40 new tokens, 7 rounds after an untimed one); on a model
+this small (4 layers of width 128, a 42-token prompt) a backward pass is cheap and the head
+only some tens of times cheaper than AttnLRP; (b) a Qwen2-VL-2B-shaped decoder (hidden
+1536, 12 heads, 2 KV heads, intermediate 8960, vocabulary 151936, embeddings tied), random
+weights, a one-block vision tower, one 1,024-token picture, 64 new tokens, 16 Ward
+regions, a random head on the value-norm-weighted features (its scoring costs what a
+fitted head's does): 4 of its 28 layers in float32, one round; ``--big``: all 28 layers
+in float32 and bfloat16, two rounds (an hour and more on a CPU without bfloat16 units;
+about 14 GiB at AttnLRP's peak in float32). ``--quick``: the tiny Qwen2-VL test model in
+bfloat16, a 64-token picture, 8 new tokens. Last: peak memory against the picture's size
+on the tiny test model. ``--device cuda`` runs the same code on a GPU (the tracer's work
+is timed with the device synced around each call).
 """
 from __future__ import annotations
 
@@ -157,7 +172,7 @@ COLUMNS = ["what", "spans", "per_span_ms", "per_token_ms", "vs_head", "range", "
            "peak_MiB"]
 
 
-def bench_shapes(device, quick: bool) -> dict:
+def bench_shapes(device) -> dict:
     """The shapes model, its shipped head, one held-out 4-object scene."""
     from headscope.shapes.accuracy import held_out_scenes
     from headscope.shapes.demo import DEFAULT_REGIONS
@@ -166,9 +181,9 @@ def bench_shapes(device, quick: bool) -> dict:
     model = model.to(device)
     _, image, _ = held_out_scenes(4)[3]
     inputs = {k: v.to(device) for k, v in prompt(processor, image).items()}
-    new = 8 if quick else 40
+    new = 40
     rows = compare(model, inputs, head, processor.tokenizer, DEFAULT_REGIONS, new, device,
-                   rounds=1 if quick else 7, warmup=True)
+                   rounds=7, warmup=True)
     P = inputs["input_ids"].shape[1]
     print_table(f"cost per span, shapes model ({P}-token prompt, {new} new tokens; "
                 f"{device.type}, float32)", rows, COLUMNS)
@@ -187,23 +202,25 @@ def _random_head(model):
     return head
 
 
-def bench_decoder(device, quick: bool, dtype: torch.dtype, layers: int) -> dict:
-    """The Qwen2-VL-2B-shaped decoder with ``layers`` layers (``quick``: the tiny test
-    model)."""
+def bench_decoder(device, dtype: torch.dtype, layers: int) -> dict:
+    """The Qwen2-VL-2B-shaped decoder with ``layers`` layers, one 1,024-token picture, 64
+    new tokens (``layers`` 0: the tiny test model, a 64-token picture, 8 new tokens). All
+    28 layers: 2 rounds, the first also measuring peak memory; fewer: one round after an
+    untimed one (4 layers: one round, each call taking minutes on a CPU)."""
     from headscope.hf.testing import tiny_model
 
     from .hf import _inputs, _model
-    if quick:
-        model, side, new = tiny_model("qwen2_vl", dtype=dtype), 8, 8
-    else:
+    if layers:
         model, side, new = _model(False, "sdpa", layers=layers, dtype=dtype), 32, 64
+    else:
+        model, side, new = tiny_model("qwen2_vl", dtype=dtype), 8, 8
     model = model.to(device)
     inputs = _inputs(model, side, device)
     rows = compare(model, inputs, _random_head(model).to(device), None, REGIONS, new, device,
-                   rounds=2 if layers == 28 else 1, warmup=quick)
+                   rounds=2 if layers == 28 else 1, warmup=not layers)
     text = model.config.text_config
     P = inputs["input_ids"].shape[1]
-    name = "tiny Qwen2-VL" if quick else "Qwen2-VL-2B-shaped"
+    name = "Qwen2-VL-2B-shaped" if layers else "tiny Qwen2-VL"
     print_table(f"cost per span, {name}, {text.num_hidden_layers} layers, one {side * side}-token "
                 f"picture ({P}-token prompt), {new} new tokens ({device.type}, "
                 f"{str(dtype).removeprefix('torch.')})", rows, COLUMNS)
@@ -253,13 +270,15 @@ def run(device, quick: bool = False, big: bool = False) -> dict:
         print("transformers is not installed (pip install headscope[hf]): cost family skipped")
         return {}
     transformers.logging.set_verbosity_error()
-    results = {"shapes": bench_shapes(device, quick)}
-    # --quick: the tiny model in bfloat16 (the path float32 takes too); by default 4 of the
-    # 2B shape's layers in float32; --big: all 28, float32 and bfloat16
-    dtypes = (torch.float32, torch.bfloat16) if big else \
-        (torch.bfloat16,) if quick else (torch.float32,)
-    for dtype in dtypes:
-        name = f"decoder_{str(dtype).removeprefix('torch.')}"
-        results[name] = bench_decoder(device, quick, dtype, layers=28 if big else 4)
+    # --quick: the tiny model in bfloat16 (the path the others take too); by default the
+    # shapes model and 4 of the 2B shape's layers in float32; --big: also all 28 of them,
+    # in float32 and bfloat16
+    results = {} if quick else {"shapes": bench_shapes(device)}
+    sizes = [(torch.bfloat16, 0)] if quick else [(torch.float32, 4)]
+    if big and not quick:
+        sizes += [(torch.float32, 28), (torch.bfloat16, 28)]
+    for dtype, layers in sizes:
+        name = f"decoder_{layers or 'tiny'}_{str(dtype).removeprefix('torch.')}"
+        results[name] = bench_decoder(device, dtype, layers)
     results["growth"] = bench_growth(device, quick)
     return results
