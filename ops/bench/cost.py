@@ -37,8 +37,12 @@ only some tens of times cheaper than AttnLRP; (b) a Qwen2-VL-2B-shaped decoder (
 weights, a one-block vision tower, one 1,024-token picture, 64 new tokens, 16 Ward
 regions, a random head on the value-norm-weighted features (its scoring costs what a
 fitted head's does): 4 of its 28 layers in float32, one round; ``--big``: all 28 layers
-in float32 and bfloat16, two rounds (an hour and more on a CPU without bfloat16 units;
-about 14 GiB at AttnLRP's peak in float32). ``--quick``: the tiny Qwen2-VL test model in
+in float32 and bfloat16, two rounds (hours on a CPU without bfloat16 units; AttnLRP's
+peak is about 0.5 GiB per layer at this length in float32, so about 14 GiB over the
+model's 6 GiB). The head's work splits into a part per picture (the Ward regions), parts
+that grow with the layers (the value norms of the picture's keys and the rows at the
+prefill, the rows at each step) and the spans' pooling and scoring; AttnLRP's and input x
+gradient's passes grow with the layers and the sequence. ``--quick``: the tiny Qwen2-VL test model in
 bfloat16, a 64-token picture, 8 new tokens. Last: peak memory against the picture's size
 on the tiny test model. ``--device cuda`` runs the same code on a GPU (the tracer's work
 is timed with the device synced around each call).
@@ -58,16 +62,23 @@ from .timing import round_ratios, sync
 REGIONS = 16
 
 
+#: The tracer's calls that compute what streaming attribution adds, by part of its work
+#: (the owner given by name: "tracer", its "generation", or the SpanRows class).
+WORK_PARTS = {"prompt's regions": [("tracer", "_start_forward")],
+              "prefill's rows": [("tracer", "observe")],
+              "decode steps' rows": [("rows", "add"), ("rows", "begin_step")],
+              "spans' features, scores": [("generation", "_make_span")]}
+
+
 @contextlib.contextmanager
 def tracer_work_clock(tracer, device):
-    """Adds the seconds the tracer's own work takes to the yielded list's only entry:
-    each call that computes what streaming attribution adds (the prefill's region ids and
-    rows, each decode step's rows, each span's features and scores), the device synced
-    around it."""
+    """Yields a dict that the tracer's own work adds its seconds to, by part
+    (:data:`WORK_PARTS`), the device synced around each call."""
     from headscope.hf.rows import SpanRows
-    spent = [0.0]
+    owners = {"tracer": tracer, "generation": tracer.generation, "rows": SpanRows}
+    spent = dict.fromkeys(WORK_PARTS, 0.0)
 
-    def timed(fn):
+    def timed(fn, part):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             sync(device)
@@ -76,21 +87,22 @@ def tracer_work_clock(tracer, device):
                 return fn(*args, **kwargs)
             finally:
                 sync(device)
-                spent[0] += time.perf_counter() - start
+                spent[part] += time.perf_counter() - start
         return wrapper
 
-    instance = [(tracer, "_start_forward"), (tracer, "observe"), (tracer.generation, "_make_span")]
-    methods = [(SpanRows, "add"), (SpanRows, "begin_step")]
-    saved = [(cls, name, getattr(cls, name)) for cls, name in methods]
-    for owner, name in instance + methods:
-        setattr(owner, name, timed(getattr(owner, name)))
+    calls = [(owners[owner], name, part) for part, names in WORK_PARTS.items()
+             for owner, name in names]
+    saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in calls]
+    for owner, name, part in calls:
+        setattr(owner, name, timed(getattr(owner, name), part))
     try:
         yield spent
     finally:
-        for owner, name in instance:
-            delattr(owner, name)  # the class's method again
-        for cls, name, fn in saved:
-            setattr(cls, name, fn)
+        for owner, name, fn in saved:
+            if fn is None:
+                delattr(owner, name)  # an instance's: the class's method again
+            else:
+                setattr(owner, name, fn)
 
 
 def compare(model, inputs, head, tokenizer, regions: int, new_tokens: int, device,
@@ -102,7 +114,8 @@ def compare(model, inputs, head, tokenizer, regions: int, new_tokens: int, devic
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     tracer = Tracer(model, regions=regions, vas=False, head=head, tokenizer=tokenizer)
     tracer.detach()
-    times = {"plain": [], "traced": [], "work": [], "attnlrp": [], "gradient": []}
+    times = {name: [] for name in ("plain", "traced", "work", "attnlrp", "gradient",
+                                   *WORK_PARTS)}
     spans = []
 
     def clocked(name, fn):
@@ -124,7 +137,9 @@ def compare(model, inputs, head, tokenizer, regions: int, new_tokens: int, devic
             got = list(tracer.generate(**inputs, **gen))
         assert got[-1].end == new_tokens and all(s.scores is not None for s in got)
         spans[:] = [(s.start, s.end) for s in got]
-        times["work"].append(work[0])
+        times["work"].append(sum(work.values()))
+        for part, seconds in work.items():
+            times[part].append(seconds)
 
     def attnlrp():
         attnlrp_scores(model, inputs, tracer.sequences, spans, tracer.region_ids)
@@ -155,6 +170,8 @@ def compare(model, inputs, head, tokenizer, regions: int, new_tokens: int, devic
             {"what": "head work (in the tracer)", "per_span_ms": median_ms(work, S),
              "per_token_ms": median_ms(work, new_tokens), "vs_head": 1.0,
              "peak_MiB": mib(peaks["traced"])},
+            *({"what": f"  of which {part}", "per_span_ms": median_ms(times[part], S),
+               "per_token_ms": median_ms(times[part], new_tokens)} for part in WORK_PARTS),
             {"what": "head: Tracer.generate - plain", "per_span_ms": median_ms(diff, S),
              "per_token_ms": median_ms(diff, new_tokens),
              "range": f"{1e3 * min(diff) / S:.3g}-{1e3 * max(diff) / S:.3g} ms per span"}]
