@@ -30,14 +30,16 @@ AttnLRP keeps, besides, every layer's attention probabilities (heads x T x T), s
 grows with T squared.
 
 Models: (a) the shapes model (``headscope.shapes.load``, its shipped head, one held-out
-4-object scene, 8 Ward regions, 40 new tokens, 7 rounds after an untimed one); on a model
+4-object scene, 8 Ward regions, 40 new tokens, 7 rounds after an untimed one, which
+measures peak memory); on a model
 this small (4 layers of width 128, a 42-token prompt) a backward pass is cheap and the head
 only some tens of times cheaper than AttnLRP; (b) a Qwen2-VL-2B-shaped decoder (hidden
 1536, 12 heads, 2 KV heads, intermediate 8960, vocabulary 151936, embeddings tied), random
 weights, a one-block vision tower, one 1,024-token picture, 64 new tokens, 16 Ward
 regions, a random head on the value-norm-weighted features (its scoring costs what a
-fitted head's does): 4 of its 28 layers in float32, one round; ``--big``: all 28 layers
-in float32 and bfloat16, two rounds (hours on a CPU without bfloat16 units; AttnLRP's
+fitted head's does), each call warmed up on a short prompt, then two rounds, the first
+measuring peak memory too: 4 of its 28 layers in float32; ``--big``: also all 28 layers,
+in float32 and bfloat16 (hours on a CPU without bfloat16 units; AttnLRP's
 peak is about 0.5 GiB per layer at this length in float32, so about 14 GiB over the
 model's 6 GiB). The head's work splits into a part per picture (the Ward regions), parts
 that grow with the layers (the value norms of the picture's keys and the rows at the
@@ -106,12 +108,15 @@ def tracer_work_clock(tracer, device):
 
 
 def compare(model, inputs, head, tokenizer, regions: int, new_tokens: int, device,
-            rounds: int, warmup: bool) -> list[dict]:
+            rounds: int, warm_inputs=None) -> list[dict]:
     """One model's rows: plain generate, the head (work inside the tracer, and the paired
     difference), AttnLRP and input x gradient per span, ``rounds`` alternating rounds; the
-    first call of each measures its peak memory (``warmup``: in an untimed round)."""
+    first call of each measures its peak memory. Lazy initialisation (the tracer's value
+    norm factors, computed once per model) is left out: by an untimed first round, or,
+    given ``warm_inputs`` (a short prompt), by one call of each on those, two new tokens."""
     from headscope.hf import Tracer, attnlrp_scores, gradient_scores
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    prompt = {"inputs": inputs, "gen": gen}  # what the calls run on
     tracer = Tracer(model, regions=regions, vas=False, head=head, tokenizer=tokenizer)
     tracer.detach()
     times = {name: [] for name in ("plain", "traced", "work", "attnlrp", "gradient",
@@ -129,31 +134,38 @@ def compare(model, inputs, head, tokenizer, regions: int, new_tokens: int, devic
 
     @torch.no_grad()
     def plain():
-        model.generate(**inputs, **gen)
+        model.generate(**prompt["inputs"], **prompt["gen"])
 
     @torch.no_grad()
     def traced():
         with tracer.attach(), tracer_work_clock(tracer, device) as work:
-            got = list(tracer.generate(**inputs, **gen))
-        assert got[-1].end == new_tokens and all(s.scores is not None for s in got)
+            got = list(tracer.generate(**prompt["inputs"], **prompt["gen"]))
+        assert got[-1].end == prompt["gen"]["max_new_tokens"] and all(s.scores is not None for s in got)
         spans[:] = [(s.start, s.end) for s in got]
         times["work"].append(sum(work.values()))
         for part, seconds in work.items():
             times[part].append(seconds)
 
     def attnlrp():
-        attnlrp_scores(model, inputs, tracer.sequences, spans, tracer.region_ids)
+        attnlrp_scores(model, prompt["inputs"], tracer.sequences, spans, tracer.region_ids)
 
     def gradient():
-        gradient_scores(model, inputs, tracer.sequences, spans, tracer.region_ids)
+        gradient_scores(model, prompt["inputs"], tracer.sequences, spans, tracer.region_ids)
 
     runs = {name: clocked(name, fn) for name, fn in
             (("plain", plain), ("traced", traced), ("attnlrp", attnlrp), ("gradient", gradient))}
-    peaks = {name: peak_bytes(fn, device, warmup=False) for name, fn in runs.items()}
-    if warmup:
+    if warm_inputs is not None:
+        prompt.update(inputs=warm_inputs, gen=dict(gen, max_new_tokens=2, min_new_tokens=2))
+        for fn in runs.values():
+            fn()
+        prompt.update(inputs=inputs, gen=gen)
         for values in times.values():
             values.clear()
-    for _ in range(rounds if warmup else rounds - 1):
+    peaks = {name: peak_bytes(fn, device, warmup=False) for name, fn in runs.items()}
+    if warm_inputs is None:
+        for values in times.values():
+            values.clear()
+    for _ in range(rounds if warm_inputs is None else rounds - 1):
         for name, fn in runs.items():
             time.sleep(0.2)  # the previous call's worker threads go idle
             fn()
@@ -200,7 +212,7 @@ def bench_shapes(device) -> dict:
     inputs = {k: v.to(device) for k, v in prompt(processor, image).items()}
     new = 40
     rows = compare(model, inputs, head, processor.tokenizer, DEFAULT_REGIONS, new, device,
-                   rounds=7, warmup=True)
+                   rounds=7)
     P = inputs["input_ids"].shape[1]
     print_table(f"cost per span, shapes model ({P}-token prompt, {new} new tokens; "
                 f"{device.type}, float32)", rows, COLUMNS)
@@ -221,9 +233,7 @@ def _random_head(model):
 
 def bench_decoder(device, dtype: torch.dtype, layers: int) -> dict:
     """The Qwen2-VL-2B-shaped decoder with ``layers`` layers, one 1,024-token picture, 64
-    new tokens (``layers`` 0: the tiny test model, a 64-token picture, 8 new tokens). All
-    28 layers: 2 rounds, the first also measuring peak memory; fewer: one round after an
-    untimed one (4 layers: one round, each call taking minutes on a CPU)."""
+    new tokens (``layers`` 0: the tiny test model, a 64-token picture, 8 new tokens)."""
     from headscope.hf.testing import tiny_model
 
     from .hf import _inputs, _model
@@ -233,8 +243,10 @@ def bench_decoder(device, dtype: torch.dtype, layers: int) -> dict:
         model, side, new = tiny_model("qwen2_vl", dtype=dtype), 8, 8
     model = model.to(device)
     inputs = _inputs(model, side, device)
+    # the 2B shape's calls take minutes: warmed up on a short prompt, two rounds in all
     rows = compare(model, inputs, _random_head(model).to(device), None, REGIONS, new, device,
-                   rounds=2 if layers == 28 else 1, warmup=not layers)
+                   rounds=2 if layers else 1,
+                   warm_inputs=_inputs(model, 4, device) if layers else None)
     text = model.config.text_config
     P = inputs["input_ids"].shape[1]
     name = "Qwen2-VL-2B-shaped" if layers else "tiny Qwen2-VL"
