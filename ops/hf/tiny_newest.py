@@ -241,32 +241,6 @@ def _ernie4_5_vl_moe():
                   markers=((VISION_START,), (VISION_END,)))
 
 
-def _gemma4():
-    import transformers as tf
-    layer_types = ["sliding_attention", "full_attention"] * 2
-    text = _text(layer_types=layer_types, num_hidden_layers=4, num_kv_shared_layers=2,
-                 sliding_window=8, vocab_size_per_layer_input=VOCAB,
-                 hidden_size_per_layer_input=16, use_bidirectional_attention="vision",
-                 per_layer_config={i: {"head_dim": 32} for i, t in enumerate(layer_types)
-                                   if t == "full_attention"})
-    config = tf.Gemma4Config(
-        text_config=text,
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                           patch_size=4, pooling_kernel_size=2, position_embedding_size=64),
-        image_token_id=IMAGE_TOKEN, boi_token_id=VISION_START, eoi_token_id=VISION_END,
-        video_token_id=VIDEO_TOKEN, audio_token_id=VIDEO_TOKEN + 10,
-        tie_word_embeddings=False)
-    side = 4  # patches per side: pooled 2 x 2 to 4 tokens
-
-    def picture(g):
-        xs, ys = torch.arange(side).repeat(side), torch.arange(side).repeat_interleave(side)
-        return {"pixel_values": torch.randn(1, side * side, 4 * 4 * 3, generator=g),
-                "image_position_ids": torch.stack([xs, ys], -1).unsqueeze(0)}
-    return Recipe(config, tf.Gemma4ForConditionalGeneration, picture,
-                  markers=((VISION_START,), (VISION_END,)))
-
-
 def _vipllava():
     import transformers as tf
     from .families.llava import clip_vision
@@ -292,7 +266,6 @@ def _got_ocr2():
 RECIPES = {
     "vipllava": ("VipLLaVA", _vipllava),
     "got_ocr2": ("GOT-OCR 2", _got_ocr2),
-    "gemma4": ("Gemma 4", _gemma4),
     "ernie4_5_vl_moe": ("ERNIE 4.5-VL", _ernie4_5_vl_moe),
     "molmo2": ("Molmo 2", _molmo2),
     "minicpmv4_6": ("MiniCPM-V 4.6", _minicpmv4_6),
