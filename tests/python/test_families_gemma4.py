@@ -211,3 +211,18 @@ def test_tracer_on_pictures_longer_than_the_sliding_window(model, processor):
     want_vas, _ = headscope.vas_features(attns, writes, full["attention_mask"],
                                          left_padding=True)
     torch.testing.assert_close(final_vas, want_vas, atol=1e-4, rtol=1e-4)
+
+
+def test_vas_refuses_a_forward_whose_kv_shared_layers_skip_rows(model, processor):
+    """Under an int logits_to_keep the KV-shared last layers run the kept rows only: VAS,
+    which needs every row, raises naming it; without it the same forward is traced."""
+    inputs = run_processor(processor, ((32, 64),), (1,))
+    config = model.config.text_config
+    assert config.kv_sharing_modes[-2:] == ["reuse", "reuse"]
+    with torch.no_grad(), Tracer(model, vas=True) as tr:
+        with pytest.raises(NotImplementedError, match=r"decoder layer 2 ran 1 of the "
+                                                      r"sequence's \d+ query rows.*"
+                                                      r"without logits_to_keep"):
+            model(**inputs, logits_to_keep=1)
+        model(**inputs)
+        assert tr.vas_features().shape == (1, 36)
