@@ -16,7 +16,7 @@ import torch
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VIDEO_TOKEN, VISION_END, VISION_START
 from .base import Family, TinySpec, llava_template, missing_input, register
 from .gemma3 import alternating_layers
-from .layout import ImageTokens, View, image_positions, split_images
+from .layout import ImageTokens, grid_pictures
 
 WHO = "headscope.hf.Tracer"
 
@@ -56,11 +56,7 @@ class Gemma4(Family):
             raise missing_input(config, "image_position_ids")
         pooling = int(config.vision_config.pooling_kernel_size)
         grids = [picture_grid(p, pooling) for p in torch.as_tensor(patches).cpu()]
-        per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
-        pictures = split_images(WHO, per_row, [rows * cols for rows, cols in grids])
-        grid = iter(grids)
-        return [[ImageTokens((View("base", p, *next(grid)),)) for p in row]
-                for row in pictures]
+        return grid_pictures(WHO, inputs["input_ids"], self.image_token_ids(config), grids)
 
     def final_softcap(self, config) -> Optional[float]:
         return config.get_text_config().final_logit_softcapping

@@ -11,7 +11,7 @@ import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VIDEO_TOKEN, VISION_END, VISION_START
 from .base import Family, TinySpec, missing_input, register
-from .layout import ImageTokens, View, image_positions, split_images
+from .layout import ImageTokens, grid_pictures
 
 WHO = "headscope.hf.Tracer"
 
@@ -59,11 +59,7 @@ class QwenVL(Family):
                 raise ValueError(f"{WHO}: regions need still images (temporal grid 1), got "
                                  f"image_grid_thw row {[t, h, w]}")
             grids.append((h // merge, w // merge))
-        per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
-        pictures = split_images(WHO, per_row, [r * c for r, c in grids])
-        grid = iter(grids)
-        return [[ImageTokens((View("base", p, *next(grid)),)) for p in row]
-                for row in pictures]
+        return grid_pictures(WHO, inputs["input_ids"], self.image_token_ids(config), grids)
 
     # ---- tiny models ----------------------------------------------------------------------
 
