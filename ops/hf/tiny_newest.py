@@ -142,17 +142,6 @@ def _granite4_vision():
     return Recipe(config, tf.Granite4VisionForConditionalGeneration, picture)
 
 
-def _cosmos3_edge():
-    import transformers as tf
-    config = tf.Cosmos3EdgeConfig(
-        text_config=_text(hidden_act="silu", rope_parameters=_MROPE),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, patch_size=4, num_patches=16,
-                           spatial_merge_size=2),
-        projector_hidden_size=32, tie_word_embeddings=False, **IDS)
-    return Recipe(config, tf.Cosmos3EdgeForConditionalGeneration, _flat_patches(4, 4, temporal=1))
-
-
 def _kimi_k25():
     import transformers as tf
     text = _text(model_type="deepseek_v3", kv_lora_rank=16, q_lora_rank=None,
@@ -296,7 +285,6 @@ RECIPES = {
     "ernie4_5_vl_moe": ("ERNIE 4.5-VL", _ernie4_5_vl_moe),
     "molmo2": ("Molmo 2", _molmo2),
     "minicpmv4_6": ("MiniCPM-V 4.6", _minicpmv4_6),
-    "cosmos3_edge": ("Cosmos 3 Edge", _cosmos3_edge),
     "kimi_k25": ("Kimi K2.5", _kimi_k25),
     "hunyuan_vl": ("HunYuan-VL", _hunyuan_vl),
     "granite4_vision": ("Granite 4 Vision", _granite4_vision),

@@ -108,8 +108,7 @@ class QwenVL(Family):
         m = vc.spatial_merge_size
         tokens = torch.full(((grid[0] // m) * (grid[1] // m),), IMAGE_TOKEN)
         ids = torch.cat([torch.tensor([VISION_START]), tokens, torch.tensor([VISION_END])])
-        patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
-        pixels = torch.randn(grid[0] * grid[1], patch, generator=generator)
+        pixels = torch.randn(grid[0] * grid[1], patch_width(vc), generator=generator)
         return ids, {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, *grid]])}
 
     def tiny_processor(self, model_type: str, tokenizer, *, min_pixels: int, max_pixels: int,
@@ -152,6 +151,14 @@ def qwen3_5_config(model_type: str, text: Dict[str, Any], rope: Dict[str, Any],
     return tf.Qwen3_5MoeConfig(text_config=hybrid, vision_config=vision,
                                tie_word_embeddings=False, **ids), \
         tf.Qwen3_5MoeForConditionalGeneration
+
+
+def patch_width(vision_config) -> int:
+    """The numbers in one patch row of ``pixel_values``: channels x frames x p x p (Cosmos 3
+    Edge's tower names its channels ``num_channels`` and takes one frame a patch)."""
+    channels = getattr(vision_config, "in_channels", None) or vision_config.num_channels
+    frames = getattr(vision_config, "temporal_patch_size", 1)
+    return channels * frames * vision_config.patch_size ** 2
 
 
 def mrope_section(head_dim: int) -> list:
