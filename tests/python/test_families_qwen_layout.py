@@ -3,8 +3,9 @@
 checks: Qwen3.5 and Qwen3.5-MoE (headscope.hf.families.qwen_vl; Qwen3VLProcessor, their
 hybrid decoders traced on their softmax layers), GLM-4.1V, GLM-4.5V and GLM-4.6V
 (headscope.hf.families.glm4v; Glm4vProcessor, Glm46VProcessor) and Cosmos 3 Edge
-(headscope.hf.families.cosmos3; Cosmos3EdgeProcessor): each picture's grid and markers for several aspect ratios, a four-coloured picture whose tokens' pixels must lie
-where their boxes say, and grid_regions on it through the tiny models."""
+(headscope.hf.families.cosmos3; Cosmos3EdgeProcessor): each picture's grid and markers
+for several aspect ratios, a four-coloured picture whose tokens' pixels must lie where
+their boxes say, and grid_regions on it through the tiny models."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,8 @@ pytest.importorskip("torchvision")
 pytest.importorskip("numpy")
 pytest.importorskip("PIL.Image")
 
-from conftest import assert_every_image_token_placed, nearest_colour, quarter_prompts  # noqa: E402
+from conftest import (assert_every_image_token_placed,  # noqa: E402
+                      assert_generation_keeps_regions, nearest_colour, quarter_prompts)
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
@@ -162,11 +164,4 @@ def test_generation_keeps_the_prompts_regions(model, processor):
     """tr.generate hands image_grid_thw to the forward; plain model.generate does not, and
     the Tracer says so rather than guess the grids."""
     inputs = run_processor(processor, ((24, 48), (60, 20), (32, 32)), (2, 1))
-    with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
-        model(**inputs)
-        want = tr.region_ids.clone()
-        for _ in tr.generate(**inputs, max_new_tokens=2, do_sample=False):
-            pass
-        assert torch.equal(tr.region_ids[:, :want.shape[1]], want)
-        with pytest.raises(ValueError, match="need the image_grid_thw"):
-            model.generate(**inputs, max_new_tokens=1, do_sample=False)
+    assert_generation_keeps_regions(model, inputs, "image_grid_thw")

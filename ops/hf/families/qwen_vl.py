@@ -133,13 +133,7 @@ def qwen3_5_config(model_type: str, text: Dict[str, Any], rope: Dict[str, Any],
     """A tiny Qwen3.5 (or -MoE): gated delta nets and softmax layers in turn, the last a
     softmax layer, as in the checkpoints; the Qwen3-VL vision tower without deepstack."""
     import transformers as tf
-    layers = text["num_hidden_layers"]
-    hybrid = dict(layer_types=["full_attention" if i % 2 else "linear_attention"
-                               for i in range(layers)],
-                  linear_conv_kernel_dim=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                  linear_num_key_heads=2, linear_num_value_heads=4)
-    hybrid.update(text)  # entries the caller set win
-    hybrid["rope_parameters"] = rope
+    hybrid = qwen3_5_text(text, rope)
     vision = {k: v for k, v in vision.items() if k != "deepstack_visual_indexes"}
     if model_type == "qwen3_5":
         return tf.Qwen3_5Config(text_config=hybrid, vision_config=vision,
@@ -159,6 +153,20 @@ def patch_width(vision_config) -> int:
     channels = getattr(vision_config, "in_channels", None) or vision_config.num_channels
     frames = getattr(vision_config, "temporal_patch_size", 1)
     return channels * frames * vision_config.patch_size ** 2
+
+
+def qwen3_5_text(text: Dict[str, Any], rope: Dict[str, Any]) -> Dict[str, Any]:
+    """A tiny Qwen3.5 text config (also MiniCPM-V 4.6's decoder): gated delta nets and
+    softmax layers in turn, the last a softmax layer, as in the checkpoints; the entries
+    of ``text`` win."""
+    layers = text["num_hidden_layers"]
+    hybrid = dict(layer_types=["full_attention" if i % 2 else "linear_attention"
+                               for i in range(layers)],
+                  linear_conv_kernel_dim=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4)
+    hybrid.update(text)
+    hybrid["rope_parameters"] = rope
+    return hybrid
 
 
 def mrope_section(head_dim: int) -> list:
