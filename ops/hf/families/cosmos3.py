@@ -20,7 +20,7 @@ class Cosmos3(QwenVL):
     layout = ("one grid per picture (patches merged 2x2), between vision start and end, "
               "as Qwen-VL's")
     tiny = TinySpec(tokens=QwenVL.tiny.tokens, tokenizer_extras=QwenVL.tiny.tokenizer_extras,
-                    chat_template=QWEN_TEMPLATE)
+                    chat_template=QWEN_TEMPLATE, effects={"cosmos3_edge": ("mask",)})
 
     # ---- tiny models ----------------------------------------------------------------------
 
