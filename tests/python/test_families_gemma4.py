@@ -16,7 +16,8 @@ pytest.importorskip("numpy")
 pytest.importorskip("PIL.Image")
 
 import headscope  # noqa: E402
-from conftest import assert_every_image_token_placed, nearest_colour, quarter_prompts  # noqa: E402
+from conftest import (assert_every_image_token_placed,  # noqa: E402
+                      assert_generation_keeps_regions, nearest_colour, quarter_prompts)
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
@@ -161,10 +162,7 @@ def test_layouts_the_inputs_do_not_hold_raise(model, processor):
     with pytest.raises(ValueError, match="not whole"):
         family.images(model.config, dict(inputs, image_position_ids=holed))
     # plain generate hands the model the vision output, not image_position_ids
-    with torch.no_grad(), Tracer(model, regions=2, vas=False) as tr:
-        with pytest.raises(ValueError, match=r"need the image_position_ids .* tr\.generate"):
-            model.generate(**inputs, max_new_tokens=1)
-        assert len(list(tr.generate(**inputs, max_new_tokens=1))) == 2
+    assert_generation_keeps_regions(model, inputs, "image_position_ids")
 
 
 def test_tracer_on_pictures_longer_than_the_sliding_window(model, processor):
