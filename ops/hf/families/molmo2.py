@@ -61,7 +61,7 @@ class Molmo2(Family):
         chat_template=llava_template("<|image|> "), grids=((2, 2), (1, 3)),
         typed_tokens=("<im_col>", "<im_start>", "<low_res_im_start>", "<im_end>"),
         index_inputs={"image_token_pooling": "pixel_values"},
-        effects={"molmo2": ("mask", "zero", "mean")}, commands=("molmo2",))
+        effects={"molmo2": ("mask", "zero")}, commands=("molmo2",))
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         grids, pooling = inputs.get("image_grids"), inputs.get("image_token_pooling")
