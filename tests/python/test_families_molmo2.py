@@ -17,6 +17,7 @@ pytest.importorskip("PIL.Image")
 
 from conftest import (assert_every_image_token_placed, nearest_colour,  # noqa: E402
                       quarter_prompts)
+from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.molmo2 import (COLUMN, LOW_RES_START, TINY_CROP,  # noqa: E402
                                           TINY_MARGINS, TINY_PATCH, TINY_POOL)
@@ -159,6 +160,13 @@ def test_grid_regions_give_each_quarter_one_region_in_both_views(model, processo
 def test_missing_or_inconsistent_pooling_raises(model, processor):
     family = family_of(model)
     inputs = run_processor(processor, ((30, 60),), (1,))
+    # plain generate does not hand the forward image_grids: tr.generate does
+    with torch.no_grad(), Tracer(model, regions=2, vas=False) as tr:
+        with pytest.raises(ValueError, match=r"need the image_grids .* tr\.generate"):
+            model.generate(**inputs, max_new_tokens=1)
+        assert len(list(tr.generate(**inputs, max_new_tokens=1))) == 1
+    with pytest.raises(ValueError, match="video prompt"):
+        family.images(model.config, dict(inputs, video_grids=torch.tensor([[2, 3, 6]])))
     for key in ("image_grids", "image_token_pooling"):
         with pytest.raises(ValueError, match=f"need the {key} .* tr.generate"):
             family.images(model.config, dict(inputs, **{key: None}))

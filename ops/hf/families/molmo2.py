@@ -50,7 +50,7 @@ class Molmo2(Family):
     layout = ("global view (the picture resized to one crop), then the canvas of "
               "overlapping crops, each token pooling a window of patches by index "
               "(image_token_pooling), <im_col> after each row")
-    input_keys = ("image_grids", "image_token_pooling")
+    input_keys = ("image_grids", "image_token_pooling", "video_grids")
     tiny = TinySpec(
         tokens={"<im_patch>": IMAGE_TOKEN, "<|video|>": VIDEO_TOKEN, "<im_start>": VISION_START,
                 "<im_end>": VISION_END, "<|endoftext|>": EOS, "<|image|>": TEXT_IMAGE,
@@ -65,6 +65,9 @@ class Molmo2(Family):
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         grids, pooling = inputs.get("image_grids"), inputs.get("image_token_pooling")
+        if inputs.get("video_grids") is not None:  # frames' tokens are <im_patch> too
+            raise ValueError(f"{WHO}: regions of a Molmo 2 video prompt (video_grids) are not "
+                             f"supported; pictures (image_grids) are")
         if grids is None:
             raise missing_input(config, "image_grids", " (each picture's token grids)")
         if pooling is None:
