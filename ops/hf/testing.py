@@ -125,7 +125,9 @@ def image_prompt(model, grids: Sequence[Tuple[int, int]] = ((8, 8),),
             inputs[key] = torch.where(inputs[key] >= 0, inputs[key] + shift, inputs[key])
             shift += inputs[items][..., 0].numel()
     for key in extras[0]:
-        out[key] = _cat_padded([e[key] for e in extras])
+        parts = [e[key] for e in extras]
+        dim = family.tiny.cat_dims.get(key)
+        out[key] = _cat_padded(parts) if dim is None else torch.cat(parts, dim)
     out["pixel_values"] = out["pixel_values"].to(model.dtype)
     typed = [family.tiny.tokens[name] for name in family.tiny.typed_tokens]
     is_image = torch.isin(input_ids, torch.tensor([*family.image_token_ids(model.config),
