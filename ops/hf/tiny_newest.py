@@ -11,8 +11,8 @@ model's own ``get_image_features`` returns features for that picture.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -24,18 +24,12 @@ Picture = Callable[[torch.Generator], Dict[str, torch.Tensor]]
 @dataclass
 class Recipe:
     """A tiny model's config and class, and ``picture(generator)``: one picture's model
-    inputs. ``offsets``: inputs that index into another input's items, by that input's name (they
-    are shifted past the earlier pictures' items when concatenated); ``markers``: token ids the processor puts
-    before and after a picture's placeholders (in its bidirectional image block where
-    the model has one, ``typed_markers``); ``tokens``: a picture's placeholder count from its inputs, where
-    ``get_image_features`` does not give it for one picture alone."""
+    inputs. ``markers``: token ids the processor puts before and after a picture's
+    placeholders."""
     config: Any
     cls: type
     picture: Picture
-    offsets: Dict[str, Tuple[str, int]] = field(default_factory=dict)
     markers: Tuple[Tuple[int, ...], Tuple[int, ...]] = ((), ())
-    typed_markers: bool = False  # whether mm_token_type_ids marks the markers as image
-    tokens: Optional[Callable[[Dict[str, torch.Tensor]], int]] = None
 IDS = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
            vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
 
@@ -160,39 +154,6 @@ def _kimi_k25():
     return Recipe(config, tf.Kimi_K25ForConditionalGeneration, picture)
 
 
-def _molmo2():
-    import transformers as tf
-    from transformers.models.molmo2.configuration_molmo2 import (Molmo2AdapterConfig,
-                                                                  Molmo2TextConfig,
-                                                                  Molmo2VisionConfig)
-    text = _text(rope_theta=10000.0, rms_norm_eps=1e-6)
-    text.pop("rope_theta")
-    config = tf.Molmo2Config(
-        text_config=Molmo2TextConfig(**text),
-        vision_config=Molmo2VisionConfig(hidden_size=32, intermediate_size=37,
-                                         num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=4, head_dim=8, image_size=[16, 16],
-                                         patch_size=4),
-        adapter_config=Molmo2AdapterConfig(vision_feature_layer=[1], hidden_size=32,
-                                           num_attention_heads=4, num_key_value_heads=4,
-                                           head_dim=8, intermediate_size=37,
-                                           text_hidden_size=64),
-        image_start_token_id=VISION_START, image_end_token_id=VISION_END,
-        image_patch_id=IMAGE_TOKEN, tie_word_embeddings=False)
-    patches = 16  # a 16 x 16 crop in patches of 4
-
-    def picture(g):  # 2 x 2 + 2 x 2 pooled tokens, each pooling 4 of the crop's patches
-        pooling = torch.randint(0, patches, (8, 4), generator=g)
-        return {"pixel_values": torch.randn(1, patches, 4 * 4 * 3, generator=g),
-                "image_token_pooling": pooling,
-                "image_grids": torch.tensor([[2, 2, 2, 2]]),
-                "image_num_crops": torch.ones(1, dtype=torch.int64)}
-    return Recipe(config, tf.Molmo2ForConditionalGeneration, picture,
-                  offsets={"image_token_pooling": ("pixel_values", 1)},
-                  markers=((VISION_START,), (VISION_END,)), typed_markers=True,
-                  tokens=lambda inputs: 8)
-
-
 def _ernie4_5_vl_moe():
     import transformers as tf
     config = tf.Ernie4_5_VLMoeConfig(
@@ -235,7 +196,6 @@ RECIPES = {
     "vipllava": ("VipLLaVA", _vipllava),
     "got_ocr2": ("GOT-OCR 2", _got_ocr2),
     "ernie4_5_vl_moe": ("ERNIE 4.5-VL", _ernie4_5_vl_moe),
-    "molmo2": ("Molmo 2", _molmo2),
     "kimi_k25": ("Kimi K2.5", _kimi_k25),
     "hunyuan_vl": ("HunYuan-VL", _hunyuan_vl),
     "granite4_vision": ("Granite 4 Vision", _granite4_vision),
@@ -285,14 +245,14 @@ def newest_rows(model, recipe: Recipe, text_before: Sequence[int] = (3,),
     rows = []
     for nb, na in zip(text_before, text_after):
         inputs = recipe.picture(g)
-        count = recipe.tokens(inputs) if recipe.tokens else feature_count(model, inputs)
+        count = feature_count(model, inputs)
         image = torch.cat([before, torch.full((count,), IMAGE_TOKEN), after])
         text = [torch.randint(1, IMAGE_TOKEN, (n,), generator=g) for n in (nb, na)]
         ids = torch.cat([text[0], image, text[1]])[None]
         row = dict(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)
         if typed:
-            on_image = torch.ones(len(image)) if recipe.typed_markers else torch.cat(
-                [torch.zeros(len(before)), torch.ones(count), torch.zeros(len(after))])
+            on_image = torch.cat([torch.zeros(len(before)), torch.ones(count),
+                                  torch.zeros(len(after))])
             row["mm_token_type_ids"] = torch.cat(
                 [torch.zeros(nb), on_image, torch.zeros(na)]).to(torch.int32)[None]
         rows.append(row)
@@ -312,13 +272,7 @@ def batch_rows(recipe: Recipe, rows: Sequence[Dict[str, Any]]) -> Dict[str, torc
     for key in rows[0]:
         if key in out:
             continue
-        parts, shift = [], 0
-        for r in rows:
-            parts.append(r[key] + shift if key in recipe.offsets else r[key])
-            if key in recipe.offsets:
-                source, dim = recipe.offsets[key]
-                shift += r[source].shape[dim]
-        out[key] = torch.cat(parts)
+        out[key] = torch.cat([r[key] for r in rows])
     return out
 
 
