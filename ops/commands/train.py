@@ -39,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the feature set to fit on: the collection's (default) or one "
                              "whose blocks it holds (attention or attention*value_norm out "
                              "of a collection made with --features both)")
+    parser.add_argument("--target", choices=("effects", "ranks"), default="effects",
+                        help="what the head is fitted to: the measured effects (default), or "
+                             "per span the standardised ranks of its regions' effects plus "
+                             "--effect-weight times its standardised effects (closer to the "
+                             "LDS, a within-span ranking)")
+    parser.add_argument("--effect-weight", type=number(0), default=0.5,
+                        help="ranks: the weight of the standardised effects beside the ranks "
+                             "(default 0.5)")
     parser.add_argument("--keep-special-spans", action="store_true",
                         help="fit on spans made only of special tokens (the end-of-text "
                              "span) too; by default they are left out")
@@ -55,6 +63,8 @@ def check_arguments(args) -> None:
         refuse_ignored(args, ["ridge"], "with --loss pearson")
     if not args.val_fraction:
         refuse_ignored(args, ["seed"], "without --val-fraction (it picks the held-out images)")
+    if args.target == "effects":
+        refuse_ignored(args, ["effect_weight"], "with --target effects")
     check_output(args.out, "--out")
 
 
@@ -124,6 +134,28 @@ def fitted_spans(data: Collection, folder: str, keep_special: bool) -> torch.Ten
     return ~data.tensors["special_only"]
 
 
+def standardised(values: torch.Tensor) -> torch.Tensor:
+    """``(S, K)`` -> each row centred and divided by its standard deviation (a constant row
+    gives zeros)."""
+    centred = values - values.mean(-1, keepdim=True)
+    std = centred.pow(2).mean(-1, keepdim=True).sqrt()
+    return torch.where(std > 0, centred / std.clamp_min(torch.finfo(values.dtype).tiny),
+                       torch.zeros_like(centred))
+
+
+def ranked_targets(effects: torch.Tensor, effect_weight: float) -> torch.Tensor:
+    """``(S, K)`` effects -> targets for ``--target ranks``: per span, the standardised
+    ranks of its regions' effects (ties share their average rank, as Spearman's) plus
+    ``effect_weight`` times its standardised effects. The ranks make the fit follow the
+    order the LDS scores; the effects keep the largest effect on top, where pointing reads
+    it."""
+    effects = effects.double()
+    above = (effects.unsqueeze(-1) > effects.unsqueeze(-2)).sum(-1)
+    ties = (effects.unsqueeze(-1) == effects.unsqueeze(-2)).sum(-1)
+    ranks = (above + (ties - 1) / 2).double()
+    return standardised(ranks) + effect_weight * standardised(effects)
+
+
 def fit(data: Collection, args) -> AttributionHead:
     from tqdm.auto import tqdm
     t = data.tensors
@@ -131,11 +163,13 @@ def fit(data: Collection, args) -> AttributionHead:
     check_feature_columns(data.manifest, F, "train")
     head = AttributionHead(int(data.manifest["num_layers"]), int(data.manifest["num_heads"]),
                            feature_set=feature_set(data.manifest))
+    targets = t["effects"] if args.target == "effects" else \
+        ranked_targets(t["effects"], args.effect_weight)
     if args.loss == "lstsq":
-        return head.fit(t["features"], t["effects"], ridge=args.ridge)
+        return head.fit(t["features"], targets, ridge=args.ridge)
     batches = -(-S // args.batch_spans)
     with tqdm(total=batches * (args.epochs + 2), desc="train (pearson)", unit="batch") as bar:
-        loader = _Batches(t["features"], t["effects"], args.batch_spans, bar)
+        loader = _Batches(t["features"], targets, args.batch_spans, bar)
         return head.fit_pearson(loader, args.epochs, lr=args.lr)
 
 

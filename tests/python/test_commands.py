@@ -327,6 +327,9 @@ BAD_ARGUMENTS = {
     "train-ridge-with-pearson": (lambda p: p.train + ["--out", p.tmp / "h", "--loss",
                                                       "pearson", "--ridge", "1"],
                                  ["--ridge 1.0", "--loss pearson"]),
+    "train-effect-weight-with-effects": (lambda p: p.train + ["--out", p.tmp / "h",
+                                                              "--effect-weight", "1"],
+                                         ["--effect-weight 1.0", "--target effects"]),
     "train-seed-without-val": (lambda p: p.train + ["--out", p.tmp / "h", "--seed", "1"],
                                ["--seed 1", "--val-fraction"]),
     "train-val-fraction-1": (lambda p: p.train + ["--out", p.tmp / "h", "--val-fraction", "1"],
@@ -481,6 +484,41 @@ def test_train_leaves_special_spans_out_and_fits_a_block_of_both(tmp_path, capsy
     assert "--keep-special-spans" in err
     assert main(["train", "--data", str(tmp_path / "older"), "--out",
                  str(tmp_path / "older.safetensors"), "--keep-special-spans"]) == 0
+
+
+def test_ranked_targets():
+    """Per span: standardised average ranks (ties share theirs) plus the weighted
+    standardised effects; a span of equal effects gives zeros."""
+    from headscope.commands.train import ranked_targets
+    effects = torch.tensor([[0.1, 5.0, 2.0], [3.0, 1.0, 3.0], [2.0, 2.0, 2.0]])
+    z = (torch.tensor([0.0, 1.0, 2.0]) - 1) / (2 / 3) ** 0.5  # ranks 0, 1, 2 standardised
+    assert torch.allclose(ranked_targets(effects, 0.0)[0], z[[0, 2, 1]].double())
+    tied = torch.tensor([1.5, 0.0, 1.5]) - 1  # ranks 1.5, 0, 1.5 centred: std 1/sqrt(2)
+    assert torch.allclose(ranked_targets(effects, 0.0)[1], (tied * 2 ** 0.5).double())
+    assert torch.equal(ranked_targets(effects, 0.5)[2], torch.zeros(3, dtype=torch.float64))
+    e = effects[0].double()
+    assert torch.allclose(ranked_targets(effects, 0.5)[0] - ranked_targets(effects, 0.0)[0],
+                          0.5 * (e - e.mean()) / e.std(unbiased=False))
+
+
+def test_train_fits_ranked_targets(tmp_path, capsys):
+    """--target ranks fits the head to ranked_targets of the same spans (the closed form on
+    them), --effect-weight sets their mix; the LDS printed is against the effects."""
+    from headscope.attribution import AttributionHead
+    from headscope.commands.train import ranked_targets
+    special = [False, False, True, False, False, True]
+    features, effects = _written_collection(tmp_path / "both", "both", special)
+    ordinary = ~torch.tensor(special)
+    for weight in ("0.5", "2"):
+        out = tmp_path / f"ranks{weight}.safetensors"
+        assert main(["train", "--data", str(tmp_path / "both"), "--out", str(out),
+                     "--target", "ranks", "--effect-weight", weight]) == 0
+        head = AttributionHead.load(str(out))
+        expected = AttributionHead(2, 2, feature_set="both").fit(
+            features[ordinary], ranked_targets(effects[ordinary], float(weight)))
+        for name in ("weight", "bias", "mean", "std"):
+            assert torch.equal(getattr(head, name), getattr(expected, name)), name
+    assert "train LDS" in capsys.readouterr().out
 
 
 def test_manifest_feature_sets(tmp_path):
