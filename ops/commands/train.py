@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-special-spans", action="store_true",
                         help="fit on spans made only of special tokens (the end-of-text "
                              "span) too; by default they are left out")
+    parser.add_argument("--special-span-weight", type=number(0, above=True), default=None,
+                        help="fit on spans made only of special tokens too, each weighing "
+                             "this much against 1 for the others (--keep-special-spans: 1)")
 
 
 PEARSON_ONLY = ("epochs", "lr", "batch_spans")
@@ -60,11 +63,13 @@ def check_arguments(args) -> None:
     if args.loss == "lstsq":
         refuse_ignored(args, PEARSON_ONLY, "with --loss lstsq (the closed form)")
     else:
-        refuse_ignored(args, ["ridge"], "with --loss pearson")
+        refuse_ignored(args, ["ridge", "special_span_weight"], "with --loss pearson")
     if not args.val_fraction:
         refuse_ignored(args, ["seed"], "without --val-fraction (it picks the held-out images)")
     if args.target == "effects":
         refuse_ignored(args, ["effect_weight"], "with --target effects")
+    if args.keep_special_spans:
+        refuse_ignored(args, ["special_span_weight"], "with --keep-special-spans (weight 1)")
     check_output(args.out, "--out")
 
 
@@ -166,7 +171,10 @@ def fit(data: Collection, args) -> AttributionHead:
     targets = t["effects"] if args.target == "effects" else \
         ranked_targets(t["effects"], args.effect_weight)
     if args.loss == "lstsq":
-        return head.fit(t["features"], targets, ridge=args.ridge)
+        weights = None if args.special_span_weight is None else \
+            torch.where(t["special_only"], args.special_span_weight, 1.0).unsqueeze(1) \
+            .expand(S, K)
+        return head.fit(t["features"], targets, ridge=args.ridge, weights=weights)
     batches = -(-S // args.batch_spans)
     with tqdm(total=batches * (args.epochs + 2), desc="train (pearson)", unit="batch") as bar:
         loader = _Batches(t["features"], targets, args.batch_spans, bar)
@@ -178,7 +186,12 @@ def run(args) -> int:
     data = read_collection(Path(args.data))
     if args.features is not None:
         data = with_features(data, args.features, args.data)
-    kept = fitted_spans(data, args.data, args.keep_special_spans)
+    weighted = args.special_span_weight is not None
+    if weighted and "special_only" not in data.tensors:
+        raise UsageError(f"--special-span-weight {args.special_span_weight:g}: the collection "
+                         f"{args.data} does not record which spans are only special tokens "
+                         f"(collected by an older headscope); collect it again")
+    kept = fitted_spans(data, args.data, args.keep_special_spans or weighted)
     train_spans, val_spans = split(data, args.val_fraction, args.seed)
     train_spans, val_spans = train_spans & kept, val_spans & kept
     train = subset(data, train_spans)
@@ -188,8 +201,13 @@ def run(args) -> int:
     head.save(args.out)
     with torch.no_grad():
         fitted = score(train, head(train.tensors["features"]))
-    left_out = "" if args.keep_special_spans else \
-        f" ({int((~kept).sum())} special-token-only spans left out)"
+    if args.keep_special_spans:
+        left_out = ""
+    elif weighted:
+        left_out = (f" ({int(train.tensors['special_only'].sum())} special-token-only spans "
+                    f"weighted {args.special_span_weight:g})")
+    else:
+        left_out = f" ({int((~kept).sum())} special-token-only spans left out)"
     print(f"fitted a {args.loss} head on {train.num_spans} spans x "
           f"{data.tensors['effects'].shape[1]} regions{left_out} -> {args.out}")
     print(f"train LDS {_fmt(fitted['lds'])}")

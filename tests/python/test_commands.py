@@ -330,6 +330,17 @@ BAD_ARGUMENTS = {
     "train-effect-weight-with-effects": (lambda p: p.train + ["--out", p.tmp / "h",
                                                               "--effect-weight", "1"],
                                          ["--effect-weight 1.0", "--target effects"]),
+    "train-special-span-weight-and-keep": (
+        lambda p: p.train + ["--out", p.tmp / "h", "--keep-special-spans",
+                             "--special-span-weight", "0.5"],
+        ["--special-span-weight 0.5", "--keep-special-spans"]),
+    "train-special-span-weight-with-pearson": (
+        lambda p: p.train + ["--out", p.tmp / "h", "--loss", "pearson",
+                             "--special-span-weight", "0.5"],
+        ["--special-span-weight 0.5", "--loss pearson"]),
+    "train-special-span-weight-0": (lambda p: p.train + ["--out", p.tmp / "h",
+                                                         "--special-span-weight", "0"],
+                                    ["--special-span-weight", "'0'", "> 0"]),
     "train-seed-without-val": (lambda p: p.train + ["--out", p.tmp / "h", "--seed", "1"],
                                ["--seed 1", "--val-fraction"]),
     "train-val-fraction-1": (lambda p: p.train + ["--out", p.tmp / "h", "--val-fraction", "1"],
@@ -482,6 +493,9 @@ def test_train_leaves_special_spans_out_and_fits_a_block_of_both(tmp_path, capsy
                        tmp_path / "h.safetensors")
     assert "does not record which spans are only special tokens" in err
     assert "--keep-special-spans" in err
+    err = usage_error(capsys, "train", "--data", tmp_path / "older", "--out",
+                      tmp_path / "h.safetensors", "--special-span-weight", "0.1")
+    assert "--special-span-weight 0.1" in err and "collect it again" in err
     assert main(["train", "--data", str(tmp_path / "older"), "--out",
                  str(tmp_path / "older.safetensors"), "--keep-special-spans"]) == 0
 
@@ -519,6 +533,17 @@ def test_train_fits_ranked_targets(tmp_path, capsys):
         for name in ("weight", "bias", "mean", "std"):
             assert torch.equal(getattr(head, name), getattr(expected, name)), name
     assert "train LDS" in capsys.readouterr().out
+    # --special-span-weight: the special-token-only spans fitted too, weighing that much
+    out = tmp_path / "weighted.safetensors"
+    assert main(["train", "--data", str(tmp_path / "both"), "--out", str(out), "--target",
+                 "ranks", "--special-span-weight", "0.1"]) == 0
+    assert "(2 special-token-only spans weighted 0.1)" in capsys.readouterr().out
+    head = AttributionHead.load(str(out))
+    weights = torch.where(torch.tensor(special), 0.1, 1.0).unsqueeze(1).expand(-1, 3)
+    expected = AttributionHead(2, 2, feature_set="both").fit(
+        features, ranked_targets(effects, 0.5), weights=weights)
+    for name in ("weight", "bias", "mean", "std"):
+        assert torch.equal(getattr(head, name), getattr(expected, name)), name
 
 
 def test_manifest_feature_sets(tmp_path):
