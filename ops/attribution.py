@@ -376,6 +376,34 @@ class AttributionHead(nn.Module):
         return self
 
     @torch.jit.unused
+    def calibrate(self, features: Tensor, targets: Tensor,
+                  weights: Optional[Tensor] = None) -> "AttributionHead":
+        """Puts the scores into the units of ``targets``: the least-squares slope and offset
+        of the targets on the current scores (weighted by ``weights``, as :meth:`fit`'s)
+        are folded into the weight and bias, so that the ranking is unchanged. For a head
+        fitted to another target than the effects (ranks), so that its scores still
+        predict effects. A slope that is not positive (scores that do not rise with the
+        targets) is an error, as it would reverse the ranking."""
+        X, y = _check_fit_data("calibrate", features, targets, self.num_features,
+                               self._columns())
+        share = torch.full_like(y, 1.0 / y.numel()) if weights is None else \
+            weights.reshape(-1).to(torch.float64) / float(weights.sum())
+        with torch.no_grad():
+            p = torch.ops.headscope.linear_attribution(
+                X, self.weight.double(), self.mean.double(), self.std.double(),
+                self.bias.double())
+        mp, my = share @ p, share @ y
+        var = share @ (p - mp) ** 2
+        slope = float(share @ ((p - mp) * (y - my)) / var) if var > 0 else 0.0
+        if not slope > 0:
+            raise ValueError(f"headscope.AttributionHead.calibrate: the targets do not rise "
+                             f"with the scores (least-squares slope {slope:g}); calibrating "
+                             f"would reverse the ranking")
+        self._store(self.weight.double() * slope, self.mean, self.std,
+                    float(my - slope * mp + slope * self.bias.double()))
+        return self
+
+    @torch.jit.unused
     def fit_pearson(self, loader: Iterable[Tuple[Tensor, Tensor]], epochs: int,
                     lr: float = 1e-2, progress: bool = False,
                     group=None) -> "AttributionHead":

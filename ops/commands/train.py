@@ -1,8 +1,9 @@
 """``python -m headscope train``: fits an :class:`~headscope.AttributionHead` to a
-collection's span features and ablation effects (every span-region pair is a sample),
-optionally holding images out for a validation LDS. Spans made only of special tokens
-(the end-of-text span) are left out unless ``--keep-special-spans``: they name nothing of
-the image, and ``headscope.shapes head-eval`` leaves them out of its scores too."""
+collection's span features and ablation effects (every span-region pair is a sample;
+``--target ranks``: to each span's ranking of its regions), optionally holding images out
+for a validation LDS. Spans made only of special tokens (the end-of-text span) are left out
+unless ``--keep-special-spans`` or ``--special-span-weight``: they name nothing of the
+image, and ``headscope.shapes head-eval`` leaves them out of its sentence-span scores."""
 from __future__ import annotations
 
 import argparse
@@ -170,15 +171,19 @@ def fit(data: Collection, args) -> AttributionHead:
                            feature_set=feature_set(data.manifest))
     targets = t["effects"] if args.target == "effects" else \
         ranked_targets(t["effects"], args.effect_weight)
+    weights = None if args.special_span_weight is None else \
+        torch.where(t["special_only"], args.special_span_weight, 1.0).unsqueeze(1).expand(S, K)
     if args.loss == "lstsq":
-        weights = None if args.special_span_weight is None else \
-            torch.where(t["special_only"], args.special_span_weight, 1.0).unsqueeze(1) \
-            .expand(S, K)
-        return head.fit(t["features"], targets, ridge=args.ridge, weights=weights)
-    batches = -(-S // args.batch_spans)
-    with tqdm(total=batches * (args.epochs + 2), desc="train (pearson)", unit="batch") as bar:
-        loader = _Batches(t["features"], targets, args.batch_spans, bar)
-        return head.fit_pearson(loader, args.epochs, lr=args.lr)
+        head.fit(t["features"], targets, ridge=args.ridge, weights=weights)
+    else:
+        batches = -(-S // args.batch_spans)
+        with tqdm(total=batches * (args.epochs + 2), desc="train (pearson)",
+                  unit="batch") as bar:
+            loader = _Batches(t["features"], targets, args.batch_spans, bar)
+            head.fit_pearson(loader, args.epochs, lr=args.lr)
+    if args.target == "ranks":  # scores in nats again: predicted effects, same ranking
+        head.calibrate(t["features"], t["effects"], weights)
+    return head
 
 
 def run(args) -> int:

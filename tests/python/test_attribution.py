@@ -706,6 +706,26 @@ def test_fit_weights_count_samples():
             head(X, y, weights=bad)
 
 
+def test_calibrate_keeps_the_ranking_in_the_targets_units():
+    """Scores fitted to another target (here 5 + half the effects) come back as the
+    least-squares affine map onto the effects: the same order, the effects' units; a head
+    whose scores fall as the effects rise is refused."""
+    g = torch.Generator().manual_seed(1)
+    X = torch.rand(30, 6, generator=g, dtype=torch.float64)
+    effects = X @ torch.rand(6, generator=g, dtype=torch.float64)
+    head = headscope.AttributionHead(2, 3, dtype=torch.float64).fit(X, 5 + 0.5 * effects)
+    before = head(X).detach()
+    after = head.calibrate(X, effects)(X).detach()
+    assert torch.allclose(after, effects, atol=1e-9)
+    assert torch.equal(before.argsort(), after.argsort())
+    weighted = headscope.AttributionHead(2, 3, dtype=torch.float64).fit(X, effects + 1.0)
+    weighted.calibrate(X, effects, weights=torch.rand(30, generator=g, dtype=torch.float64))
+    assert torch.allclose(weighted(X).detach(), effects, atol=1e-9)
+    reversed_ = headscope.AttributionHead(2, 3, dtype=torch.float64).fit(X, -effects)
+    with pytest.raises(ValueError, match="reverse the ranking"):
+        reversed_.calibrate(X, effects)
+
+
 def test_generator_and_lds_match_seed():
     """The data generator of the reference implementation (vstream_synth_repro.py, executed
     from ../shared/seeds; skipped when absent): only its lines before training run (the

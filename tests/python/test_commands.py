@@ -529,7 +529,8 @@ def test_train_fits_ranked_targets(tmp_path, capsys):
                      "--target", "ranks", "--effect-weight", weight]) == 0
         head = AttributionHead.load(str(out))
         expected = AttributionHead(2, 2, feature_set="both").fit(
-            features[ordinary], ranked_targets(effects[ordinary], float(weight)))
+            features[ordinary], ranked_targets(effects[ordinary], float(weight))).calibrate(
+            features[ordinary], effects[ordinary])
         for name in ("weight", "bias", "mean", "std"):
             assert torch.equal(getattr(head, name), getattr(expected, name)), name
     assert "train LDS" in capsys.readouterr().out
@@ -541,7 +542,8 @@ def test_train_fits_ranked_targets(tmp_path, capsys):
     head = AttributionHead.load(str(out))
     weights = torch.where(torch.tensor(special), 0.1, 1.0).unsqueeze(1).expand(-1, 3)
     expected = AttributionHead(2, 2, feature_set="both").fit(
-        features, ranked_targets(effects, 0.5), weights=weights)
+        features, ranked_targets(effects, 0.5), weights=weights).calibrate(
+        features, effects, weights)
     for name in ("weight", "bias", "mean", "std"):
         assert torch.equal(getattr(head, name), getattr(expected, name)), name
 
