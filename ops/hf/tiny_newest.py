@@ -24,8 +24,7 @@ Picture = Callable[[torch.Generator], Dict[str, torch.Tensor]]
 @dataclass
 class Recipe:
     """A tiny model's config and class, and ``picture(generator)``: one picture's model
-    inputs. ``cat_dims``: inputs whose pictures are concatenated along another dim than 0;
-    ``offsets``: inputs that index into another input's items, by that input's name (they
+    inputs. ``offsets``: inputs that index into another input's items, by that input's name (they
     are shifted past the earlier pictures' items when concatenated); ``markers``: token ids the processor puts
     before and after a picture's placeholders (in its bidirectional image block where
     the model has one, ``typed_markers``); ``tokens``: a picture's placeholder count from its inputs, where
@@ -33,7 +32,6 @@ class Recipe:
     config: Any
     cls: type
     picture: Picture
-    cat_dims: Dict[str, int] = field(default_factory=dict)
     offsets: Dict[str, Tuple[str, int]] = field(default_factory=dict)
     markers: Tuple[Tuple[int, ...], Tuple[int, ...]] = ((), ())
     typed_markers: bool = False  # whether mm_token_type_ids marks the markers as image
@@ -142,17 +140,6 @@ def _granite4_vision():
     return Recipe(config, tf.Granite4VisionForConditionalGeneration, picture)
 
 
-def _cosmos3_edge():
-    import transformers as tf
-    config = tf.Cosmos3EdgeConfig(
-        text_config=_text(hidden_act="silu", rope_parameters=_MROPE),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, patch_size=4, num_patches=16,
-                           spatial_merge_size=2),
-        projector_hidden_size=32, tie_word_embeddings=False, **IDS)
-    return Recipe(config, tf.Cosmos3EdgeForConditionalGeneration, _flat_patches(4, 4, temporal=1))
-
-
 def _kimi_k25():
     import transformers as tf
     text = _text(model_type="deepseek_v3", kv_lora_rank=16, q_lora_rank=None,
@@ -171,25 +158,6 @@ def _kimi_k25():
         return {"pixel_values": torch.randn(16, 3, 4, 4, generator=g),
                 "image_grid_thw": torch.tensor([[1, 4, 4]])}
     return Recipe(config, tf.Kimi_K25ForConditionalGeneration, picture)
-
-
-def _minicpmv4_6():
-    import transformers as tf
-    text = _text(model_type="qwen3_5_text", layer_types=["linear_attention", "full_attention"],
-                 rope_parameters=_MROPE, linear_conv_kernel_dim=2, linear_key_head_dim=16,
-                 linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
-    config = tf.MiniCPMV4_6Config(
-        text_config=text,
-        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                           intermediate_size=64, image_size=32, patch_size=4),
-        image_token_id=IMAGE_TOKEN, image_size=32, drop_vision_last_layer=False,
-        insert_layer_id=0, tie_word_embeddings=False)
-
-    def picture(g):  # NaViT-packed: the pictures' patches side by side along the last dim
-        return {"pixel_values": torch.randn(1, 3, 4, 64 * 4, generator=g),
-                "target_sizes": torch.tensor([[8, 8]], dtype=torch.int32)}
-    return Recipe(config, tf.MiniCPMV4_6ForConditionalGeneration, picture,
-                  cat_dims={"pixel_values": -1})
 
 
 def _molmo2():
@@ -295,8 +263,6 @@ RECIPES = {
     "gemma4": ("Gemma 4", _gemma4),
     "ernie4_5_vl_moe": ("ERNIE 4.5-VL", _ernie4_5_vl_moe),
     "molmo2": ("Molmo 2", _molmo2),
-    "minicpmv4_6": ("MiniCPM-V 4.6", _minicpmv4_6),
-    "cosmos3_edge": ("Cosmos 3 Edge", _cosmos3_edge),
     "kimi_k25": ("Kimi K2.5", _kimi_k25),
     "hunyuan_vl": ("HunYuan-VL", _hunyuan_vl),
     "granite4_vision": ("Granite 4 Vision", _granite4_vision),
@@ -379,7 +345,7 @@ def batch_rows(recipe: Recipe, rows: Sequence[Dict[str, Any]]) -> Dict[str, torc
             if key in recipe.offsets:
                 source, dim = recipe.offsets[key]
                 shift += r[source].shape[dim]
-        out[key] = torch.cat(parts, recipe.cat_dims.get(key, 0))
+        out[key] = torch.cat(parts)
     return out
 
 
