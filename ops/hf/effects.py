@@ -23,7 +23,7 @@ from .structure import softmax_attention_layers
 ABLATIONS = ("mask", "mean", "zero")
 WHO = "headscope.hf.region_effects"
 _DECODER_KEYS = {"inputs_embeds", "attention_mask", "position_ids", "visual_pos_masks",
-                 "deepstack_visual_embeds"}
+                 "deepstack_visual_embeds", "per_layer_inputs"}
 _IGNORED_KEYS = {"input_ids", "cache", "past_key_values", "use_cache", "return_dict",
                  "output_attentions", "output_hidden_states"}
 
@@ -254,6 +254,9 @@ class _Runner:
             self.positions = torch.arange(T, device=device).unsqueeze(0)
         self.visual = got.get("visual_pos_masks")
         self.deepstack = got.get("deepstack_visual_embeds")
+        # Gemma 4's per-position inputs to every layer (the tokens' own part, the same
+        # under every ablation: the decoder adds the ablated embeddings' part itself)
+        self.per_layer = got.get("per_layer_inputs")
         self.targets = sequences[0, P:].to(device)
         is_image = (rid >= 0).to(device)
         self.mean = self.embeds[0, :P][is_image].mean(0)
@@ -283,6 +286,8 @@ class _Runner:
                       use_cache=cache is not None, cache=cache)
         if self.mask is not None:
             kwargs["attention_mask"] = self.mask.expand(rows, -1)
+        if self.per_layer is not None:
+            kwargs["per_layer_inputs"] = self.per_layer[:, start:].expand(rows, -1, -1, -1)
         if deepstack is not None:
             kwargs["visual_pos_masks"] = self.visual[:, start:].expand(rows, -1)
             kwargs["deepstack_visual_embeds"] = deepstack
@@ -297,6 +302,8 @@ class _Runner:
                       use_cache=True, cache=cache)
         if self.mask is not None:
             kwargs["attention_mask"] = self.mask[:, :end]
+        if self.per_layer is not None:
+            kwargs["per_layer_inputs"] = self.per_layer[:, :end]
         self.decoder(**kwargs)
         return cache
 

@@ -113,15 +113,20 @@ def load_seed(module_name: str):
 QUARTER_COLOURS = ((255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0))
 
 
-def quarter_prompts(processor, sizes, per_row, marker: str, colours=QUARTER_COLOURS):
+def quarter_prompts(processor, sizes, per_row, marker: str, colours=QUARTER_COLOURS,
+                    nested: bool = False):
     """A processor's inputs, left-padded, for prompts of ``per_row[b]`` pictures each (the
     pictures of ``sizes``, (height, width), in order, each of four coloured quarters),
-    ``marker`` standing for each picture in the text."""
+    ``marker`` standing for each picture in the text; ``nested``: the pictures given as
+    one list per prompt (processors that take no flat list, such as Gemma 4's)."""
     from headscope.hf.testing import quarters
     texts = ["describe " + " and ".join([marker] * count) + " the image ." for count in per_row]
+    images = [quarters(*size, colours) for size in sizes]
+    if nested:
+        ends = torch.tensor(per_row).cumsum(0).tolist()
+        images = [images[end - count:end] for end, count in zip(ends, per_row)]
     processor.tokenizer.padding_side = "left"
-    return processor(text=texts, images=[quarters(*size, colours) for size in sizes],
-                     return_tensors="pt", padding=True)
+    return processor(text=texts, images=images, return_tensors="pt", padding=True)
 
 
 def nearest_colour(processor, pixels: torch.Tensor, colours=QUARTER_COLOURS) -> torch.Tensor:
@@ -148,6 +153,22 @@ def assert_every_image_token_placed(images, input_ids: torch.Tensor, image_token
         assert torch.equal(positions.sort().values, is_image.nonzero().flatten())
         assert bool((rid[b][~is_image] == -1).all()) and bool((rid[b][is_image] >= 0).all())
         assert counts[b] == len(row)
+
+
+def assert_generation_keeps_regions(model, inputs, layout_key: str) -> None:
+    """``tr.generate`` hands the layout input ``layout_key`` (``image_grid_thw``,
+    ``target_sizes``) to the forward, and the regions of ``inputs``' prompt stay as a
+    forward gave them; plain ``model.generate`` does not hand it on, and the Tracer says so
+    rather than guess the layout."""
+    from headscope.hf import Tracer, grid_regions
+    with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
+        model(**inputs)
+        want = tr.region_ids.clone()
+        for _ in tr.generate(**inputs, max_new_tokens=2, do_sample=False):
+            pass
+        assert torch.equal(tr.region_ids[:, :want.shape[1]], want)
+        with pytest.raises(ValueError, match=f"need the {layout_key}"):
+            model.generate(**inputs, max_new_tokens=1, do_sample=False)
 
 
 def assert_canvas_views(image, rows: int, cols: int, side: int = 2) -> None:

@@ -26,13 +26,13 @@ from headscope.hf.tiny_newest import (RECIPES, batch_rows, newest_rows,  # noqa:
                                       tiny_newest)
 
 TYPES = sorted(RECIPES)
-HYBRID = {"lfm2_vl", "minicpmv4_6"}
+HYBRID = {"lfm2_vl"}
 # placeholders per picture that hold no piece of it: HunYuan-VL's begin, end and one
 # row break per row of its 4 x 4 grid; Granite 4 Vision's row breaks after each of the
 # 2 rows of its unpadded view
 MARKERS = {"hunyuan_vl": 6, "granite4_vision": 2}
 # decoders whose inputs region_effects cannot batch: it refuses them (NotImplementedError)
-UNBATCHED = {"gemma4": "per_layer_inputs", "granite4_vision": "deepstack_features"}
+UNBATCHED = {"granite4_vision": "deepstack_features"}
 # models whose own forward differs between a padded row and the row alone: HunYuan-VL's
 # rope index numbers the batch's pictures on its temporal axis (the second row's picture
 # is 1 in the batch, 0 alone); their VAS is checked on the batch, against the eager one

@@ -2,9 +2,10 @@
 (tiny image processors and tokenizer, built offline) of the model types whose geometry it
 checks: Qwen3.5 and Qwen3.5-MoE (headscope.hf.families.qwen_vl; Qwen3VLProcessor, their
 hybrid decoders traced on their softmax layers), GLM-4.1V, GLM-4.5V and GLM-4.6V
-(headscope.hf.families.glm4v; Glm4vProcessor, Glm46VProcessor): each picture's grid and
-markers for several aspect ratios, a four-coloured picture whose tokens' pixels must lie
-where their boxes say, and grid_regions on it through the tiny models."""
+(headscope.hf.families.glm4v; Glm4vProcessor, Glm46VProcessor) and Cosmos 3 Edge
+(headscope.hf.families.cosmos3; Cosmos3EdgeProcessor): each picture's grid and markers
+for several aspect ratios, a four-coloured picture whose tokens' pixels must lie where
+their boxes say, and grid_regions on it through the tiny models."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,8 @@ pytest.importorskip("torchvision")
 pytest.importorskip("numpy")
 pytest.importorskip("PIL.Image")
 
-from conftest import assert_every_image_token_placed, nearest_colour, quarter_prompts  # noqa: E402
+from conftest import (assert_every_image_token_placed,  # noqa: E402
+                      assert_generation_keeps_regions, nearest_colour, quarter_prompts)
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
@@ -24,14 +26,16 @@ from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa
 
 # a picture in the prompt text, by family
 IMAGE = {"qwen_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-         "glm4v": "<|begin_of_image|><|image|><|end_of_image|>"}
+         "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
+         "cosmos3": "<|vision_start|><|image_pad|><|vision_end|>"}
 HYBRID = ("qwen3_5", "qwen3_5_moe")
 # (height, width): square, 1:2 wide, 3:1 tall, larger than max_pixels (scaled down),
 # thin, and odd sizes
 SIZES = ((32, 32), (24, 48), (60, 20), (200, 100), (16, 40), (30, 50))
 
 
-@pytest.fixture(scope="module", params=[*HYBRID, "glm4v", "glm4v_moe", "glm46v"])
+@pytest.fixture(scope="module", params=[*HYBRID, "glm4v", "glm4v_moe", "glm46v",
+                                                     "cosmos3_edge"])
 def model(request):
     return tiny_model(request.param)
 
@@ -94,30 +98,41 @@ def test_a_grid_that_does_not_match_input_ids_raises(model, processor):
         family.images(model.config, dict(inputs, image_grid_thw=None))
 
 
+def patch_pixels(model, patches: torch.Tensor) -> torch.Tensor:
+    """``(patches, p * p, channels)``: the pixels of each patch row of ``pixel_values``,
+    which holds channels x time x p x p (Qwen-VL's, GLM-4V's), or p x p x channels of one
+    frame (Cosmos 3 Edge's, which its patch embedding reads as one linear layer)."""
+    vc = model.config.vision_config
+    if model.config.model_type == "cosmos3_edge":
+        return patches.reshape(len(patches), -1, vc.num_channels)
+    p, T = vc.patch_size, vc.temporal_patch_size
+    return patches.reshape(len(patches), vc.in_channels, T, p * p)[:, :, 0].transpose(1, 2)
+
+
 def token_colours(model, processor, inputs, picture: int) -> torch.Tensor:
     """(tokens, pixels): the index of the nearest quarter colour for each pixel each token of
     ``picture`` reads, in the model's token order. The vision tower merges each run of
     ``merge ** 2`` consecutive patches into one token (GLM-4V's downsampling convolution
-    over ``view(-1, merge, merge, hidden)``, Qwen3.5's patch merger over
-    ``view(-1, hidden * merge ** 2)``), and a patch row holds channels x time x p x p."""
-    vc = model.config.vision_config
-    m, p, T = vc.spatial_merge_size, vc.patch_size, vc.temporal_patch_size
+    over ``view(-1, merge, merge, hidden)``, Qwen3.5's patch merger and Cosmos 3 Edge's
+    projector over ``view(-1, hidden * merge ** 2)``)."""
+    m = model.config.vision_config.spatial_merge_size
     sizes = inputs["image_grid_thw"].prod(-1).tolist()
     start = sum(sizes[:picture])
-    patches = inputs["pixel_values"][start:start + sizes[picture]]
-    pixels = patches.reshape(-1, m * m, vc.in_channels, T, p * p)[:, :, :, 0]
-    pixels = pixels.permute(0, 1, 3, 2).reshape(len(patches) // (m * m), -1, vc.in_channels)
-    return nearest_colour(processor, pixels)
+    pixels = patch_pixels(model, inputs["pixel_values"][start:start + sizes[picture]])
+    return nearest_colour(processor, pixels.reshape(len(pixels) // (m * m), -1,
+                                                    pixels.shape[-1]))
 
 
 def test_patches_merge_into_the_processors_token_order(model, processor):
     """What token_colours assumes, through the model's own vision tower: its downsampling
-    convolution (GLM-4V) or its patch merger's first linear layer (Qwen3.5) receives the
-    patches in runs of merge ** 2 (one token each)."""
+    convolution (GLM-4V) or its patch merger's first linear layer (Qwen3.5; Cosmos 3
+    Edge's projector, outside the tower) receives the patches in runs of merge ** 2 (one
+    token each)."""
     inputs = run_processor(processor, ((24, 48),), (1,))
     visual = model.model.visual
     convolution = hasattr(visual, "downsample")
-    merging = visual.downsample if convolution else visual.merger.linear_fc1
+    merger = visual.merger if hasattr(visual, "merger") else model.model.projector
+    merging = visual.downsample if convolution else merger.linear_fc1
     got = []
     hook = merging.register_forward_pre_hook(lambda module, args: got.append(args[0].shape))
     try:
@@ -149,11 +164,4 @@ def test_generation_keeps_the_prompts_regions(model, processor):
     """tr.generate hands image_grid_thw to the forward; plain model.generate does not, and
     the Tracer says so rather than guess the grids."""
     inputs = run_processor(processor, ((24, 48), (60, 20), (32, 32)), (2, 1))
-    with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
-        model(**inputs)
-        want = tr.region_ids.clone()
-        for _ in tr.generate(**inputs, max_new_tokens=2, do_sample=False):
-            pass
-        assert torch.equal(tr.region_ids[:, :want.shape[1]], want)
-        with pytest.raises(ValueError, match="need the image_grid_thw"):
-            model.generate(**inputs, max_new_tokens=1, do_sample=False)
+    assert_generation_keeps_regions(model, inputs, "image_grid_thw")

@@ -36,24 +36,34 @@ class TinySpec:
     markers from ``MARKER_IDS`` (ids may repeat across families, never within one: checked
     at registration). ``tokenizer_extras``: the named special tokens its processor reads
     off the tokenizer (``image_token``, ``boi_token``, ...). ``chat_template``: a one-turn
-    template for the processor.
+    template for the processor. ``typed_tokens``: the tokens besides the image token that
+    the processor types as the picture's in ``mm_token_type_ids`` (Molmo 2's markers, in
+    its bidirectional image block). ``index_inputs``: inputs whose entries index the items
+    of another input, by that input's name (Molmo 2's ``image_token_pooling``, the patches
+    of ``pixel_values``: its rows flattened to the last dim; -1 none): a batch's pictures'
+    entries are shifted past the earlier pictures' items, as the processor numbers them.
 
     The shared tests' choices: ``grids``, the two pictures of the contract's prompts
     (``image_prompt``'s ``grids``); ``contract_xfail``, ``(exception, reason)`` where the
     contract cannot hold yet (every contract test a strict xfail); ``effects``, per model
     type the ablations checked against one region at a time (test_effects.py);
     ``unseen_region_effects``, the model types whose effects are checked zero on a region
-    no query sees; ``commands``, the model types the commands run end to end on, from a
-    saved checkpoint (test_commands.py); ``geometry_waiver``, why a family has no geometry
+    no query sees; ``cat_dims``, the inputs of ``tiny_image`` whose pictures a batch
+    concatenates along another dim than 0 (NaViT-packed patches side by side);
+    ``commands``, the model types the commands run end to end on, from a saved checkpoint
+    (test_commands.py); ``geometry_waiver``, why a family has no geometry
     test against its real processor (a ``tests/python/test_families_*.py`` that names its
     model types), if so."""
     tokens: Mapping[str, int]
     chat_template: str
     tokenizer_extras: Mapping[str, str] = field(default_factory=dict)
+    typed_tokens: Tuple[str, ...] = ()
+    index_inputs: Mapping[str, str] = field(default_factory=dict)
     grids: Tuple[Tuple[int, int], ...] = ((8, 8), (6, 4))
     contract_xfail: Optional[Tuple[Type[BaseException], str]] = None
     effects: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
     unseen_region_effects: Tuple[str, ...] = ()
+    cat_dims: Mapping[str, int] = field(default_factory=dict)
     commands: Tuple[str, ...] = ()
     geometry_waiver: Optional[str] = None
 

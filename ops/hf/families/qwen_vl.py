@@ -11,7 +11,7 @@ import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VIDEO_TOKEN, VISION_END, VISION_START
 from .base import Family, TinySpec, missing_input, register
-from .layout import ImageTokens, View, image_positions, split_images
+from .layout import ImageTokens, grid_pictures
 
 WHO = "headscope.hf.Tracer"
 
@@ -59,11 +59,7 @@ class QwenVL(Family):
                 raise ValueError(f"{WHO}: regions need still images (temporal grid 1), got "
                                  f"image_grid_thw row {[t, h, w]}")
             grids.append((h // merge, w // merge))
-        per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
-        pictures = split_images(WHO, per_row, [r * c for r, c in grids])
-        grid = iter(grids)
-        return [[ImageTokens((View("base", p, *next(grid)),)) for p in row]
-                for row in pictures]
+        return grid_pictures(WHO, inputs["input_ids"], self.image_token_ids(config), grids)
 
     # ---- tiny models ----------------------------------------------------------------------
 
@@ -108,8 +104,7 @@ class QwenVL(Family):
         m = vc.spatial_merge_size
         tokens = torch.full(((grid[0] // m) * (grid[1] // m),), IMAGE_TOKEN)
         ids = torch.cat([torch.tensor([VISION_START]), tokens, torch.tensor([VISION_END])])
-        patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
-        pixels = torch.randn(grid[0] * grid[1], patch, generator=generator)
+        pixels = torch.randn(grid[0] * grid[1], patch_width(vc), generator=generator)
         return ids, {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, *grid]])}
 
     def tiny_processor(self, model_type: str, tokenizer, *, min_pixels: int, max_pixels: int,
@@ -134,13 +129,7 @@ def qwen3_5_config(model_type: str, text: Dict[str, Any], rope: Dict[str, Any],
     """A tiny Qwen3.5 (or -MoE): gated delta nets and softmax layers in turn, the last a
     softmax layer, as in the checkpoints; the Qwen3-VL vision tower without deepstack."""
     import transformers as tf
-    layers = text["num_hidden_layers"]
-    hybrid = dict(layer_types=["full_attention" if i % 2 else "linear_attention"
-                               for i in range(layers)],
-                  linear_conv_kernel_dim=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                  linear_num_key_heads=2, linear_num_value_heads=4)
-    hybrid.update(text)  # entries the caller set win
-    hybrid["rope_parameters"] = rope
+    hybrid = qwen3_5_text(text, rope)
     vision = {k: v for k, v in vision.items() if k != "deepstack_visual_indexes"}
     if model_type == "qwen3_5":
         return tf.Qwen3_5Config(text_config=hybrid, vision_config=vision,
@@ -152,6 +141,28 @@ def qwen3_5_config(model_type: str, text: Dict[str, Any], rope: Dict[str, Any],
     return tf.Qwen3_5MoeConfig(text_config=hybrid, vision_config=vision,
                                tie_word_embeddings=False, **ids), \
         tf.Qwen3_5MoeForConditionalGeneration
+
+
+def patch_width(vision_config) -> int:
+    """The numbers in one patch row of ``pixel_values``: channels x frames x p x p (Cosmos 3
+    Edge's tower names its channels ``num_channels`` and takes one frame a patch)."""
+    channels = getattr(vision_config, "in_channels", None) or vision_config.num_channels
+    frames = getattr(vision_config, "temporal_patch_size", 1)
+    return channels * frames * vision_config.patch_size ** 2
+
+
+def qwen3_5_text(text: Dict[str, Any], rope: Dict[str, Any]) -> Dict[str, Any]:
+    """A tiny Qwen3.5 text config (also MiniCPM-V 4.6's decoder): gated delta nets and
+    softmax layers in turn, the last a softmax layer, as in the checkpoints; the entries
+    of ``text`` win."""
+    layers = text["num_hidden_layers"]
+    hybrid = dict(layer_types=["full_attention" if i % 2 else "linear_attention"
+                               for i in range(layers)],
+                  linear_conv_kernel_dim=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4)
+    hybrid.update(text)
+    hybrid["rope_parameters"] = rope
+    return hybrid
 
 
 def mrope_section(head_dim: int) -> list:
