@@ -1,19 +1,19 @@
-"""The cost of attributing a span: streaming attribution (``headscope.hf.Tracer`` with an
-attribution head) against AttnLRP (``headscope.hf.attnlrp_scores``) and input x gradient
-(``headscope.hf.gradient_scores``), in one process: plain ``generate``, ``Tracer.generate``
-with the head, then AttnLRP and input x gradient on the spans that generation gave, in
-turn, round after round.
+"""The cost of attributing a span (``python -m headscope.bench --family cost [--big]``):
+streaming attribution (``headscope.hf.Tracer`` with an attribution head) against AttnLRP
+(``headscope.hf.attnlrp_scores``) and input x gradient (``headscope.hf.gradient_scores``),
+in one process: plain ``generate``, ``Tracer.generate`` with the head, then AttnLRP and
+input x gradient on the spans that generation gave, in turn, round after round.
 
 What a span costs each method (``per_span_ms``):
 
 * the head (``head work``): the tracer's own work during the generation, timed inside it
-  (the prompt's Ward regions and the prefill's query rows, each decode step's pooled rows,
-  each span's features and the head's scores), over the generation's spans; that is, its
-  extra time per generated token times the span's tokens plus the span's share of the
-  prefill's work and of the scoring. Beside it, ``Tracer.generate - plain``: the whole
-  call's extra time over plain ``generate`` in the same round, which holds every overhead
-  but is a difference of two runs and carries their noise (on a shared CPU it can come out
-  negative);
+  (the prompt's Ward regions; at the prefill, the value norms of the picture's keys and
+  the last query row; each decode step's rows; each span's pooled features and the head's
+  scores), over the generation's spans: its extra time per generated token times the
+  span's tokens, plus the span's share of the prefill's work, plus its scoring. Beside
+  it, ``Tracer.generate - plain``: the whole call's extra time over plain ``generate`` in
+  the same round, which holds every overhead but is the difference of two runs and
+  carries their noise (on a shared CPU, tens of percent of a generation);
 * AttnLRP and input x gradient: their call on the generation's spans (one forward over the
   prompt and the answer, one backward per span) over the spans.
 
@@ -22,32 +22,35 @@ What a span costs each method (``per_span_ms``):
 that was positive in every round. ``per_token_ms``: per generated token. ``peak_MiB``: the
 extra peak memory of one call (the whole generation for plain generate and the tracer).
 
-How peak memory grows with the sequence (last table): plain generate and the tracer hold
-the key/value cache and the prefill's activations, linear in the prompt's length T (the
-tracer adds the prompt's region ids and a few rows per layer); input x gradient keeps the
-whole sequence's activations for its backward, also linear in T but with the MLP's width;
-AttnLRP keeps, besides, every layer's attention probabilities (heads x T x T), so its peak
-grows with T squared.
+The head's work has a part per picture (the Ward regions), parts that grow with the
+layers (the prefill's value norms and rows, each step's rows, each span's pooling) and
+the head's scoring; AttnLRP's and input x gradient's passes grow with the layers and the
+sequence. How peak memory grows with the sequence (last table): plain generate and the
+tracer hold the key/value cache and the prefill's activations, linear in the prompt's
+length T (the tracer adds the prompt's region ids and value norms and a few rows per
+layer); input x gradient keeps the whole sequence's activations for its backward, linear
+in T too; AttnLRP keeps, besides, every layer's attention probabilities (heads x T x T),
+so its peak grows with T squared.
 
-Models: (a) the shapes model (``headscope.shapes.load``, its shipped head, one held-out
-4-object scene, 8 Ward regions, 40 new tokens, 7 rounds after an untimed one, which
-measures peak memory); on a model
-this small (4 layers of width 128, a 42-token prompt) a backward pass is cheap and the head
-only some tens of times cheaper than AttnLRP; (b) a Qwen2-VL-2B-shaped decoder (hidden
-1536, 12 heads, 2 KV heads, intermediate 8960, vocabulary 151936, embeddings tied), random
-weights, a one-block vision tower, one 1,024-token picture, 64 new tokens, 16 Ward
-regions, a random head on the value-norm-weighted features (its scoring costs what a
-fitted head's does), each call warmed up on a short prompt, then two rounds, the first
-measuring peak memory too: 4 of its 28 layers in float32; ``--big``: also all 28 layers,
-in float32 and bfloat16 (hours on a CPU without bfloat16 units; AttnLRP's
-peak is about 0.5 GiB per layer at this length in float32, so about 14 GiB over the
-model's 6 GiB). The head's work splits into a part per picture (the Ward regions), parts
-that grow with the layers (the value norms of the picture's keys and the rows at the
-prefill, the rows at each step) and the spans' pooling and scoring; AttnLRP's and input x
-gradient's passes grow with the layers and the sequence. ``--quick``: the tiny Qwen2-VL test model in
-bfloat16, a 64-token picture, 8 new tokens. Last: peak memory against the picture's size
-on the tiny test model. ``--device cuda`` runs the same code on a GPU (the tracer's work
-is timed with the device synced around each call).
+Models:
+
+* the shapes model (``headscope.shapes.load``, its shipped head, one held-out 4-object
+  scene, 8 Ward regions, 40 new tokens; 7 rounds after an untimed one, which measures
+  peak memory). On a model this small (4 layers of width 128, a 42-token prompt) a
+  backward pass is cheap, and the head is only some tens of times cheaper than AttnLRP;
+* a Qwen2-VL-2B-shaped decoder (hidden 1536, 12 heads, 2 KV heads, intermediate 8960,
+  vocabulary 151936, embeddings tied; random weights, a one-block vision tower), one
+  1,024-token picture, 64 new tokens, 16 Ward regions, a random head on the
+  value-norm-weighted features (its scoring costs what a fitted head's does); each call
+  warmed up on a short prompt, then two rounds, the first measuring peak memory too. By
+  default 4 of its 28 layers in float32; ``--big`` adds all 28 layers in float32 and in
+  bfloat16 (hours on a CPU without bfloat16 units; AttnLRP's peak is about 0.5 GiB per
+  layer at this length in float32, about 14 GiB over the model's 6 GiB);
+* ``--quick``: the tiny Qwen2-VL test model in bfloat16, a 64-token picture, 8 new tokens;
+* last, peak memory against the picture's size, on the tiny test model.
+
+``--device cuda`` runs the same code on a GPU, the device synced around each timed call
+of the tracer's.
 """
 from __future__ import annotations
 
