@@ -225,22 +225,6 @@ def _molmo2():
                   tokens=lambda inputs: 8)
 
 
-def _ernie4_5_vl_moe():
-    import transformers as tf
-    config = tf.Ernie4_5_VLMoeConfig(
-        text_config=_text(rope_parameters=dict(_MROPE, mrope_section=[3, 3, 2]),
-                          mlp_layer_types=["dense", "sparse"], moe_intermediate_size=[32, 32],
-                          moe_k=2, moe_num_experts=4, moe_num_shared_experts=1),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2,
-                           patch_size=4, spatial_merge_size=2),
-        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
-        image_start_token_id=VISION_START, image_end_token_id=VISION_END,
-        tie_word_embeddings=False)
-    return Recipe(config, tf.Ernie4_5_VLMoeForConditionalGeneration,
-                  _flat_patches(4, 4, temporal=1),
-                  markers=((VISION_START,), (VISION_END,)))
-
-
 def _gemma4():
     import transformers as tf
     layer_types = ["sliding_attention", "full_attention"] * 2
@@ -293,7 +277,6 @@ RECIPES = {
     "vipllava": ("VipLLaVA", _vipllava),
     "got_ocr2": ("GOT-OCR 2", _got_ocr2),
     "gemma4": ("Gemma 4", _gemma4),
-    "ernie4_5_vl_moe": ("ERNIE 4.5-VL", _ernie4_5_vl_moe),
     "molmo2": ("Molmo 2", _molmo2),
     "minicpmv4_6": ("MiniCPM-V 4.6", _minicpmv4_6),
     "cosmos3_edge": ("Cosmos 3 Edge", _cosmos3_edge),

@@ -2,7 +2,8 @@
 (tiny image processors and tokenizer, built offline) of the model types whose geometry it
 checks: Qwen3.5 and Qwen3.5-MoE (headscope.hf.families.qwen_vl; Qwen3VLProcessor, their
 hybrid decoders traced on their softmax layers), GLM-4.1V, GLM-4.5V and GLM-4.6V
-(headscope.hf.families.glm4v; Glm4vProcessor, Glm46VProcessor): each picture's grid and
+(headscope.hf.families.glm4v; Glm4vProcessor, Glm46VProcessor) and ERNIE 4.5-VL
+(headscope.hf.families.ernie4_5_vl; Ernie4_5_VLMoeProcessor): each picture's grid and
 markers for several aspect ratios, a four-coloured picture whose tokens' pixels must lie
 where their boxes say, and grid_regions on it through the tiny models."""
 from __future__ import annotations
@@ -24,14 +25,16 @@ from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa
 
 # a picture in the prompt text, by family
 IMAGE = {"qwen_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-         "glm4v": "<|begin_of_image|><|image|><|end_of_image|>"}
+         "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
+         "ernie4_5_vl": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"}
 HYBRID = ("qwen3_5", "qwen3_5_moe")
 # (height, width): square, 1:2 wide, 3:1 tall, larger than max_pixels (scaled down),
 # thin, and odd sizes
 SIZES = ((32, 32), (24, 48), (60, 20), (200, 100), (16, 40), (30, 50))
 
 
-@pytest.fixture(scope="module", params=[*HYBRID, "glm4v", "glm4v_moe", "glm46v"])
+@pytest.fixture(scope="module", params=[*HYBRID, "glm4v", "glm4v_moe", "glm46v",
+                                                  "ernie4_5_vl_moe"])
 def model(request):
     return tiny_model(request.param)
 
@@ -98,10 +101,12 @@ def token_colours(model, processor, inputs, picture: int) -> torch.Tensor:
     """(tokens, pixels): the index of the nearest quarter colour for each pixel each token of
     ``picture`` reads, in the model's token order. The vision tower merges each run of
     ``merge ** 2`` consecutive patches into one token (GLM-4V's downsampling convolution
-    over ``view(-1, merge, merge, hidden)``, Qwen3.5's patch merger over
-    ``view(-1, hidden * merge ** 2)``), and a patch row holds channels x time x p x p."""
+    over ``view(-1, merge, merge, hidden)``, Qwen3.5's patch merger and ERNIE 4.5-VL's
+    resampler over ``reshape(-1, hidden * merge ** 2)``), and a patch row holds channels x
+    time x p x p (ERNIE's images: one frame)."""
     vc = model.config.vision_config
-    m, p, T = vc.spatial_merge_size, vc.patch_size, vc.temporal_patch_size
+    m, p = vc.spatial_merge_size, vc.patch_size
+    T = processor.image_processor.temporal_patch_size
     sizes = inputs["image_grid_thw"].prod(-1).tolist()
     start = sum(sizes[:picture])
     patches = inputs["pixel_values"][start:start + sizes[picture]]
@@ -112,12 +117,18 @@ def token_colours(model, processor, inputs, picture: int) -> torch.Tensor:
 
 def test_patches_merge_into_the_processors_token_order(model, processor):
     """What token_colours assumes, through the model's own vision tower: its downsampling
-    convolution (GLM-4V) or its patch merger's first linear layer (Qwen3.5) receives the
-    patches in runs of merge ** 2 (one token each)."""
+    convolution (GLM-4V), its patch merger's first linear layer (Qwen3.5) or its
+    resampler's first spatial layer (ERNIE 4.5-VL) receives the patches in runs of
+    merge ** 2 (one token each)."""
     inputs = run_processor(processor, ((24, 48),), (1,))
-    visual = model.model.visual
-    convolution = hasattr(visual, "downsample")
-    merging = visual.downsample if convolution else visual.merger.linear_fc1
+    if hasattr(model.model, "resampler_model"):
+        visual = model.model.vision_tower
+        merging = model.model.resampler_model.spatial_linear.fc1
+    else:
+        visual = model.model.visual
+        merging = visual.downsample if hasattr(visual, "downsample") else \
+            visual.merger.linear_fc1
+    convolution = isinstance(merging, torch.nn.Conv2d)
     got = []
     hook = merging.register_forward_pre_hook(lambda module, args: got.append(args[0].shape))
     try:

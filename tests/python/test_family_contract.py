@@ -17,10 +17,11 @@ from conftest import DEVICES, load_seed
 pytest.importorskip("transformers")
 from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.families import FAMILIES, family_of  # noqa: E402
+from headscope.hf.families.base import TYPE_INPUTS  # noqa: E402
 from headscope.hf.structure import output_projection, softmax_attention_layers  # noqa: E402
 from headscope.hf.testing import eager_reference, image_prompt, tiny_model  # noqa: E402
 
-TYPES = ("mm_token_type_ids", "token_type_ids")  # per-position type inputs
+TYPES = TYPE_INPUTS  # per-position type inputs
 
 
 def _cases():

@@ -20,6 +20,12 @@ _LLAVA_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
 
 
+# The per-position type inputs processors give (image or text per token; ERNIE 4.5-VL's
+# moe_mm_token_type_ids also mark the picture's markers): a generated answer continues
+# each with the family's answer_type
+TYPE_INPUTS = ("mm_token_type_ids", "moe_mm_token_type_ids", "token_type_ids")
+
+
 def llava_template(image: str = "<image> ") -> str:
     """LLaVA's one-turn chat template ("USER: ... ASSISTANT:") with ``image`` where each
     picture goes."""

@@ -108,7 +108,8 @@ class QwenVL(Family):
         m = vc.spatial_merge_size
         tokens = torch.full(((grid[0] // m) * (grid[1] // m),), IMAGE_TOKEN)
         ids = torch.cat([torch.tensor([VISION_START]), tokens, torch.tensor([VISION_END])])
-        patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        # ERNIE 4.5-VL's tower takes a picture as one frame (no temporal patch size)
+        patch = vc.in_channels * getattr(vc, "temporal_patch_size", 1) * vc.patch_size ** 2
         pixels = torch.randn(grid[0] * grid[1], patch, generator=generator)
         return ids, {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, *grid]])}
 
