@@ -111,20 +111,6 @@ def _flat_patches(patch: int, side: int, temporal: int = 2, channels: int = 3) -
     return picture
 
 
-def _hunyuan_vl():
-    import transformers as tf
-    config = tf.HunYuanVLConfig(
-        text_config=_text(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                               mrope_section=[2, 2, 2, 2])),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                           num_hidden_layers=2, out_hidden_size=64, text_hidden_size=64,
-                           patch_size=4, temporal_patch_size=1, spatial_merge_size=1,
-                           max_image_size=16, min_image_size=16, anyres_vit_max_image_size=16,
-                           max_vit_seq_len=16),
-        image_token_id=IMAGE_TOKEN, tie_word_embeddings=False)
-    return Recipe(config, tf.HunYuanVLForConditionalGeneration, _flat_patches(4, 4, temporal=1))
-
-
 def _granite4_vision():
     import transformers as tf
     config = tf.Granite4VisionConfig(
@@ -281,7 +267,6 @@ RECIPES = {
     "minicpmv4_6": ("MiniCPM-V 4.6", _minicpmv4_6),
     "cosmos3_edge": ("Cosmos 3 Edge", _cosmos3_edge),
     "kimi_k25": ("Kimi K2.5", _kimi_k25),
-    "hunyuan_vl": ("HunYuan-VL", _hunyuan_vl),
     "granite4_vision": ("Granite 4 Vision", _granite4_vision),
     "lfm2_vl": ("LFM2-VL", _lfm2_vl),
     "cohere2_vision": ("Cohere 2 Vision", _cohere2_vision),

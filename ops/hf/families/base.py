@@ -52,7 +52,10 @@ class TinySpec:
     no query sees; ``commands``, the model types the commands run end to end on, from a
     saved checkpoint (test_commands.py); ``geometry_waiver``, why a family has no geometry
     test against its real processor (a ``tests/python/test_families_*.py`` that names its
-    model types), if so."""
+    model types), if so; ``batch_numbers_pictures``, whether the model's own forward numbers
+    a batch's pictures in order (HunYuan-VL's rope), so that a padded batch's later rows
+    differ from those rows alone in the model itself: the contract then checks the first
+    row alone, that difference in the untraced model, and every row's regions."""
     tokens: Mapping[str, int]
     chat_template: str
     tokenizer_extras: Mapping[str, str] = field(default_factory=dict)
@@ -62,6 +65,7 @@ class TinySpec:
     unseen_region_effects: Tuple[str, ...] = ()
     commands: Tuple[str, ...] = ()
     geometry_waiver: Optional[str] = None
+    batch_numbers_pictures: bool = False
 
     def by_id(self) -> Dict[int, str]:
         """The special tokens by id."""

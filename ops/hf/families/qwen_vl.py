@@ -49,16 +49,7 @@ class QwenVL(Family):
                         "tests run the real Qwen2-VL processor end to end")
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
-        thw = inputs.get("image_grid_thw")
-        if thw is None:
-            raise missing_input(config, "image_grid_thw")
-        merge = int(getattr(config.vision_config, "spatial_merge_size", 1))
-        grids = []
-        for t, h, w in thw.tolist():
-            if t != 1:
-                raise ValueError(f"{WHO}: regions need still images (temporal grid 1), got "
-                                 f"image_grid_thw row {[t, h, w]}")
-            grids.append((h // merge, w // merge))
+        grids = merged_grids(config, inputs)
         per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
         pictures = split_images(WHO, per_row, [r * c for r, c in grids])
         grid = iter(grids)
@@ -128,6 +119,22 @@ class QwenVL(Family):
             video, cls = tf.Qwen3VLVideoProcessor(**sizes), tf.Qwen3VLProcessor
         return cls(image_processor=images, tokenizer=tokenizer, video_processor=video,
                    chat_template=self.tiny.chat_template)
+
+
+def merged_grids(config, inputs: Dict[str, Any]) -> List[Tuple[int, int]]:
+    """Each picture's grid of tokens (rows, cols): ``image_grid_thw``'s patch grid merged
+    ``spatial_merge_size`` squared to one token."""
+    thw = inputs.get("image_grid_thw")
+    if thw is None:
+        raise missing_input(config, "image_grid_thw")
+    merge = int(getattr(config.vision_config, "spatial_merge_size", 1))
+    grids = []
+    for t, h, w in thw.tolist():
+        if t != 1:
+            raise ValueError(f"{WHO}: regions need still images (temporal grid 1), got "
+                             f"image_grid_thw row {[t, h, w]}")
+        grids.append((h // merge, w // merge))
+    return grids
 
 
 def qwen3_5_config(model_type: str, text: Dict[str, Any], rope: Dict[str, Any],
