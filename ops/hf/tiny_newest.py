@@ -139,26 +139,6 @@ def _cosmos3_edge():
     return Recipe(config, tf.Cosmos3EdgeForConditionalGeneration, _flat_patches(4, 4, temporal=1))
 
 
-def _kimi_k25():
-    import transformers as tf
-    text = _text(model_type="deepseek_v3", kv_lora_rank=16, q_lora_rank=None,
-                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
-                 num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
-                 first_k_dense_replace=1, num_key_value_heads=4)
-    text.pop("head_dim")
-    config = tf.Kimi_K25Config(
-        text_config=text,
-        vision_config=dict(patch_size=4, pos_emb_height=8, pos_emb_width=8, pos_emb_time=2,
-                           num_attention_heads=2, num_hidden_layers=2, hidden_size=32,
-                           intermediate_size=64),
-        projection_hidden_size=32, tie_word_embeddings=False, **IDS)
-
-    def picture(g):
-        return {"pixel_values": torch.randn(16, 3, 4, 4, generator=g),
-                "image_grid_thw": torch.tensor([[1, 4, 4]])}
-    return Recipe(config, tf.Kimi_K25ForConditionalGeneration, picture)
-
-
 def _minicpmv4_6():
     import transformers as tf
     text = _text(model_type="qwen3_5_text", layer_types=["linear_attention", "full_attention"],
@@ -266,7 +246,6 @@ RECIPES = {
     "molmo2": ("Molmo 2", _molmo2),
     "minicpmv4_6": ("MiniCPM-V 4.6", _minicpmv4_6),
     "cosmos3_edge": ("Cosmos 3 Edge", _cosmos3_edge),
-    "kimi_k25": ("Kimi K2.5", _kimi_k25),
     "granite4_vision": ("Granite 4 Vision", _granite4_vision),
     "lfm2_vl": ("LFM2-VL", _lfm2_vl),
     "cohere2_vision": ("Cohere 2 Vision", _cohere2_vision),

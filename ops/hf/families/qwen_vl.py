@@ -121,19 +121,22 @@ class QwenVL(Family):
                    chat_template=self.tiny.chat_template)
 
 
-def merged_grids(config, inputs: Dict[str, Any]) -> List[Tuple[int, int]]:
+def merged_grids(config, inputs: Dict[str, Any], merge: Tuple[int, int] = None
+                 ) -> List[Tuple[int, int]]:
     """Each picture's grid of tokens (rows, cols): ``image_grid_thw``'s patch grid merged
-    ``spatial_merge_size`` squared to one token."""
+    ``merge`` (rows, cols of patches; default ``spatial_merge_size`` squared) to one
+    token."""
     thw = inputs.get("image_grid_thw")
     if thw is None:
         raise missing_input(config, "image_grid_thw")
-    merge = int(getattr(config.vision_config, "spatial_merge_size", 1))
+    if merge is None:
+        merge = (int(getattr(config.vision_config, "spatial_merge_size", 1)),) * 2
     grids = []
     for t, h, w in thw.tolist():
         if t != 1:
             raise ValueError(f"{WHO}: regions need still images (temporal grid 1), got "
                              f"image_grid_thw row {[t, h, w]}")
-        grids.append((h // merge, w // merge))
+        grids.append((h // merge[0], w // merge[1]))
     return grids
 
 
