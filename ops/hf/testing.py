@@ -120,7 +120,9 @@ def image_prompt(model, grids: Sequence[Tuple[int, int]] = ((8, 8),),
         attention_mask[b, T - len(r):] = 1
     out = dict(input_ids=input_ids, attention_mask=attention_mask)
     for key in extras[0]:
-        out[key] = _cat_padded([e[key] for e in extras])
+        parts = [e[key] for e in extras]
+        dim = family.tiny.cat_dims.get(key)
+        out[key] = _cat_padded(parts) if dim is None else torch.cat(parts, dim)
     out["pixel_values"] = out["pixel_values"].to(model.dtype)
     is_image = torch.isin(input_ids, torch.tensor(family.image_token_ids(model.config)))
     out.update(family.prompt_types(model, is_image))

@@ -24,8 +24,7 @@ Picture = Callable[[torch.Generator], Dict[str, torch.Tensor]]
 @dataclass
 class Recipe:
     """A tiny model's config and class, and ``picture(generator)``: one picture's model
-    inputs. ``cat_dims``: inputs whose pictures are concatenated along another dim than 0;
-    ``offsets``: inputs that index into another input's items, by that input's name (they
+    inputs. ``offsets``: inputs that index into another input's items, by that input's name (they
     are shifted past the earlier pictures' items when concatenated); ``markers``: token ids the processor puts
     before and after a picture's placeholders (in its bidirectional image block where
     the model has one, ``typed_markers``); ``tokens``: a picture's placeholder count from its inputs, where
@@ -33,13 +32,10 @@ class Recipe:
     config: Any
     cls: type
     picture: Picture
-    cat_dims: Dict[str, int] = field(default_factory=dict)
     offsets: Dict[str, Tuple[str, int]] = field(default_factory=dict)
     markers: Tuple[Tuple[int, ...], Tuple[int, ...]] = ((), ())
     typed_markers: bool = False  # whether mm_token_type_ids marks the markers as image
     tokens: Optional[Callable[[Dict[str, torch.Tensor]], int]] = None
-IDS = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
-           vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
 
 
 def _text(**extra) -> dict:
@@ -49,10 +45,6 @@ def _text(**extra) -> dict:
                 max_position_embeddings=4096, tie_word_embeddings=False)
     text.update(extra)
     return text
-
-
-# multimodal rotary sections (temporal, height, width) of the 16-wide heads
-_MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
 
 
 def _pixels(*shape) -> Picture:
@@ -102,15 +94,6 @@ def _ovis2():
     return Recipe(config, tf.Ovis2ForConditionalGeneration, _pixels(1, 3, 32, 32))
 
 
-def _flat_patches(patch: int, side: int, temporal: int = 2, channels: int = 3) -> Picture:
-    """A Qwen-VL-style picture: ``side x side`` patches flattened, and its grid."""
-    def picture(g):
-        return {"pixel_values": torch.randn(side * side, channels * temporal * patch * patch,
-                                            generator=g),
-                "image_grid_thw": torch.tensor([[1, side, side]])}
-    return picture
-
-
 def _granite4_vision():
     import transformers as tf
     config = tf.Granite4VisionConfig(
@@ -126,36 +109,6 @@ def _granite4_vision():
         return {"pixel_values": torch.randn(1, 2, 3, 8, 8, generator=g),
                 "image_sizes": torch.tensor([[8, 8]])}
     return Recipe(config, tf.Granite4VisionForConditionalGeneration, picture)
-
-
-def _cosmos3_edge():
-    import transformers as tf
-    config = tf.Cosmos3EdgeConfig(
-        text_config=_text(hidden_act="silu", rope_parameters=_MROPE),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, patch_size=4, num_patches=16,
-                           spatial_merge_size=2),
-        projector_hidden_size=32, tie_word_embeddings=False, **IDS)
-    return Recipe(config, tf.Cosmos3EdgeForConditionalGeneration, _flat_patches(4, 4, temporal=1))
-
-
-def _minicpmv4_6():
-    import transformers as tf
-    text = _text(model_type="qwen3_5_text", layer_types=["linear_attention", "full_attention"],
-                 rope_parameters=_MROPE, linear_conv_kernel_dim=2, linear_key_head_dim=16,
-                 linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
-    config = tf.MiniCPMV4_6Config(
-        text_config=text,
-        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                           intermediate_size=64, image_size=32, patch_size=4),
-        image_token_id=IMAGE_TOKEN, image_size=32, drop_vision_last_layer=False,
-        insert_layer_id=0, tie_word_embeddings=False)
-
-    def picture(g):  # NaViT-packed: the pictures' patches side by side along the last dim
-        return {"pixel_values": torch.randn(1, 3, 4, 64 * 4, generator=g),
-                "target_sizes": torch.tensor([[8, 8]], dtype=torch.int32)}
-    return Recipe(config, tf.MiniCPMV4_6ForConditionalGeneration, picture,
-                  cat_dims={"pixel_values": -1})
 
 
 def _molmo2():
@@ -244,8 +197,6 @@ RECIPES = {
     "got_ocr2": ("GOT-OCR 2", _got_ocr2),
     "gemma4": ("Gemma 4", _gemma4),
     "molmo2": ("Molmo 2", _molmo2),
-    "minicpmv4_6": ("MiniCPM-V 4.6", _minicpmv4_6),
-    "cosmos3_edge": ("Cosmos 3 Edge", _cosmos3_edge),
     "granite4_vision": ("Granite 4 Vision", _granite4_vision),
     "lfm2_vl": ("LFM2-VL", _lfm2_vl),
     "cohere2_vision": ("Cohere 2 Vision", _cohere2_vision),
@@ -326,7 +277,7 @@ def batch_rows(recipe: Recipe, rows: Sequence[Dict[str, Any]]) -> Dict[str, torc
             if key in recipe.offsets:
                 source, dim = recipe.offsets[key]
                 shift += r[source].shape[dim]
-        out[key] = torch.cat(parts, recipe.cat_dims.get(key, 0))
+        out[key] = torch.cat(parts)
     return out
 
 

@@ -150,6 +150,22 @@ def assert_every_image_token_placed(images, input_ids: torch.Tensor, image_token
         assert counts[b] == len(row)
 
 
+def assert_generation_keeps_regions(model, inputs, layout_key: str) -> None:
+    """``tr.generate`` hands the layout input ``layout_key`` (``image_grid_thw``,
+    ``target_sizes``) to the forward, and the regions of ``inputs``' prompt stay as a
+    forward gave them; plain ``model.generate`` does not hand it on, and the Tracer says so
+    rather than guess the layout."""
+    from headscope.hf import Tracer, grid_regions
+    with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
+        model(**inputs)
+        want = tr.region_ids.clone()
+        for _ in tr.generate(**inputs, max_new_tokens=2, do_sample=False):
+            pass
+        assert torch.equal(tr.region_ids[:, :want.shape[1]], want)
+        with pytest.raises(ValueError, match=f"need the {layout_key}"):
+            model.generate(**inputs, max_new_tokens=1, do_sample=False)
+
+
 def assert_canvas_views(image, rows: int, cols: int, side: int = 2) -> None:
     """A picture of GotOcr2's tiles (InternVL, Aya Vision) as the image processor cut it on
     a ``rows x cols`` canvas: one tile alone is the base view; more are the tiles, each over

@@ -14,8 +14,9 @@ pytest.importorskip("torchvision")
 pytest.importorskip("numpy")
 pytest.importorskip("PIL.Image")
 
-from conftest import nearest_colour, quarter_prompts  # noqa: E402
-from headscope.hf import Tracer, grid_regions  # noqa: E402
+from conftest import (assert_generation_keeps_regions, nearest_colour,  # noqa: E402
+                      quarter_prompts)
+from headscope.hf import grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.regions import region_ids  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
@@ -136,14 +137,5 @@ def test_grid_regions_give_each_quarter_one_region_through_the_model(model, proc
 
 
 def test_generation_keeps_the_prompts_regions(model, processor):
-    """tr.generate hands image_grid_thw to the forward; plain model.generate does not, and
-    the Tracer says so rather than guess the grids."""
     inputs = run_processor(processor, ((24, 48), (60, 20), (32, 32)), (2, 1))
-    with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
-        model(**inputs)
-        want = tr.region_ids.clone()
-        for _ in tr.generate(**inputs, max_new_tokens=2, do_sample=False):
-            pass
-        assert torch.equal(tr.region_ids[:, :want.shape[1]], want)
-        with pytest.raises(ValueError, match="need the image_grid_thw"):
-            model.generate(**inputs, max_new_tokens=1, do_sample=False)
+    assert_generation_keeps_regions(model, inputs, "image_grid_thw")

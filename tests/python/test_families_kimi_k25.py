@@ -15,8 +15,8 @@ pytest.importorskip("numpy")
 pytest.importorskip("PIL.Image")
 
 from conftest import (QUARTER_COLOURS, assert_every_image_token_placed,  # noqa: E402
-                      nearest_colour, quarter_prompts)
-from headscope.hf import Tracer, grid_regions  # noqa: E402
+                      assert_generation_keeps_regions, nearest_colour, quarter_prompts)
+from headscope.hf import grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.kimi_k25 import MEDIA_CONTENT  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END,  # noqa: E402
@@ -131,14 +131,5 @@ def test_grid_regions_give_each_quarter_one_region_through_the_model(model, proc
 
 
 def test_generation_keeps_the_prompts_regions(model, processor):
-    """tr.generate hands image_grid_thw and pixel_values to the forward; plain
-    model.generate does not, and the Tracer says so rather than guess the grids."""
     inputs = run_processor(processor, ((24, 48), (60, 20), (30, 50)), (2, 1))
-    with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
-        model(**inputs)
-        want = tr.region_ids.clone()
-        for _ in tr.generate(**inputs, max_new_tokens=2, do_sample=False):
-            pass
-        assert torch.equal(tr.region_ids[:, :want.shape[1]], want)
-        with pytest.raises(ValueError, match="need the image_grid_thw|need the pixel_values"):
-            model.generate(**inputs, max_new_tokens=1, do_sample=False)
+    assert_generation_keeps_regions(model, inputs, "image_grid_thw")

@@ -26,7 +26,7 @@ from headscope.hf.tiny_newest import (RECIPES, batch_rows, newest_rows,  # noqa:
                                       tiny_newest)
 
 TYPES = sorted(RECIPES)
-HYBRID = {"lfm2_vl", "minicpmv4_6"}
+HYBRID = {"lfm2_vl"}
 # placeholders per picture that hold no piece of it: Granite 4 Vision's row breaks after
 # each of the 2 rows of its unpadded view
 MARKERS = {"granite4_vision": 2}

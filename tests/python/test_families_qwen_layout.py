@@ -2,10 +2,11 @@
 (tiny image processors and tokenizer, built offline) of the model types whose geometry it
 checks: Qwen3.5 and Qwen3.5-MoE (headscope.hf.families.qwen_vl; Qwen3VLProcessor, their
 hybrid decoders traced on their softmax layers), GLM-4.1V, GLM-4.5V and GLM-4.6V
-(headscope.hf.families.glm4v; Glm4vProcessor, Glm46VProcessor) and ERNIE 4.5-VL
+(headscope.hf.families.glm4v; Glm4vProcessor, Glm46VProcessor), Cosmos 3 Edge
+(headscope.hf.families.cosmos3; Cosmos3EdgeProcessor) and ERNIE 4.5-VL
 (headscope.hf.families.ernie4_5_vl; Ernie4_5_VLMoeProcessor): each picture's grid and
-markers for several aspect ratios, a four-coloured picture whose tokens' pixels must lie
-where their boxes say, and grid_regions on it through the tiny models."""
+markers for several aspect ratios, a four-coloured picture whose tokens' pixels must lie where
+their boxes say, and grid_regions on it through the tiny models."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,8 @@ pytest.importorskip("torchvision")
 pytest.importorskip("numpy")
 pytest.importorskip("PIL.Image")
 
-from conftest import assert_every_image_token_placed, nearest_colour, quarter_prompts  # noqa: E402
+from conftest import (assert_every_image_token_placed,  # noqa: E402
+                      assert_generation_keeps_regions, nearest_colour, quarter_prompts)
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
@@ -26,6 +28,7 @@ from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa
 # a picture in the prompt text, by family
 IMAGE = {"qwen_vl": "<|vision_start|><|image_pad|><|vision_end|>",
          "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
+         "cosmos3": "<|vision_start|><|image_pad|><|vision_end|>",
          "ernie4_5_vl": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"}
 HYBRID = ("qwen3_5", "qwen3_5_moe")
 # (height, width): square, 1:2 wide, 3:1 tall, larger than max_pixels (scaled down),
@@ -34,7 +37,7 @@ SIZES = ((32, 32), (24, 48), (60, 20), (200, 100), (16, 40), (30, 50))
 
 
 @pytest.fixture(scope="module", params=[*HYBRID, "glm4v", "glm4v_moe", "glm46v",
-                                                  "ernie4_5_vl_moe"])
+                                                     "cosmos3_edge", "ernie4_5_vl_moe"])
 def model(request):
     return tiny_model(request.param)
 
@@ -97,38 +100,46 @@ def test_a_grid_that_does_not_match_input_ids_raises(model, processor):
         family.images(model.config, dict(inputs, image_grid_thw=None))
 
 
+def patch_pixels(model, patches: torch.Tensor) -> torch.Tensor:
+    """``(patches, p * p, channels)``: the pixels of each patch row of ``pixel_values``,
+    which holds channels x time x p x p (Qwen-VL's, GLM-4V's; ERNIE 4.5-VL's of one frame),
+    or p x p x channels of one frame (Cosmos 3 Edge's, which its patch embedding reads as
+    one linear layer)."""
+    vc = model.config.vision_config
+    if model.config.model_type == "cosmos3_edge":
+        return patches.reshape(len(patches), -1, vc.num_channels)
+    p, T = vc.patch_size, getattr(vc, "temporal_patch_size", 1)
+    return patches.reshape(len(patches), vc.in_channels, T, p * p)[:, :, 0].transpose(1, 2)
+
+
 def token_colours(model, processor, inputs, picture: int) -> torch.Tensor:
     """(tokens, pixels): the index of the nearest quarter colour for each pixel each token of
     ``picture`` reads, in the model's token order. The vision tower merges each run of
     ``merge ** 2`` consecutive patches into one token (GLM-4V's downsampling convolution
-    over ``view(-1, merge, merge, hidden)``, Qwen3.5's patch merger and ERNIE 4.5-VL's
-    resampler over ``reshape(-1, hidden * merge ** 2)``), and a patch row holds channels x
-    time x p x p (ERNIE's images: one frame)."""
-    vc = model.config.vision_config
-    m, p = vc.spatial_merge_size, vc.patch_size
-    T = processor.image_processor.temporal_patch_size
+    over ``view(-1, merge, merge, hidden)``, Qwen3.5's patch merger, Cosmos 3 Edge's
+    projector and ERNIE 4.5-VL's resampler over ``view(-1, hidden * merge ** 2)``)."""
+    m = model.config.vision_config.spatial_merge_size
     sizes = inputs["image_grid_thw"].prod(-1).tolist()
     start = sum(sizes[:picture])
-    patches = inputs["pixel_values"][start:start + sizes[picture]]
-    pixels = patches.reshape(-1, m * m, vc.in_channels, T, p * p)[:, :, :, 0]
-    pixels = pixels.permute(0, 1, 3, 2).reshape(len(patches) // (m * m), -1, vc.in_channels)
-    return nearest_colour(processor, pixels)
+    pixels = patch_pixels(model, inputs["pixel_values"][start:start + sizes[picture]])
+    return nearest_colour(processor, pixels.reshape(len(pixels) // (m * m), -1,
+                                                    pixels.shape[-1]))
 
 
 def test_patches_merge_into_the_processors_token_order(model, processor):
     """What token_colours assumes, through the model's own vision tower: its downsampling
-    convolution (GLM-4V), its patch merger's first linear layer (Qwen3.5) or its
-    resampler's first spatial layer (ERNIE 4.5-VL) receives the patches in runs of
-    merge ** 2 (one token each)."""
+    convolution (GLM-4V) or its patch merger's first linear layer (Qwen3.5; Cosmos 3
+    Edge's projector and ERNIE 4.5-VL's resampler, outside the tower) receives the patches
+    in runs of merge ** 2 (one token each)."""
     inputs = run_processor(processor, ((24, 48),), (1,))
-    if hasattr(model.model, "resampler_model"):
-        visual = model.model.vision_tower
+    if hasattr(model.model, "resampler_model"):  # ERNIE 4.5-VL
+        visual, convolution = model.model.vision_tower, False
         merging = model.model.resampler_model.spatial_linear.fc1
     else:
         visual = model.model.visual
-        merging = visual.downsample if hasattr(visual, "downsample") else \
-            visual.merger.linear_fc1
-    convolution = isinstance(merging, torch.nn.Conv2d)
+        convolution = hasattr(visual, "downsample")
+        merger = visual.merger if hasattr(visual, "merger") else model.model.projector
+        merging = visual.downsample if convolution else merger.linear_fc1
     got = []
     hook = merging.register_forward_pre_hook(lambda module, args: got.append(args[0].shape))
     try:
@@ -160,11 +171,4 @@ def test_generation_keeps_the_prompts_regions(model, processor):
     """tr.generate hands image_grid_thw to the forward; plain model.generate does not, and
     the Tracer says so rather than guess the grids."""
     inputs = run_processor(processor, ((24, 48), (60, 20), (32, 32)), (2, 1))
-    with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
-        model(**inputs)
-        want = tr.region_ids.clone()
-        for _ in tr.generate(**inputs, max_new_tokens=2, do_sample=False):
-            pass
-        assert torch.equal(tr.region_ids[:, :want.shape[1]], want)
-        with pytest.raises(ValueError, match="need the image_grid_thw"):
-            model.generate(**inputs, max_new_tokens=1, do_sample=False)
+    assert_generation_keeps_regions(model, inputs, "image_grid_thw")

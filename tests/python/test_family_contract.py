@@ -215,6 +215,15 @@ def row_alone(model, inputs, b):
     row = {k: v[b:b + 1][:, keep] for k, v in inputs.items()
            if k in ("input_ids", "attention_mask") + TYPES}
     pixels = inputs["pixel_values"]
+    if "target_sizes" in inputs:  # views' patches packed side by side (MiniCPM-V 4.6)
+        views = [sum(len(image.views) for image in pictures)
+                 for pictures in family_of(model).images(model.config, inputs)]
+        patches = inputs["target_sizes"].prod(-1).tolist()
+        first, last = sum(views[:b]), sum(views[:b + 1])
+        width = pixels.shape[2]  # a patch's pixels along the packed dim
+        start, end = sum(patches[:first]) * width, sum(patches[:last]) * width
+        return dict(row, pixel_values=pixels[..., start:end],
+                    target_sizes=inputs["target_sizes"][first:last])
     if "image_grid_thw" not in inputs and len(pixels) == len(inputs["input_ids"]):
         # every picture input has one item per picture
         return dict(row, **{k: v[b:b + 1] for k, v in inputs.items() if k not in row})

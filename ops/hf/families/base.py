@@ -49,8 +49,10 @@ class TinySpec:
     contract cannot hold yet (every contract test a strict xfail); ``effects``, per model
     type the ablations checked against one region at a time (test_effects.py);
     ``unseen_region_effects``, the model types whose effects are checked zero on a region
-    no query sees; ``commands``, the model types the commands run end to end on, from a
-    saved checkpoint (test_commands.py); ``geometry_waiver``, why a family has no geometry
+    no query sees; ``cat_dims``, the inputs of ``tiny_image`` whose pictures a batch
+    concatenates along another dim than 0 (NaViT-packed patches side by side);
+    ``commands``, the model types the commands run end to end on, from a saved checkpoint
+    (test_commands.py); ``geometry_waiver``, why a family has no geometry
     test against its real processor (a ``tests/python/test_families_*.py`` that names its
     model types), if so; ``batch_numbers_pictures``, whether the model's own forward numbers
     a batch's pictures in order (HunYuan-VL's rope), so that a padded batch's later rows
@@ -63,6 +65,7 @@ class TinySpec:
     contract_xfail: Optional[Tuple[Type[BaseException], str]] = None
     effects: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)
     unseen_region_effects: Tuple[str, ...] = ()
+    cat_dims: Mapping[str, int] = field(default_factory=dict)
     commands: Tuple[str, ...] = ()
     geometry_waiver: Optional[str] = None
     batch_numbers_pictures: bool = False

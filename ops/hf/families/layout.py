@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -126,12 +126,14 @@ def tile_boxes(rows: int, cols: int) -> List[Box]:
             for i in range(rows) for j in range(cols)]
 
 
-def stitch(tiles: torch.Tensor) -> torch.Tensor:
-    """``(R * side, C * side)``: the positions of ``tiles`` ``(R, C, side * side)`` (each
-    tile's tokens row-major, the tiles row-major) laid out as one grid over the canvas."""
+def stitch(tiles: torch.Tensor, rows: Optional[int] = None) -> torch.Tensor:
+    """``(R * rows, C * cols)``: the positions of ``tiles`` ``(R, C, rows * cols)`` (each
+    tile's tokens row-major, the tiles row-major) laid out as one grid over the canvas;
+    each tile ``rows`` tokens high (None: square tiles)."""
     R, C, n = tiles.shape
-    side = math.isqrt(n)
-    return tiles.reshape(R, C, side, side).permute(0, 2, 1, 3).reshape(R * side, C * side)
+    rows = math.isqrt(n) if rows is None else rows
+    cols = n // rows
+    return tiles.reshape(R, C, rows, cols).permute(0, 2, 1, 3).reshape(R * rows, C * cols)
 
 
 def image_positions(input_ids: torch.Tensor, token_ids: Sequence[int]) -> List[torch.Tensor]:

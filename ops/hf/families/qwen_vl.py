@@ -99,9 +99,7 @@ class QwenVL(Family):
         m = vc.spatial_merge_size
         tokens = torch.full(((grid[0] // m) * (grid[1] // m),), IMAGE_TOKEN)
         ids = torch.cat([torch.tensor([VISION_START]), tokens, torch.tensor([VISION_END])])
-        # ERNIE 4.5-VL's tower takes a picture as one frame (no temporal patch size)
-        patch = vc.in_channels * getattr(vc, "temporal_patch_size", 1) * vc.patch_size ** 2
-        pixels = torch.randn(grid[0] * grid[1], patch, generator=generator)
+        pixels = torch.randn(grid[0] * grid[1], patch_width(vc), generator=generator)
         return ids, {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, *grid]])}
 
     def tiny_processor(self, model_type: str, tokenizer, *, min_pixels: int, max_pixels: int,
@@ -145,13 +143,7 @@ def qwen3_5_config(model_type: str, text: Dict[str, Any], rope: Dict[str, Any],
     """A tiny Qwen3.5 (or -MoE): gated delta nets and softmax layers in turn, the last a
     softmax layer, as in the checkpoints; the Qwen3-VL vision tower without deepstack."""
     import transformers as tf
-    layers = text["num_hidden_layers"]
-    hybrid = dict(layer_types=["full_attention" if i % 2 else "linear_attention"
-                               for i in range(layers)],
-                  linear_conv_kernel_dim=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                  linear_num_key_heads=2, linear_num_value_heads=4)
-    hybrid.update(text)  # entries the caller set win
-    hybrid["rope_parameters"] = rope
+    hybrid = qwen3_5_text(text, rope)
     vision = {k: v for k, v in vision.items() if k != "deepstack_visual_indexes"}
     if model_type == "qwen3_5":
         return tf.Qwen3_5Config(text_config=hybrid, vision_config=vision,
@@ -163,6 +155,28 @@ def qwen3_5_config(model_type: str, text: Dict[str, Any], rope: Dict[str, Any],
     return tf.Qwen3_5MoeConfig(text_config=hybrid, vision_config=vision,
                                tie_word_embeddings=False, **ids), \
         tf.Qwen3_5MoeForConditionalGeneration
+
+
+def patch_width(vision_config) -> int:
+    """The numbers in one patch row of ``pixel_values``: channels x frames x p x p (Cosmos 3
+    Edge's tower names its channels ``num_channels`` and takes one frame a patch)."""
+    channels = getattr(vision_config, "in_channels", None) or vision_config.num_channels
+    frames = getattr(vision_config, "temporal_patch_size", 1)
+    return channels * frames * vision_config.patch_size ** 2
+
+
+def qwen3_5_text(text: Dict[str, Any], rope: Dict[str, Any]) -> Dict[str, Any]:
+    """A tiny Qwen3.5 text config (also MiniCPM-V 4.6's decoder): gated delta nets and
+    softmax layers in turn, the last a softmax layer, as in the checkpoints; the entries
+    of ``text`` win."""
+    layers = text["num_hidden_layers"]
+    hybrid = dict(layer_types=["full_attention" if i % 2 else "linear_attention"
+                               for i in range(layers)],
+                  linear_conv_kernel_dim=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4)
+    hybrid.update(text)
+    hybrid["rope_parameters"] = rope
+    return hybrid
 
 
 def mrope_section(head_dim: int) -> list:
