@@ -15,8 +15,8 @@ pytest.importorskip("numpy")
 pytest.importorskip("PIL.Image")
 
 from conftest import (QUARTER_COLOURS, assert_every_image_token_placed,  # noqa: E402
-                      assert_generation_keeps_regions, nearest_colour, quarter_prompts)
-from headscope.hf import grid_regions  # noqa: E402
+                      assert_generation_keeps_regions, assert_grids_are_checked,
+                      nearest_colour, quarter_prompts)
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.kimi_k25 import MEDIA_CONTENT  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END,  # noqa: E402
@@ -76,14 +76,8 @@ def test_views_follow_the_processors_layout(model, processor, per_row):
 
 
 def test_a_layout_without_its_inputs_raises(model, processor):
-    inputs = run_processor(processor, ((24, 48),), (1,))
-    family = family_of(model)
-    wrong = dict(inputs, image_grid_thw=inputs["image_grid_thw"] * torch.tensor([1, 2, 1]))
-    with pytest.raises(ValueError, match="do not split into whole pictures|more image tokens"):
-        family.images(model.config, wrong)
-    for key in ("image_grid_thw", "pixel_values"):
-        with pytest.raises(ValueError, match=f"need the {key}"):
-            family.images(model.config, dict(inputs, **{key: None}))
+    assert_grids_are_checked(model, run_processor(processor, ((24, 48),), (1,)),
+                             ("image_grid_thw", "pixel_values"))
 
 
 def test_a_black_edge_is_read_as_padding_by_less_than_one_token(model, processor):

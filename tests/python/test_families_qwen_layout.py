@@ -18,7 +18,8 @@ pytest.importorskip("numpy")
 pytest.importorskip("PIL.Image")
 
 from conftest import (assert_every_image_token_placed,  # noqa: E402
-                      assert_generation_keeps_regions, nearest_colour, quarter_prompts)
+                      assert_generation_keeps_regions, assert_grids_are_checked,
+                      nearest_colour, quarter_prompts)
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
@@ -91,13 +92,7 @@ def test_views_follow_the_processors_layout(model, processor, per_row):
 
 
 def test_a_grid_that_does_not_match_input_ids_raises(model, processor):
-    inputs = run_processor(processor, ((24, 48),), (1,))
-    family = family_of(model)
-    wrong = dict(inputs, image_grid_thw=inputs["image_grid_thw"] * torch.tensor([1, 2, 1]))
-    with pytest.raises(ValueError, match="do not split into whole pictures|more image tokens"):
-        family.images(model.config, wrong)
-    with pytest.raises(ValueError, match="need the image_grid_thw"):
-        family.images(model.config, dict(inputs, image_grid_thw=None))
+    assert_grids_are_checked(model, run_processor(processor, ((24, 48),), (1,)))
 
 
 def patch_pixels(model, patches: torch.Tensor) -> torch.Tensor:
