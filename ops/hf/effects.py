@@ -26,7 +26,7 @@ WHO = "headscope.hf.region_effects"
 # (markers included) to experts of their own
 _TYPE_KEYS = {"moe_mm_token_type_ids"}
 _DECODER_KEYS = {"inputs_embeds", "attention_mask", "position_ids", "visual_pos_masks",
-                 "deepstack_visual_embeds"} | _TYPE_KEYS
+                 "deepstack_visual_embeds", "per_layer_inputs"} | _TYPE_KEYS
 _IGNORED_KEYS = {"input_ids", "cache", "past_key_values", "use_cache", "return_dict",
                  "output_attentions", "output_hidden_states"}
 
@@ -258,6 +258,9 @@ class _Runner:
         self.visual = got.get("visual_pos_masks")
         self.types = {k: got[k] for k in _TYPE_KEYS if got.get(k) is not None}
         self.deepstack = got.get("deepstack_visual_embeds")
+        # Gemma 4's per-position inputs to every layer (the tokens' own part, the same
+        # under every ablation: the decoder adds the ablated embeddings' part itself)
+        self.per_layer = got.get("per_layer_inputs")
         self.targets = sequences[0, P:].to(device)
         is_image = (rid >= 0).to(device)
         self.mean = self.embeds[0, :P][is_image].mean(0)
@@ -288,6 +291,8 @@ class _Runner:
         if self.mask is not None:
             kwargs["attention_mask"] = self.mask.expand(rows, -1)
         kwargs.update({k: v[:, start:].expand(rows, -1) for k, v in self.types.items()})
+        if self.per_layer is not None:
+            kwargs["per_layer_inputs"] = self.per_layer[:, start:].expand(rows, -1, -1, -1)
         if deepstack is not None:
             kwargs["visual_pos_masks"] = self.visual[:, start:].expand(rows, -1)
             kwargs["deepstack_visual_embeds"] = deepstack
@@ -303,6 +308,8 @@ class _Runner:
         if self.mask is not None:
             kwargs["attention_mask"] = self.mask[:, :end]
         kwargs.update({k: v[:, :end] for k, v in self.types.items()})
+        if self.per_layer is not None:
+            kwargs["per_layer_inputs"] = self.per_layer[:, :end]
         self.decoder(**kwargs)
         return cache
 

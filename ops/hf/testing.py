@@ -119,12 +119,19 @@ def image_prompt(model, grids: Sequence[Tuple[int, int]] = ((8, 8),),
         input_ids[b, T - len(r):] = r
         attention_mask[b, T - len(r):] = 1
     out = dict(input_ids=input_ids, attention_mask=attention_mask)
+    for key, items in family.tiny.index_inputs.items():
+        shift = 0
+        for inputs in extras:
+            inputs[key] = torch.where(inputs[key] >= 0, inputs[key] + shift, inputs[key])
+            shift += inputs[items][..., 0].numel()
     for key in extras[0]:
         parts = [e[key] for e in extras]
         dim = family.tiny.cat_dims.get(key)
         out[key] = _cat_padded(parts) if dim is None else torch.cat(parts, dim)
     out["pixel_values"] = out["pixel_values"].to(model.dtype)
-    is_image = torch.isin(input_ids, torch.tensor(family.image_token_ids(model.config)))
+    typed = [family.tiny.tokens[name] for name in family.tiny.typed_tokens]
+    is_image = torch.isin(input_ids, torch.tensor([*family.image_token_ids(model.config),
+                                                   *typed]))
     out.update(family.prompt_types(model, is_image))
     return out
 

@@ -11,12 +11,12 @@ model's own ``get_image_features`` returns features for that picture.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from .tiny import EOS, IMAGE_TOKEN, PAD, VIDEO_TOKEN, VISION_END, VISION_START, VOCAB
+from .tiny import EOS, IMAGE_TOKEN, PAD, VOCAB
 
 Picture = Callable[[torch.Generator], Dict[str, torch.Tensor]]
 
@@ -24,18 +24,10 @@ Picture = Callable[[torch.Generator], Dict[str, torch.Tensor]]
 @dataclass
 class Recipe:
     """A tiny model's config and class, and ``picture(generator)``: one picture's model
-    inputs. ``offsets``: inputs that index into another input's items, by that input's name (they
-    are shifted past the earlier pictures' items when concatenated); ``markers``: token ids the processor puts
-    before and after a picture's placeholders (in its bidirectional image block where
-    the model has one, ``typed_markers``); ``tokens``: a picture's placeholder count from its inputs, where
-    ``get_image_features`` does not give it for one picture alone."""
+    inputs."""
     config: Any
     cls: type
     picture: Picture
-    offsets: Dict[str, Tuple[str, int]] = field(default_factory=dict)
-    markers: Tuple[Tuple[int, ...], Tuple[int, ...]] = ((), ())
-    typed_markers: bool = False  # whether mm_token_type_ids marks the markers as image
-    tokens: Optional[Callable[[Dict[str, torch.Tensor]], int]] = None
 
 
 def _text(**extra) -> dict:
@@ -111,65 +103,6 @@ def _granite4_vision():
     return Recipe(config, tf.Granite4VisionForConditionalGeneration, picture)
 
 
-def _molmo2():
-    import transformers as tf
-    from transformers.models.molmo2.configuration_molmo2 import (Molmo2AdapterConfig,
-                                                                  Molmo2TextConfig,
-                                                                  Molmo2VisionConfig)
-    text = _text(rope_theta=10000.0, rms_norm_eps=1e-6)
-    text.pop("rope_theta")
-    config = tf.Molmo2Config(
-        text_config=Molmo2TextConfig(**text),
-        vision_config=Molmo2VisionConfig(hidden_size=32, intermediate_size=37,
-                                         num_hidden_layers=2, num_attention_heads=4,
-                                         num_key_value_heads=4, head_dim=8, image_size=[16, 16],
-                                         patch_size=4),
-        adapter_config=Molmo2AdapterConfig(vision_feature_layer=[1], hidden_size=32,
-                                           num_attention_heads=4, num_key_value_heads=4,
-                                           head_dim=8, intermediate_size=37,
-                                           text_hidden_size=64),
-        image_start_token_id=VISION_START, image_end_token_id=VISION_END,
-        image_patch_id=IMAGE_TOKEN, tie_word_embeddings=False)
-    patches = 16  # a 16 x 16 crop in patches of 4
-
-    def picture(g):  # 2 x 2 + 2 x 2 pooled tokens, each pooling 4 of the crop's patches
-        pooling = torch.randint(0, patches, (8, 4), generator=g)
-        return {"pixel_values": torch.randn(1, patches, 4 * 4 * 3, generator=g),
-                "image_token_pooling": pooling,
-                "image_grids": torch.tensor([[2, 2, 2, 2]]),
-                "image_num_crops": torch.ones(1, dtype=torch.int64)}
-    return Recipe(config, tf.Molmo2ForConditionalGeneration, picture,
-                  offsets={"image_token_pooling": ("pixel_values", 1)},
-                  markers=((VISION_START,), (VISION_END,)), typed_markers=True,
-                  tokens=lambda inputs: 8)
-
-
-def _gemma4():
-    import transformers as tf
-    layer_types = ["sliding_attention", "full_attention"] * 2
-    text = _text(layer_types=layer_types, num_hidden_layers=4, num_kv_shared_layers=2,
-                 sliding_window=8, vocab_size_per_layer_input=VOCAB,
-                 hidden_size_per_layer_input=16, use_bidirectional_attention="vision",
-                 per_layer_config={i: {"head_dim": 32} for i, t in enumerate(layer_types)
-                                   if t == "full_attention"})
-    config = tf.Gemma4Config(
-        text_config=text,
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                           patch_size=4, pooling_kernel_size=2, position_embedding_size=64),
-        image_token_id=IMAGE_TOKEN, boi_token_id=VISION_START, eoi_token_id=VISION_END,
-        video_token_id=VIDEO_TOKEN, audio_token_id=VIDEO_TOKEN + 10,
-        tie_word_embeddings=False)
-    side = 4  # patches per side: pooled 2 x 2 to 4 tokens
-
-    def picture(g):
-        xs, ys = torch.arange(side).repeat(side), torch.arange(side).repeat_interleave(side)
-        return {"pixel_values": torch.randn(1, side * side, 4 * 4 * 3, generator=g),
-                "image_position_ids": torch.stack([xs, ys], -1).unsqueeze(0)}
-    return Recipe(config, tf.Gemma4ForConditionalGeneration, picture,
-                  markers=((VISION_START,), (VISION_END,)))
-
-
 def _vipllava():
     import transformers as tf
     from .families.llava import clip_vision
@@ -195,8 +128,6 @@ def _got_ocr2():
 RECIPES = {
     "vipllava": ("VipLLaVA", _vipllava),
     "got_ocr2": ("GOT-OCR 2", _got_ocr2),
-    "gemma4": ("Gemma 4", _gemma4),
-    "molmo2": ("Molmo 2", _molmo2),
     "granite4_vision": ("Granite 4 Vision", _granite4_vision),
     "lfm2_vl": ("LFM2-VL", _lfm2_vl),
     "cohere2_vision": ("Cohere 2 Vision", _cohere2_vision),
@@ -235,25 +166,22 @@ def feature_count(model, inputs: Dict[str, torch.Tensor]) -> int:
 def newest_rows(model, recipe: Recipe, text_before: Sequence[int] = (3,),
                 text_after: Sequence[int] = (5,), seed: int = 0) -> List[Dict[str, Any]]:
     """Prompts of one picture each, unpadded: row b is ``text_before[b]`` text tokens, the
-    picture's placeholders (between the recipe's markers) and ``text_after[b]`` text
+    picture's placeholders and ``text_after[b]`` text
     tokens, with the picture's inputs and ``mm_token_type_ids`` (1 on the picture) where
     the model takes them."""
     g = torch.Generator().manual_seed(seed)
-    before, after = (torch.tensor(m, dtype=torch.int64) for m in recipe.markers)
     typed = "mm_token_type_ids" in inspect.signature(model.forward).parameters
     rows = []
     for nb, na in zip(text_before, text_after):
         inputs = recipe.picture(g)
-        count = recipe.tokens(inputs) if recipe.tokens else feature_count(model, inputs)
-        image = torch.cat([before, torch.full((count,), IMAGE_TOKEN), after])
+        count = feature_count(model, inputs)
+        image = torch.full((count,), IMAGE_TOKEN)
         text = [torch.randint(1, IMAGE_TOKEN, (n,), generator=g) for n in (nb, na)]
         ids = torch.cat([text[0], image, text[1]])[None]
         row = dict(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)
         if typed:
-            on_image = torch.ones(len(image)) if recipe.typed_markers else torch.cat(
-                [torch.zeros(len(before)), torch.ones(count), torch.zeros(len(after))])
             row["mm_token_type_ids"] = torch.cat(
-                [torch.zeros(nb), on_image, torch.zeros(na)]).to(torch.int32)[None]
+                [torch.zeros(nb), torch.ones(count), torch.zeros(na)]).to(torch.int32)[None]
         rows.append(row)
     return rows
 
@@ -271,13 +199,7 @@ def batch_rows(recipe: Recipe, rows: Sequence[Dict[str, Any]]) -> Dict[str, torc
     for key in rows[0]:
         if key in out:
             continue
-        parts, shift = [], 0
-        for r in rows:
-            parts.append(r[key] + shift if key in recipe.offsets else r[key])
-            if key in recipe.offsets:
-                source, dim = recipe.offsets[key]
-                shift += r[source].shape[dim]
-        out[key] = torch.cat(parts)
+        out[key] = torch.cat([r[key] for r in rows])
     return out
 
 

@@ -113,15 +113,20 @@ def load_seed(module_name: str):
 QUARTER_COLOURS = ((255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0))
 
 
-def quarter_prompts(processor, sizes, per_row, marker: str, colours=QUARTER_COLOURS):
+def quarter_prompts(processor, sizes, per_row, marker: str, colours=QUARTER_COLOURS,
+                    nested: bool = False):
     """A processor's inputs, left-padded, for prompts of ``per_row[b]`` pictures each (the
     pictures of ``sizes``, (height, width), in order, each of four coloured quarters),
-    ``marker`` standing for each picture in the text."""
+    ``marker`` standing for each picture in the text; ``nested``: the pictures given as
+    one list per prompt (processors that take no flat list, such as Gemma 4's)."""
     from headscope.hf.testing import quarters
     texts = ["describe " + " and ".join([marker] * count) + " the image ." for count in per_row]
+    images = [quarters(*size, colours) for size in sizes]
+    if nested:
+        ends = torch.tensor(per_row).cumsum(0).tolist()
+        images = [images[end - count:end] for end, count in zip(ends, per_row)]
     processor.tokenizer.padding_side = "left"
-    return processor(text=texts, images=[quarters(*size, colours) for size in sizes],
-                     return_tensors="pt", padding=True)
+    return processor(text=texts, images=images, return_tensors="pt", padding=True)
 
 
 def nearest_colour(processor, pixels: torch.Tensor, colours=QUARTER_COLOURS) -> torch.Tensor:

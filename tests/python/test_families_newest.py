@@ -31,7 +31,7 @@ HYBRID = {"lfm2_vl"}
 # each of the 2 rows of its unpadded view
 MARKERS = {"granite4_vision": 2}
 # decoders whose inputs region_effects cannot batch: it refuses them (NotImplementedError)
-UNBATCHED = {"gemma4": "per_layer_inputs", "granite4_vision": "deepstack_features"}
+UNBATCHED = {"granite4_vision": "deepstack_features"}
 TEXT = dict(text_before=(3, 5), text_after=(5, 2))
 NEW = 5  # generated tokens
 

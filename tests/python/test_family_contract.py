@@ -215,6 +215,15 @@ def row_alone(model, inputs, b):
     row = {k: v[b:b + 1][:, keep] for k, v in inputs.items()
            if k in ("input_ids", "attention_mask") + TYPES}
     pixels = inputs["pixel_values"]
+    if "image_token_pooling" in inputs:  # crops' patches pooled by index (Molmo 2)
+        crops, grids = inputs["image_num_crops"], inputs["image_grids"]
+        tokens = (grids[:, :2].prod(-1) + grids[:, 2:].prod(-1)).tolist()
+        first, start = sum(tokens[:b]), int(crops[:b].sum())
+        pooled = inputs["image_token_pooling"][first:first + tokens[b]]
+        shift = start * pixels.shape[1]  # the earlier pictures' patches
+        return dict(row, pixel_values=pixels[start:start + int(crops[b])],
+                    image_token_pooling=torch.where(pooled >= 0, pooled - shift, pooled),
+                    image_grids=grids[b:b + 1], image_num_crops=crops[b:b + 1])
     if "target_sizes" in inputs:  # views' patches packed side by side (MiniCPM-V 4.6)
         views = [sum(len(image.views) for image in pictures)
                  for pictures in family_of(model).images(model.config, inputs)]

@@ -42,7 +42,12 @@ class TinySpec:
     markers from ``MARKER_IDS`` (ids may repeat across families, never within one: checked
     at registration). ``tokenizer_extras``: the named special tokens its processor reads
     off the tokenizer (``image_token``, ``boi_token``, ...). ``chat_template``: a one-turn
-    template for the processor.
+    template for the processor. ``typed_tokens``: the tokens besides the image token that
+    the processor types as the picture's in ``mm_token_type_ids`` (Molmo 2's markers, in
+    its bidirectional image block). ``index_inputs``: inputs whose entries index the items
+    of another input, by that input's name (Molmo 2's ``image_token_pooling``, the patches
+    of ``pixel_values``: its rows flattened to the last dim; -1 none): a batch's pictures'
+    entries are shifted past the earlier pictures' items, as the processor numbers them.
 
     The shared tests' choices: ``grids``, the two pictures of the contract's prompts
     (``image_prompt``'s ``grids``); ``contract_xfail``, ``(exception, reason)`` where the
@@ -61,6 +66,8 @@ class TinySpec:
     tokens: Mapping[str, int]
     chat_template: str
     tokenizer_extras: Mapping[str, str] = field(default_factory=dict)
+    typed_tokens: Tuple[str, ...] = ()
+    index_inputs: Mapping[str, str] = field(default_factory=dict)
     grids: Tuple[Tuple[int, int], ...] = ((8, 8), (6, 4))
     contract_xfail: Optional[Tuple[Type[BaseException], str]] = None
     effects: Mapping[str, Tuple[str, ...]] = field(default_factory=dict)

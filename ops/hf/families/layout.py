@@ -152,6 +152,17 @@ def square_pictures(who: str, inputs: Dict[str, Any], token_ids: Sequence[int],
     return [[ImageTokens((View("base", p, side, side),)) for p in row] for row in pictures]
 
 
+def grid_pictures(who: str, input_ids: torch.Tensor, token_ids: Sequence[int],
+                  grids: Sequence[Tuple[int, int]]) -> List[List[ImageTokens]]:
+    """Per batch row, its pictures for a model that lays every picture out as one grid
+    of image tokens, row-major (one "base" view), ``grids`` each picture's ``(rows,
+    cols)``, the batch's pictures in order."""
+    pictures = split_images(who, image_positions(input_ids, token_ids),
+                            [rows * cols for rows, cols in grids])
+    grid = iter(grids)
+    return [[ImageTokens((View("base", p, *next(grid)),)) for p in row] for row in pictures]
+
+
 def image_runs(who: str, positions: torch.Tensor, side: int) -> List[torch.Tensor]:
     """One row's image positions cut into runs of consecutive positions, each checked to
     hold one ``side x side`` tile or global image."""

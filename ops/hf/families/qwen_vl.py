@@ -11,7 +11,7 @@ import torch
 
 from ..tiny import EOS, IMAGE_TOKEN, MARKER_IDS, VIDEO_TOKEN, VISION_END, VISION_START
 from .base import Family, TinySpec, missing_input, register
-from .layout import ImageTokens, View, image_positions, split_images
+from .layout import ImageTokens, grid_pictures
 
 WHO = "headscope.hf.Tracer"
 
@@ -49,12 +49,8 @@ class QwenVL(Family):
                         "tests run the real Qwen2-VL processor end to end")
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
-        grids = merged_grids(config, inputs)
-        per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
-        pictures = split_images(WHO, per_row, [r * c for r, c in grids])
-        grid = iter(grids)
-        return [[ImageTokens((View("base", p, *next(grid)),)) for p in row]
-                for row in pictures]
+        return grid_pictures(WHO, inputs["input_ids"], self.image_token_ids(config),
+                             merged_grids(config, inputs))
 
     # ---- tiny models ----------------------------------------------------------------------
 
