@@ -319,16 +319,19 @@ class AttributionHead(nn.Module):
             self.bias.fill_(bias)
 
     @torch.jit.unused
-    def fit(self, features: Tensor, targets: Tensor, ridge: float = 0.0) -> "AttributionHead":
+    def fit(self, features: Tensor, targets: Tensor, ridge: float = 0.0,
+            weights: Optional[Tensor] = None) -> "AttributionHead":
         """Closed-form fit, the estimator of the reference implementation
         (``vstream_synth_repro.py``, docs/attribution.md): least squares of the standardised
         targets on the standardised features (optimal for Pearson correlation), in float64.
 
         ``features`` ``(..., F)``, ``targets`` ``(...)``. ``ridge`` > 0 adds
         ``ridge * ||w||^2`` (standardised units); 0 gives the reference implementation's
-        minimum-norm ``lstsq``. The stored weight and bias give predictions in the targets'
-        units (the reference implementation's, times the targets' std, plus their mean: the
-        same ranking and LDS).
+        minimum-norm ``lstsq``. ``weights`` (the targets' shape, >= 0, not all 0): weighted
+        least squares, with the means and standard deviations weighted alike (None: every
+        sample weighs 1, the reference implementation). The stored weight and bias give
+        predictions in the targets' units (the reference implementation's, times the
+        targets' std, plus their mean: the same ranking and LDS).
         """
         X, y = _check_fit_data("fit", features, targets, self.num_features,
                                self._columns())
@@ -338,18 +341,66 @@ class AttributionHead(nn.Module):
         if ridge < 0 or not math.isfinite(ridge):
             raise ValueError(f"headscope.AttributionHead.fit: argument 'ridge' must be a "
                              f"finite value >= 0, got {ridge}")
-        mean = X.mean(0)
-        std = X.std(0, unbiased=False) + STD_EPS
+        if weights is None:
+            mean = X.mean(0)
+            std = X.std(0, unbiased=False) + STD_EPS
+            mu_y = y.mean()
+            sd_y = y.std(unbiased=False) + STD_EPS
+        else:
+            if not isinstance(weights, Tensor) or weights.shape != targets.shape:
+                got = tuple(weights.shape) if isinstance(weights, Tensor) else weights
+                raise ValueError(f"headscope.AttributionHead.fit: argument 'weights' must "
+                                 f"have the targets' shape {tuple(targets.shape)}, got {got!r}")
+            weights = weights.reshape(-1).to(torch.float64)
+            if not bool(torch.isfinite(weights).all() & (weights >= 0).all()) or \
+                    not bool(weights.sum() > 0):
+                raise ValueError("headscope.AttributionHead.fit: argument 'weights' must be "
+                                 "finite and >= 0, not all 0")
+            share = weights / weights.sum()
+            mean = share @ X
+            std = (share @ (X - mean) ** 2).sqrt() + STD_EPS
+            mu_y = share @ y
+            sd_y = (share @ (y - mu_y) ** 2).sqrt() + STD_EPS
         Xs = (X - mean) / std
-        mu_y = y.mean()
-        sd_y = y.std(unbiased=False) + STD_EPS
         ys = (y - mu_y) / sd_y
+        if weights is not None:
+            # rows scaled by the root of weights that average 1, so that ridge keeps its scale
+            root = (share * X.shape[0]).sqrt()
+            Xs, ys = Xs * root.unsqueeze(1), ys * root
         if ridge == 0:
             w = torch.linalg.lstsq(Xs, ys.unsqueeze(1), driver="gelsd").solution.squeeze(1)
         else:
             A = Xs.T @ Xs + ridge * torch.eye(Xs.shape[1], dtype=Xs.dtype)
             w = torch.linalg.solve(A, Xs.T @ ys)
         self._store(w * sd_y, mean, std, float(mu_y))
+        return self
+
+    @torch.jit.unused
+    def calibrate(self, features: Tensor, targets: Tensor,
+                  weights: Optional[Tensor] = None) -> "AttributionHead":
+        """Puts the scores into the units of ``targets``: the least-squares slope and offset
+        of the targets on the current scores (weighted by ``weights``, as :meth:`fit`'s)
+        are folded into the weight and bias, so that the ranking is unchanged. For a head
+        fitted to another target than the effects (ranks), so that its scores still
+        predict effects. A slope that is not positive (scores that do not rise with the
+        targets) is an error, as it would reverse the ranking."""
+        X, y = _check_fit_data("calibrate", features, targets, self.num_features,
+                               self._columns())
+        share = torch.full_like(y, 1.0 / y.numel()) if weights is None else \
+            weights.reshape(-1).to(torch.float64) / float(weights.sum())
+        with torch.no_grad():
+            p = torch.ops.headscope.linear_attribution(
+                X, self.weight.double(), self.mean.double(), self.std.double(),
+                self.bias.double())
+        mp, my = share @ p, share @ y
+        var = share @ (p - mp) ** 2
+        slope = float(share @ ((p - mp) * (y - my)) / var) if var > 0 else 0.0
+        if not slope > 0:
+            raise ValueError(f"headscope.AttributionHead.calibrate: the targets do not rise "
+                             f"with the scores (least-squares slope {slope:g}); calibrating "
+                             f"would reverse the ranking")
+        self._store(self.weight.double() * slope, self.mean, self.std,
+                    float(my - slope * mp + slope * self.bias.double()))
         return self
 
     @torch.jit.unused

@@ -1,8 +1,9 @@
 """``python -m headscope train``: fits an :class:`~headscope.AttributionHead` to a
-collection's span features and ablation effects (every span-region pair is a sample),
-optionally holding images out for a validation LDS. Spans made only of special tokens
-(the end-of-text span) are left out unless ``--keep-special-spans``: they name nothing of
-the image, and ``headscope.shapes head-eval`` leaves them out of its scores too."""
+collection's span features and ablation effects (every span-region pair is a sample;
+``--target ranks``: to each span's ranking of its regions), optionally holding images out
+for a validation LDS. Spans made only of special tokens (the end-of-text span) are left out
+unless ``--keep-special-spans`` or ``--special-span-weight``: they name nothing of the
+image, and ``headscope.shapes head-eval`` leaves them out of its sentence-span scores."""
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the feature set to fit on: the collection's (default) or one "
                              "whose blocks it holds (attention or attention*value_norm out "
                              "of a collection made with --features both)")
+    parser.add_argument("--target", choices=("effects", "ranks"), default="effects",
+                        help="what the head is fitted to: the measured effects (default), or "
+                             "per span the standardised ranks of its regions' effects plus "
+                             "--effect-weight times its standardised effects (closer to the "
+                             "LDS, a within-span ranking)")
+    parser.add_argument("--effect-weight", type=number(0), default=0.5,
+                        help="ranks: the weight of the standardised effects beside the ranks "
+                             "(default 0.5)")
     parser.add_argument("--keep-special-spans", action="store_true",
                         help="fit on spans made only of special tokens (the end-of-text "
                              "span) too; by default they are left out")
+    parser.add_argument("--special-span-weight", type=number(0, above=True), default=None,
+                        help="fit on spans made only of special tokens too, each weighing "
+                             "this much against 1 for the others (--keep-special-spans: 1)")
 
 
 PEARSON_ONLY = ("epochs", "lr", "batch_spans")
@@ -52,9 +64,13 @@ def check_arguments(args) -> None:
     if args.loss == "lstsq":
         refuse_ignored(args, PEARSON_ONLY, "with --loss lstsq (the closed form)")
     else:
-        refuse_ignored(args, ["ridge"], "with --loss pearson")
+        refuse_ignored(args, ["ridge", "special_span_weight"], "with --loss pearson")
     if not args.val_fraction:
         refuse_ignored(args, ["seed"], "without --val-fraction (it picks the held-out images)")
+    if args.target == "effects":
+        refuse_ignored(args, ["effect_weight"], "with --target effects")
+    if args.keep_special_spans:
+        refuse_ignored(args, ["special_span_weight"], "with --keep-special-spans (weight 1)")
     check_output(args.out, "--out")
 
 
@@ -124,6 +140,28 @@ def fitted_spans(data: Collection, folder: str, keep_special: bool) -> torch.Ten
     return ~data.tensors["special_only"]
 
 
+def standardised(values: torch.Tensor) -> torch.Tensor:
+    """``(S, K)`` -> each row centred and divided by its standard deviation (a constant row
+    gives zeros)."""
+    centred = values - values.mean(-1, keepdim=True)
+    std = centred.pow(2).mean(-1, keepdim=True).sqrt()
+    return torch.where(std > 0, centred / std.clamp_min(torch.finfo(values.dtype).tiny),
+                       torch.zeros_like(centred))
+
+
+def ranked_targets(effects: torch.Tensor, effect_weight: float) -> torch.Tensor:
+    """``(S, K)`` effects -> targets for ``--target ranks``: per span, the standardised
+    ranks of its regions' effects (ties share their average rank, as Spearman's) plus
+    ``effect_weight`` times its standardised effects. The ranks make the fit follow the
+    order the LDS scores; the effects keep the largest effect on top, where pointing reads
+    it."""
+    effects = effects.double()
+    above = (effects.unsqueeze(-1) > effects.unsqueeze(-2)).sum(-1)
+    ties = (effects.unsqueeze(-1) == effects.unsqueeze(-2)).sum(-1)
+    ranks = (above + (ties - 1) / 2).double()
+    return standardised(ranks) + effect_weight * standardised(effects)
+
+
 def fit(data: Collection, args) -> AttributionHead:
     from tqdm.auto import tqdm
     t = data.tensors
@@ -131,12 +169,21 @@ def fit(data: Collection, args) -> AttributionHead:
     check_feature_columns(data.manifest, F, "train")
     head = AttributionHead(int(data.manifest["num_layers"]), int(data.manifest["num_heads"]),
                            feature_set=feature_set(data.manifest))
+    targets = t["effects"] if args.target == "effects" else \
+        ranked_targets(t["effects"], args.effect_weight)
+    weights = None if args.special_span_weight is None else \
+        torch.where(t["special_only"], args.special_span_weight, 1.0).unsqueeze(1).expand(S, K)
     if args.loss == "lstsq":
-        return head.fit(t["features"], t["effects"], ridge=args.ridge)
-    batches = -(-S // args.batch_spans)
-    with tqdm(total=batches * (args.epochs + 2), desc="train (pearson)", unit="batch") as bar:
-        loader = _Batches(t["features"], t["effects"], args.batch_spans, bar)
-        return head.fit_pearson(loader, args.epochs, lr=args.lr)
+        head.fit(t["features"], targets, ridge=args.ridge, weights=weights)
+    else:
+        batches = -(-S // args.batch_spans)
+        with tqdm(total=batches * (args.epochs + 2), desc="train (pearson)",
+                  unit="batch") as bar:
+            loader = _Batches(t["features"], targets, args.batch_spans, bar)
+            head.fit_pearson(loader, args.epochs, lr=args.lr)
+    if args.target == "ranks":  # scores in nats again: predicted effects, same ranking
+        head.calibrate(t["features"], t["effects"], weights)
+    return head
 
 
 def run(args) -> int:
@@ -144,7 +191,12 @@ def run(args) -> int:
     data = read_collection(Path(args.data))
     if args.features is not None:
         data = with_features(data, args.features, args.data)
-    kept = fitted_spans(data, args.data, args.keep_special_spans)
+    weighted = args.special_span_weight is not None
+    if weighted and "special_only" not in data.tensors:
+        raise UsageError(f"--special-span-weight {args.special_span_weight:g}: the collection "
+                         f"{args.data} does not record which spans are only special tokens "
+                         f"(collected by an older headscope); collect it again")
+    kept = fitted_spans(data, args.data, args.keep_special_spans or weighted)
     train_spans, val_spans = split(data, args.val_fraction, args.seed)
     train_spans, val_spans = train_spans & kept, val_spans & kept
     train = subset(data, train_spans)
@@ -154,8 +206,13 @@ def run(args) -> int:
     head.save(args.out)
     with torch.no_grad():
         fitted = score(train, head(train.tensors["features"]))
-    left_out = "" if args.keep_special_spans else \
-        f" ({int((~kept).sum())} special-token-only spans left out)"
+    if args.keep_special_spans:
+        left_out = ""
+    elif weighted:
+        left_out = (f" ({int(train.tensors['special_only'].sum())} special-token-only spans "
+                    f"weighted {args.special_span_weight:g})")
+    else:
+        left_out = f" ({int((~kept).sum())} special-token-only spans left out)"
     print(f"fitted a {args.loss} head on {train.num_spans} spans x "
           f"{data.tensors['effects'].shape[1]} regions{left_out} -> {args.out}")
     print(f"train LDS {_fmt(fitted['lds'])}")

@@ -17,9 +17,10 @@ different sets are compared), and every span is scored by each head and by the r
 baseline of each feature block (``FEATURE_BLOCKS``: the block's pooled mass averaged over
 layers and heads: raw attention, and raw value-norm-weighted attention) and by AttnLRP
 (``headscope.hf.attnlrp_scores``, the log-probability target, timed per span) against
-its true effects (``region_effects``, ``ablation="mask"``). Spans made only of special
-tokens (the end-of-text span) are left out of every score: they name nothing, and their
-count is reported; ``python -m headscope train`` leaves them out of the fit by default too.
+its true effects (``region_effects``, ``ablation="mask"``). Every score is reported on two
+sets of spans (``SPAN_SETS``): the sentence spans, where spans made only of special tokens
+(the end-of-text span) are left out (they name nothing; ``python -m headscope train``
+leaves them out of the fit by default too), and all spans, the end-of-text span included.
 """
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ RAW_NAMES = {"attention": "raw attention",
              "attention*value_norm": "raw value-norm-weighted attention",
              "attnlrp": "AttnLRP (log p)"}
 POSTHOC = ("attnlrp",)  # post-hoc baselines, computed after generation
+# The span sets every score is reported on: the top level of the result is the sentence
+# spans, "all_spans" holds the same summary with the special-token-only spans put back.
+SPAN_SETS = ("sentence", "all")
 WHO = "headscope.shapes.head_eval"
 
 def range_scenes(which: str, count: int) -> List[Tuple[int, int]]:
@@ -73,10 +77,10 @@ def check_traced(heads: Mapping[str, "AttributionHead"], features: str) -> None:
 
 def scene_record(model, processor, heads: Mapping[str, "AttributionHead"], regions, seed: int,
                  num_objects: int, max_new_tokens: int, features: str = "attention") -> dict:
-    """One scene: each kept span's scores (each head's, by its label, each raw block's, by
-    the block's name, and AttnLRP's as ``"attnlrp"``), true effects, pointing and the
-    seconds AttnLRP took. ``regions``: as ``Tracer`` takes them; ``features``: the set
-    traced, holding every head's blocks."""
+    """One scene: each span's scores (each head's, by its label, each raw block's, by the
+    block's name, and AttnLRP's as ``"attnlrp"``), true effects, whether it is made only of
+    special tokens (``special``), pointing and the seconds AttnLRP took. ``regions``: as
+    ``Tracer`` takes them; ``features``: the set traced, holding every head's blocks."""
     import time
 
     from ..hf import Tracer, attnlrp_scores, region_effects
@@ -93,17 +97,17 @@ def scene_record(model, processor, heads: Mapping[str, "AttributionHead"], regio
     labels = tracer.region_ids[0, picture.grid.positions].cpu().numpy()
     K = tracer.num_regions[0]
     centroids = region_centroids(labels, (picture.rows, picture.cols), IMAGE_SIZE, K)
-    special = processor.tokenizer.all_special_ids
-    kept = [s for s in spans if not special_only(s.token_ids.tolist(), special)]
-    record = {"seed": seed, "objects": num_objects, "spans": len(kept),
-              "special_spans": len(spans) - len(kept)}
-    if not kept:
+    special_ids = processor.tokenizer.all_special_ids
+    record = {"seed": seed, "objects": num_objects, "spans": len(spans),
+              "special": torch.tensor([special_only(s.token_ids.tolist(), special_ids)
+                                       for s in spans], dtype=torch.bool)}
+    if not spans:
         return record
-    traced = torch.stack([s.features for s in kept]).float()  # (S, K, F)
-    record["effects"] = region_effects(model, inputs, tracer.sequences, kept,
+    traced = torch.stack([s.features for s in spans]).float()  # (S, K, F)
+    record["effects"] = region_effects(model, inputs, tracer.sequences, spans,
                                        tracer.region_ids, ablation="mask", progress=False)
     start = time.perf_counter()
-    attnlrp = attnlrp_scores(model, inputs, tracer.sequences, kept, tracer.region_ids)
+    attnlrp = attnlrp_scores(model, inputs, tracer.sequences, spans, tracer.region_ids)
     record["seconds"] = {"attnlrp": time.perf_counter() - start}
     record["scores"] = {
         **{label: head(feature_columns(traced, features, head.feature_set)).float()
@@ -112,7 +116,7 @@ def scene_record(model, processor, heads: Mapping[str, "AttributionHead"], regio
            for block in FEATURE_BLOCKS[features]},
         "attnlrp": attnlrp}
     pointing = []  # (hit per scorer, chance of a random region) per span naming an object
-    for i, s in enumerate(kept):
+    for i, s in enumerate(spans):
         text = processor.tokenizer.decode(s.token_ids, skip_special_tokens=True)
         obj = match_object(parse_sentence(text), objects)
         if obj is None:
@@ -132,15 +136,34 @@ def compared_pairs(heads: Sequence[str], baselines: Sequence[str]) -> List[Tuple
         [(a, b) for i, a in enumerate(heads) for b in heads[i + 1:]]
 
 
+def span_set(records: List[dict], which: str) -> List[dict]:
+    """The records restricted to the spans of set ``which`` (``SPAN_SETS``): ``"sentence"``
+    leaves out each record's special-token-only spans, ``"all"`` keeps every span; each
+    record's ``special_spans`` counts the spans it left out."""
+    if which not in SPAN_SETS:
+        raise ValueError(f"{WHO}: the span set must be one of {list(SPAN_SETS)}, got "
+                         f"{which!r}")
+    out = []
+    for r in records:
+        keep = torch.ones(r["spans"], dtype=torch.bool) if which == "all" else ~r["special"]
+        kept = {**r, "spans": int(keep.sum()), "special_spans": int((~keep).sum())}
+        if "effects" in r:
+            kept["effects"] = r["effects"][keep]
+            kept["scores"] = {name: v[keep] for name, v in r["scores"].items()}
+        out.append(kept)
+    return out
+
+
 def summarise(records: List[dict], heads: Sequence[str] = (HEAD,),
-              baselines: Sequence[str] = ("attention",)) -> dict:
+              baselines: Sequence[str] = ("attention",), spans: str = "sentence") -> dict:
     """Per-image LDS of each head (by label) and each raw baseline (by block name), the
     paired difference of each head to each baseline (``lds_difference["head - attention"]``)
     and, with several heads, of each head to each later one, with its standard error and
     bootstrap 95% interval over scenes, pointing, and the milliseconds per span of each
-    baseline every record timed (``seconds``). Scenes count where every scorer's LDS is
-    defined."""
-    scored = [r for r in records if r["spans"]]
+    baseline every record timed (``seconds``, over every span of the record), on the span
+    set ``spans`` (:func:`span_set`). Scenes count where every scorer's LDS is defined."""
+    chosen = span_set(records, spans)
+    scored = [r for r in chosen if r["spans"]]
     if not scored:
         raise ValueError(f"{WHO}: no scene has a span to score (every span is only special "
                          f"tokens)")
@@ -152,9 +175,9 @@ def summarise(records: List[dict], heads: Sequence[str] = (HEAD,),
                                span_scene, len(scored)) for name in scorers}
     defined = ~torch.stack([torch.isnan(lds[name]) for name in scorers]).any(0)
     cases = [c for r in scored for c in r["pointing"]]
-    out = {"scenes": len(records), "scenes_scored": int(defined.sum()),
+    out = {"span_set": spans, "scenes": len(records), "scenes_scored": int(defined.sum()),
            "spans": int(span_scene.numel()),
-           "special_spans_left_out": sum(r["special_spans"] for r in records),
+           "special_spans_left_out": sum(r["special_spans"] for r in chosen),
            "heads": list(heads), "baselines": list(baselines),
            "lds": {name: mean_with_interval(lds[name][defined]) for name in scorers},
            "lds_difference": {f"{a} - {b}": mean_with_interval(lds[a][defined]
@@ -165,10 +188,21 @@ def summarise(records: List[dict], heads: Sequence[str] = (HEAD,),
                                if cases else None) for name in scorers}}
     out["pointing"]["random"] = (sum(chance for _, chance in cases) / len(cases)
                                  if cases else None)
-    timed = [name for name in baselines if all(name in r.get("seconds", {}) for r in scored)]
-    out["ms_per_span"] = {name: 1e3 * sum(r["seconds"][name] for r in scored)
-                          / out["spans"] for name in timed}
+    timed_records = [r for r in records if r["spans"]]
+    timed = [name for name in baselines
+             if all(name in r.get("seconds", {}) for r in timed_records)]
+    every_span = sum(r["spans"] for r in timed_records)
+    out["ms_per_span"] = {name: 1e3 * sum(r["seconds"][name] for r in timed_records)
+                          / every_span for name in timed}
     return out
+
+
+def summarise_span_sets(records: List[dict], heads: Sequence[str] = (HEAD,),
+                        baselines: Sequence[str] = ("attention",)) -> dict:
+    """:func:`summarise` on the sentence spans, with the same summary on all spans (the
+    end-of-text span included) as ``"all_spans"``."""
+    return {**summarise(records, heads, baselines, "sentence"),
+            "all_spans": summarise(records, heads, baselines, "all")}
 
 
 def head_labels(paths: Sequence[Path]) -> List[str]:
@@ -194,8 +228,8 @@ def evaluate_head(which: str = "reported", scenes: int = 300, *,
     ``head_path``: a head file other than the model folder's, or several (compared on the
     same spans, labelled ``head:NAME`` by file name); ``features``: the set to trace (default:
     the heads' own set, "both" for heads of different sets), which must hold every head's
-    blocks; its blocks are the raw baselines. Returns :func:`summarise`'s result with the
-    settings."""
+    blocks; its blocks are the raw baselines. Returns :func:`summarise_span_sets`' result
+    with the settings."""
     from tqdm import tqdm
 
     from ..attribution import AttributionHead
@@ -225,12 +259,13 @@ def evaluate_head(which: str = "reported", scenes: int = 300, *,
             "regions": regions if isinstance(regions, int) else "{}x{} grid".format(*regions),
             "max_new_tokens": max_new_tokens, "features": features,
             "head_feature_sets": {label: h.feature_set for label, h in heads.items()},
-            **summarise(records, list(heads), [*FEATURE_BLOCKS[features], *POSTHOC])}
+            **summarise_span_sets(records, list(heads), [*FEATURE_BLOCKS[features], *POSTHOC])}
 
 
 def table(result: dict) -> str:
     """The result as markdown: per-image LDS with intervals of each head and raw baseline,
-    each head's paired difference to each baseline, pointing."""
+    and each head's paired difference to each baseline, on the sentence spans and on all
+    spans; pointing."""
     def cell(m):
         if m["interval95"] is None:
             return "n/a" if m["mean"] is None else f"{m['mean']:.3f} (one scene)"
@@ -243,24 +278,28 @@ def table(result: dict) -> str:
         sets = result.get("head_feature_sets", {})
         return f"{scorer} ({sets[scorer]})" if scorer in sets else scorer
 
+    every = result["all_spans"]
     p = result["pointing"]
     pct = {k: "n/a" if v is None else f"{100 * v:.1f}%" for k, v in p.items()}
-    rows = [f"| {name(s)} | {cell(result['lds'][s])} | {pct[s]} |"
+    rows = [f"| {name(s)} | {cell(result['lds'][s])} | {cell(every['lds'][s])} | {pct[s]} |"
             for s in [*result["heads"], *result["baselines"]]]
     rows += [f"| {name(a)} - {name(b)} (paired) | "
-             f"{cell(result['lds_difference'][f'{a} - {b}'])} | |"
+             f"{cell(result['lds_difference'][f'{a} - {b}'])} | "
+             f"{cell(every['lds_difference'][f'{a} - {b}'])} | |"
              for a, b in compared_pairs(result["heads"], result["baselines"])]
     features = f", features {result['features']}" if "features" in result else ""
     timed = "; ".join(f"{name(k)}: {v:.1f} ms per span"
                       for k, v in result.get("ms_per_span", {}).items())
     return "\n".join([
         f"{result['scenes']} scenes ({result['seed_range']} seeds {result['seeds'][0]}.."
-        f"{result['seeds'][1]}, {result['regions']}{features}), {result['scenes_scored']} "
-        f"with every LDS defined; {result['spans']} spans, "
-        f"{result['special_spans_left_out']} special-token-only spans left out; "
-        f"{result['pointing_spans']} spans name an object of the image (pointing).", "",
-        "| scores | per-image LDS (mean ± s.e. [bootstrap 95%]) | pointing |",
-        "| --- | --- | --- |", *rows,
-        f"| a uniformly random region (expected) | | {pct['random']} |",
+        f"{result['seeds'][1]}, {result['regions']}{features}). Sentence spans: "
+        f"{result['spans']} ({result['special_spans_left_out']} special-token-only spans "
+        f"left out), {result['scenes_scored']} scenes with every LDS defined; all spans: "
+        f"{every['spans']}, {every['scenes_scored']} scenes; {result['pointing_spans']} "
+        f"spans name an object of the image (pointing).", "",
+        "| scores | per-image LDS, sentence spans (mean ± s.e. [bootstrap 95%]) | "
+        "per-image LDS, all spans | pointing |",
+        "| --- | --- | --- | --- |", *rows,
+        f"| a uniformly random region (expected) | | | {pct['random']} |",
         *([f"Post-hoc cost: {timed} (after generation, this process's threads)."]
           if timed else [])])

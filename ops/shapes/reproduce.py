@@ -56,9 +56,10 @@ QUICK = {"accuracy": {"scenes": 4},
 # A step's format: raised when what it measures changes (latency 2: time per token is the
 # decode's time over its steps, span ends included; the head evaluations 2: a raw baseline
 # per feature block, the head reading its own block of features="both"; 3: AttnLRP beside
-# them, with its time per span; faithfulness 3: AttnLRP and ms per span; hallucination 2:
-# AUROC within object counts and of the count alone).
-FORMATS = {"accuracy": 1, "head_vs_attention": 3, "head_eval": 3, "head_eval_grid": 3,
+# them, with its time per span; head_vs_attention 4: every score on the sentence spans and on
+# all spans; faithfulness 3: AttnLRP and ms per span; hallucination 2: AUROC within object
+# counts and of the count alone).
+FORMATS = {"accuracy": 1, "head_vs_attention": 4, "head_eval": 3, "head_eval_grid": 3,
            "latency": 2, "faithfulness": 3, "hallucination": 2, "hallucination_hard": 2,
            "mixer": 1}
 USES = {"faithfulness": ("latency",)}  # steps whose result this one takes in

@@ -681,6 +681,51 @@ def test_fit_matches_seed_estimator_small():
         assert float(headscope.pearson(hr(torch.from_numpy(Fte)), torch.from_numpy(seed_pred))) > 0.95
 
 
+def test_fit_weights_count_samples():
+    """Integer weights fit as the samples repeated that many times, weight 0 as the sample
+    left out, and equal weights as none (ridge keeps its scale); bad weights are refused."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(40, 6, generator=g, dtype=torch.float64)
+    y = X @ torch.randn(6, generator=g, dtype=torch.float64) + 0.1 * torch.randn(
+        40, generator=g, dtype=torch.float64)
+    counts = torch.randint(0, 4, (40,), generator=g).to(torch.float64)
+
+    def head(*args, **kwargs):
+        return headscope.AttributionHead(2, 3, dtype=torch.float64).fit(*args, **kwargs)
+
+    def close(a, b):
+        for name in ("weight", "mean", "std", "bias"):
+            assert torch.allclose(getattr(a, name), getattr(b, name), atol=1e-9), name
+
+    repeated = counts.long()
+    close(head(X, y, weights=counts),
+          head(X.repeat_interleave(repeated, 0), y.repeat_interleave(repeated)))
+    close(head(X, y, ridge=2.0, weights=torch.full((40,), 3.0)), head(X, y, ridge=2.0))
+    for bad in (torch.zeros(40), -counts, torch.ones(39)):
+        with pytest.raises(ValueError, match="'weights'"):
+            head(X, y, weights=bad)
+
+
+def test_calibrate_keeps_the_ranking_in_the_targets_units():
+    """Scores fitted to another target (here 5 + half the effects) come back as the
+    least-squares affine map onto the effects: the same order, the effects' units; a head
+    whose scores fall as the effects rise is refused."""
+    g = torch.Generator().manual_seed(1)
+    X = torch.rand(30, 6, generator=g, dtype=torch.float64)
+    effects = X @ torch.rand(6, generator=g, dtype=torch.float64)
+    head = headscope.AttributionHead(2, 3, dtype=torch.float64).fit(X, 5 + 0.5 * effects)
+    before = head(X).detach()
+    after = head.calibrate(X, effects)(X).detach()
+    assert torch.allclose(after, effects, atol=1e-9)
+    assert torch.equal(before.argsort(), after.argsort())
+    weighted = headscope.AttributionHead(2, 3, dtype=torch.float64).fit(X, effects + 1.0)
+    weighted.calibrate(X, effects, weights=torch.rand(30, generator=g, dtype=torch.float64))
+    assert torch.allclose(weighted(X).detach(), effects, atol=1e-9)
+    reversed_ = headscope.AttributionHead(2, 3, dtype=torch.float64).fit(X, -effects)
+    with pytest.raises(ValueError, match="reverse the ranking"):
+        reversed_.calibrate(X, effects)
+
+
 def test_generator_and_lds_match_seed():
     """The data generator of the reference implementation (vstream_synth_repro.py, executed
     from ../shared/seeds; skipped when absent): only its lines before training run (the

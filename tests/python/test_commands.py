@@ -327,6 +327,20 @@ BAD_ARGUMENTS = {
     "train-ridge-with-pearson": (lambda p: p.train + ["--out", p.tmp / "h", "--loss",
                                                       "pearson", "--ridge", "1"],
                                  ["--ridge 1.0", "--loss pearson"]),
+    "train-effect-weight-with-effects": (lambda p: p.train + ["--out", p.tmp / "h",
+                                                              "--effect-weight", "1"],
+                                         ["--effect-weight 1.0", "--target effects"]),
+    "train-special-span-weight-and-keep": (
+        lambda p: p.train + ["--out", p.tmp / "h", "--keep-special-spans",
+                             "--special-span-weight", "0.5"],
+        ["--special-span-weight 0.5", "--keep-special-spans"]),
+    "train-special-span-weight-with-pearson": (
+        lambda p: p.train + ["--out", p.tmp / "h", "--loss", "pearson",
+                             "--special-span-weight", "0.5"],
+        ["--special-span-weight 0.5", "--loss pearson"]),
+    "train-special-span-weight-0": (lambda p: p.train + ["--out", p.tmp / "h",
+                                                         "--special-span-weight", "0"],
+                                    ["--special-span-weight", "'0'", "> 0"]),
     "train-seed-without-val": (lambda p: p.train + ["--out", p.tmp / "h", "--seed", "1"],
                                ["--seed 1", "--val-fraction"]),
     "train-val-fraction-1": (lambda p: p.train + ["--out", p.tmp / "h", "--val-fraction", "1"],
@@ -479,8 +493,59 @@ def test_train_leaves_special_spans_out_and_fits_a_block_of_both(tmp_path, capsy
                        tmp_path / "h.safetensors")
     assert "does not record which spans are only special tokens" in err
     assert "--keep-special-spans" in err
+    err = usage_error(capsys, "train", "--data", tmp_path / "older", "--out",
+                      tmp_path / "h.safetensors", "--special-span-weight", "0.1")
+    assert "--special-span-weight 0.1" in err and "collect it again" in err
     assert main(["train", "--data", str(tmp_path / "older"), "--out",
                  str(tmp_path / "older.safetensors"), "--keep-special-spans"]) == 0
+
+
+def test_ranked_targets():
+    """Per span: standardised average ranks (ties share theirs) plus the weighted
+    standardised effects; a span of equal effects gives zeros."""
+    from headscope.commands.train import ranked_targets
+    effects = torch.tensor([[0.1, 5.0, 2.0], [3.0, 1.0, 3.0], [2.0, 2.0, 2.0]])
+    z = (torch.tensor([0.0, 1.0, 2.0]) - 1) / (2 / 3) ** 0.5  # ranks 0, 1, 2 standardised
+    assert torch.allclose(ranked_targets(effects, 0.0)[0], z[[0, 2, 1]].double())
+    tied = torch.tensor([1.5, 0.0, 1.5]) - 1  # ranks 1.5, 0, 1.5 centred: std 1/sqrt(2)
+    assert torch.allclose(ranked_targets(effects, 0.0)[1], (tied * 2 ** 0.5).double())
+    assert torch.equal(ranked_targets(effects, 0.5)[2], torch.zeros(3, dtype=torch.float64))
+    e = effects[0].double()
+    assert torch.allclose(ranked_targets(effects, 0.5)[0] - ranked_targets(effects, 0.0)[0],
+                          0.5 * (e - e.mean()) / e.std(unbiased=False))
+
+
+def test_train_fits_ranked_targets(tmp_path, capsys):
+    """--target ranks fits the head to ranked_targets of the same spans (the closed form on
+    them), --effect-weight sets their mix; the LDS printed is against the effects."""
+    from headscope.attribution import AttributionHead
+    from headscope.commands.train import ranked_targets
+    special = [False, False, True, False, False, True]
+    features, effects = _written_collection(tmp_path / "both", "both", special)
+    ordinary = ~torch.tensor(special)
+    for weight in ("0.5", "2"):
+        out = tmp_path / f"ranks{weight}.safetensors"
+        assert main(["train", "--data", str(tmp_path / "both"), "--out", str(out),
+                     "--target", "ranks", "--effect-weight", weight]) == 0
+        head = AttributionHead.load(str(out))
+        expected = AttributionHead(2, 2, feature_set="both").fit(
+            features[ordinary], ranked_targets(effects[ordinary], float(weight))).calibrate(
+            features[ordinary], effects[ordinary])
+        for name in ("weight", "bias", "mean", "std"):
+            assert torch.equal(getattr(head, name), getattr(expected, name)), name
+    assert "train LDS" in capsys.readouterr().out
+    # --special-span-weight: the special-token-only spans fitted too, weighing that much
+    out = tmp_path / "weighted.safetensors"
+    assert main(["train", "--data", str(tmp_path / "both"), "--out", str(out), "--target",
+                 "ranks", "--special-span-weight", "0.1"]) == 0
+    assert "(2 special-token-only spans weighted 0.1)" in capsys.readouterr().out
+    head = AttributionHead.load(str(out))
+    weights = torch.where(torch.tensor(special), 0.1, 1.0).unsqueeze(1).expand(-1, 3)
+    expected = AttributionHead(2, 2, feature_set="both").fit(
+        features, ranked_targets(effects, 0.5), weights=weights).calibrate(
+        features, effects, weights)
+    for name in ("weight", "bias", "mean", "std"):
+        assert torch.equal(getattr(head, name), getattr(expected, name)), name
 
 
 def test_manifest_feature_sets(tmp_path):

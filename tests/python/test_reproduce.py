@@ -29,6 +29,9 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     assert list(versus["lds_difference"]) == ["head - attention", "head - attention*value_norm",
                                               "head - attnlrp"]
     assert versus["ms_per_span"]["attnlrp"] > 0
+    every = versus["all_spans"]  # the same comparisons with the end-of-text spans put back
+    assert every["spans"] == versus["spans"] + versus["special_spans_left_out"]
+    assert list(every["lds_difference"]) == list(versus["lds_difference"])
     head_eval = steps["head_eval"]["result"]
     assert head_eval["seeds"] == [1_000_500_000, 1_000_500_001]
     assert 0 <= head_eval["random"]["pointing"] <= 1
@@ -52,6 +55,7 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     text = (tmp_path / "results.md").read_text()
     assert "| raw value-norm-weighted attention |" in text
     assert "| AttnLRP (log p) |" in text and "AttnLRP (log p): " in text
+    assert "| per-image LDS, all spans |" in text
     for title in ("Caption accuracy", "The head against raw attention", "Attribution head",
                   "Attribution head on the world's cells", "Latency",
                   "Faithfulness against time", "Hallucination detection",

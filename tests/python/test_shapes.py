@@ -131,7 +131,9 @@ def test_load_gives_the_shipped_model(shipped):
     size = sum(f.stat().st_size for f in DATA_DIR.iterdir())
     assert size <= 20 * 2 ** 20
     L = model.config.text_config.num_hidden_layers
-    assert head.num_features == L * model.config.text_config.num_attention_heads
+    H = model.config.text_config.num_attention_heads
+    assert (head.num_layers, head.num_heads) == (L, H)
+    assert head.num_features == head.feature_blocks * L * H
 
 
 MIN_RECALL = 0.9
