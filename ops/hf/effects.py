@@ -22,8 +22,11 @@ from .structure import softmax_attention_layers
 
 ABLATIONS = ("mask", "mean", "zero")
 WHO = "headscope.hf.region_effects"
+# per-position decoder inputs other than the mask: ERNIE 4.5-VL routes image tokens
+# (markers included) to experts of their own
+_TYPE_KEYS = {"moe_mm_token_type_ids"}
 _DECODER_KEYS = {"inputs_embeds", "attention_mask", "position_ids", "visual_pos_masks",
-                 "deepstack_visual_embeds", "per_layer_inputs"}
+                 "deepstack_visual_embeds", "per_layer_inputs"} | _TYPE_KEYS
 _IGNORED_KEYS = {"input_ids", "cache", "past_key_values", "use_cache", "return_dict",
                  "output_attentions", "output_hidden_states"}
 
@@ -253,6 +256,7 @@ class _Runner:
         if self.positions is None:
             self.positions = torch.arange(T, device=device).unsqueeze(0)
         self.visual = got.get("visual_pos_masks")
+        self.types = {k: got[k] for k in _TYPE_KEYS if got.get(k) is not None}
         self.deepstack = got.get("deepstack_visual_embeds")
         # Gemma 4's per-position inputs to every layer (the tokens' own part, the same
         # under every ablation: the decoder adds the ablated embeddings' part itself)
@@ -286,6 +290,7 @@ class _Runner:
                       use_cache=cache is not None, cache=cache)
         if self.mask is not None:
             kwargs["attention_mask"] = self.mask.expand(rows, -1)
+        kwargs.update({k: v[:, start:].expand(rows, -1) for k, v in self.types.items()})
         if self.per_layer is not None:
             kwargs["per_layer_inputs"] = self.per_layer[:, start:].expand(rows, -1, -1, -1)
         if deepstack is not None:
@@ -302,6 +307,7 @@ class _Runner:
                       use_cache=True, cache=cache)
         if self.mask is not None:
             kwargs["attention_mask"] = self.mask[:, :end]
+        kwargs.update({k: v[:, :end] for k, v in self.types.items()})
         if self.per_layer is not None:
             kwargs["per_layer_inputs"] = self.per_layer[:, :end]
         self.decoder(**kwargs)

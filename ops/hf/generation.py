@@ -11,6 +11,7 @@ from typing import Callable, ContextManager, Dict, Iterator, List, Optional, Seq
 
 import torch
 
+from .families.base import TYPE_INPUTS
 from .stream import Span, SpanCutter, iterate_spans, special_only
 
 _UNSUPPORTED_GENERATE = {"num_beams": 1, "num_return_sequences": 1, "assistant_model": None,
@@ -170,7 +171,7 @@ class Generation:
         final = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         final["input_ids"] = sequences
         final["attention_mask"] = torch.cat([mask, keep.to(mask.dtype)], 1)
-        for name in ("mm_token_type_ids", "token_type_ids"):
+        for name in TYPE_INPUTS:
             types = kwargs.get(name)
             if types is not None:
                 final[name] = torch.nn.functional.pad(types, (0, answer.shape[1]),

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from .tiny import EOS, IMAGE_TOKEN, PAD, VIDEO_TOKEN, VISION_END, VISION_START, VOCAB
+from .tiny import EOS, IMAGE_TOKEN, PAD, VOCAB
 
 Picture = Callable[[torch.Generator], Dict[str, torch.Tensor]]
 
@@ -24,14 +24,10 @@ Picture = Callable[[torch.Generator], Dict[str, torch.Tensor]]
 @dataclass
 class Recipe:
     """A tiny model's config and class, and ``picture(generator)``: one picture's model
-    inputs. ``markers``: token ids the processor puts before and after a picture's
-    placeholders."""
+    inputs."""
     config: Any
     cls: type
     picture: Picture
-    markers: Tuple[Tuple[int, ...], Tuple[int, ...]] = ((), ())
-IDS = dict(image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
-           vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
 
 
 def _text(**extra) -> dict:
@@ -41,10 +37,6 @@ def _text(**extra) -> dict:
                 max_position_embeddings=4096, tie_word_embeddings=False)
     text.update(extra)
     return text
-
-
-# multimodal rotary sections (temporal, height, width) of the 16-wide heads
-_MROPE = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
 
 
 def _pixels(*shape) -> Picture:
@@ -94,29 +86,6 @@ def _ovis2():
     return Recipe(config, tf.Ovis2ForConditionalGeneration, _pixels(1, 3, 32, 32))
 
 
-def _flat_patches(patch: int, side: int, temporal: int = 2, channels: int = 3) -> Picture:
-    """A Qwen-VL-style picture: ``side x side`` patches flattened, and its grid."""
-    def picture(g):
-        return {"pixel_values": torch.randn(side * side, channels * temporal * patch * patch,
-                                            generator=g),
-                "image_grid_thw": torch.tensor([[1, side, side]])}
-    return picture
-
-
-def _hunyuan_vl():
-    import transformers as tf
-    config = tf.HunYuanVLConfig(
-        text_config=_text(rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                               mrope_section=[2, 2, 2, 2])),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                           num_hidden_layers=2, out_hidden_size=64, text_hidden_size=64,
-                           patch_size=4, temporal_patch_size=1, spatial_merge_size=1,
-                           max_image_size=16, min_image_size=16, anyres_vit_max_image_size=16,
-                           max_vit_seq_len=16),
-        image_token_id=IMAGE_TOKEN, tie_word_embeddings=False)
-    return Recipe(config, tf.HunYuanVLForConditionalGeneration, _flat_patches(4, 4, temporal=1))
-
-
 def _granite4_vision():
     import transformers as tf
     config = tf.Granite4VisionConfig(
@@ -132,42 +101,6 @@ def _granite4_vision():
         return {"pixel_values": torch.randn(1, 2, 3, 8, 8, generator=g),
                 "image_sizes": torch.tensor([[8, 8]])}
     return Recipe(config, tf.Granite4VisionForConditionalGeneration, picture)
-
-
-def _kimi_k25():
-    import transformers as tf
-    text = _text(model_type="deepseek_v3", kv_lora_rank=16, q_lora_rank=None,
-                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
-                 num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
-                 first_k_dense_replace=1, num_key_value_heads=4)
-    text.pop("head_dim")
-    config = tf.Kimi_K25Config(
-        text_config=text,
-        vision_config=dict(patch_size=4, pos_emb_height=8, pos_emb_width=8, pos_emb_time=2,
-                           num_attention_heads=2, num_hidden_layers=2, hidden_size=32,
-                           intermediate_size=64),
-        projection_hidden_size=32, tie_word_embeddings=False, **IDS)
-
-    def picture(g):
-        return {"pixel_values": torch.randn(16, 3, 4, 4, generator=g),
-                "image_grid_thw": torch.tensor([[1, 4, 4]])}
-    return Recipe(config, tf.Kimi_K25ForConditionalGeneration, picture)
-
-
-def _ernie4_5_vl_moe():
-    import transformers as tf
-    config = tf.Ernie4_5_VLMoeConfig(
-        text_config=_text(rope_parameters=dict(_MROPE, mrope_section=[3, 3, 2]),
-                          mlp_layer_types=["dense", "sparse"], moe_intermediate_size=[32, 32],
-                          moe_k=2, moe_num_experts=4, moe_num_shared_experts=1),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=32, num_heads=2,
-                           patch_size=4, spatial_merge_size=2),
-        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN,
-        image_start_token_id=VISION_START, image_end_token_id=VISION_END,
-        tie_word_embeddings=False)
-    return Recipe(config, tf.Ernie4_5_VLMoeForConditionalGeneration,
-                  _flat_patches(4, 4, temporal=1),
-                  markers=((VISION_START,), (VISION_END,)))
 
 
 def _vipllava():
@@ -195,9 +128,6 @@ def _got_ocr2():
 RECIPES = {
     "vipllava": ("VipLLaVA", _vipllava),
     "got_ocr2": ("GOT-OCR 2", _got_ocr2),
-    "ernie4_5_vl_moe": ("ERNIE 4.5-VL", _ernie4_5_vl_moe),
-    "kimi_k25": ("Kimi K2.5", _kimi_k25),
-    "hunyuan_vl": ("HunYuan-VL", _hunyuan_vl),
     "granite4_vision": ("Granite 4 Vision", _granite4_vision),
     "lfm2_vl": ("LFM2-VL", _lfm2_vl),
     "cohere2_vision": ("Cohere 2 Vision", _cohere2_vision),
@@ -236,25 +166,22 @@ def feature_count(model, inputs: Dict[str, torch.Tensor]) -> int:
 def newest_rows(model, recipe: Recipe, text_before: Sequence[int] = (3,),
                 text_after: Sequence[int] = (5,), seed: int = 0) -> List[Dict[str, Any]]:
     """Prompts of one picture each, unpadded: row b is ``text_before[b]`` text tokens, the
-    picture's placeholders (between the recipe's markers) and ``text_after[b]`` text
+    picture's placeholders and ``text_after[b]`` text
     tokens, with the picture's inputs and ``mm_token_type_ids`` (1 on the picture) where
     the model takes them."""
     g = torch.Generator().manual_seed(seed)
-    before, after = (torch.tensor(m, dtype=torch.int64) for m in recipe.markers)
     typed = "mm_token_type_ids" in inspect.signature(model.forward).parameters
     rows = []
     for nb, na in zip(text_before, text_after):
         inputs = recipe.picture(g)
         count = feature_count(model, inputs)
-        image = torch.cat([before, torch.full((count,), IMAGE_TOKEN), after])
+        image = torch.full((count,), IMAGE_TOKEN)
         text = [torch.randint(1, IMAGE_TOKEN, (n,), generator=g) for n in (nb, na)]
         ids = torch.cat([text[0], image, text[1]])[None]
         row = dict(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)
         if typed:
-            on_image = torch.cat([torch.zeros(len(before)), torch.ones(count),
-                                  torch.zeros(len(after))])
             row["mm_token_type_ids"] = torch.cat(
-                [torch.zeros(nb), on_image, torch.zeros(na)]).to(torch.int32)[None]
+                [torch.zeros(nb), torch.ones(count), torch.zeros(na)]).to(torch.int32)[None]
         rows.append(row)
     return rows
 

@@ -155,6 +155,20 @@ def assert_every_image_token_placed(images, input_ids: torch.Tensor, image_token
         assert counts[b] == len(row)
 
 
+def assert_grids_are_checked(model, inputs, needed=("image_grid_thw",)) -> None:
+    """A family that reads each picture's grid off ``image_grid_thw`` (``inputs``: one
+    picture): a grid twice as tall as ``input_ids`` lay out raises, and so does each input
+    of ``needed`` missing."""
+    from headscope.hf.families import family_of
+    family = family_of(model)
+    wrong = dict(inputs, image_grid_thw=inputs["image_grid_thw"] * torch.tensor([1, 2, 1]))
+    with pytest.raises(ValueError, match="do not split into whole pictures|more image tokens"):
+        family.images(model.config, wrong)
+    for key in needed:
+        with pytest.raises(ValueError, match=f"need the {key}"):
+            family.images(model.config, dict(inputs, **{key: None}))
+
+
 def assert_generation_keeps_regions(model, inputs, layout_key: str) -> None:
     """``tr.generate`` hands the layout input ``layout_key`` (``image_grid_thw``,
     ``target_sizes``) to the forward, and the regions of ``inputs``' prompt stay as a

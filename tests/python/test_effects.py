@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 from conftest import DEVICES  # noqa: E402
 from headscope.hf import Tracer, region_effects  # noqa: E402
 from headscope.hf.families import FAMILIES, family_of  # noqa: E402
+from headscope.hf.families.base import TYPE_INPUTS  # noqa: E402
 from headscope.hf.keymask import removed_score  # noqa: E402
 from headscope.hf.testing import image_prompt, tiny_model  # noqa: E402
 
@@ -74,7 +75,7 @@ def _reference_logp(model, inputs, sequences, rid, removed, ablation, hole=None)
     P = inputs["input_ids"].shape[1]
     N = sequences.shape[1] - P
     full = dict(inputs, input_ids=sequences)
-    for name in ("attention_mask", "mm_token_type_ids", "token_type_ids"):
+    for name in ("attention_mask", *TYPE_INPUTS):
         if name in full:
             full[name] = torch.nn.functional.pad(
                 full[name], (0, N), value=1 if name == "attention_mask"

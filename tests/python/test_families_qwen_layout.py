@@ -2,9 +2,10 @@
 (tiny image processors and tokenizer, built offline) of the model types whose geometry it
 checks: Qwen3.5 and Qwen3.5-MoE (headscope.hf.families.qwen_vl; Qwen3VLProcessor, their
 hybrid decoders traced on their softmax layers), GLM-4.1V, GLM-4.5V and GLM-4.6V
-(headscope.hf.families.glm4v; Glm4vProcessor, Glm46VProcessor) and Cosmos 3 Edge
-(headscope.hf.families.cosmos3; Cosmos3EdgeProcessor): each picture's grid and markers
-for several aspect ratios, a four-coloured picture whose tokens' pixels must lie where
+(headscope.hf.families.glm4v; Glm4vProcessor, Glm46VProcessor), Cosmos 3 Edge
+(headscope.hf.families.cosmos3; Cosmos3EdgeProcessor) and ERNIE 4.5-VL
+(headscope.hf.families.ernie4_5_vl; Ernie4_5_VLMoeProcessor): each picture's grid and
+markers for several aspect ratios, a four-coloured picture whose tokens' pixels must lie where
 their boxes say, and grid_regions on it through the tiny models."""
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ pytest.importorskip("numpy")
 pytest.importorskip("PIL.Image")
 
 from conftest import (assert_every_image_token_placed,  # noqa: E402
-                      assert_generation_keeps_regions, nearest_colour, quarter_prompts)
+                      assert_generation_keeps_regions, assert_grids_are_checked,
+                      nearest_colour, quarter_prompts)
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
@@ -27,7 +29,8 @@ from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa
 # a picture in the prompt text, by family
 IMAGE = {"qwen_vl": "<|vision_start|><|image_pad|><|vision_end|>",
          "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
-         "cosmos3": "<|vision_start|><|image_pad|><|vision_end|>"}
+         "cosmos3": "<|vision_start|><|image_pad|><|vision_end|>",
+         "ernie4_5_vl": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"}
 HYBRID = ("qwen3_5", "qwen3_5_moe")
 # (height, width): square, 1:2 wide, 3:1 tall, larger than max_pixels (scaled down),
 # thin, and odd sizes
@@ -35,7 +38,7 @@ SIZES = ((32, 32), (24, 48), (60, 20), (200, 100), (16, 40), (30, 50))
 
 
 @pytest.fixture(scope="module", params=[*HYBRID, "glm4v", "glm4v_moe", "glm46v",
-                                                     "cosmos3_edge"])
+                                                     "cosmos3_edge", "ernie4_5_vl_moe"])
 def model(request):
     return tiny_model(request.param)
 
@@ -89,23 +92,18 @@ def test_views_follow_the_processors_layout(model, processor, per_row):
 
 
 def test_a_grid_that_does_not_match_input_ids_raises(model, processor):
-    inputs = run_processor(processor, ((24, 48),), (1,))
-    family = family_of(model)
-    wrong = dict(inputs, image_grid_thw=inputs["image_grid_thw"] * torch.tensor([1, 2, 1]))
-    with pytest.raises(ValueError, match="do not split into whole pictures|more image tokens"):
-        family.images(model.config, wrong)
-    with pytest.raises(ValueError, match="need the image_grid_thw"):
-        family.images(model.config, dict(inputs, image_grid_thw=None))
+    assert_grids_are_checked(model, run_processor(processor, ((24, 48),), (1,)))
 
 
 def patch_pixels(model, patches: torch.Tensor) -> torch.Tensor:
     """``(patches, p * p, channels)``: the pixels of each patch row of ``pixel_values``,
-    which holds channels x time x p x p (Qwen-VL's, GLM-4V's), or p x p x channels of one
-    frame (Cosmos 3 Edge's, which its patch embedding reads as one linear layer)."""
+    which holds channels x time x p x p (Qwen-VL's, GLM-4V's; ERNIE 4.5-VL's of one frame),
+    or p x p x channels of one frame (Cosmos 3 Edge's, which its patch embedding reads as
+    one linear layer)."""
     vc = model.config.vision_config
     if model.config.model_type == "cosmos3_edge":
         return patches.reshape(len(patches), -1, vc.num_channels)
-    p, T = vc.patch_size, vc.temporal_patch_size
+    p, T = vc.patch_size, getattr(vc, "temporal_patch_size", 1)
     return patches.reshape(len(patches), vc.in_channels, T, p * p)[:, :, 0].transpose(1, 2)
 
 
@@ -113,8 +111,8 @@ def token_colours(model, processor, inputs, picture: int) -> torch.Tensor:
     """(tokens, pixels): the index of the nearest quarter colour for each pixel each token of
     ``picture`` reads, in the model's token order. The vision tower merges each run of
     ``merge ** 2`` consecutive patches into one token (GLM-4V's downsampling convolution
-    over ``view(-1, merge, merge, hidden)``, Qwen3.5's patch merger and Cosmos 3 Edge's
-    projector over ``view(-1, hidden * merge ** 2)``)."""
+    over ``view(-1, merge, merge, hidden)``, Qwen3.5's patch merger, Cosmos 3 Edge's
+    projector and ERNIE 4.5-VL's resampler over ``view(-1, hidden * merge ** 2)``)."""
     m = model.config.vision_config.spatial_merge_size
     sizes = inputs["image_grid_thw"].prod(-1).tolist()
     start = sum(sizes[:picture])
@@ -126,13 +124,17 @@ def token_colours(model, processor, inputs, picture: int) -> torch.Tensor:
 def test_patches_merge_into_the_processors_token_order(model, processor):
     """What token_colours assumes, through the model's own vision tower: its downsampling
     convolution (GLM-4V) or its patch merger's first linear layer (Qwen3.5; Cosmos 3
-    Edge's projector, outside the tower) receives the patches in runs of merge ** 2 (one
-    token each)."""
+    Edge's projector and ERNIE 4.5-VL's resampler, outside the tower) receives the patches
+    in runs of merge ** 2 (one token each)."""
     inputs = run_processor(processor, ((24, 48),), (1,))
-    visual = model.model.visual
-    convolution = hasattr(visual, "downsample")
-    merger = visual.merger if hasattr(visual, "merger") else model.model.projector
-    merging = visual.downsample if convolution else merger.linear_fc1
+    if hasattr(model.model, "resampler_model"):  # ERNIE 4.5-VL
+        visual, convolution = model.model.vision_tower, False
+        merging = model.model.resampler_model.spatial_linear.fc1
+    else:
+        visual = model.model.visual
+        convolution = hasattr(visual, "downsample")
+        merger = visual.merger if hasattr(visual, "merger") else model.model.projector
+        merging = visual.downsample if convolution else merger.linear_fc1
     got = []
     hook = merging.register_forward_pre_hook(lambda module, args: got.append(args[0].shape))
     try:

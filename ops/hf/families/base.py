@@ -20,6 +20,12 @@ _LLAVA_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
 
 
+# The per-position type inputs processors give (image or text per token; ERNIE 4.5-VL's
+# moe_mm_token_type_ids also mark the picture's markers): a generated answer continues
+# each with the family's answer_type
+TYPE_INPUTS = ("mm_token_type_ids", "moe_mm_token_type_ids", "token_type_ids")
+
+
 def llava_template(image: str = "<image> ") -> str:
     """LLaVA's one-turn chat template ("USER: ... ASSISTANT:") with ``image`` where each
     picture goes."""
@@ -53,7 +59,10 @@ class TinySpec:
     ``commands``, the model types the commands run end to end on, from a saved checkpoint
     (test_commands.py); ``geometry_waiver``, why a family has no geometry
     test against its real processor (a ``tests/python/test_families_*.py`` that names its
-    model types), if so."""
+    model types), if so; ``batch_numbers_pictures``, whether the model's own forward numbers
+    a batch's pictures in order (HunYuan-VL's rope), so that a padded batch's later rows
+    differ from those rows alone in the model itself: the contract then checks the first
+    row alone, that difference in the untraced model, and every row's regions."""
     tokens: Mapping[str, int]
     chat_template: str
     tokenizer_extras: Mapping[str, str] = field(default_factory=dict)
@@ -66,6 +75,7 @@ class TinySpec:
     cat_dims: Mapping[str, int] = field(default_factory=dict)
     commands: Tuple[str, ...] = ()
     geometry_waiver: Optional[str] = None
+    batch_numbers_pictures: bool = False
 
     def by_id(self) -> Dict[int, str]:
         """The special tokens by id."""

@@ -49,17 +49,8 @@ class QwenVL(Family):
                         "tests run the real Qwen2-VL processor end to end")
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
-        thw = inputs.get("image_grid_thw")
-        if thw is None:
-            raise missing_input(config, "image_grid_thw")
-        merge = int(getattr(config.vision_config, "spatial_merge_size", 1))
-        grids = []
-        for t, h, w in thw.tolist():
-            if t != 1:
-                raise ValueError(f"{WHO}: regions need still images (temporal grid 1), got "
-                                 f"image_grid_thw row {[t, h, w]}")
-            grids.append((h // merge, w // merge))
-        return grid_pictures(WHO, inputs["input_ids"], self.image_token_ids(config), grids)
+        return grid_pictures(WHO, inputs["input_ids"], self.image_token_ids(config),
+                             merged_grids(config, inputs))
 
     # ---- tiny models ----------------------------------------------------------------------
 
@@ -122,6 +113,25 @@ class QwenVL(Family):
             video, cls = tf.Qwen3VLVideoProcessor(**sizes), tf.Qwen3VLProcessor
         return cls(image_processor=images, tokenizer=tokenizer, video_processor=video,
                    chat_template=self.tiny.chat_template)
+
+
+def merged_grids(config, inputs: Dict[str, Any], merge: Tuple[int, int] = None
+                 ) -> List[Tuple[int, int]]:
+    """Each picture's grid of tokens (rows, cols): ``image_grid_thw``'s patch grid merged
+    ``merge`` (rows, cols of patches; default ``spatial_merge_size`` squared) to one
+    token."""
+    thw = inputs.get("image_grid_thw")
+    if thw is None:
+        raise missing_input(config, "image_grid_thw")
+    if merge is None:
+        merge = (int(getattr(config.vision_config, "spatial_merge_size", 1)),) * 2
+    grids = []
+    for t, h, w in thw.tolist():
+        if t != 1:
+            raise ValueError(f"{WHO}: regions need still images (temporal grid 1), got "
+                             f"image_grid_thw row {[t, h, w]}")
+        grids.append((h // merge[0], w // merge[1]))
+    return grids
 
 
 def qwen3_5_config(model_type: str, text: Dict[str, Any], rope: Dict[str, Any],
