@@ -82,7 +82,10 @@ class Ernie4_5VL(QwenVL):
         import transformers as tf
         size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
         images = tf.Ernie4_5_VLMoeImageProcessor(size=size, patch_size=4, merge_size=2)
-        video = tf.Ernie4_5_VLMoeVideoProcessor(size=size, patch_size=4, merge_size=2)
+        # no timestamps drawn on video frames: their font is a hub download, and a saved
+        # processor that names a font it cannot find does not load
+        video = tf.Ernie4_5_VLMoeVideoProcessor(size=size, patch_size=4, merge_size=2,
+                                                draw_on_frames=False)
         return tf.Ernie4_5_VLMoeProcessor(image_processor=images, tokenizer=tokenizer,
                                           video_processor=video,
                                           chat_template=self.tiny.chat_template)

@@ -24,8 +24,10 @@ from .qwen_vl import WHO, merged_grids
 MEDIA_CONTENT = MARKER_IDS[0]  # <|media_content|>, between <|media_begin|> and the picture
 
 # the tiny models' MLA decoder (DeepSeek-V3 as its transformers tests build it): latent keys
-# and values of rank 16, rope and no-rope parts of 8, one dense layer then 4 experts
-MLA_TEXT = dict(model_type="deepseek_v3", kv_lora_rank=16, q_lora_rank=None,
+# and values of rank 16, rope and no-rope parts of 8, one dense layer then 4 experts; the
+# queries low-rank as in the checkpoints (a full-rank q_proj is taken for the vision
+# tower's when the model is saved: Kimi K2.5's weight conversion matches "attn.q_proj")
+MLA_TEXT = dict(model_type="deepseek_v3", kv_lora_rank=16, q_lora_rank=16,
                 qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=4,
                 num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=32,
                 first_k_dense_replace=1)
