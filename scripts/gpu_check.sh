@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's check, in one call (docs/DEVELOPING.md, "The GPU check"): every CUDA test and the
-# benchmarks on the GPU, logs and results under $OUT (at most 8 files, as the device tool
-# returns them). Budget: about 5 minutes on a 16-core H200 machine.
+# benchmarks on the GPU, logs and results under $OUT (8 files by default, the most the device
+# tool returns). Budget: about 5 minutes on a 16-core H200 machine.
 #
 #   device run:  bash scripts/gpu_check.sh
 #   (optional)   HEADSCOPE_PREBUILT=build-carry: a library built elsewhere against the same
@@ -9,7 +9,7 @@
 #                absent, the library is built here against this machine's own torch.
 #   (optional)   HEADSCOPE_GPU_STEPS="tests memcheck profile bench" (the default) picks the
 #                steps; "ncu" adds Nsight Compute's stall and memory sections for the vas
-#                kernels of one layer (about a minute).
+#                kernels of one layer (about a minute; one file more: leave "bench" out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -164,6 +164,10 @@ for fam_limit in vas:100 attribution:60 mixer:80; do
   timeout "${fam_limit#*:}" "$PYTHON" -m headscope.bench --device cuda --family $fam --json "$OUT/bench_$fam.json" \
     >>"$OUT/bench.log" 2>&1 || { echo "bench $fam: exit $?" | tee -a "$OUT/summary.txt"; status=1; }
 done
+# the attribution cost at a real VLM's size: all 28 layers of the 2B shape, float32 and
+# bfloat16 (--big), which a CPU cannot run in reasonable time or memory
+timeout 180 "$PYTHON" -m headscope.bench --device cuda --family cost --big --json "$OUT/bench_cost.json" \
+  >>"$OUT/bench.log" 2>&1 || { echo "bench cost: exit $?" | tee -a "$OUT/summary.txt"; status=1; }
 cat "$OUT/bench.log"
 fi
 

@@ -213,8 +213,12 @@ def answer_vas(model, inputs: Dict[str, torch.Tensor], answer: torch.Tensor
     full = answer_inputs(family_of(model, WHO), inputs, answer)
     N = answer.shape[0]
     with torch.no_grad(), Tracer(model, regions=None, vas=True) as tracer:
-        # the logits of the last prompt position and of every answer position but the last
-        logits = model(**full, use_cache=False, logits_to_keep=N + 1).logits[0, :-1]
+        # the logits of the last prompt position and of every answer position but the last,
+        # kept by index: an int would let a model skip the other query rows of its
+        # KV-shared layers (Gemma 4), which VAS needs
+        T = full["input_ids"].shape[1]
+        keep = torch.arange(T - N - 1, T, device=full["input_ids"].device)
+        logits = model(**full, use_cache=False, logits_to_keep=keep).logits[0, :-1]
         features = tracer.vas_features()[0]
     logprob = torch.log_softmax(logits.float(), -1).gather(
         1, answer.to(logits.device)[:, None])[:, 0]
