@@ -22,11 +22,12 @@ from .structure import softmax_attention_layers
 
 ABLATIONS = ("mask", "mean", "zero")
 WHO = "headscope.hf.region_effects"
-# per-position decoder inputs other than the mask: ERNIE 4.5-VL routes image tokens
-# (markers included) to experts of their own
-_TYPE_KEYS = {"moe_mm_token_type_ids"}
+# per-position decoder inputs, the same under every ablation: ERNIE 4.5-VL's types, which
+# route image tokens (markers included) to experts of their own; Gemma 4's inputs to every
+# layer (the tokens' own part: the decoder adds the ablated embeddings' part itself)
+_PER_POSITION_KEYS = {"moe_mm_token_type_ids", "per_layer_inputs"}
 _DECODER_KEYS = {"inputs_embeds", "attention_mask", "position_ids", "visual_pos_masks",
-                 "deepstack_visual_embeds", "per_layer_inputs"} | _TYPE_KEYS
+                 "deepstack_visual_embeds"} | _PER_POSITION_KEYS
 _IGNORED_KEYS = {"input_ids", "cache", "past_key_values", "use_cache", "return_dict",
                  "output_attentions", "output_hidden_states"}
 
@@ -256,11 +257,8 @@ class _Runner:
         if self.positions is None:
             self.positions = torch.arange(T, device=device).unsqueeze(0)
         self.visual = got.get("visual_pos_masks")
-        self.types = {k: got[k] for k in _TYPE_KEYS if got.get(k) is not None}
+        self.per_position = {k: got[k] for k in _PER_POSITION_KEYS if got.get(k) is not None}
         self.deepstack = got.get("deepstack_visual_embeds")
-        # Gemma 4's per-position inputs to every layer (the tokens' own part, the same
-        # under every ablation: the decoder adds the ablated embeddings' part itself)
-        self.per_layer = got.get("per_layer_inputs")
         self.targets = sequences[0, P:].to(device)
         is_image = (rid >= 0).to(device)
         self.mean = self.embeds[0, :P][is_image].mean(0)
@@ -290,9 +288,8 @@ class _Runner:
                       use_cache=cache is not None, cache=cache)
         if self.mask is not None:
             kwargs["attention_mask"] = self.mask.expand(rows, -1)
-        kwargs.update({k: v[:, start:].expand(rows, -1) for k, v in self.types.items()})
-        if self.per_layer is not None:
-            kwargs["per_layer_inputs"] = self.per_layer[:, start:].expand(rows, -1, -1, -1)
+        kwargs.update({k: v[:, start:].expand(rows, *[-1] * (v.dim() - 1))
+                       for k, v in self.per_position.items()})
         if deepstack is not None:
             kwargs["visual_pos_masks"] = self.visual[:, start:].expand(rows, -1)
             kwargs["deepstack_visual_embeds"] = deepstack
@@ -307,9 +304,7 @@ class _Runner:
                       use_cache=True, cache=cache)
         if self.mask is not None:
             kwargs["attention_mask"] = self.mask[:, :end]
-        kwargs.update({k: v[:, :end] for k, v in self.types.items()})
-        if self.per_layer is not None:
-            kwargs["per_layer_inputs"] = self.per_layer[:, :end]
+        kwargs.update({k: v[:, :end] for k, v in self.per_position.items()})
         self.decoder(**kwargs)
         return cache
 
