@@ -219,7 +219,7 @@ def random_subsets(count: int, regions: int, seed: int, line: int) -> torch.Tens
 
 def collect_example(model, processor, example: Example, args) -> Dict:
     """Generation, span features and ablation effects of one example."""
-    from ..hf import Tracer, grid_regions, region_effects, special_only
+    from ..hf import Tracer, grid_regions, region_effects
     from ..hf.regions import parse_grid
     image = load_image(example)
     device = next(model.parameters()).device
@@ -244,7 +244,6 @@ def collect_example(model, processor, example: Example, args) -> Dict:
         ablation=args.ablation, batch_size=args.batch_size, progress=False)
     t2 = time.perf_counter()
     (img,) = tracer.images[0]
-    special = processor.tokenizer.all_special_ids
     posthoc = {}
     if args.attnlrp:
         from ..hf import attnlrp_scores
@@ -252,8 +251,7 @@ def collect_example(model, processor, example: Example, args) -> Dict:
         posthoc = {"attnlrp": scores.cpu(), "attnlrp_seconds": torch.tensor(
             [time.perf_counter() - t2], dtype=torch.float64)}
     return {**posthoc,"features": torch.stack([s.features for s in spans]),
-            "special_only": torch.tensor([special_only(s.token_ids.tolist(), special)
-                                          for s in spans], dtype=torch.bool),
+            "special_only": torch.tensor([s.special for s in spans], dtype=torch.bool),
             "effects": effects.cpu(), "subset_effects": subset_effects.cpu(),
             "span_bounds": torch.tensor([[s.start, s.end] for s in spans]),
             "subsets": subsets, "grid": torch.tensor([img.rows, img.cols]),

@@ -30,7 +30,6 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from ..features import FEATURE_BLOCKS, feature_columns, feature_set_holding
-from ..hf import special_only
 from ..metrics import in_box, lds_per_image, mean_with_interval, random_pointing
 from .accuracy import HELD_OUT_SEED
 from .demo import WORLD_GRID
@@ -97,10 +96,8 @@ def scene_record(model, processor, heads: Mapping[str, "AttributionHead"], regio
     labels = tracer.region_ids[0, picture.grid.positions].cpu().numpy()
     K = tracer.num_regions[0]
     centroids = region_centroids(labels, (picture.rows, picture.cols), IMAGE_SIZE, K)
-    special_ids = processor.tokenizer.all_special_ids
     record = {"seed": seed, "objects": num_objects, "spans": len(spans),
-              "special": torch.tensor([special_only(s.token_ids.tolist(), special_ids)
-                                       for s in spans], dtype=torch.bool)}
+              "special": torch.tensor([s.special for s in spans], dtype=torch.bool)}
     if not spans:
         return record
     traced = torch.stack([s.features for s in spans]).float()  # (S, K, F)
