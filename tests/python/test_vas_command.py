@@ -196,7 +196,7 @@ def test_features_equal_the_tracers_on_every_family(family, tmp_path):
     whose vas_features trace the final sequence."""
     from PIL import Image
     from headscope.commands.collect import chat_inputs, load_model
-    from headscope.commands.vas import end_tokens
+    from headscope.hf.answer import end_tokens
     from headscope.hf import Tracer
     from headscope.hf.families import family_of
     from headscope.hf.testing import tiny_checkpoint, tiny_dataset

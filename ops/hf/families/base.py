@@ -127,6 +127,13 @@ class Family:
         raise ValueError(f"headscope.hf: the config of this {self.name} model names no "
                          f"image token (image_token_id)")
 
+    def layout_inputs(self, model, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+        """What :meth:`images` reads of a forward's (or ``generate``'s) keyword arguments
+        ``kwargs``: ``input_ids`` and :attr:`input_keys`."""
+        inputs = {key: kwargs.get(key) for key in self.input_keys}
+        inputs["input_ids"] = kwargs.get("input_ids")
+        return inputs
+
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         """Per batch row, its pictures in sequence order, from ``inputs`` (``input_ids``
         ``(B, T)`` and :attr:`input_keys`)."""
