@@ -16,9 +16,11 @@ def families_list() -> str:
     """The README's list: the families with a module (the picture plane), then the models
     the generic path is tested on."""
     from headscope.hf.families import FAMILIES
-    from headscope.hf.tiny_newest import RECIPES
-    traced = [t for f in FAMILIES if f.tiny.contract_xfail is None for t in f.titles]
-    layout_only = [t for f in FAMILIES if f.tiny.contract_xfail is not None for t in f.titles]
+    from headscope.hf.testing import tiny_of
+    from headscope.hf.testing.newest import RECIPES
+    traced = [t for f in FAMILIES if tiny_of(f).spec.contract_xfail is None for t in f.titles]
+    layout_only = [t for f in FAMILIES if tiny_of(f).spec.contract_xfail is not None
+                   for t in f.titles]
     lines = [f"Families with the picture plane (one module each in "
              f"`headscope/hf/families/`): {', '.join(traced)}."]
     if layout_only:
