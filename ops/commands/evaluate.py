@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from ..attribution import AttributionHead
 from ..features import FEATURE_BLOCKS, feature_columns, feature_set_holding
+from ..head import AttributionHead
 from ..io import atomic_path
 from . import collect as _collect
 from .errors import UsageError, check_output, given, option, refuse_ignored

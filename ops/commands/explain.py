@@ -128,7 +128,7 @@ def check_arguments(args) -> None:
 
 
 def load_head(path: str, num_layers: int, num_heads: int):
-    from ..attribution import AttributionHead
+    from ..head import AttributionHead
     try:
         return AttributionHead.load(path, num_layers=num_layers, num_heads=num_heads)
     except (ValueError, OSError, KeyError) as e:

@@ -34,8 +34,8 @@ from typing import Dict, NamedTuple
 
 import torch
 
-from ..attribution import AttributionHead
 from ..features import FEATURE_SETS
+from ..head import AttributionHead
 from ..metrics import lds_per_image, mean_with_interval
 from .errors import check_output
 from .shards import write_json

@@ -454,7 +454,7 @@ def test_train_leaves_special_spans_out_and_fits_a_block_of_both(tmp_path, capsy
     """train fits on the spans that are not only special tokens (as head-eval scores), or
     on all with --keep-special-spans; --features takes one block out of a 'both'
     collection; a collection that does not record special spans is refused by default."""
-    from headscope.attribution import AttributionHead
+    from headscope.head import AttributionHead
     special = [False, False, True, False, False, True]
     features, effects = _written_collection(tmp_path / "both", "both", special)
     ordinary = ~torch.tensor(special)
@@ -518,7 +518,7 @@ def test_ranked_targets():
 def test_train_fits_ranked_targets(tmp_path, capsys):
     """--target ranks fits the head to ranked_targets of the same spans (the closed form on
     them), --effect-weight sets their mix; the LDS printed is against the effects."""
-    from headscope.attribution import AttributionHead
+    from headscope.head import AttributionHead
     from headscope.commands.train import ranked_targets
     special = [False, False, True, False, False, True]
     features, effects = _written_collection(tmp_path / "both", "both", special)
