@@ -62,7 +62,7 @@ import time
 import torch
 
 from ._util import mib, peak_bytes, print_table
-from .timing import round_ratios, sync
+from ..timing import round_ratios, sync
 
 REGIONS = 16
 

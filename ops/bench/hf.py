@@ -38,7 +38,7 @@ import time
 import torch
 
 from ._util import mib, peak_bytes, print_table
-from .timing import TokenClock, interleaved, round_ratios
+from ..timing import TokenClock, interleaved, round_ratios
 
 K_REGIONS = 16
 

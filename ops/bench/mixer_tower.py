@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ._util import mib, peak_bytes, print_table
-from .timing import interleaved, round_ratios
+from ..timing import interleaved, round_ratios
 
 WIDTH, HEADS, BLOCKS, RANK = 1280, 16, 2, 16
 MEMORY_BUDGET = 8 * 2**30  # a case whose estimated peak exceeds this is skipped
