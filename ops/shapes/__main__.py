@@ -1,8 +1,10 @@
-"""python -m headscope.shapes {train,demo,accuracy,latency,data,answers,hallucination,
-faithfulness,head-eval,mixer,reproduce}: the embedded shapes model.
+"""python -m headscope.shapes {train,demo,screenshot,accuracy,latency,data,answers,
+hallucination,faithfulness,head-eval,mixer,reproduce}: the embedded shapes model.
 
   train     train the model from scratch into a folder (resumable: rerun the same command)
   demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
+  screenshot  the explain page of a held-out scene in headless Chromium, as a PNG (the
+            picture of docs/explain.md)
   accuracy  caption accuracy of a model on held-out scenes
   latency   per-token time of generation with streaming attribution against plain generate
   data      write scenes as a DATA folder for python -m headscope collect|eval
@@ -112,6 +114,9 @@ def main(argv=None) -> int:
                        help="regions: K Ward regions of the image instead of a grid")
     p.add_argument("--model", **model)
 
+    p = sub.add_parser("screenshot", help="the explain page of a held-out scene as a PNG")
+    p.add_argument("--png", type=Path, required=True, help="the PNG file to write")
+
     p = sub.add_parser("accuracy", help="caption accuracy on held-out scenes")
     p.add_argument("--model", **model)
     p.add_argument("--scenes", type=count, default=200)
@@ -199,7 +204,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)  # exits 2 on a bad argument
     prog = f"{PROG} {args.command}"
     try:
-        for name in ("out", "json"):  # before any work
+        for name in ("out", "json", "png"):  # before any work
             if getattr(args, name, None) is not None:
                 check_output(getattr(args, name), f"--{name}", folder=name == "out")
         if args.threads is not None:
@@ -229,6 +234,16 @@ def _run(args) -> None:
         from .demo import run_demo
         run_demo(args.out, args.images, model_dir=args.model,
                  regions=args.regions if args.regions is not None else parse_grid(args.grid))
+    elif args.command == "screenshot":
+        import tempfile
+
+        from ..commands.errors import UsageError
+        from ..explainer.screenshot import browser_missing, screenshot
+        from .demo import explain_page
+        if browser_missing():
+            raise UsageError(browser_missing())
+        with tempfile.TemporaryDirectory() as folder:
+            print(screenshot(explain_page(Path(folder)), args.png))
     elif args.command == "accuracy":
         from .accuracy import caption_accuracy, held_out_scenes
         from .model import load

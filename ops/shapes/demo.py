@@ -116,6 +116,17 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
     return report
 
 
+def explain_page(folder: Path) -> Path:
+    """The explain page of the shapes model describing a held-out two-object scene (the
+    page of the docs' picture, ``python -m headscope.shapes screenshot``)."""
+    from ..explainer import explain
+    model, processor, head = load()
+    image, _ = scene(HELD_OUT_SEED + DEMO_OFFSET + 1, 2)
+    return explain(model, processor, [image], "Describe the image.", head,
+                   inputs=prompt(processor, image), max_new_tokens=24,
+                   model_name="headscope.shapes (the embedded model)").save(folder)
+
+
 def _span_record(span, objects, centroids: np.ndarray) -> dict:
     """One span of the report: an ``ExplainedSpan`` matched to the scene's objects."""
     text, scores = span.text.strip(), span.scores
