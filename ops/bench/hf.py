@@ -335,8 +335,8 @@ def bench_collect(device, quick: bool) -> dict:
     import tempfile
     from pathlib import Path
 
-    from headscope.commands.collect import (add_arguments, collect_example, load_model,
-                                            prompt_inputs)
+    from headscope.commands.collect import add_arguments, collect_example, prompt_inputs
+    from headscope.commands.models import load_model
     from headscope.commands.data import load_image, read_examples
     from headscope.hf.testing import tiny_checkpoint, tiny_dataset
     images, new = (2, 8) if quick else (8, 16)

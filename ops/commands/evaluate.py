@@ -30,6 +30,7 @@ from ..io import atomic_path
 from . import collect as _collect
 from .errors import UsageError, check_output, given, option, refuse_ignored
 from .metrics import random_baseline, score
+from .models import load_config, model_folder, text_sizes
 from .shards import MANIFEST, check_feature_columns, feature_set, read_collection, read_manifest
 
 ROWS = (("lds", "LDS (mean over images)"), ("lds_pooled", "LDS (pooled)"),
@@ -125,7 +126,7 @@ def table(results: dict) -> str:
 
 def run(args) -> int:
     check_output(args.report, "--report")
-    args.model = str(_collect.model_folder(args.model))
+    args.model = str(model_folder(args.model))
     folder = Path(args.data)
     is_collection = (folder / MANIFEST).is_file()
     if is_collection:
@@ -137,7 +138,7 @@ def run(args) -> int:
     else:
         args.out = args.work or str(Path(args.report).with_suffix("")) + ".collect"
         check_output(args.out, "--work", folder=True)
-        sizes = _collect.text_sizes(_collect.load_config(args.model))
+        sizes = text_sizes(load_config(args.model))
         # collect the head's feature set unless told otherwise (then it must hold it)
         if "features" in given(args):
             head = _head_on(args.head, *sizes, args.features)

@@ -32,11 +32,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..vas import VAS_COLUMNS
-from .collect import (chat_inputs, device, load_config, load_model, load_processor,
-                      text_sizes)
 from .data import (image_file, json_records, jsonl_file, non_empty_string, open_image, rgb,
                    size)
 from .errors import UsageError, check_output, given, integer
+from .models import chat_inputs, device, load_config, load_model, load_processor, text_sizes
 from .shards import fill_shards, write_shard_bytes
 from .vas_table import LAYOUT, RESERVED, read_table, shard_bytes
 

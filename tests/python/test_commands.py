@@ -56,7 +56,8 @@ def _same(a, b) -> None:
 
 
 def test_collection_holds_tracer_features_and_region_effects(files):
-    from headscope.commands.collect import load_model, random_subsets
+    from headscope.commands.collect import random_subsets
+    from headscope.commands.models import load_model
     from headscope.commands.data import load_image, read_examples
     from headscope.commands.collect import prompt_inputs
     from headscope.hf import Tracer, region_effects
