@@ -22,11 +22,11 @@ nothing was computed or created), 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 
 from .errors import FAILURE, INTERRUPTED, USAGE, Parser, UsageError
+from .torchrun import leave_process_group
 
 COMMANDS = {
     "collect": "generate, cut spans, record span features and region ablation effects",
@@ -79,11 +79,4 @@ def main(argv=None) -> int:
         print(f"{prog}: failed: {type(e).__name__}: {e}", file=sys.stderr)
         return FAILURE
     finally:
-        _leave_process_group()
-
-
-def _leave_process_group() -> None:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()

@@ -6,14 +6,13 @@ For each example: the chat-templated prompt with its image goes through the proc
 ends) with their features over K Ward regions of the image; ``region_effects`` measures
 the effect of ablating each region, and each of M random sets of K/2 regions, on each
 span; with ``--attnlrp``, ``attnlrp_scores`` scores each span's regions too (the post-hoc
-baseline ``eval`` reports beside the head). Results go to shards (``shards.py``); a rerun
+baseline ``eval`` reports beside the head). Results go to shards (``collection.py``); a rerun
 skips the shards already written. Under ``torchrun`` each process takes every
 world-size-th shard.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -21,11 +20,13 @@ from typing import Dict, List, Tuple
 import torch
 
 from ..features import FEATURE_SETS
+from .collection import COLLECTION, read_collection, write_shard
 from .data import Example, image_size, load_image, read_examples
 from .errors import UsageError, check_output, given, grid, integer, refuse_ignored
 from .models import (chat_inputs, device, load_config, load_model, load_processor,
                      model_folder, text_sizes)
-from .shards import COLLECTION, fill_shards, write_shard
+from .shards import fill_shards
+from .torchrun import rank
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> List[str]:
@@ -224,9 +225,7 @@ def collect(args) -> Tuple[Path, int]:
 
 def run(args) -> int:
     out, now = collect(args)
-    rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        from .shards import read_collection
+    if rank() == 0:
         data = read_collection(out)
         seconds = data.tensors["seconds"]
         n = seconds.shape[0]

@@ -17,8 +17,6 @@ scores as a baseline, with its milliseconds per span.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -26,12 +24,14 @@ import torch
 
 from ..features import FEATURE_BLOCKS, feature_columns, feature_set_holding
 from ..head import AttributionHead
-from ..io import atomic_path
+from ..io import write_json
 from . import collect as _collect
 from .errors import UsageError, check_output, given, option, refuse_ignored
+from .collection import check_feature_columns, feature_set, read_collection, read_manifest
 from .metrics import random_baseline, score
 from .models import load_config, model_folder, text_sizes
-from .shards import MANIFEST, check_feature_columns, feature_set, read_collection, read_manifest
+from .shards import MANIFEST
+from .torchrun import rank
 
 ROWS = (("lds", "LDS (mean over images)"), ("lds_pooled", "LDS (pooled)"),
         ("pearson", "Pearson"), ("subset_lds", "subset LDS"), ("pointing", "pointing accuracy"))
@@ -147,7 +147,7 @@ def run(args) -> int:
             args.features = head.feature_set
     if not is_collection:
         folder, _ = _collect.collect(args)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if rank() != 0:
         return 0
     data = read_collection(folder)
     features = data.tensors["features"]
@@ -172,7 +172,6 @@ def run(args) -> int:
                    "spans": data.num_spans, "collection": str(folder),
                    "head_file": str(args.head), "manifest": data.manifest}
     print(table(results))
-    with atomic_path(args.report) as tmp:
-        Path(tmp).write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.report, results)
     print(f"report written to {args.report}")
     return 0

@@ -6,13 +6,13 @@ through the chat template. ``collect``, ``eval``, ``explain``, ``vas`` and the b
 load models with it."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Dict, List
 
 import torch
 
 from .errors import UsageError
+from .torchrun import local_rank
 
 
 def device(args) -> torch.device:
@@ -20,7 +20,7 @@ def device(args) -> torch.device:
     if args.device:
         return torch.device(args.device)
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", local_rank())
     return torch.device("cpu")
 
 

@@ -36,9 +36,9 @@ import torch
 
 from ..features import FEATURE_SETS
 from ..head import AttributionHead
+from ..io import write_json
 from ..metrics import lds_per_image, mean_with_interval
 from .errors import check_output
-from .shards import write_json
 
 SEEDS = {"dev": 1, "reported": 2}
 HEAD_SPREAD = 1.0       # std of the heads' log value-norm scales
