@@ -221,6 +221,7 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> None:
+    from ..io import write_json
     if args.command == "train":
         from .train import Settings, train
         settings = Settings(lr=args.lr, **{k: getattr(args, k) for k in SIZES})
@@ -270,14 +271,14 @@ def _run(args) -> None:
                                features=args.features)
         print(table(result))
         if args.json is not None:
-            _write_json(args.json, result)
+            write_json(args.json, result)
     elif args.command == "mixer":
         from .mixer_eval import compare_models, projection_sweep, table
         result = {"accuracy": compare_models(args.scenes),
                   "sweep": projection_sweep(args.sweep_scenes, rounds=args.rounds)}
         print(table(result["accuracy"], result["sweep"]))
         if args.json is not None:
-            _write_json(args.json, result)
+            write_json(args.json, result)
     elif args.command == "reproduce":
         from .reproduce import reproduce
         reproduce(args.out, quick=args.quick, model_dir=args.model)
@@ -292,13 +293,7 @@ def _run(args) -> None:
         result = measure_latency(args.rounds, args.tokens, args.model)
         format_latency(result)
         if args.json is not None:
-            _write_json(args.json, result)
-
-
-def _write_json(path: Path, result: dict) -> None:
-    from ..io import atomic_path
-    with atomic_path(path) as tmp:
-        Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
+            write_json(args.json, result)
 
 
 if __name__ == "__main__":
