@@ -25,7 +25,7 @@ import argparse
 import sys
 import traceback
 
-from .errors import FAILURE, INTERRUPTED, USAGE, Parser, UsageError
+from .errors import FAILURE, Parser, reported
 from .torchrun import leave_process_group
 
 COMMANDS = {
@@ -67,13 +67,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)  # exits 2 on bad usage
     prog = " ".join(["headscope", args.command] + ([args.action] if "action" in args else []))
     try:
-        return args.run(args)
-    except UsageError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return USAGE
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return INTERRUPTED
+        return reported(prog, lambda: args.run(args))
     except Exception as e:  # noqa: BLE001 - reported with its traceback, exit 1
         traceback.print_exc()
         print(f"{prog}: failed: {type(e).__name__}: {e}", file=sys.stderr)

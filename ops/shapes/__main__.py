@@ -69,8 +69,7 @@ def _head_file(text: str) -> Path:
 
 
 def main(argv=None) -> int:
-    from ..commands.errors import (INTERRUPTED, USAGE, Parser, UsageError, check_output, grid,
-                                   integer, number)
+    from ..commands.errors import Parser, check_output, grid, integer, number, reported
     from ..features import FEATURE_SETS
     from .processor import TOKEN_GRID
     parser = Parser(prog=PROG, description=__doc__,
@@ -202,8 +201,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="CI-sized: about a minute")
 
     args = parser.parse_args(argv)  # exits 2 on a bad argument
-    prog = f"{PROG} {args.command}"
-    try:
+
+    def work() -> int:
         for name in ("out", "json", "png"):  # before any work
             if getattr(args, name, None) is not None:
                 check_output(getattr(args, name), f"--{name}", folder=name == "out")
@@ -211,13 +210,8 @@ def main(argv=None) -> int:
             import torch
             torch.set_num_threads(args.threads)
         _run(args)
-    except UsageError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return USAGE
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return INTERRUPTED
-    return 0
+        return 0
+    return reported(f"{PROG} {args.command}", work)
 
 
 def _run(args) -> None:
