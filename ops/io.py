@@ -1,10 +1,12 @@
 """File output that never leaves a half-written file: :func:`atomic_path`, used by every
-command and module that writes results, heads, shards and figures."""
+command and module that writes results, heads, shards and figures, and the text and JSON
+files written through it (:func:`write_text`, :func:`write_json`)."""
 import contextlib
+import json
 import os
 import tempfile
 
-__all__ = ["atomic_path"]
+__all__ = ["atomic_path", "write_json", "write_text"]
 
 
 def _umask() -> int:
@@ -41,3 +43,15 @@ def atomic_path(path):
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_text(path, text: str) -> None:
+    """``text`` in the file ``path``, written atomically."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "w") as f:
+            f.write(text)
+
+
+def write_json(path, value) -> None:
+    """``value`` as indented JSON in the file ``path``, written atomically."""
+    write_text(path, json.dumps(value, indent=2) + "\n")

@@ -26,7 +26,7 @@ export HEADSCOPE_EXAMPLE_BIN=$PWD/$BUILD/example/headscope_run_torchscript
 # conftest.py), and the slowest are listed at the end
 "$PYTHON" -m pytest tests/python -q -rs -n "${HEADSCOPE_TEST_WORKERS:-$(nproc)}" --durations=15 "$@"
 
-echo "== the README's first command's demo, on one image"
+echo "== the shapes demo, on one image"
 demo_out=$(mktemp -d)
 "$PYTHON" -m headscope.shapes demo --images 1 --out "$demo_out"
 rm -rf "$demo_out"

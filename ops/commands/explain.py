@@ -128,7 +128,7 @@ def check_arguments(args) -> None:
 
 
 def load_head(path: str, num_layers: int, num_heads: int):
-    from ..attribution import AttributionHead
+    from ..head import AttributionHead
     try:
         return AttributionHead.load(path, num_layers=num_layers, num_heads=num_heads)
     except (ValueError, OSError, KeyError) as e:
@@ -216,16 +216,17 @@ def run(args) -> int:
 
     from ..explainer import HEAD_EFFECT, RAW_ATTENTION, iter_explain
     from ..explainer.page import SCORE_HELP
-    from . import collect as _collect
+    from .models import (device, load_config, load_model, load_processor, model_folder,
+                         text_sizes)
     check_arguments(args)
-    name, args.model = args.model, str(_collect.model_folder(args.model))
-    config = _collect.load_config(args.model)
+    name, args.model = args.model, str(model_folder(args.model))
+    config = load_config(args.model)
     family = supported_family(args, config)
     choose_regions(args, config, family)
-    processor = _collect.load_processor(args.model)
+    processor = load_processor(args.model)
     pictures = [Image.open(path).convert("RGB") for path in args.image]
     check_pictures(args, pictures, processor, config, family)
-    L, H = _collect.text_sizes(config)
+    L, H = text_sizes(config)
     head = None if args.head is None else load_head(args.head, L, H)
     detector = None if args.detector is None else load_detector(args.detector)
     generate_kwargs = {"do_sample": args.do_sample}
@@ -235,7 +236,7 @@ def run(args) -> int:
         if args.seed is not None:
             import torch
             torch.manual_seed(args.seed)
-    model, processor = _collect.load_model(args.model, args.dtype, _collect.device(args))
+    model, processor = load_model(args.model, args.dtype, device(args))
 
     def explanations():
         return iter_explain(model, processor, pictures, args.prompt, head,

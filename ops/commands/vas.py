@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,12 +31,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..vas import VAS_COLUMNS
-from .collect import (chat_inputs, device, load_config, load_model, load_processor,
-                      text_sizes)
 from .data import (image_file, json_records, jsonl_file, non_empty_string, open_image, rgb,
                    size)
 from .errors import UsageError, check_output, given, integer
+from .models import chat_inputs, device, load_config, load_model, load_processor, text_sizes
 from .shards import fill_shards, write_shard_bytes
+from .torchrun import rank
 from .vas_table import LAYOUT, RESERVED, read_table, shard_bytes
 
 DEFAULT_LABEL = "hallucinated"
@@ -303,7 +302,7 @@ def run(args) -> int:
 
     before = fill_shards(out, LAYOUT, settings, len(records), args.shard_size, start, write,
                          "vas", "record")
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank() == 0:
         _, table = read_table(out)
         seconds = table.column("seconds").to_pylist()
         labels = table.column("label").to_pylist()

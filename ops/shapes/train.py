@@ -8,7 +8,6 @@ of a step is a function of its index, so a checkpoint needs no random state.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -18,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ..io import atomic_path
+from ..io import atomic_path, write_json
 from .accuracy import HELD_OUT_SEED, caption_accuracy, held_out_scenes
 from .model import build_model, training_batch
 from .processor import build_processor
@@ -197,7 +196,6 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
               "held_out_scene_seeds": [HELD_OUT_SEED, HELD_OUT_SEED + eval_scenes - 1],
               "held_out_accuracy": accuracy, "held_out_accuracy_5_to_9_objects": crowded,
               "training_loss": losses}
-    with atomic_path(out / REPORT_FILE) as tmp:
-        Path(tmp).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out / REPORT_FILE, report)
     state_path.unlink()
     return report
