@@ -972,7 +972,7 @@ def test_fit_pearson_distributed_gloo(tmp_path):
     X, y = _pearson_data()
     single = headscope.AttributionHead(3, 4, dtype=torch.float64)
     single.fit_pearson(_Loader(X, y, 100), epochs=5, lr=0.05)
-    s0, s1 = (torch.load(f"{out}.{r}") for r in range(2))
+    s0, s1 = (torch.load(f"{out}.{r}", weights_only=True) for r in range(2))
     for name, v in single.state_dict().items():
         assert torch.equal(s0[name], s1[name])  # the ranks agree exactly
         torch.testing.assert_close(s0[name], v, rtol=1e-9, atol=1e-11)
