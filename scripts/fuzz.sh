@@ -19,7 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 BUILD=${HEADSCOPE_SANITIZE_BUILD_DIR:-build-sanitize}
-# generated inputs per family in the repeatable mode: about a minute each on a 2-core machine
+# generated inputs per family in the repeatable mode: about 30 s of one core each here
 declare -A INPUTS=([vas]=7000 [attribution]=35000 [mixer]=24000)
 families=("$@")
 ((${#families[@]})) || families=(vas attribution mixer)
