@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import List
 
+from ..pictures import PictureError, check_picture, read_picture
 from .errors import UsageError, check_output, integer, number, refuse_ignored
 
 SAMPLING = ("temperature", "top_p", "top_k", "seed")
@@ -81,15 +82,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_image(path: str) -> None:
-    """UsageError unless ``path`` is a picture PIL reads."""
-    from PIL import Image, UnidentifiedImageError
-    if not Path(path).is_file():
-        raise UsageError(f"--image {path}: no such file")
+    """UsageError unless ``path`` is a picture headscope reads (``headscope.pictures``)."""
     try:
-        with Image.open(path) as image:
-            image.verify()
-    except (OSError, UnidentifiedImageError, SyntaxError) as e:
-        raise UsageError(f"--image {path}: not a readable picture: {e}") from e
+        check_picture(path)
+    except PictureError as e:
+        raise UsageError(f"--image {e.path}: {e.reason}") from e
+
+
+def read_images(paths: List[str]) -> List:
+    """The --image pictures as they are seen, upright in RGB; UsageError for one whose
+    pixels do not decode."""
+    try:
+        return [read_picture(path) for path in paths]
+    except PictureError as e:
+        raise UsageError(f"--image {e.path}: {e.reason}") from e
 
 
 def check_port(host: str, port: int) -> None:
@@ -212,8 +218,6 @@ def summary(explanation, seconds: float) -> str:
 
 
 def run(args) -> int:
-    from PIL import Image
-
     from ..explainer import HEAD_EFFECT, RAW_ATTENTION, iter_explain
     from ..explainer.page import SCORE_HELP
     from .models import (device, load_config, load_model, load_processor, model_folder,
@@ -224,7 +228,7 @@ def run(args) -> int:
     family = supported_family(args, config)
     choose_regions(args, config, family)
     processor = load_processor(args.model)
-    pictures = [Image.open(path).convert("RGB") for path in args.image]
+    pictures = read_images(args.image)
     check_pictures(args, pictures, processor, config, family)
     L, H = text_sizes(config)
     head = None if args.head is None else load_head(args.head, L, H)
