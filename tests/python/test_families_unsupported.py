@@ -11,7 +11,7 @@ import torch
 tf = pytest.importorskip("transformers")
 from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
-from headscope.hf.testing import IMAGE_TOKEN, image_prompt, tiny_model  # noqa: E402
+from headscope.hf.testing import IMAGE_TOKEN, VIDEO_TOKEN, image_prompt, tiny_model  # noqa: E402
 
 TINY_TEXT = dict(vocab_size=64, pad_token_id=0, hidden_size=16, intermediate_size=32,
                  num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
@@ -84,10 +84,16 @@ def test_an_answer_holding_an_image_token_is_refused_before_the_model_fails(fami
         family, ((8, 8),)))
     answer = torch.tensor([[7, 9, IMAGE_TOKEN, 11]])
     fam.check_answer(model.config, answer[:, :2])  # no image token: nothing to say
+    # a model that takes videos: its video token is refused alike
+    media = rf"{IMAGE_TOKEN}, {VIDEO_TOKEN}" if family == "qwen2_vl" else rf"{IMAGE_TOKEN}"
     with pytest.raises(ValueError, match=rf"answer holds the image token {IMAGE_TOKEN} \(row 0, "
                                          rf"answer token 2; 1 in all\).*"
-                                         rf"suppress_tokens=\[{IMAGE_TOKEN}\]"):
+                                         rf"suppress_tokens=\[{media}\]"):
         fam.check_answer(model.config, answer)
+    if family == "qwen2_vl":
+        with pytest.raises(ValueError, match=rf"answer holds the video token {VIDEO_TOKEN} "
+                                             rf"\(row 0, answer token 1; 1 in all\)"):
+            fam.check_answer(model.config, torch.tensor([[7, VIDEO_TOKEN, 11]]))
     # what the error advises keeps the token out of the answer
     logits_bias = torch.zeros(model.config.text_config.vocab_size)
     logits_bias[IMAGE_TOKEN] = 1e4  # the model would pick it at every step

@@ -13,7 +13,7 @@ from typing import Tuple
 
 from .base import REGISTRY, Family, register
 from .generic import Generic, no_image_tokens
-from .layout import WHOLE, ImageTokens, View
+from .layout import WHOLE, FrameGroup, ImageTokens, VideoTokens, View
 from .unsupported import unsupported_reason
 from ..structure import placeholder_token_ids
 
@@ -49,5 +49,5 @@ def family_of(model_or_config, who: str = "headscope.hf") -> Family:
     return GENERIC
 
 
-__all__ = ["FAMILIES", "Family", "GENERIC", "ImageTokens", "View", "WHOLE", "family_of",
-           "register", "supported_model_types"]
+__all__ = ["FAMILIES", "Family", "FrameGroup", "GENERIC", "ImageTokens", "VideoTokens", "View",
+           "WHOLE", "family_of", "register", "supported_model_types"]

@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
 
 import torch
 
-from .layout import ImageTokens
+from .layout import ImageTokens, VideoTokens, image_positions
 
 # The per-position type inputs processors give (image or text per token; ERNIE 4.5-VL's
 # moe_mm_token_type_ids also mark the picture's markers): a generated answer continues
@@ -24,7 +24,8 @@ class Family:
     table), :attr:`input_keys` (the model inputs :meth:`images` needs besides
     ``input_ids``; the Tracer takes them from the model's forward or from ``generate``'s
     arguments), :attr:`layout_keys` (those of them the model does not take) and implements
-    :meth:`images`. :func:`register` enters the class in the registry every list of
+    :meth:`images`; a family whose processor takes videos also implements :meth:`videos`
+    (its video inputs in :attr:`input_keys`). :func:`register` enters the class in the registry every list of
     families derives from. What the tests need of the family (its tiny random models, their
     real processor, the shared tests' choices) is its module in
     ``headscope.hf.testing.families``."""
@@ -55,6 +56,15 @@ class Family:
         raise ValueError(f"headscope.hf: the config of this {self.name} model names no "
                          f"image token (image_token_id)")
 
+    def video_token_ids(self, config) -> Tuple[int, ...]:
+        """The ids of the tokens that stand for video features in ``input_ids``
+        (``video_token_id`` or ``video_token_index``; empty: none)."""
+        for name in ("video_token_id", "video_token_index"):
+            value = getattr(config, name, None)
+            if value is not None:
+                return (int(value),)
+        return ()
+
     def layout_inputs(self, model, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
         """What :meth:`images` reads of a forward's (or ``generate``'s) keyword arguments
         ``kwargs``: ``input_ids`` and :attr:`input_keys`."""
@@ -66,6 +76,19 @@ class Family:
         """Per batch row, its pictures in sequence order, from ``inputs`` (``input_ids``
         ``(B, T)`` and :attr:`input_keys`)."""
         raise NotImplementedError
+
+    def videos(self, config, inputs: Dict[str, Any]) -> List[List[VideoTokens]]:
+        """Per batch row, its videos in sequence order, from ``inputs`` (as :meth:`images`
+        gets them). This default reads none, and raises where ``input_ids`` hold video
+        tokens: the family's video layout is not read yet."""
+        per_row = image_positions(inputs["input_ids"], self.video_token_ids(config)) \
+            if self.video_token_ids(config) else [()] * len(inputs["input_ids"])
+        if any(len(p) for p in per_row):
+            raise NotImplementedError(
+                f"headscope.hf.Tracer: the prompt holds video tokens, and headscope does not "
+                f"read the video layout of a {config.model_type} model yet (its family "
+                f"{self.name!r} reads pictures only)")
+        return [[] for _ in per_row]
 
     def model_inputs(self, inputs: Dict[str, Any]) -> Dict[str, Any]:
         """``inputs`` without :attr:`layout_keys`: what the model itself takes."""
@@ -89,19 +112,23 @@ class Family:
 
     def check_answer(self, config, answer_ids: torch.Tensor,
                      who: str = "headscope.hf.Tracer") -> None:
-        """Raises a ValueError if a generated answer ``(B, N)`` holds an image token: the
-        model would take prompt plus answer for a prompt with one more picture than it
-        has, and fail deep in transformers (features and image tokens do not match)."""
+        """Raises a ValueError if a generated answer ``(B, N)`` holds an image or video
+        token: the model would take prompt plus answer for a prompt with one more picture
+        than it has, and fail deep in transformers (features and tokens do not match)."""
         image_ids = list(self.image_token_ids(config))
-        is_image = torch.isin(answer_ids.cpu(), torch.tensor(image_ids))
-        if bool(is_image.any()):
-            rows, steps = is_image.nonzero().t().tolist()
+        media_ids = [*image_ids, *(i for i in self.video_token_ids(config)
+                                   if i not in image_ids)]
+        is_media = torch.isin(answer_ids.cpu(), torch.tensor(media_ids))
+        if bool(is_media.any()):
+            rows, steps = is_media.nonzero().t().tolist()
+            token = int(answer_ids[rows[0], steps[0]])
+            kind = "image" if token in image_ids else "video"
             raise ValueError(
-                f"{who}: the generated answer holds the image token "
-                f"{int(answer_ids[rows[0], steps[0]])} (row {rows[0]}, answer token "
+                f"{who}: the generated answer holds the {kind} token "
+                f"{token} (row {rows[0]}, answer token "
                 f"{steps[0]}; {len(rows)} in all), so prompt plus answer is no valid model "
                 f"input and the final sequence cannot be traced; keep the model from "
-                f"generating it: generate(..., suppress_tokens={image_ids})")
+                f"generating it: generate(..., suppress_tokens={media_ids})")
 
 
 REGISTRY: List[Family] = []

@@ -3,7 +3,11 @@ between ``<|vision_start|>`` and ``<|vision_end|>``, its patches merged
 ``spatial_merge_size`` squared to one token by the projector: the image processor packs
 the patches block-major (each 2 x 2 block of patches in a run), so the merged tokens are
 row-major over the merged grid, as the 3-D rope (``get_rope_index``) numbers them;
-``image_grid_thw`` gives each picture's patch grid."""
+``image_grid_thw`` gives each picture's patch grid.
+
+A video is one frame group per sampled frame (the tower takes frames one by one:
+``temporal_patch_size`` 1), each one grid of ``<|video_pad|>`` tokens between vision start
+and end after its time as text."""
 from __future__ import annotations
 
 from .base import register

@@ -5,7 +5,13 @@ the merged grid, and the resampler joins each run of ``spatial_merge_size`` squa
 patches into one token; ``image_grid_thw`` gives each picture's patch grid, and the 3-D
 rope (``get_rope_index``) numbers the tokens by the same grid. The decoder is a mixture
 of experts whose image tokens (markers included: ``moe_mm_token_type_ids``) go to experts
-of their own; its attention is softmax throughout."""
+of their own; its attention is softmax throughout.
+
+A video is one run of ``<|VIDEO_PLACEHOLDER|>`` between ``<|VIDEO_START|>`` and
+``<|VIDEO_END|>``: ``video_grid_thw``'s ``t`` counts the sampled frames (an odd count's
+last frame repeated by the processor), and the resampler joins each pair of consecutive
+frames' merged patches (``temporal_merge_size`` 2) into one token, so the tokens are
+``t / 2`` frame groups of one grid each."""
 from __future__ import annotations
 
 from typing import Dict
@@ -23,6 +29,14 @@ class Ernie4_5VL(QwenVL):
     model_types = ("ernie4_5_vl_moe",)
     layout = ("one grid per picture (patches merged 2x2), between <|IMAGE_START|> and "
               "<|IMAGE_END|>")
+
+    def frames_per_token(self, config) -> int:
+        """The resampler's ``temporal_merge_size``: the frames it joins into one token."""
+        return int(config.vision_config.temporal_merge_size)
+
+    def frame_groups(self, config, t: int) -> int:
+        """``video_grid_thw``'s ``t`` counts frames, joined in pairs by the resampler."""
+        return t // self.frames_per_token(config)
 
     def prompt_types(self, model, is_image: torch.Tensor) -> Dict[str, torch.Tensor]:
         """The processor's two type inputs: ``mm_token_type_ids`` 1 on the image tokens,

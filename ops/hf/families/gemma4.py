@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .base import Family, missing_input, register
-from .layout import ImageTokens, grid_pictures
+from .layout import ImageTokens, grid_pictures, image_positions
 
 WHO = "headscope.hf.Tracer"
 
@@ -34,7 +34,8 @@ class Gemma4(Family):
             raise missing_input(config, "image_position_ids")
         pooling = int(config.vision_config.pooling_kernel_size)
         grids = [picture_grid(p, pooling) for p in torch.as_tensor(patches).cpu()]
-        return grid_pictures(WHO, inputs["input_ids"], self.image_token_ids(config), grids)
+        return grid_pictures(WHO, image_positions(inputs["input_ids"],
+                                                  self.image_token_ids(config)), grids)
 
     def final_softcap(self, config) -> Optional[float]:
         return config.get_text_config().final_logit_softcapping

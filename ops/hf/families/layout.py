@@ -1,9 +1,16 @@
-"""Where an image's tokens lie: in the sequence, and on the picture.
+"""Where an image's tokens lie: in the sequence, and on the picture; a video's, also in
+time.
 
 A model may show one picture as several views (a base grid, tiles, a thumbnail, a global
 image), each a grid of tokens laid over a box of the picture. Every token then has a box
 on the picture, in coordinates normalised to [0, 1], so that a region is the same part of
-the picture in every view."""
+the picture in every view.
+
+A video is a sequence of frame groups (:class:`VideoTokens`): each group is one or more
+consecutive sampled frames that the model merges into the same tokens (Qwen-VL's
+``temporal_patch_size`` 2: each token covers 2 frames), its tokens laid out on the frame
+as a picture's are (an :class:`ImageTokens`), so a token has its box on the frame and the
+frames it covers."""
 from __future__ import annotations
 
 import math
@@ -99,6 +106,102 @@ class ImageTokens:
         return w * h
 
 
+@dataclass(frozen=True)
+class FrameGroup:
+    """The tokens of one group of consecutive sampled frames of a video that the model
+    merges into the same tokens: ``frames``, their indices among the video's sampled
+    frames (ascending, consecutive; one frame where the model takes frames one by one,
+    Qwen-VL's 2, the last group of an odd count 1: the processor repeats the last frame),
+    and ``image``, the group's tokens laid out on the frame as a picture's are (its
+    views, positions and boxes on the frame)."""
+    frames: Tuple[int, ...]
+    image: ImageTokens
+
+    def __post_init__(self):
+        frames = tuple(int(f) for f in self.frames)
+        if not frames or list(frames) != list(range(frames[0], frames[0] + len(frames))):
+            raise ValueError(f"headscope.hf: a frame group covers consecutive frames, got "
+                             f"{self.frames}")
+        object.__setattr__(self, "frames", frames)
+
+
+@dataclass(frozen=True)
+class VideoTokens:
+    """One video's tokens: its frame ``groups`` in time order (each group's tokens lie
+    after the previous group's in the sequence); ``num_frames``, the frames the processor
+    sampled from the source video (the groups' ``frames`` index them); ``index``, the
+    video's place among the batch's videos (its row of ``video_grid_thw``, its entry of
+    ``video_metadata``); ``seconds`` ``(num_frames,)`` float64, each sampled frame's time
+    in the source video, and ``source_frames`` ``(num_frames,)`` int64, its frame index
+    there (None where the inputs do not say: the processor's ``video_metadata``, with the
+    video's fps for ``seconds``); ``markers``, the positions among the video tokens that
+    hold no piece of a frame (region -1; the groups' own markers included)."""
+    groups: Tuple[FrameGroup, ...]
+    num_frames: int
+    index: int = 0
+    seconds: Optional[torch.Tensor] = None
+    source_frames: Optional[torch.Tensor] = None
+    markers: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+
+    def __post_init__(self):
+        if not self.groups:
+            raise ValueError("headscope.hf: a video needs at least one frame group")
+        covered = [f for g in self.groups for f in g.frames]
+        if covered != list(range(self.num_frames)):
+            raise ValueError(f"headscope.hf: a video's frame groups must cover its "
+                             f"{self.num_frames} sampled frames once, in order, got "
+                             f"{[g.frames for g in self.groups]}")
+        for name in ("seconds", "source_frames"):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != (self.num_frames,):
+                raise ValueError(f"headscope.hf: a video's {name} needs one entry per sampled "
+                                 f"frame ({self.num_frames}), got {tuple(value.shape)}")
+        markers = [self.markers, *(g.image.markers for g in self.groups)]
+        object.__setattr__(self, "markers", torch.cat(markers).unique())
+
+    @property
+    def frames_per_group(self) -> int:
+        """The frames the model merges into each token (Qwen-VL: 2, its
+        ``temporal_patch_size``; 1: frames one by one)."""
+        return max(len(g.frames) for g in self.groups)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Sequence positions of every token, group by group (each group's in its
+        ``image.positions`` order)."""
+        return torch.cat([g.image.positions for g in self.groups])
+
+    @property
+    def boxes(self) -> torch.Tensor:
+        """(tokens, 4) float64: each token's box on the frame, in the order of
+        :attr:`positions`."""
+        return torch.cat([g.image.boxes for g in self.groups])
+
+    @property
+    def token_frames(self) -> torch.Tensor:
+        """(tokens, 2) int64: the first and last sampled frame each token covers, in the
+        order of :attr:`positions`."""
+        return torch.cat([torch.tensor([[g.frames[0], g.frames[-1]]], dtype=torch.int64)
+                          .expand(len(g.image.positions), 2) for g in self.groups])
+
+    @property
+    def token_seconds(self) -> Optional[torch.Tensor]:
+        """(tokens, 2) float64: the times of the first and last frame each token covers
+        (None where :attr:`seconds` is unknown)."""
+        return None if self.seconds is None else self.seconds[self.token_frames]
+
+    @property
+    def grid(self) -> Tuple[int, int, int]:
+        """(groups, rows, cols): the space-time grid regions are clustered on, each frame
+        group's :attr:`ImageTokens.grid` (the same in every group)."""
+        shapes = {(g.image.rows, g.image.cols) for g in self.groups}
+        if len(shapes) != 1:
+            raise ValueError(f"headscope.hf: a video's frame groups have grids of different "
+                             f"sizes {sorted(shapes)}")
+        (rows, cols), = shapes
+        return len(self.groups), rows, cols
+
+
 # ---- reading a layout from the inputs: what several families share ---------------------------
 
 def patches_per_side(vision_config) -> int:
@@ -152,13 +255,13 @@ def square_pictures(who: str, inputs: Dict[str, Any], token_ids: Sequence[int],
     return [[ImageTokens((View("base", p, side, side),)) for p in row] for row in pictures]
 
 
-def grid_pictures(who: str, input_ids: torch.Tensor, token_ids: Sequence[int],
+def grid_pictures(who: str, per_row: List[torch.Tensor],
                   grids: Sequence[Tuple[int, int]]) -> List[List[ImageTokens]]:
     """Per batch row, its pictures for a model that lays every picture out as one grid
-    of image tokens, row-major (one "base" view), ``grids`` each picture's ``(rows,
-    cols)``, the batch's pictures in order."""
-    pictures = split_images(who, image_positions(input_ids, token_ids),
-                            [rows * cols for rows, cols in grids])
+    of image tokens, row-major (one "base" view): ``per_row`` each row's image-token
+    positions (:func:`image_positions`), ``grids`` each picture's ``(rows, cols)``, the
+    batch's pictures in order."""
+    pictures = split_images(who, per_row, [rows * cols for rows, cols in grids])
     grid = iter(grids)
     return [[ImageTokens((View("base", p, *next(grid)),)) for p in row] for row in pictures]
 
@@ -175,27 +278,90 @@ def image_runs(who: str, positions: torch.Tensor, side: int) -> List[torch.Tenso
     return found
 
 
-def split_images(who: str, per_row: List[torch.Tensor], sizes: Sequence[int]
-                 ) -> List[List[torch.Tensor]]:
+def split_images(who: str, per_row: List[torch.Tensor], sizes: Sequence[int],
+                 kind: str = "image") -> List[List[torch.Tensor]]:
     """Cuts each row's image positions into consecutive pictures of ``sizes`` tokens (the
-    batch's pictures in order), checking that the counts add up."""
+    batch's pictures in order), checking that the counts add up; ``kind="video"``: a
+    row's video positions into videos."""
+    items = "pictures" if kind == "image" else f"{kind}s"
     images, i = [], 0
     for b, positions in enumerate(per_row):
         row, used = [], 0
         while used < len(positions):
             if i >= len(sizes):
-                raise ValueError(f"{who}: row {b} has more image tokens than its pictures "
+                raise ValueError(f"{who}: row {b} has more {kind} tokens than its {items} "
                                  f"account for")
             row.append(positions[used:used + sizes[i]])
             used += sizes[i]
             i += 1
         if used != len(positions):
-            raise ValueError(f"{who}: row {b}'s {len(positions)} image tokens do not split "
-                             f"into whole pictures")
+            raise ValueError(f"{who}: row {b}'s {len(positions)} {kind} tokens do not split "
+                             f"into whole {items}")
         images.append(row)
     if i != len(sizes):
-        raise ValueError(f"{who}: {len(sizes)} pictures in the inputs but {i} in input_ids")
+        raise ValueError(f"{who}: {len(sizes)} {items} in the inputs but {i} in input_ids")
     return images
+
+
+def video_frames(who: str, metadata, index: int, groups: int, frames_per_group: int
+                 ) -> Tuple[int, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(num_frames, seconds, source_frames)`` of the batch's video ``index``, of
+    ``groups`` frame groups of ``frames_per_group`` frames each, as :class:`VideoTokens`
+    takes them: from the processor's ``video_metadata`` (a list, one entry per video, with
+    ``frames_indices`` and ``fps``) where given; otherwise the groups' frame slots, times
+    unknown (an odd count's last frame is then counted twice: the processor repeats it)."""
+    slots = groups * frames_per_group
+    entry = None
+    if metadata is not None:
+        if index >= len(metadata):
+            raise ValueError(f"{who}: video_metadata has {len(metadata)} entries, but the "
+                             f"inputs hold video {index}")
+        entry = metadata[index]
+    indices = None if entry is None else entry.get("frames_indices")
+    if indices is None:
+        return slots, None, None
+    source = torch.as_tensor([int(i) for i in indices], dtype=torch.int64)
+    count = len(source)
+    if not slots - frames_per_group < count <= slots:
+        raise ValueError(f"{who}: video {index}'s video_metadata lists {count} sampled frames, "
+                         f"but its {groups} frame groups of {frames_per_group} hold "
+                         f"{slots - frames_per_group + 1} to {slots}")
+    fps = entry.get("fps")
+    seconds = source.to(torch.float64) / float(fps) if fps else None
+    return count, seconds, source
+
+
+def grid_videos(who: str, per_row: List[torch.Tensor],
+                grids: Sequence[Tuple[int, int, int]], frames_per_group: int,
+                metadata=None) -> List[List[VideoTokens]]:
+    """Per batch row, its videos for a model that lays every video out as frame groups of
+    one grid of tokens each, row-major, the groups one after the other in the sequence
+    (each group one run of consecutive positions: text such as a timestamp may lie
+    between groups): ``per_row`` each row's video-token positions, ``grids`` each video's
+    ``(groups, rows, cols)`` (the batch's videos in order), ``frames_per_group`` the
+    frames the model merges into one token, ``metadata`` the processor's
+    ``video_metadata`` (:func:`video_frames`)."""
+    videos = split_images(who, per_row, [g * r * c for g, r, c in grids], "video")
+    out, index = [], 0
+    for row in videos:
+        found = []
+        for positions in row:
+            G, R, C = grids[index]
+            count, seconds, source = video_frames(who, metadata, index, G, frames_per_group)
+            groups = []
+            for g, chunk in enumerate(positions.reshape(G, R * C)):
+                if len(runs(chunk)) != 1:
+                    raise ValueError(f"{who}: frame group {g} of video {index} is not one run "
+                                     f"of {R * C} video tokens (positions {int(chunk[0])} to "
+                                     f"{int(chunk[-1])}); input_ids do not follow "
+                                     f"video_grid_thw")
+                first = g * frames_per_group
+                frames = tuple(range(first, min(first + frames_per_group, count)))
+                groups.append(FrameGroup(frames, ImageTokens((View("base", chunk, R, C),))))
+            found.append(VideoTokens(tuple(groups), count, index, seconds, source))
+            index += 1
+        out.append(found)
+    return out
 
 
 def thumbnail(picture: torch.Tensor, size: int) -> torch.Tensor:
