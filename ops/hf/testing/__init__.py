@@ -5,7 +5,8 @@ built from configs (no downloads).
 ``tiny_model(family)`` gives a model of one of :data:`FAMILIES`, all with grouped-query
 attention in the text decoder; ``image_prompt(model, grids, text_before, text_after)``
 gives its inputs for one image per prompt (random pixels), in the layout its processor
-would produce, left-padded when the rows differ in length (``models.py``).
+would produce, left-padded when the rows differ in length, and ``video_prompt(model,
+videos)`` one video per prompt through the family's real tiny processor (``models.py``).
 ``tiny_checkpoint(folder, family)`` saves such a model with its real processor
 (``tiny_processor``) for ``from_pretrained``, and ``tiny_dataset(folder, count)`` writes
 synthetic images in the DATA format of ``python -m headscope collect``
@@ -18,7 +19,7 @@ geometry tests' pictures and checks are ``geometry.py``'s, the eager reference
 from .checkpoint import special_tokens, tiny_dataset, tiny_processor, tiny_tokenizer
 from .families import tiny_of
 from .geometry import assert_quarter_colours, assert_quarters_are_regions, quarters
-from .models import FAMILIES, image_prompt, tiny_checkpoint, tiny_model
+from .models import FAMILIES, image_prompt, tiny_checkpoint, tiny_model, video_prompt
 from .reference import eager_reference
 from .spec import TinyFamily, TinySpec, llava_template
 from .tokens import EOS, IMAGE_TOKEN, PAD, VIDEO_TOKEN, VISION_END, VISION_START, VOCAB
@@ -27,4 +28,4 @@ __all__ = ["EOS", "FAMILIES", "IMAGE_TOKEN", "PAD", "TinyFamily", "TinySpec", "V
            "VISION_END", "VISION_START", "VOCAB", "assert_quarter_colours",
            "assert_quarters_are_regions", "eager_reference", "image_prompt", "llava_template",
            "quarters", "special_tokens", "tiny_checkpoint", "tiny_dataset", "tiny_model",
-           "tiny_of", "tiny_processor", "tiny_tokenizer"]
+           "tiny_of", "tiny_processor", "tiny_tokenizer", "video_prompt"]

@@ -126,6 +126,42 @@ def image_prompt(model, grids: Sequence[Tuple[int, int]] = ((8, 8),),
     return out
 
 
+def video_prompt(model, videos: Sequence[Tuple[int, int, int]] = ((8, 24, 32),), *,
+                 text: Optional[Sequence[str]] = None, images=None, fps: float = 2.0,
+                 seed: int = 0, **processor_kwargs) -> Dict:
+    """Inputs for a batch of prompts, row b holding one video of ``videos[b]`` = (frames,
+    height, width) random frames, laid out by the family's real tiny processor
+    (:func:`tiny_processor`, its ``TinySpec.video`` in the text: ``w<k>`` words, the
+    video, ``describe the video .``, rows of different lengths), left-padded; ``text``
+    (one string per row, the videos' and ``images``' markers in it) and ``images`` (PIL
+    pictures, as the processor takes them) replace that. Each video's metadata (its
+    frames at ``fps``) goes to the processor, which samples frames as it does, and comes
+    back as ``video_metadata`` (``return_metadata=True``); ``processor_kwargs`` go to the
+    processor too."""
+    import numpy as np
+    tiny = tiny_of(family_of(model))
+    if tiny.spec.video is None:
+        raise ValueError(f"headscope.hf.testing.video_prompt: the tiny "
+                         f"{model.config.model_type} family reads no video (TinySpec.video)")
+    processor = tiny_processor(model.config.model_type)
+    processor.tokenizer.padding_side = "left"
+    rng = np.random.default_rng(seed)
+    clips = [rng.integers(0, 256, (f, h, w, 3), dtype=np.uint8) for f, h, w in videos]
+    if text is None:
+        text = [" ".join(["w300"] * (2 + b) + [tiny.spec.video, "describe the video ."])
+                for b in range(len(videos))]
+    metadata = [dict(total_num_frames=f, fps=fps, frames_indices=list(range(f)))
+                for f, _, _ in videos]
+    inputs = processor(text=list(text), videos=clips, images=images, video_metadata=metadata,
+                       return_metadata=True, padding=True, return_tensors="pt",
+                       **processor_kwargs)
+    out = dict(inputs)
+    for key in ("pixel_values", "pixel_values_videos"):
+        if key in out:
+            out[key] = out[key].to(model.dtype)
+    return out
+
+
 def _cat_padded(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``tensors`` concatenated along dim 0, each zero-padded at the end of its other
     dims to the largest size (as processors pad a batch's pictures to the most tiles:

@@ -42,7 +42,10 @@ class TinySpec:
     off the tokenizer (``image_token``, ``boi_token``, ...). ``chat_template``: a one-turn
     template for the processor. ``typed_tokens``: the tokens besides the image token that
     the processor types as the picture's in ``mm_token_type_ids`` (Molmo 2's markers, in
-    its bidirectional image block). ``index_inputs``: inputs whose entries index the items
+    its bidirectional image block). ``video``: the text of one video in a prompt as the
+    family's chat template writes it, which its processor expands (None: the family reads
+    no video; :func:`~headscope.hf.testing.video_prompt` and the contract's video tests
+    need it). ``index_inputs``: inputs whose entries index the items
     of another input, by that input's name (Molmo 2's ``image_token_pooling``, the patches
     of ``pixel_values``: its rows flattened to the last dim; -1 none): a batch's pictures'
     entries are shifted past the earlier pictures' items, as the processor numbers them.
@@ -65,6 +68,7 @@ class TinySpec:
     chat_template: str
     tokenizer_extras: Mapping[str, str] = field(default_factory=dict)
     typed_tokens: Tuple[str, ...] = ()
+    video: Optional[str] = None
     index_inputs: Mapping[str, str] = field(default_factory=dict)
     grids: Tuple[Tuple[int, int], ...] = ((8, 8), (6, 4))
     contract_xfail: Optional[Tuple[Type[BaseException], str]] = None
@@ -116,7 +120,9 @@ class TinyFamily:
         ``tokenizer`` (the tiny vocabulary with :attr:`spec`'s tokens), an image processor
         sized to :meth:`config`'s vision tower and :attr:`spec`'s chat template. The size
         options are :func:`headscope.hf.testing.tiny_processor`'s; each family reads those
-        that its image processor has."""
+        that its image processor has. A family whose :attr:`spec` has a ``video`` gives
+        the processor a video processor sized alike (frames of a tiny video come out about
+        the size of a tiny picture)."""
         raise NotImplementedError(f"headscope.hf.testing.tiny_processor: no tiny {model_type} "
                                   f"processor")
 

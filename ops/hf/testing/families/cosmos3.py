@@ -8,14 +8,15 @@ from typing import Any, Dict
 from ...families.cosmos3 import Cosmos3
 from ...families.qwen_vl import mrope_section
 from ..spec import TinySpec, register_tiny
-from .qwen_vl import QWEN_TEMPLATE, TinyQwenVL
+from .qwen_vl import QWEN_TEMPLATE, QWEN_VIDEO, TinyQwenVL, video_size
 
 
 @register_tiny(Cosmos3)
 class TinyCosmos3(TinyQwenVL):
     spec = TinySpec(tokens=TinyQwenVL.spec.tokens,
                     tokenizer_extras=TinyQwenVL.spec.tokenizer_extras,
-                    chat_template=QWEN_TEMPLATE, effects={"cosmos3_edge": ("mask",)})
+                    chat_template=QWEN_TEMPLATE, video=QWEN_VIDEO,
+                    effects={"cosmos3_edge": ("mask",)})
 
     def config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
                ids: Dict[str, int]):
@@ -42,5 +43,6 @@ class TinyCosmos3(TinyQwenVL):
         images = tf.Cosmos3EdgeImageProcessor(
             size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, **sizes)
         return tf.Cosmos3EdgeProcessor(image_processor=images, tokenizer=tokenizer,
-                                       video_processor=tf.Cosmos3EdgeVideoProcessor(**sizes),
+                                       video_processor=tf.Cosmos3EdgeVideoProcessor(
+                                           size=video_size(min_pixels, max_pixels), **sizes),
                                        chat_template=self.spec.chat_template)

@@ -30,6 +30,7 @@ class TinyErnie4_5VL(TinyQwenVL):
                           "video_start_token": "<|VIDEO_START|>",
                           "video_end_token": "<|VIDEO_END|>"},
         chat_template=llava_template("<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|> "),
+        video="<|VIDEO_START|><|VIDEO_PLACEHOLDER|><|VIDEO_END|>",
         effects={"ernie4_5_vl_moe": ("mask",)})
 
     def config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,

@@ -9,7 +9,7 @@ from ...families.glm4v import Glm4v
 from ...families.qwen_vl import mrope_section
 from ..spec import TinySpec, llava_template, register_tiny
 from ..tokens import EOS, IMAGE_TOKEN, MARKER_IDS, VIDEO_TOKEN, VISION_END, VISION_START
-from .qwen_vl import TinyQwenVL
+from .qwen_vl import TinyQwenVL, video_size
 
 # The tiny models' video markers; their image markers are the shared VISION_START and
 # VISION_END
@@ -26,6 +26,7 @@ class TinyGlm4v(TinyQwenVL):
                 "<|endoftext|>": EOS},
         tokenizer_extras={"image_token": "<|image|>", "video_token": "<|video|>"},
         chat_template=llava_template("<|begin_of_image|><|image|><|end_of_image|> "),
+        video="<|begin_of_video|><|video|><|end_of_video|>",
         effects={"glm4v": ("mask",), "glm4v_moe": ("mask",)}, commands=("glm4v",))
 
     def config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
@@ -59,7 +60,7 @@ class TinyGlm4v(TinyQwenVL):
 
     def processor(self, model_type: str, tokenizer, *, min_pixels: int, max_pixels: int,
                   **_):
-        """Qwen-VL's sizes."""
+        """Qwen-VL's sizes (the video processor bounds a whole video's pixels)."""
         import transformers as tf
         sizes = dict(patch_size=4, temporal_patch_size=2, merge_size=2)
         size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
@@ -70,4 +71,5 @@ class TinyGlm4v(TinyQwenVL):
             cls, images, video = (tf.Glm4vProcessor, tf.Glm4vImageProcessor,
                                   tf.Glm4vVideoProcessor)
         return cls(image_processor=images(size=size, **sizes), tokenizer=tokenizer,
-                   video_processor=video(**sizes), chat_template=self.spec.chat_template)
+                   video_processor=video(size=video_size(min_pixels, max_pixels), **sizes),
+                   chat_template=self.spec.chat_template)

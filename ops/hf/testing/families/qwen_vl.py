@@ -12,14 +12,19 @@ from ...families.qwen_vl import QwenVL, mrope_section
 from ..spec import TinyFamily, TinySpec, register_tiny
 from ..tokens import EOS, IMAGE_TOKEN, MARKER_IDS, VIDEO_TOKEN, VISION_END, VISION_START
 
-# Qwen-VL's chat template, reduced to what a one-turn image prompt needs.
+# Qwen-VL's chat template, reduced to what a one-turn image or video prompt needs.
 QWEN_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
     "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'video' %}"
+    "<|vision_start|><|video_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
     "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+QWEN_VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+# The frames' worth of pixels a tiny video processor whose size bounds a whole video
+# (Qwen3-VL's, GLM-4.1V's, Cosmos 3 Edge's) gets: frames come out about a tiny picture's size
+VIDEO_FRAMES = 16
 
 
 def qwen3_5_config(model_type: str, text: Dict[str, Any], rope: Dict[str, Any],
@@ -49,6 +54,11 @@ def patch_width(vision_config) -> int:
     return channels * frames * vision_config.patch_size ** 2
 
 
+def video_size(min_pixels: int, max_pixels: int) -> Dict[str, int]:
+    """The size of a tiny video processor that bounds a whole video's pixels."""
+    return {"shortest_edge": min_pixels, "longest_edge": max_pixels * VIDEO_FRAMES}
+
+
 def qwen3_5_text(text: Dict[str, Any], rope: Dict[str, Any]) -> Dict[str, Any]:
     """A tiny Qwen3.5 text config (also MiniCPM-V 4.6's decoder): gated delta nets and
     softmax layers in turn, the last a softmax layer, as in the checkpoints; the entries
@@ -73,7 +83,7 @@ class TinyQwenVL(TinyFamily):
         tokenizer_extras={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
                           "vision_bos_token": "<|vision_start|>",
                           "vision_eos_token": "<|vision_end|>"},
-        chat_template=QWEN_TEMPLATE,
+        chat_template=QWEN_TEMPLATE, video=QWEN_VIDEO,
         effects={"qwen2_vl": ("mask", "zero", "mean"), "qwen3_vl": ("mask", "zero", "mean")},
         unseen_region_effects=("qwen2_vl",),
         geometry_waiver="each picture is one grid of image_grid_thw's patches merged 2 x 2, "
@@ -126,16 +136,20 @@ class TinyQwenVL(TinyFamily):
 
     def processor(self, model_type: str, tokenizer, *, min_pixels: int, max_pixels: int,
                   **_):
-        """Patches of 4 pixels merged 2 x 2, pictures resized to between ``min_pixels``
-        and ``max_pixels``."""
+        """Patches of 4 pixels merged 2 x 2, pictures (and each video frame) resized to
+        between ``min_pixels`` and ``max_pixels`` (Qwen3-VL's video processor bounds a
+        whole video: :data:`VIDEO_FRAMES` frames' worth); videos without the pixel cap
+        per frame (the checkpoints' default, said explicitly)."""
         import transformers as tf
         sizes = dict(patch_size=4, temporal_patch_size=2, merge_size=2)
-        images = tf.Qwen2VLImageProcessor(
-            size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, **sizes)
+        size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+        images = tf.Qwen2VLImageProcessor(size=size, **sizes)
         if model_type in ("qwen2_vl", "qwen2_5_vl"):
-            video = tf.Qwen2VLVideoProcessor(**sizes)
+            video = tf.Qwen2VLVideoProcessor(size=size, cap_pixels_per_frame=False, **sizes)
             cls = tf.Qwen2VLProcessor if model_type == "qwen2_vl" else tf.Qwen2_5_VLProcessor
         else:
-            video, cls = tf.Qwen3VLVideoProcessor(**sizes), tf.Qwen3VLProcessor
+            video = tf.Qwen3VLVideoProcessor(size=video_size(min_pixels, max_pixels),
+                                             cap_pixels_per_frame=False, **sizes)
+            cls = tf.Qwen3VLProcessor
         return cls(image_processor=images, tokenizer=tokenizer, video_processor=video,
                    chat_template=self.spec.chat_template)
