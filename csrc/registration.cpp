@@ -45,6 +45,6 @@ TORCH_LIBRARY(headscope, m) {
         " Tensor? bias=None) -> Tensor", pt2);
   m.def("spearman(Tensor pred, Tensor target, int dim=-1) -> Tensor", pt2);
   m.def("pearson(Tensor pred, Tensor target, int dim=-1) -> Tensor", pt2);
-  m.def("ward_regions(Tensor features, SymInt height, SymInt width, SymInt num_regions) -> Tensor",
-        pt2);
+  m.def("ward_regions(Tensor features, SymInt height, SymInt width, SymInt num_regions,"
+        " SymInt frames=1) -> Tensor", pt2);
 }

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <deque>
 #include <optional>
+#include <tuple>
 
 namespace {
 
@@ -224,25 +225,27 @@ void fuzz_linear(Input& in) {
 }
 
 void fuzz_ward(Input& in) {
-  const int64_t h = in.size(1, 8), w = in.size(1, 8), C = in.size(1, 6), K = in.size(1, h * w);
-  auto features = in.layout(in.normal({h * w, C}).to(in.pick({at::kFloat, at::kDouble})));
+  const int64_t h = in.size(1, 8), w = in.size(1, 8), C = in.size(1, 6), T = in.size(1, 3);
+  const int64_t M = T * h * w, K = in.size(1, M);
+  auto features = in.layout(in.normal({M, C}).to(in.pick({at::kFloat, at::kDouble})));
   at::Tensor labels;
-  if (!runs("ward_regions", [&] { labels = headscope::ward_regions(features, h, w, K); }))
+  if (!runs("ward_regions", [&] { labels = headscope::ward_regions(features, h, w, K, T); }))
     fail("ward_regions rejected valid input");
-  if (!labels.sizes().equals({h * w}) || labels.scalar_type() != at::kLong)
+  if (!labels.sizes().equals({M}) || labels.scalar_type() != at::kLong)
     fail("ward_regions: labels of shape " + c10::str(labels.sizes()));
   auto l = labels.contiguous();
   const int64_t* lab = l.data_ptr<int64_t>();
-  // numbered 0..K-1 in order of first appearance, each region 4-connected
+  // numbered 0..K-1 in order of first appearance, each region connected (4 neighbours in
+  // a frame, the same place in the frames before and after)
   int64_t next = 0;
   std::vector<int64_t> size(K, 0);
-  for (int64_t i = 0; i < h * w; ++i) {
+  for (int64_t i = 0; i < M; ++i) {
     if (lab[i] < 0 || lab[i] > next || lab[i] >= K) fail("ward_regions: labels out of order or range");
     next += lab[i] == next;
     ++size[lab[i]];
   }
   if (next != K) fail("ward_regions: " + std::to_string(next) + " regions, asked for " + std::to_string(K));
-  std::vector<bool> seen(h * w, false);
+  std::vector<bool> seen(M, false);
   for (int64_t k = 0; k < K; ++k) {
     int64_t start = 0;
     while (lab[start] != k) ++start;
@@ -253,10 +256,12 @@ void fuzz_ward(Input& in) {
       const int64_t i = todo.front();
       todo.pop_front();
       ++reached;
-      const int64_t r = i / w, c = i % w;
-      for (auto [nr, nc] : {std::pair{r - 1, c}, {r + 1, c}, {r, c - 1}, {r, c + 1}}) {
-        const int64_t j = nr * w + nc;
-        if (nr >= 0 && nr < h && nc >= 0 && nc < w && !seen[j] && lab[j] == k) {
+      const int64_t t = i / (h * w), r = (i / w) % h, c = i % w;
+      for (auto [nt, nr, nc] : {std::tuple{t, r - 1, c}, {t, r + 1, c}, {t, r, c - 1},
+                                {t, r, c + 1}, {t - 1, r, c}, {t + 1, r, c}}) {
+        const int64_t j = (nt * h + nr) * w + nc;
+        if (nt >= 0 && nt < T && nr >= 0 && nr < h && nc >= 0 && nc < w && !seen[j] &&
+            lab[j] == k) {
           seen[j] = true;
           todo.push_back(j);
         }

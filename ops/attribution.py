@@ -147,14 +147,18 @@ def pearson(pred: Tensor, target: Tensor, dim: int = -1) -> Tensor:
     return torch.ops.headscope.pearson(pred, target, dim)
 
 
-def ward_regions(features: Tensor, height: int, width: int, num_regions: int) -> Tensor:
-    """``(height*width, C)`` patch features (row-major grid) -> int64 labels ``(M,)``.
+def ward_regions(features: Tensor, height: int, width: int, num_regions: int,
+                 frames: int = 1) -> Tensor:
+    """``(frames*height*width, C)`` patch features (frame by frame, each a row-major grid)
+    -> int64 labels ``(M,)``.
 
-    Ward agglomerative clustering with 4-neighbour grid connectivity, as scikit-learn's
-    ``AgglomerativeClustering(num_regions, linkage="ward", connectivity=grid_to_graph(h, w))``;
-    labels numbered in order of first appearance.
+    Ward agglomerative clustering with grid connectivity (4 neighbours in a frame, and the
+    same place in the previous and next frame), as scikit-learn's
+    ``AgglomerativeClustering(num_regions, linkage="ward", connectivity=grid_to_graph(frames,
+    h, w))`` (``grid_to_graph(h, w)`` for one frame); labels numbered in order of first
+    appearance.
     """
-    return torch.ops.headscope.ward_regions(features, height, width, num_regions)
+    return torch.ops.headscope.ward_regions(features, height, width, num_regions, frames)
 
 
 def stack_layers(per_layer) -> Tensor:

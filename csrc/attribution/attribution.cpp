@@ -60,9 +60,10 @@ at::Tensor pearson(const at::Tensor& pred, const at::Tensor& target, int64_t dim
 }
 
 at::Tensor ward_regions(const at::Tensor& features, c10::SymInt height, c10::SymInt width,
-                        c10::SymInt num_regions) {
+                        c10::SymInt num_regions, c10::SymInt frames) {
   static const auto op = HEADSCOPE_TYPED_OP(ward_regions);
-  return op.call(features, std::move(height), std::move(width), std::move(num_regions));
+  return op.call(features, std::move(height), std::move(width), std::move(num_regions),
+                 std::move(frames));
 }
 
 }  // namespace headscope

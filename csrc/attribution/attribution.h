@@ -80,10 +80,11 @@ at::Tensor linear_attribution(const at::Tensor& features, const at::Tensor& weig
 at::Tensor spearman(const at::Tensor& pred, const at::Tensor& target, int64_t dim = -1);
 at::Tensor pearson(const at::Tensor& pred, const at::Tensor& target, int64_t dim = -1);
 
-// features (M, C), M = height * width patches in row-major order -> int64 labels (M,):
-// Ward agglomerative clustering with 4-neighbour grid connectivity down to num_regions
-// clusters, labels numbered by first appearance.
+// features (M, C), M = frames * height * width patches, frame by frame, each frame's in
+// row-major order -> int64 labels (M,): Ward agglomerative clustering with grid
+// connectivity (4 neighbours in a frame, and the same place in the previous and next
+// frame) down to num_regions clusters, labels numbered by first appearance.
 at::Tensor ward_regions(const at::Tensor& features, c10::SymInt height, c10::SymInt width,
-                        c10::SymInt num_regions);
+                        c10::SymInt num_regions, c10::SymInt frames = 1);
 
 }  // namespace headscope

@@ -261,20 +261,29 @@ int64_t check_correlation_args(const char* op, const at::Tensor& pred, const at:
 }
 
 void check_ward_args(const at::Tensor& features, const c10::SymInt& height,
-                     const c10::SymInt& width, const c10::SymInt& num_regions) {
+                     const c10::SymInt& width, const c10::SymInt& num_regions,
+                     const c10::SymInt& frames) {
   const char* op = "headscope::ward_regions";
   check_dim(op, "features", features, 2);
   check_dtype_in(op, "features", features, kFloat);
   HEADSCOPE_CHECK_ARG(height >= 1, op, "height", "must be >= 1, got ", height);
   HEADSCOPE_CHECK_ARG(width >= 1, op, "width", "must be >= 1, got ", width);
-  HEADSCOPE_CHECK_ARG(features.sym_size(0) == height * width, op, "features",
-                      "must have height * width = ", height * width,
-                      " rows (one per patch), got ", describe(features));
+  HEADSCOPE_CHECK_ARG(frames >= 1, op, "frames", "must be >= 1, got ", frames);
+  const c10::SymInt patches = frames * height * width;
+  if (frames == 1) {
+    HEADSCOPE_CHECK_ARG(features.sym_size(0) == patches, op, "features",
+                        "must have height * width = ", patches,
+                        " rows (one per patch), got ", describe(features));
+  } else {
+    HEADSCOPE_CHECK_ARG(features.sym_size(0) == patches, op, "features",
+                        "must have frames * height * width = ", patches,
+                        " rows (one per patch), got ", describe(features));
+  }
   HEADSCOPE_CHECK_ARG(features.sym_size(1) >= 1, op, "features",
                       "must have at least one feature column, got ", describe(features));
-  HEADSCOPE_CHECK_ARG(num_regions >= 1 && num_regions <= height * width, op, "num_regions",
-                      "must be in [1, height * width = ", height * width, "], got ",
-                      num_regions);
+  HEADSCOPE_CHECK_ARG(num_regions >= 1 && num_regions <= patches, op, "num_regions",
+                      "must be in [1, ", frames == 1 ? "height * width" : "frames * height * width",
+                      " = ", patches, "], got ", num_regions);
 }
 
 [[noreturn]] void fail_region_id(const char* op, int64_t value, int64_t b, int64_t t,

@@ -78,7 +78,8 @@ CorrelationRows prepare_correlation(const char* op, const at::Tensor& pred,
                                     const at::Tensor& target, int64_t dim);
 
 void check_ward_args(const at::Tensor& features, const c10::SymInt& height,
-                     const c10::SymInt& width, const c10::SymInt& num_regions);
+                     const c10::SymInt& width, const c10::SymInt& num_regions,
+                     const c10::SymInt& frames);
 
 // Value checks through ATen ops (any device; one host sync each). The CPU kernels do the
 // same checks inline while they read the data.

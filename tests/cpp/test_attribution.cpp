@@ -324,6 +324,29 @@ TEST(Attribution, WardRegionsTwoBlocks) {
   for (int64_t p = 0; p < h * w; ++p) EXPECT_EQ(all[p].item<int64_t>(), p);
 }
 
+TEST(Attribution, WardRegionsOverFramesMergeTheSamePlaceInTime) {
+  // Three frames of two constant halves whose colours swap in the last frame: K = 3 keeps
+  // each half of the first two frames together (adjacent in time at the same place) and
+  // the last frame apart from them.
+  at::manual_seed(5);
+  const int64_t T = 3, h = 4, w = 6;
+  auto X = at::randn({T * h * w, 2}, at::kDouble) * 1e-3;
+  const auto right = [&](int64_t p) { return (p % w >= w / 2) != (p / (h * w) == T - 1); };
+  for (int64_t p = 0; p < T * h * w; ++p)
+    if (right(p)) X[p] += 10.0;
+  X.slice(0, (T - 1) * h * w) += 100.0;  // the last frame far from the others
+  const auto labels = headscope::ward_regions(X, h, w, 3, T);
+  ASSERT_EQ(labels.size(0), T * h * w);
+  for (int64_t p = 0; p < T * h * w; ++p) {
+    const int64_t want = p / (h * w) == T - 1 ? 2 : (right(p) ? 1 : 0);
+    EXPECT_EQ(labels[p].item<int64_t>(), want) << "patch " << p;
+  }
+  // one frame is the plain grid
+  const auto first = X.slice(0, 0, h * w);
+  EXPECT_TRUE(at::equal(headscope::ward_regions(first, h, w, 2, 1),
+                        headscope::ward_regions(first, h, w, 2)));
+}
+
 TEST(Attribution, ErrorsNameTheArgument) {
   const auto attn = at::softmax(at::randn({1, 2, 3, 10}), -1);
   const auto w = at::ones({1, 3});
@@ -343,6 +366,8 @@ TEST(Attribution, ErrorsNameTheArgument) {
   EXPECT_NE(msg.find("headscope::spearman: argument 'target'"), std::string::npos) << msg;
   msg = error_of([&] { headscope::ward_regions(at::randn({10, 2}), 3, 4, 2); });
   EXPECT_NE(msg.find("headscope::ward_regions: argument 'features'"), std::string::npos) << msg;
+  msg = error_of([&] { headscope::ward_regions(at::randn({12, 2}), 3, 4, 2, 0); });
+  EXPECT_NE(msg.find("headscope::ward_regions: argument 'frames'"), std::string::npos) << msg;
 }
 
 // The device-generic value checks the CUDA kernels use (one host sync when valid), run

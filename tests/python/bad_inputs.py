@@ -147,11 +147,13 @@ VALID: Dict[str, Tuple] = {
                  {"dim 2": (2, 2), "dim -3": (2, -3), "shapes differ": (1, rand(4, 11))}),
     "pearson": (["pred", "target", "dim"], [rand(4, 10), rand(4, 10), -1], {"pred", "target"},
                 {"dim 2": (2, 2)}),
-    "ward_regions": (["features", "height", "width", "num_regions"], [rand(24, 5), 4, 6, 5],
-                     {"features"},
-                     {"height*width != rows": (1, 5), "num_regions 0": (3, 0),
+    "ward_regions": (["features", "height", "width", "num_regions", "frames"],
+                     [rand(24, 5), 4, 3, 5, 2], {"features"},
+                     {"frames*height*width != rows": (1, 5), "num_regions 0": (3, 0),
                       "num_regions > rows": (3, 25), "height 0": (1, 0),
-                      "negative width": (2, -6), "sizes overflowing int32": (1, 1 << 31)}),
+                      "negative width": (2, -6), "sizes overflowing int32": (1, 1 << 31),
+                      "frames 0": (4, 0), "negative frames": (4, -2),
+                      "frames overflowing int32": (4, 1 << 31)}),
 }
 
 # arguments of any rank (leading dimensions are batch dimensions)

@@ -585,6 +585,42 @@ def test_ward_regions_matches_sklearn(h, w, C, K):
         assert comp == cells
 
 
+@pytest.mark.parametrize("T,h,w,C,K", [(4, 6, 7, 3, 9), (8, 5, 5, 16, 20), (3, 1, 9, 3, 4),
+                                       (6, 4, 3, 2, 72), (2, 8, 8, 8, 1)])
+def test_ward_regions_over_frames_matches_sklearn(T, h, w, C, K):
+    """frames=T: a T x h x w grid, each patch adjacent to its 4 neighbours in its frame and
+    to the same place in the previous and next frame (scikit-learn's grid_to_graph(T, h,
+    w)); frames=1 is the plain grid."""
+    cluster = pytest.importorskip("sklearn.cluster")
+    from sklearn.feature_extraction.image import grid_to_graph
+    from sklearn.metrics import adjusted_rand_score
+    rng = np.random.default_rng(T * 1000 + h * 100 + w + C + K)
+    X = rng.standard_normal((T * h * w, C)).astype(np.float32)
+    X[: T * h * w // 3] += 1.5
+    labels = headscope.ward_regions(torch.from_numpy(X), h, w, K, frames=T)
+    sk = cluster.AgglomerativeClustering(n_clusters=K, linkage="ward",
+                                         connectivity=grid_to_graph(T, h, w)).fit(X).labels_
+    assert labels.dtype == torch.int64 and labels.shape == (T * h * w,)
+    assert adjusted_rand_score(sk, labels.numpy()) == 1.0
+    # regions are 6-connected in space and time
+    lab = labels.view(T, h, w)
+    for k in range(K):
+        cells = {tuple(int(v) for v in c) for c in (lab == k).nonzero()}
+        stack, comp = [next(iter(cells))], set()
+        while stack:
+            c = stack.pop()
+            if c in comp:
+                continue
+            comp.add(c)
+            t, i, j = c
+            stack += [n for n in ((t + 1, i, j), (t - 1, i, j), (t, i + 1, j), (t, i - 1, j),
+                                  (t, i, j + 1), (t, i, j - 1)) if n in cells]
+        assert comp == cells
+    flat = torch.from_numpy(X[: h * w])
+    assert torch.equal(headscope.ward_regions(flat, h, w, min(K, h * w), frames=1),
+                       headscope.ward_regions(flat, h, w, min(K, h * w)))
+
+
 def test_ward_regions_float64_and_determinism():
     gen = torch.Generator().manual_seed(11)
     X = torch.randn(8 * 8, 5, generator=gen, dtype=torch.float64)
@@ -680,6 +716,14 @@ def test_bad_inputs_other_ops():
         OPS.ward_regions(X, 3, 4, 2)
     with pytest.raises(RuntimeError, match=r"ward_regions: argument 'features' must have at least one"):
         OPS.ward_regions(torch.randn(12, 0), 3, 4, 2)
+    with pytest.raises(RuntimeError, match=r"ward_regions: argument 'features' must have "
+                                           r"frames \* height \* width = 24 rows"):
+        OPS.ward_regions(torch.randn(12, 2), 3, 4, 2, 2)
+    with pytest.raises(RuntimeError, match=r"ward_regions: argument 'num_regions' must be in "
+                                           r"\[1, frames \* height \* width = 24\], got 25"):
+        OPS.ward_regions(torch.randn(24, 2), 3, 4, 25, 2)
+    with pytest.raises(RuntimeError, match=r"ward_regions: argument 'frames' must be >= 1, got 0"):
+        OPS.ward_regions(torch.randn(12, 2), 3, 4, 2, 0)
 
     # empty inputs: no span query is an empty span; no rows give empty results; no grid
     with pytest.raises(RuntimeError, match=r"region_pool: argument 'query_weights'.*empty span"):
@@ -1062,6 +1106,7 @@ def _op_samples(device):
         (OPS.spearman.default, (x, y, -1)),
         (OPS.pearson.default, (x.clone().requires_grad_(), y.clone().requires_grad_(), 0)),
         (OPS.ward_regions.default, (torch.randn(12, 3, generator=gen).to(device), 3, 4, 4)),
+        (OPS.ward_regions.default, (torch.randn(24, 3, generator=gen).to(device), 3, 4, 5, 2)),
     ]
 
 
@@ -1133,11 +1178,11 @@ def test_compile_dynamic_sizes_do_not_recompile():
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
-    ward = torch.compile(lambda x, h, w_, K: OPS.ward_regions(x, h, w_, K), backend=counter,
-                         dynamic=True, fullgraph=True)
-    for h, w_, K in ((3, 4, 3), (4, 5, 6)):
-        x = torch.randn(h * w_, 3, generator=gen)
-        assert torch.equal(ward(x, h, w_, K), OPS.ward_regions(x, h, w_, K))
+    ward = torch.compile(lambda x, h, w_, K, T: OPS.ward_regions(x, h, w_, K, T),
+                         backend=counter, dynamic=True, fullgraph=True)
+    for h, w_, K, T in ((3, 4, 3, 2), (4, 5, 6, 3)):
+        x = torch.randn(T * h * w_, 3, generator=gen)
+        assert torch.equal(ward(x, h, w_, K, T), OPS.ward_regions(x, h, w_, K, T))
     assert counter.frame_count == 1
 
 

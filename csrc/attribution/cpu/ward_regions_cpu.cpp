@@ -1,4 +1,5 @@
-// CPU kernel of ward_regions: greedy Ward merging of grid-adjacent clusters with a heap
+// CPU kernel of ward_regions: greedy Ward merging of grid-adjacent clusters (in a frame,
+// and the same place in adjacent frames) with a heap
 // of neighbour-pair distances and lazy invalidation, O(E log E + merges * degree * C).
 //
 // Exactly scikit-learn's ward_tree (sklearn/cluster/_agglomerative.py) restricted to the
@@ -45,9 +46,10 @@ struct Pair {
 
 }  // namespace
 
-void ward_grid_labels(double* X, int64_t height, int64_t width, int64_t C,
+void ward_grid_labels(double* X, int64_t frames, int64_t height, int64_t width, int64_t C,
                       int64_t num_regions, int64_t* labels) {
-  const int64_t M = height * width;
+  const int64_t plane = height * width;
+  const int64_t M = frames * plane;
   const int64_t nodes = 2 * M - num_regions;  // leaves + merges performed
   std::vector<double> count(nodes, 0.0);
   std::vector<int64_t> slot(nodes, -1), parent(nodes, -1);
@@ -101,12 +103,15 @@ void ward_grid_labels(double* X, int64_t height, int64_t width, int64_t C,
   std::priority_queue<Pair, std::vector<Pair>, std::greater<Pair>> heap;
   {
     std::vector<Pair> init;
-    init.reserve(2 * M);
+    init.reserve(3 * M);
     for (int64_t p = 0; p < M; ++p) {
-      const int64_t r = p / width, c = p % width;
-      // grid_to_graph's 4-neighbourhood; each pair once, as (larger, smaller)
+      const int64_t f = p / plane, r = (p % plane) / width, c = p % width;
+      // grid_to_graph's 6-neighbourhood (4 in a frame); each pair once, as (larger, smaller)
+      if (f > 0) init.push_back({0, p, p - plane});
       if (r > 0) init.push_back({0, p, p - width});
       if (c > 0) init.push_back({0, p, p - 1});
+      if (f + 1 < frames) nb[p].push_back(p + plane);
+      if (f > 0) nb[p].push_back(p - plane);
       if (r + 1 < height) nb[p].push_back(p + width);
       if (r > 0) nb[p].push_back(p - width);
       if (c + 1 < width) nb[p].push_back(p + 1);
@@ -181,12 +186,12 @@ void ward_grid_labels(double* X, int64_t height, int64_t width, int64_t C,
 namespace {
 
 at::Tensor ward_regions_cpu(const at::Tensor& features, int64_t height, int64_t width,
-                            int64_t num_regions) {
+                            int64_t num_regions, int64_t frames) {
   const char* op = "headscope::ward_regions";
-  check_ward_args(features, height, width, num_regions);
+  check_ward_args(features, height, width, num_regions, frames);
   // Serial float64 copy (with the finite check): the clustering itself is serial, and an
   // ATen parallel copy would wake threads for a few microseconds of work.
-  const int64_t M = height * width, C = features.size(1);
+  const int64_t M = frames * height * width, C = features.size(1);
   std::vector<double> X(M * C);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, features.scalar_type(),
                                   "headscope_ward_regions_cpu", [&] {
@@ -202,7 +207,7 @@ at::Tensor ward_regions_cpu(const at::Tensor& features, int64_t height, int64_t 
   });
   double* xp = X.data();
   auto out = at::empty({M}, features.options().dtype(at::kLong));
-  ward_grid_labels(xp, height, width, C, num_regions, out.mutable_data_ptr<int64_t>());
+  ward_grid_labels(xp, frames, height, width, C, num_regions, out.mutable_data_ptr<int64_t>());
   return out;
 }
 

@@ -17,20 +17,21 @@ namespace headscope::attribution::cuda {
 namespace {
 
 at::Tensor ward_regions_cuda(const at::Tensor& features, int64_t height, int64_t width,
-                             int64_t num_regions) {
+                             int64_t num_regions, int64_t frames) {
   const char* op = "headscope::ward_regions";
-  check_ward_args(features, height, width, num_regions);
+  check_ward_args(features, height, width, num_regions, frames);
   const c10::cuda::CUDAGuard guard(features.device());
   // a fresh host copy (the clustering overwrites it)
   auto X = features.to(at::kDouble).cpu().contiguous();
-  const int64_t M = height * width, C = X.size(1);
+  const int64_t M = frames * height * width, C = X.size(1);
   double* xp = X.mutable_data_ptr<double>();
   for (int64_t i = 0; i < M * C; ++i)
     HEADSCOPE_CHECK_ARG(std::isfinite(xp[i]), op, "features",
                         "must hold only finite values, got ", xp[i], " at [", i / C, ", ",
                         i % C, "]");
   auto labels = at::empty({M}, X.options().dtype(at::kLong));
-  cpu::ward_grid_labels(xp, height, width, C, num_regions, labels.mutable_data_ptr<int64_t>());
+  cpu::ward_grid_labels(xp, frames, height, width, C, num_regions,
+                        labels.mutable_data_ptr<int64_t>());
   return labels.to(features.device());
 }
 

@@ -60,8 +60,8 @@ at::Tensor pearson_meta(const at::Tensor& pred, const at::Tensor& target, int64_
 }
 
 at::Tensor ward_regions_meta(const at::Tensor& features, c10::SymInt height, c10::SymInt width,
-                             c10::SymInt num_regions) {
-  check_ward_args(features, height, width, num_regions);
+                             c10::SymInt num_regions, c10::SymInt frames) {
+  check_ward_args(features, height, width, num_regions, frames);
   return at::empty_symint({features.sym_size(0)}, features.options().dtype(at::kLong));
 }
 
