@@ -27,12 +27,12 @@ from ..features import FEATURE_SETS, feature_blocks
 from . import backend
 from .capture import capturing
 from .forward_vas import WRITES, ForwardVAS
-from .families import ImageTokens, family_of
+from .families import ImageTokens, VideoTokens, family_of
 from .generation import Generation, check_generate_kwargs, check_head, head_device
 from .mask_log import MaskLog
 from .masks import MaskCall
 from .phase import Phase
-from .regions import Regions, grid_regions, region_ids as _region_ids
+from .regions import MediaRegions, Regions, grid_regions, media_region_ids
 from .rows import SpanRows
 from .stream import Span, iterate_spans, sentence_end
 from .structure import softmax_attention_layers
@@ -133,7 +133,10 @@ class Tracer(backend.Binding):
         self.generation: Optional[Generation] = None  # the last generate's
         self._running: Optional[Generation] = None  # the generation running now, if any
         self.images: Optional[List[List[ImageTokens]]] = None
+        self.videos: Optional[List[List[VideoTokens]]] = None
         self.num_regions: Optional[List[int]] = None
+        # per row, each picture and video in sequence order with its regions
+        self.media_regions: Optional[List[List[MediaRegions]]] = None
         self._region_ids: Optional[torch.Tensor] = None  # the last prompt's (B, T)
         # each layer's transformers layer type (None: every layer takes the one mask built)
         types = getattr(self.config, "layer_types", None)
@@ -292,9 +295,16 @@ class Tracer(backend.Binding):
         if ids is None or tuple(ids.shape) != (B, T):
             raise ValueError("headscope.hf.Tracer: regions need the model's input_ids "
                              f"(B, T) = ({B}, {T}) to find the image tokens")
-        self.images = self.family.images(self.model.config,
-                                         self.family.layout_inputs(self.model, self._noted))
-        self._region_ids, self.num_regions = _region_ids(self.regions, self.images, embeds)
+        config, layout = self.model.config, self.family.layout_inputs(self.model, self._noted)
+        self.videos = self.family.videos(config, layout)
+        if not any(self.videos) and self._noted.get("pixel_values_videos") is not None:
+            raise NotImplementedError(
+                f"headscope.hf.Tracer: the inputs hold a video (pixel_values_videos), but "
+                f"headscope finds none of its tokens in input_ids: it does not read the video "
+                f"layout of a {config.model_type} model yet")
+        self.images = self.family.images(config, layout)
+        self._region_ids, self.num_regions, self.media_regions = media_region_ids(
+            self.regions, self.images, embeds, self.videos)
 
     def _prefill(self, rows: SpanRows, module, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor, kwargs) -> None:
