@@ -217,13 +217,8 @@ def row_alone(model, inputs, b):
     keep = inputs["attention_mask"][b].bool()
     row = {k: v[b:b + 1][:, keep] for k, v in inputs.items()
            if k in ("input_ids", "attention_mask") + TYPES}
-    if "video_grid_thw" in inputs:  # one video per row (the video prompts' contract)
-        sizes = inputs["video_grid_thw"].prod(-1).tolist()
-        start = sum(sizes[:b])
-        per_video = {k: inputs[k][b:b + 1] for k in ("video_grid_thw", "second_per_grid_ts")
-                     if k in inputs}
-        return dict(row, pixel_values_videos=inputs["pixel_values_videos"][start:start + sizes[b]],
-                    **per_video)
+    if prompt is video_contract_prompt:  # one video per row: the processor on row b alone
+        return video_contract_prompt(model, len(inputs["input_ids"]), row=b)
     pixels = inputs["pixel_values"]
     if "image_token_pooling" in inputs:  # crops' patches pooled by index (Molmo 2)
         crops, grids = inputs["image_num_crops"], inputs["image_grids"]
@@ -339,17 +334,19 @@ def test_images_give_every_image_tokens_place_on_the_picture(models):
 
 # ---- a video prompt: the same contract ------------------------------------------------------
 
-VIDEOS = ((5, 24, 32), (4, 16, 24))  # (frames, height, width) of each row's video
-
-
-def video_contract_prompt(model, batch=1, seed=0):
-    """A left-padded batch of ``batch`` prompts of one video each (VIDEOS, an odd and an
-    even number of frames), laid out by the family's real tiny processor, on the model's
-    device, as the model takes them (the processor's video_metadata left out)."""
-    if tiny_of(model).spec.video is None:
+def video_contract_prompt(model, batch=1, seed=0, row=None):
+    """A left-padded batch of ``batch`` prompts of one video each (the family's
+    TinySpec.clips: an odd and an even number of frames where the model takes them),
+    laid out by the family's real tiny processor, on the model's device, as the model
+    takes them (the processor's video_metadata left out); ``row``: that row alone."""
+    spec = tiny_of(model).spec
+    if spec.video is None:
         pytest.skip(f"the {model.config.model_type} family reads no video")
-    inputs = family_of(model).model_inputs(video_prompt(model, VIDEOS[:batch], seed=seed))
-    return {k: v.to(model.device) for k, v in inputs.items()}
+    inputs = video_prompt(model, spec.clips[:batch], seed=seed,
+                          rows=None if row is None else [row])
+    inputs = family_of(model).model_inputs(inputs)
+    return {k: v.to(model.device) if isinstance(v, torch.Tensor) else v
+            for k, v in inputs.items()}
 
 
 @pytest.fixture
