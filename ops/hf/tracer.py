@@ -33,6 +33,7 @@ from .masks import MaskCall
 from .regions import Regions, grid_regions, region_ids as _region_ids
 from .rows import KeyTable, SpanRows
 from .stream import Span, SpanCutter
+from .quantized import dense_weight
 from .structure import output_projection, softmax_attention_layers
 from .value_norm import value_norm_factors
 
@@ -370,7 +371,7 @@ class Tracer(backend.Binding):
         o_proj."""
         if layer not in self._factors:
             self._factors[layer] = value_norm_factors(
-                output_projection(module).weight.detach(), self.num_heads)
+                dense_weight(output_projection(module)), self.num_heads)
         return self._factors[layer]
 
     def _check_decode_step(self, layer: int, module, q: torch.Tensor, k: torch.Tensor,
