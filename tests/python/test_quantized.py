@@ -38,7 +38,7 @@ import headscope  # noqa: E402
 from headscope.commands import main  # noqa: E402
 from headscope.hf import Tracer, attnlrp_scores, gradient_scores, region_effects  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
-from headscope.hf.quantized import dense_weight, is_quantized  # noqa: E402
+from headscope.hf.quantized import dense_weight, dequantized, is_quantized  # noqa: E402
 from headscope.hf.structure import output_projection, softmax_attention_layers  # noqa: E402
 from headscope.hf.testing import (eager_reference, image_prompt, quarters,  # noqa: E402
                                   tiny_checkpoint, tiny_dataset, tiny_model, tiny_processor)
@@ -48,15 +48,19 @@ from test_family_contract import continued  # noqa: E402
 
 
 def _torchao(kind: str):
+    """torchao's config; ``set_inductor_config=False``: torchao would otherwise change
+    torch._inductor's settings for the whole process (the other tests' torch.compile)."""
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
     if kind == "int4":  # the CPU's int4 layout (tinygemm's CPU kernel); group 32: the tiny
         # layers' 64 input columns (torchao leaves a layer whose width the group does not
         # divide unquantized)
         from torchao.prototype.quantization.int4.inference_workflow import \
             PrototypeInt4WeightOnlyConfig
-        return tf.TorchAoConfig(PrototypeInt4WeightOnlyConfig(group_size=32))
+        return tf.TorchAoConfig(PrototypeInt4WeightOnlyConfig(group_size=32,
+                                                              set_inductor_config=False))
     return tf.TorchAoConfig({"int8": Int8WeightOnlyConfig,
-                             "int8-dynamic": Int8DynamicActivationInt8WeightConfig}[kind]())
+                             "int8-dynamic": Int8DynamicActivationInt8WeightConfig}[kind](
+        set_inductor_config=False))
 
 
 # scheme -> its transformers quantization config
@@ -158,6 +162,40 @@ def teacher_forced(case, sequences):
                                                        value=1))
     full.update(continued(model, inputs, N))
     return full
+
+
+# ---- the weights ---------------------------------------------------------------------------
+
+def test_dense_weight_is_what_the_forward_multiplies_by(case):
+    """Every quantized linear layer of the decoder computes ``x W^T + b`` with W its
+    dense_weight (to the rounding of its kernel: bfloat16 in bitsandbytes' CPU layout),
+    and reading it leaves the layer as it was; value_norm_factors takes a weight with a
+    dequantize() of its own and names the way for one without."""
+    from headscope.hf import value_norm_factors
+    model = load(case["folder"], case["scheme"])  # bitsandbytes: in its stored layout
+    x = torch.randn(5, model.config.get_text_config().hidden_size,
+                    generator=torch.Generator().manual_seed(0))
+    o_proj = output_projection(softmax_attention_layers(family_of(model).decoder(model))[0])
+    packed = getattr(getattr(o_proj.weight, "quant_state", None), "packing_format_for_cpu", None)
+    dense = dense_weight(o_proj)
+    assert type(dense) is torch.Tensor and dense.shape == (o_proj.out_features,
+                                                           o_proj.in_features)
+    assert getattr(getattr(o_proj.weight, "quant_state", None), "packing_format_for_cpu",
+                   None) == packed
+    with torch.no_grad():
+        out = o_proj(x)
+        error = float((out - x @ dense.T - (0 if o_proj.bias is None else o_proj.bias)).norm()
+                      / out.norm())
+    assert error < (ROUNDING_TOLERANCE if case["scheme"] in ROUNDS_ACTIVATIONS else 1e-6), error
+    H = model.config.get_text_config().num_attention_heads
+    if dequantized(o_proj.weight) is not None:
+        torch.testing.assert_close(value_norm_factors(o_proj.weight, H),
+                                   value_norm_factors(dense, H))
+    else:
+        with pytest.raises(ValueError, match=r"value_norm_factors: o_proj_weight is a "
+                                             r"quantized \w+ with no dequantize\(\); pass "
+                                             r"headscope.hf.quantized.dense_weight"):
+            value_norm_factors(o_proj.weight, H)
 
 
 # ---- the Tracer contract ----------------------------------------------------------------
@@ -346,12 +384,12 @@ def test_gradients_equal_the_dequantized_models_or_are_refused(case):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A tiny Qwen2-VL checkpoint, a picture and a DATA folder of two images."""
+    """A tiny Qwen2-VL checkpoint, a picture and a DATA folder of one image."""
     root = tmp_path_factory.mktemp("commands")
     picture = root / "quarters.png"
     quarters(40, 48, ((200, 30, 30), (30, 200, 30), (30, 30, 200), (220, 220, 40))).save(
         picture)
-    return tiny_checkpoint(root / "model", "qwen2_vl"), picture, tiny_dataset(root / "data", 2)
+    return tiny_checkpoint(root / "model", "qwen2_vl"), picture, tiny_dataset(root / "data", 1)
 
 
 # each command runs once with each of these
@@ -419,16 +457,17 @@ def test_collect_command(saved, loading, tmp_path, capsys):
     assert main(argv) == 0
     collection = read_collection(out)
     assert json.loads((out / "manifest.json").read_text())["quantize"] == loading[1]
-    # the second example again, by hand, on the model load_model gives
+    # the example again, by hand, on the model load_model gives
     model, processor = loaded(folder, loading)
-    example = read_examples(data)[1]
+    (example,) = read_examples(data)
     inputs = prompt_inputs(processor, example, load_image(example), torch.device("cpu"))
     spans = []
     with torch.no_grad(), Tracer(model, regions=4, vas=False,
                                  tokenizer=processor.tokenizer) as tr:
         tr.generate_with(spans.append, **inputs, max_new_tokens=4, do_sample=False)
-    mine = collection.tensors["span_example"] == 1
     t = collection.tensors
+    mine = t["span_example"] == 0
+    assert bool(mine.all())
     assert t["span_bounds"][mine].tolist() == [[s.start, s.end] for s in spans]
     torch.testing.assert_close(t["features"][mine], torch.stack([s.features for s in spans]))
     effects = region_effects(model, inputs, tr.sequences, spans, tr.region_ids, progress=False)
@@ -456,6 +495,7 @@ def test_vas_command(saved, loading, tmp_path):
     model, processor = loaded(folder, loading)
     image_ids = list(family_of(model).image_token_ids(model.config))
     records = [json.loads(x) for x in (data / "data.jsonl").read_text().splitlines()]
+    assert table.num_rows == len(records) == 1
     for row, record in zip(table.to_pylist(), records):
         inputs = chat_inputs(processor, record["prompt"],
                              [Image.open(data / record["image"]).convert("RGB")], "cpu")
