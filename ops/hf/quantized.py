@@ -63,7 +63,7 @@ def dense_weight(linear: torch.nn.Module) -> torch.Tensor:
     stored layout; else the layer's output for the identity matrix minus its bias
     (torchao's CPU int4 layout, a bitsandbytes weight repacked for its CPU kernel:
     whatever the forward computes, in the dtype of its inputs). Detached, on the layer's
-    device. Leaves the layer as it was."""
+    device. Only a layout with no reading of its own runs the layer's forward."""
     weight = linear.weight
     if not is_quantized(weight):
         return weight.detach()
