@@ -172,7 +172,7 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
         L, H = tr.num_layers, tr.num_heads
         for span in tr.generate(**inputs, max_new_tokens=max_new_tokens, **generate_kwargs):
             if not result.pictures:  # the prefill has laid out the pictures and regions
-                result.pictures = _pictures(tr, images, traced)
+                result.pictures = _pictures(tr, images)
             before = tokenizer.decode(answer_ids, skip_special_tokens=True)
             answer_ids += span.token_ids.tolist()
             result.answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
@@ -215,23 +215,18 @@ def explain(model, processor, images: Sequence, prompt: str, head=None, **kwargs
     return result
 
 
-def _pictures(tr, images: Sequence, regions) -> List[Picture]:
-    """The prompt's pictures with each token's box and region (batch row 0)."""
-    from ..hf import grid_regions
-    row = tr.images[0]
+def _pictures(tr, images: Sequence) -> List[Picture]:
+    """The prompt's pictures with each token's box and region (batch row 0), their
+    regions as the tracer numbered them (a prompt's pictures and videos in sequence
+    order: ``tr.media_regions``)."""
+    from ..hf.families import ImageTokens
+    row = [part for part in tr.media_regions[0] if isinstance(part.media, ImageTokens)]
     if len(row) != len(images):
         raise ValueError(f"headscope.explain: the prompt holds {len(row)} pictures, "
                          f"got {len(images)} images")
     ids = tr.region_ids[0].cpu()
-    pictures, first = [], 0
-    for i, (tokens, image) in enumerate(zip(row, images)):
-        labels = ids[tokens.positions]
-        end = first + regions.rows * regions.cols if isinstance(regions, grid_regions) \
-            else int(labels.max()) + 1
-        pictures.append(Picture(image=image, boxes=tokens.boxes.float(), labels=labels,
-                                regions=(first, end),
-                                views=[{"name": v.name, "rows": v.rows, "cols": v.cols,
-                                        "box": [float(c) for c in v.box]}
-                                       for v in tokens.views]))
-        first = end
-    return pictures
+    return [Picture(image=image, boxes=part.media.boxes.float(),
+                    labels=ids[part.media.positions], regions=(part.first, part.end),
+                    views=[{"name": v.name, "rows": v.rows, "cols": v.cols,
+                            "box": [float(c) for c in v.box]} for v in part.media.views])
+            for part, image in zip(row, images)]

@@ -70,10 +70,11 @@ def _modeling_module(model_type: str):
 
 
 @functools.lru_cache(maxsize=None)
-def placeholder_names(model_type: str) -> Tuple[str, ...]:
+def placeholder_names(model_type: str, kind: str = "image") -> Tuple[str, ...]:
     """The config entries a model type's own ``get_placeholder_mask`` compares
     ``input_ids`` with to find where image features go (``image_token_id``, or the
-    family's own name); empty if its modeling file has no such method."""
+    family's own name; ``kind="video"``: video features, ``video_token_id``); empty if its
+    modeling file has no such method."""
     module = _modeling_module(model_type)
     names: List[str] = []
     for cls in vars(module).values() if module is not None else ():
@@ -81,17 +82,18 @@ def placeholder_names(model_type: str) -> Tuple[str, ...]:
         if not method:
             continue
         for name in re.findall(r"config\.(\w+)", inspect.getsource(method)):
-            if "image" in name and name not in names:
+            if kind in name and name not in names:
                 names.append(name)
     return tuple(names)
 
 
-def placeholder_token_ids(config) -> Optional[Tuple[int, ...]]:
+def placeholder_token_ids(config, kind: str = "image") -> Optional[Tuple[int, ...]]:
     """The ids of the image placeholder tokens of a VLM's ``config``: what its
-    ``get_placeholder_mask`` reads, else ``image_token_id`` / ``image_token_index``;
+    ``get_placeholder_mask`` reads, else ``image_token_id`` / ``image_token_index``
+    (``kind="video"``: the video placeholders, ``video_token_id`` / ``video_token_index``);
     None if it names none."""
-    names = placeholder_names(getattr(config, "model_type", "")) or \
-        ("image_token_id", "image_token_index")
+    names = placeholder_names(getattr(config, "model_type", ""), kind) or \
+        (f"{kind}_token_id", f"{kind}_token_index")
     for name in names:
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool):

@@ -156,10 +156,12 @@ def quarter_prompts(processor, sizes, per_row, marker: str, colours=QUARTER_COLO
     return processor(text=texts, images=images, return_tensors="pt", padding=True)
 
 
-def nearest_colour(processor, pixels: torch.Tensor, colours=QUARTER_COLOURS) -> torch.Tensor:
-    """``(N, P)``: for pixels ``(N, P, channels)`` as the processor's image processor
-    normalised them, the index of the nearest of ``colours``."""
-    image_processor = processor.image_processor
+def nearest_colour(processor, pixels: torch.Tensor, colours=QUARTER_COLOURS,
+                   normaliser=None) -> torch.Tensor:
+    """``(N, P)``: for pixels ``(N, P, channels)`` as the processor's image processor (or
+    ``normaliser``, such as its video processor) normalised them, the index of the nearest
+    of ``colours``."""
+    image_processor = normaliser or processor.image_processor
     mean = torch.tensor(image_processor.image_mean)
     std = torch.tensor(image_processor.image_std)
     refs = (torch.tensor(colours, dtype=torch.float32) / 255 - mean) / std  # (colours, C)

@@ -1,7 +1,8 @@
 """headscope.hf.region_effects on tiny random VLMs against a plain reference that ablates
 one region at a time with the model's own forward (an attention mask with holes for
 "mask", a decoder pre-hook that replaces the embeddings for "zero" and "mean"); regions
-a span cannot see have no effect; every region masked equals the image masked out."""
+a span cannot see have no effect; every region masked equals the image masked out; a
+video's regions in space and time as a picture's."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,7 @@ from headscope.hf import Tracer, region_effects  # noqa: E402
 from headscope.hf.families import FAMILIES, family_of  # noqa: E402
 from headscope.hf.families.base import TYPE_INPUTS  # noqa: E402
 from headscope.hf.keymask import removed_score  # noqa: E402
-from headscope.hf.testing import image_prompt, tiny_model, tiny_of  # noqa: E402
+from headscope.hf.testing import image_prompt, tiny_model, tiny_of, video_prompt  # noqa: E402
 
 K = 4
 SPANS = [(0, 2), (2, 6), (0, 6), (5, 6)]
@@ -155,6 +156,38 @@ def test_batched_effects_equal_one_region_at_a_time(family, ablation, device):
     torch.testing.assert_close(single, effects, atol=1e-5, rtol=1e-5)
     # spans add up: [0, 2) + [2, 6) = [0, 6)
     torch.testing.assert_close(effects[0] + effects[1], effects[2], atol=1e-5, rtol=1e-5)
+
+
+# the same on a prompt of one video (Ward regions over space and time), for the families
+# that read videos
+VIDEO_EFFECTS = [(model_type, ablation) for family in FAMILIES
+                 if tiny_of(family).spec.video is not None
+                 for model_type, ablations in tiny_of(family).spec.effects.items()
+                 for ablation in ablations]
+_VIDEO_CASES = {}
+
+
+def _video_case(model_type):
+    """A tiny model (its own, apart from _case's) and its generation on a video prompt."""
+    if model_type not in _VIDEO_CASES:
+        model = tiny_model(model_type)
+        inputs = family_of(model).model_inputs(video_prompt(model, ((5, 24, 32),)))
+        with torch.no_grad(), Tracer(model, regions=K, vas=False) as tr:
+            list(tr.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=None))
+        assert tr.videos[0] and not tr.images[0]
+        _VIDEO_CASES[model_type] = (model, inputs, tr.sequences, tr.region_ids)
+    return _VIDEO_CASES[model_type]
+
+
+@pytest.mark.parametrize("family, ablation", VIDEO_EFFECTS)
+def test_video_effects_equal_one_region_at_a_time(family, ablation):
+    model, inputs, sequences, rid = _video_case(family)
+    effects = region_effects(model, inputs, sequences, SPANS, rid, ablation=ablation,
+                             batch_size=3, progress=False)
+    assert effects.shape == (len(SPANS), K)
+    want = _reference_effects(model, inputs, sequences, rid, [[k] for k in range(K)], ablation)
+    torch.testing.assert_close(effects, want, atol=2e-5, rtol=1e-4)
+    assert effects.abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("family", UNSEEN)

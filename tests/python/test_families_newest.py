@@ -259,3 +259,95 @@ def test_mistral_4_traces_through_the_mistral_3_family_under_the_contract():
         pooled = headscope.stack_layers([headscope.region_pool(a.float(), w, rid, 4)
                                          for a in attns])
         torch.testing.assert_close(s.features, pooled[s.batch_index], atol=1e-5, rtol=1e-5)
+
+
+# ---- a video read by its structure -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def video_case():
+    """LLaVA-NeXT-Video (no family module), sdpa and eager, and a left-padded batch of one
+    video of 4 frames per row."""
+    from headscope.hf.testing.newest import tiny_video_newest, video_newest_prompt
+    model = tiny_video_newest()
+    eager = tiny_video_newest(attn_implementation="eager")
+    return model, eager, video_newest_prompt(model, (4, 4), **TEXT)
+
+
+def test_video_frames_lie_in_sequence_order(video_case):
+    """Each video is one run of its placeholders, its 4 frames a quarter of it each, as the
+    model's own features show: new pixels in one frame change that frame's placeholders'
+    decoder inputs and no other's. Logits bitwise; Ward regions over space and time."""
+    from headscope.hf.capture import decoder_kwargs
+    from headscope.hf.testing.tokens import VIDEO_TOKEN
+    model, _, inputs = video_case
+    assert family_of(model) is GENERIC
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        with Tracer(model, regions=3, vas=False) as tr:
+            assert torch.equal(model(**inputs).logits, plain)
+        before = decoder_kwargs(model, model.get_decoder(), inputs)["inputs_embeds"]
+        for frame in range(4):
+            moved = inputs["pixel_values_videos"].clone()
+            moved[:, frame] += 1
+            after = decoder_kwargs(model, model.get_decoder(),
+                                   dict(inputs, pixel_values_videos=moved))["inputs_embeds"]
+            changed = (after != before).any(-1)
+            for b, (video,) in enumerate(tr.videos):
+                assert torch.equal(changed[b].nonzero().flatten(),
+                                   video.groups[frame].image.positions)
+    is_video = inputs["input_ids"] == VIDEO_TOKEN
+    assert tr.images == [[], []]
+    for b, (video,) in enumerate(tr.videos):
+        assert video.index == b and video.num_frames == 4 and video.grid == (4, 1, 4)
+        assert [g.frames for g in video.groups] == [(0,), (1,), (2,), (3,)]
+        assert torch.equal(video.positions, is_video[b].nonzero().flatten())
+        assert video.seconds is None and len(video.markers) == 0
+        assert sorted(set(tr.region_ids[b, video.positions].tolist())) == [0, 1, 2]
+        assert bool((tr.region_ids[b][~is_video[b]] == -1).all())
+    with pytest.raises(ValueError, match="grid_regions needs each image token's place"):
+        Tracer(model, regions=grid_regions(2, 2))
+
+
+def test_video_generation_and_span_features_equal_region_pool(video_case):
+    model, eager, inputs = video_case
+    with torch.no_grad():
+        plain = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+        with Tracer(model, regions=3, vas=True) as tr:
+            spans = list(tr.generate(**inputs, max_new_tokens=NEW, do_sample=False,
+                                     eos_token_id=None))
+            final_vas = tr.vas_features()
+    assert torch.equal(tr.sequences, plain)
+    P = inputs["input_ids"].shape[1]
+    full = dict(inputs, input_ids=plain,
+                attention_mask=torch.nn.functional.pad(inputs["attention_mask"], (0, NEW),
+                                                       value=1))
+    attns, writes = eager_reference(eager, full)
+    rid = torch.nn.functional.pad(tr.region_ids, (0, NEW), value=-1)
+    for s in spans:
+        w = torch.zeros(2, P + NEW)
+        w[:, P + s.start - 1:P + s.end - 1] = 1.0
+        want = headscope.stack_layers([headscope.region_pool(a.float(), w, rid, 3)
+                                       for a in attns])
+        torch.testing.assert_close(s.features, want[s.batch_index], atol=1e-5, rtol=1e-5)
+    want_vas, _ = headscope.vas_features(attns, writes, full["attention_mask"],
+                                         left_padding=True)
+    torch.testing.assert_close(final_vas, want_vas, atol=1e-4, rtol=1e-4)
+
+
+def test_video_frames_unknown_or_mixed(video_case):
+    """A video whose frames' pixels reach other shares of its placeholders (a tower that
+    mixes frames) is one frame group of every frame; one whose frames cannot be counted
+    (pixel_values_videos not (videos, frames, ...)) is refused when regions are asked."""
+    from headscope.hf.families.generic import frame_groups
+    content = torch.arange(10, 18)
+    (group,) = frame_groups(content, 4, torch.cat([content[:4], content[-2:]]))
+    assert group.frames == (0, 1, 2, 3) and torch.equal(group.image.positions, content)
+    split = frame_groups(content, 4, torch.cat([content[:2], content[-2:]]))
+    assert [g.frames for g in split] == [(0,), (1,), (2,), (3,)]
+    model, _, inputs = video_case
+    layout = GENERIC.layout_inputs(model, inputs)
+    assert layout["video_frames"] == 4 and layout["video_count"] == 2
+    del layout["video_frames"]  # what a model of other video inputs leaves
+    with pytest.raises(NotImplementedError, match=r"needs each video's frames: "
+                                                  r"pixel_values_videos of shape"):
+        GENERIC.videos(model.config, layout)

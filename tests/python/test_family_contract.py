@@ -8,6 +8,8 @@ padding equal their rows alone, and tr.images places every image token on its pi
 The models of one model type and device are built once for all its tests."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -19,7 +21,8 @@ from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.families import FAMILIES, family_of  # noqa: E402
 from headscope.hf.families.base import TYPE_INPUTS  # noqa: E402
 from headscope.hf.structure import output_projection, softmax_attention_layers  # noqa: E402
-from headscope.hf.testing import eager_reference, image_prompt, tiny_model, tiny_of  # noqa: E402
+from headscope.hf.testing import (eager_reference, image_prompt, tiny_model,  # noqa: E402
+                                  tiny_of, video_prompt)
 
 TYPES = TYPE_INPUTS  # per-position type inputs
 
@@ -214,6 +217,8 @@ def row_alone(model, inputs, b):
     keep = inputs["attention_mask"][b].bool()
     row = {k: v[b:b + 1][:, keep] for k, v in inputs.items()
            if k in ("input_ids", "attention_mask") + TYPES}
+    if prompt is video_contract_prompt:  # one video per row: the processor on row b alone
+        return video_contract_prompt(model, len(inputs["input_ids"]), row=b)
     pixels = inputs["pixel_values"]
     if "image_token_pooling" in inputs:  # crops' patches pooled by index (Molmo 2)
         crops, grids = inputs["image_num_crops"], inputs["image_grids"]
@@ -325,3 +330,87 @@ def test_images_give_every_image_tokens_place_on_the_picture(models):
             quarter = (centre[:, 1] >= 0.5).long() * 2 + (centre[:, 0] >= 0.5).long()
             got = tr.region_ids[b, picture.positions] - tr.region_ids[b, picture.positions].min()
             assert torch.equal(got.cpu(), quarter)
+
+
+# ---- a video prompt: the same contract ------------------------------------------------------
+
+def video_contract_prompt(model, batch=1, seed=0, row=None):
+    """A left-padded batch of ``batch`` prompts of one video each (the family's
+    TinySpec.clips: an odd and an even number of frames where the model takes them),
+    laid out by the family's real tiny processor, on the model's device, as the model
+    takes them (the processor's video_metadata left out); ``row``: that row alone."""
+    spec = tiny_of(model).spec
+    if spec.video is None:
+        pytest.skip(f"the {model.config.model_type} family reads no video")
+    inputs = video_prompt(model, spec.clips[:batch], seed=seed,
+                          rows=None if row is None else [row])
+    inputs = family_of(model).model_inputs(inputs)
+    return {k: v.to(model.device) if isinstance(v, torch.Tensor) else v
+            for k, v in inputs.items()}
+
+
+@pytest.fixture
+def on_video(monkeypatch):
+    """The contract's tests run on prompts of one video per row instead of one picture."""
+    monkeypatch.setattr(sys.modules[__name__], "prompt", video_contract_prompt)
+
+
+def test_video_logits_unchanged_and_model_restored(models, on_video):
+    test_logits_unchanged_and_model_restored(models)
+
+
+def test_video_vas_features_equal_seed_on_eager_attentions(models, on_video):
+    test_vas_features_equal_seed_on_eager_attentions(models)
+
+
+def test_video_eager_base_uses_materialised_weights(models, on_video):
+    test_eager_base_uses_materialised_weights(models)
+
+
+def test_video_left_padded_batch_equals_rows_alone(models, on_video):
+    test_left_padded_batch_equals_rows_alone(models)
+
+
+def test_video_left_padded_generation_equals_rows_alone(models, on_video):
+    test_left_padded_generation_equals_rows_alone(models)
+
+
+def test_video_generate_same_tokens_and_span_features_equal_region_pool(models, on_video):
+    test_generate_same_tokens_and_span_features_equal_region_pool(models)
+
+
+def test_videos_give_every_video_tokens_place_in_space_and_time(models, on_video):
+    """tr.videos: per row, its video's frame groups; every video token is in exactly one
+    group's view (or a marker), every other position has region -1; Ward regions over
+    space and time number the row's regions from 0; grid_regions(2, 2) puts each token
+    in its group's quarter holding its box's centre."""
+    from headscope.hf import grid_regions
+    model, _ = models
+    inputs = prompt(model, batch=2)
+    family = family_of(model)
+    ids = inputs["input_ids"]
+    # every image or video token of a prompt of videos is a video's (GLM's frames are image
+    # tokens)
+    media = [*family.image_token_ids(model.config), *family.video_token_ids(model.config)]
+    is_video = torch.isin(ids, torch.tensor(media, device=ids.device))
+    for regions in (4, grid_regions(2, 2)):
+        with torch.no_grad(), Tracer(model, regions=regions, vas=False) as tr:
+            model(**inputs)
+        assert tr.images == [[], []] and [len(row) for row in tr.videos] == [1, 1]
+        for b, (video,) in enumerate(tr.videos):
+            placed = torch.cat([video.positions, video.markers]).sort().values
+            assert torch.equal(placed, is_video[b].nonzero().flatten().cpu())
+            assert len(set(video.positions.tolist())) == len(video.positions)
+            rid = tr.region_ids[b].cpu()
+            assert bool((rid[~is_video[b].cpu()] == -1).all()) and bool((rid[video.markers] == -1).all())
+            got = rid[video.positions]
+            if isinstance(regions, int):
+                assert sorted(set(got.tolist())) == list(range(regions)) == \
+                    list(range(tr.num_regions[b]))
+                continue
+            centre = (video.boxes[:, :2] + video.boxes[:, 2:]) / 2
+            quarter = (centre[:, 1] >= 0.5).long() * 2 + (centre[:, 0] >= 0.5).long()
+            group = torch.cat([torch.full((len(g.image.positions),), i)
+                               for i, g in enumerate(video.groups)])
+            assert torch.equal(got, group * 4 + quarter)
+            assert tr.num_regions[b] == 4 * len(video.groups)

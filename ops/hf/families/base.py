@@ -58,11 +58,17 @@ class Family:
 
     def video_token_ids(self, config) -> Tuple[int, ...]:
         """The ids of the tokens that stand for video features in ``input_ids``
-        (``video_token_id`` or ``video_token_index``; empty: none)."""
+        (``video_token_id`` or ``video_token_index``; empty: none, or the image token
+        itself, as Molmo 2's config names it: a family whose frames are image tokens tells
+        them apart in :meth:`videos`)."""
         for name in ("video_token_id", "video_token_index"):
             value = getattr(config, name, None)
             if value is not None:
-                return (int(value),)
+                try:
+                    pictures = self.image_token_ids(config)
+                except ValueError:  # a config that names no image token
+                    pictures = ()
+                return () if int(value) in pictures else (int(value),)
         return ()
 
     def layout_inputs(self, model, kwargs: Mapping[str, Any]) -> Dict[str, Any]:

@@ -364,6 +364,51 @@ def grid_videos(who: str, per_row: List[torch.Tensor],
     return out
 
 
+def metadata_frames(metadata, index: int) -> Optional[int]:
+    """The sampled frames the processor's ``video_metadata`` lists for the batch's video
+    ``index`` (None: no metadata, or its entry lists none)."""
+    if metadata is None or index >= len(metadata):
+        return None
+    indices = metadata[index].get("frames_indices")
+    return None if indices is None else len(indices)
+
+
+def group_videos(who: str, groups: List[List[ImageTokens]], counts: Sequence[int],
+                 frames_per_group: int = 1, metadata=None,
+                 markers: Optional[Sequence[torch.Tensor]] = None) -> List[List[VideoTokens]]:
+    """Per batch row, its videos from the frame groups of each row in sequence order
+    (``groups``, each group's tokens as an :class:`ImageTokens`), ``counts`` the frame
+    groups of each of the batch's videos in order, ``frames_per_group`` the frames each
+    group merges (the last group of a video may hold fewer: :func:`video_frames`),
+    ``metadata`` the processor's ``video_metadata`` and ``markers`` each video's marker
+    positions (batch order); checks that the counts add up."""
+    out, index = [], 0
+    for b, row in enumerate(groups):
+        found, used = [], 0
+        while used < len(row):
+            if index >= len(counts):
+                raise ValueError(f"{who}: row {b} has more video frames than its videos "
+                                 f"account for")
+            mine = row[used:used + counts[index]]
+            if len(mine) != counts[index]:
+                raise ValueError(f"{who}: row {b}'s {len(row)} frame groups do not split into "
+                                 f"whole videos ({counts[index]} groups for video {index})")
+            count, seconds, source = video_frames(who, metadata, index, len(mine),
+                                                  frames_per_group)
+            frames = [tuple(range(g * frames_per_group,
+                                  min((g + 1) * frames_per_group, count)))
+                      for g in range(len(mine))]
+            extra = {} if markers is None else {"markers": markers[index]}
+            found.append(VideoTokens(tuple(FrameGroup(f, image) for f, image in zip(frames, mine)),
+                                     count, index, seconds, source, **extra))
+            used += counts[index]
+            index += 1
+        out.append(found)
+    if index != len(counts):
+        raise ValueError(f"{who}: {len(counts)} videos in the inputs but {index} in input_ids")
+    return out
+
+
 def thumbnail(picture: torch.Tensor, size: int) -> torch.Tensor:
     """(C, size, size): ``picture`` (C, H, W) resized to one tile."""
     return torch.nn.functional.interpolate(picture[None].float(), (size, size),

@@ -92,13 +92,15 @@ class LlavaNext(Family):
         return [("base", side, side, WHOLE, 0, 0), ("tiles", rows, cols, box, 1, 0)]
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
+        per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
+        if not any(len(p) for p in per_row):  # a prompt of videos only
+            return [[] for _ in per_row]
         sizes = inputs.get("image_sizes")
         if sizes is None:
             raise missing_input(config, "image_sizes", " (each picture's original size)")
         pieces = [self.pieces(config, inputs, i, int(h), int(w))
                   for i, (h, w) in enumerate(sizes.tolist())]
         counts = [token_count(p) for p in pieces]
-        per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
         pictures = iter(pieces)
         return [[lay_out(positions, next(pictures)) for positions in row]
                 for row in split_images(WHO, per_row, counts)]

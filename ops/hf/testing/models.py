@@ -128,7 +128,8 @@ def image_prompt(model, grids: Sequence[Tuple[int, int]] = ((8, 8),),
 
 def video_prompt(model, videos: Sequence[Tuple[int, int, int]] = ((8, 24, 32),), *,
                  text: Optional[Sequence[str]] = None, images=None, fps: float = 2.0,
-                 seed: int = 0, **processor_kwargs) -> Dict:
+                 seed: int = 0, rows: Optional[Sequence[int]] = None,
+                 **processor_kwargs) -> Dict:
     """Inputs for a batch of prompts, row b holding one video of ``videos[b]`` = (frames,
     height, width) random frames, laid out by the family's real tiny processor
     (:func:`tiny_processor`, its ``TinySpec.video`` in the text: ``w<k>`` words, the
@@ -137,7 +138,8 @@ def video_prompt(model, videos: Sequence[Tuple[int, int, int]] = ((8, 24, 32),),
     pictures, as the processor takes them) replace that. Each video's metadata (its
     frames at ``fps``) goes to the processor, which samples frames as it does, and comes
     back as ``video_metadata`` (``return_metadata=True``); ``processor_kwargs`` go to the
-    processor too."""
+    processor too. ``rows``: the rows to keep (None: all), each with the video and text
+    it has in the whole batch (a batch's row alone, without padding)."""
     import numpy as np
     tiny = tiny_of(family_of(model))
     if tiny.spec.video is None:
@@ -152,6 +154,8 @@ def video_prompt(model, videos: Sequence[Tuple[int, int, int]] = ((8, 24, 32),),
                 for b in range(len(videos))]
     metadata = [dict(total_num_frames=f, fps=fps, frames_indices=list(range(f)))
                 for f, _, _ in videos]
+    if rows is not None:
+        text, clips, metadata = ([items[b] for b in rows] for items in (text, clips, metadata))
     inputs = processor(text=list(text), videos=clips, images=images, video_metadata=metadata,
                        return_metadata=True, padding=True, return_tensors="pt",
                        **processor_kwargs)

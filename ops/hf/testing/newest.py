@@ -7,6 +7,8 @@ of the generic reading (``headscope.hf.families.generic``) run on.
 pictures along dim 0). ``newest_prompt(model, picture, text_before, text_after)`` lays
 out a left-padded batch of one picture per row, with as many image placeholders as the
 model's own ``get_image_features`` returns features for that picture.
+``tiny_video_newest()`` and ``video_newest_prompt`` do the same for a model read by its
+structure whose prompts hold videos (LLaVA-NeXT-Video).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 
 from .families.llava import clip_vision
-from .tokens import EOS, IMAGE_TOKEN, PAD, VOCAB
+from .tokens import EOS, IMAGE_TOKEN, PAD, VIDEO_TOKEN, VOCAB
 
 Picture = Callable[[torch.Generator], Dict[str, torch.Tensor]]
 
@@ -207,3 +209,46 @@ def newest_prompt(model, recipe: Recipe, text_before: Sequence[int] = (3,),
                   text_after: Sequence[int] = (5,), seed: int = 0) -> Dict[str, torch.Tensor]:
     """A left-padded batch of :func:`newest_rows`."""
     return batch_rows(recipe, newest_rows(model, recipe, text_before, text_after, seed))
+
+
+def tiny_video_newest(seed: int = 0, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """A tiny random LLaVA-NeXT-Video (``llava_next_video``, no family module: read by its
+    structure), as its transformers tests build it: a CLIP tower of 16 x 16 pixels in
+    patches of 4, each frame's 16 patch features average-pooled 2 x 2 to 4 tokens, the
+    frames' tokens one after the other in one run of video placeholders."""
+    import transformers as tf
+    config = tf.LlavaNextVideoConfig(
+        text_config=_text(model_type="llama"), vision_config=clip_vision(32),
+        image_token_index=IMAGE_TOKEN, video_token_index=VIDEO_TOKEN, spatial_pool_stride=2,
+        spatial_pool_mode="average", vision_feature_layer=-1,
+        vision_feature_select_strategy="default", image_grid_pinpoints=[[16, 16]],
+        tie_word_embeddings=False)
+    config.text_config._attn_implementation_internal = attn_implementation
+    torch.manual_seed(seed)
+    model = tf.LlavaNextVideoForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+def video_newest_prompt(model, frames: Sequence[int] = (4,), text_before: Sequence[int] = (3,),
+                        text_after: Sequence[int] = (5,), seed: int = 0
+                        ) -> Dict[str, torch.Tensor]:
+    """A left-padded batch of :func:`tiny_video_newest`'s prompts, row b one video of
+    ``frames[b]`` random frames (``pixel_values_videos`` ``(videos, frames, 3, 16, 16)``:
+    the rows' videos must have one frame count) between ``text_before[b]`` and
+    ``text_after[b]`` text tokens, as many video placeholders as its
+    ``get_video_features`` returns."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for count, nb, na in zip(frames, text_before, text_after):
+        video = torch.randn(1, count, 3, 16, 16, generator=g)
+        with torch.no_grad():
+            out = model.model.get_video_features(
+                video, vision_feature_layer=-1, vision_feature_select_strategy="default")
+        tokens = torch.full((int(out.pooler_output.shape[1]),), VIDEO_TOKEN)
+        text = [torch.randint(1, IMAGE_TOKEN, (n,), generator=g) for n in (nb, na)]
+        ids = torch.cat([text[0], tokens, text[1]])[None]
+        rows.append(dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                         pixel_values_videos=video))
+    return batch_rows(None, rows)

@@ -45,7 +45,9 @@ class TinySpec:
     its bidirectional image block). ``video``: the text of one video in a prompt as the
     family's chat template writes it, which its processor expands (None: the family reads
     no video; :func:`~headscope.hf.testing.video_prompt` and the contract's video tests
-    need it). ``index_inputs``: inputs whose entries index the items
+    need it); ``clips``, the contract's two videos, ``(frames, height, width)`` each (a
+    model that stacks a batch's videos in one tensor takes equal frame counts only).
+    ``index_inputs``: inputs whose entries index the items
     of another input, by that input's name (Molmo 2's ``image_token_pooling``, the patches
     of ``pixel_values``: its rows flattened to the last dim; -1 none): a batch's pictures'
     entries are shifted past the earlier pictures' items, as the processor numbers them.
@@ -69,6 +71,7 @@ class TinySpec:
     tokenizer_extras: Mapping[str, str] = field(default_factory=dict)
     typed_tokens: Tuple[str, ...] = ()
     video: Optional[str] = None
+    clips: Tuple[Tuple[int, int, int], ...] = ((5, 24, 32), (4, 16, 24))
     index_inputs: Mapping[str, str] = field(default_factory=dict)
     grids: Tuple[Tuple[int, int], ...] = ((8, 8), (6, 4))
     contract_xfail: Optional[Tuple[Type[BaseException], str]] = None

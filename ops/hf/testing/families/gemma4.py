@@ -17,6 +17,7 @@ AUDIO_TOKEN, AUDIO_START, AUDIO_END = MARKER_IDS[:3]
 TINY_PATCH = 4        # the tiny vision tower's patch size in pixels
 TINY_POOLING = 2      # its pooling kernel: 2 x 2 patches to a token
 TINY_SOFT_TOKENS = 70  # the image processor's least budget of tokens per picture
+TINY_FRAMES = 4       # the frames the tiny video processor samples (the checkpoints': 32)
 # the KV-shared layers the tiny models add after their own (the checkpoints' last layers
 # reuse the keys and values of the last earlier layer of their type): a sliding and a full
 TINY_KV_SHARED = 2
@@ -33,7 +34,7 @@ class TinyGemma4(TinyFamily):
                           "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                           "audio_token": "<audio_soft_token>", "boa_token": "<start_of_audio>",
                           "eoa_token": "<end_of_audio>"},
-        chat_template=llava_template("<|image|> "), grids=((4, 4), (3, 2)),
+        chat_template=llava_template("<|image|> "), video="<|video|>", grids=((4, 4), (3, 2)),
         effects={"gemma4": ("mask", "zero")})
 
     def config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
@@ -82,12 +83,14 @@ class TinyGemma4(TinyFamily):
         return ids, {"pixel_values": pixels, "image_position_ids": positions}
 
     def processor(self, model_type: str, tokenizer, **_):
-        """Patches of 4 pixels pooled 2 x 2, at most 70 tokens a picture."""
+        """Patches of 4 pixels pooled 2 x 2, at most 70 tokens a picture or video frame;
+        :data:`TINY_FRAMES` frames sampled evenly from each video."""
         import transformers as tf
         sizes = dict(patch_size=TINY_PATCH, pooling_kernel_size=TINY_POOLING,
                      max_soft_tokens=TINY_SOFT_TOKENS)
         return tf.Gemma4Processor(
             feature_extractor=tf.Gemma4AudioFeatureExtractor(),
             image_processor=tf.Gemma4ImageProcessor(**sizes),
-            video_processor=tf.Gemma4VideoProcessor(**sizes), tokenizer=tokenizer,
+            video_processor=tf.Gemma4VideoProcessor(num_frames=TINY_FRAMES, **sizes),
+            tokenizer=tokenizer,
             image_seq_length=TINY_SOFT_TOKENS, chat_template=self.spec.chat_template)

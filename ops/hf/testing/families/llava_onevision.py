@@ -27,7 +27,10 @@ def tiny_siglip(hidden: int) -> Dict[str, Any]:
 @register_tiny(LlavaOnevision)
 class TinyLlavaOnevision(TinyLlavaNext):
     spec = TinySpec(tokens={"<image>": IMAGE_TOKEN, "<video>": VIDEO_TOKEN, "</s>": EOS},
-                    chat_template=llava_template(), effects={"llava_onevision": ("mask",)},
+                    chat_template=llava_template(), video="<video>",
+                    # the model stacks a batch's videos: one frame count
+                    clips=((5, 24, 32), (5, 16, 24)),
+                    effects={"llava_onevision": ("mask",)},
                     unseen_region_effects=("llava_onevision",))
 
     def config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
@@ -48,7 +51,8 @@ class TinyLlavaOnevision(TinyLlavaNext):
 
     def processor(self, model_type: str, tokenizer, **_):
         """A base and tiles of 16 x 16 pixels (SigLIP) on the canvases of
-        ``tiny_pinpoints``."""
+        ``tiny_pinpoints``; video frames squashed to one tile, taken as given (the
+        checkpoints' ``do_sample_frames`` off)."""
         import transformers as tf
         vision = tiny_siglip(32)
         tile = vision["image_size"]
