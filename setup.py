@@ -67,6 +67,8 @@ setup(
                             "tqdm", "greenlet>=3", "matplotlib", "gradio>=6"],
                     # --quantize int8|int4 of python -m headscope explain|collect|vas
                     "quantize": ["optimum-quanto>=0.2.7", "accelerate>=1.16"],
+                    # videos for python -m headscope explain --video (FFmpeg's libraries too)
+                    "video": ["torchcodec"],
                     # the embedded model and its demo (python -m headscope.shapes)
                     "shapes": ["transformers>=5.24,<6", "safetensors", "pillow", "torchvision",
                                "tqdm", "greenlet>=3", "matplotlib"]},

@@ -20,6 +20,8 @@ command -v clang++ >/dev/null || missing+=(clang)
 # headless Chromium and its WebDriver, for the tests of python -m headscope explain's pages
 command -v chromium >/dev/null || missing+=(chromium)
 command -v chromedriver >/dev/null || missing+=(chromium-driver)
+# FFmpeg's libraries, which torchcodec loads to decode videos (explain --video)
+command -v ffmpeg >/dev/null || missing+=(ffmpeg)
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"
   SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
