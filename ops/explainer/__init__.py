@@ -1,10 +1,13 @@
-"""``headscope.explain``: which parts of the pictures each span of a VLM's answer rests on,
-as the answer is generated, on any supported model.
+"""``headscope.explain``: which parts of the pictures (and which moments and places of the
+videos) each span of a VLM's answer rests on, as the answer is generated, on any supported
+model.
 
     result = headscope.explain(model, processor, [picture], "Describe the image.")
     result.spans          # each span: its text, scores per region, features
     result.save("out")    # out/index.html (one self-contained page), report.json, PNGs
     result                # in a notebook: the same page, inline
+
+    headscope.explain(model, processor, [], "What happens?", videos=["clip.mp4"])
 
 Scores are the attribution head's predicted effect of ablating each region when a head
 is given, else raw attention (each region's attention mass averaged over the decoder's
@@ -20,6 +23,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..pictures import upright_rgb
+from ..videos import Video, as_video
+from .video import ExplainedVideo, explained_video, where as video_where
 
 RAW_ATTENTION = "raw attention"
 HEAD_EFFECT = "head's predicted effect"
@@ -71,9 +76,10 @@ class Picture:
 @dataclass
 class Explanation:
     """What :func:`explain` returns (and :func:`iter_explain` yields as spans come):
-    the prompt, the answer, its spans, the pictures with their regions, the answer's VAS
-    features and, with a detector, its hallucination probability. ``done``: generation
-    has ended (VAS and the hallucination probability are then set)."""
+    the prompt, the answer, its spans, the pictures and videos (``videos``: each an
+    ``ExplainedVideo``, ``video.py``) with their regions, the answer's VAS features and,
+    with a detector, its hallucination probability. ``done``: generation has ended (VAS
+    and the hallucination probability are then set)."""
     prompt: str
     pictures: List[Picture]
     score_name: str
@@ -85,10 +91,21 @@ class Explanation:
     vas_features: Optional[dict] = None
     hallucination: Optional[float] = None
     done: bool = False
+    videos: List[ExplainedVideo] = field(default_factory=list)
 
     @property
     def num_regions(self) -> int:
-        return self.pictures[-1].regions[1] if self.pictures else 0
+        return max((m.regions[1] for m in [*self.pictures, *self.videos]), default=0)
+
+    def where(self, region: int) -> str:
+        """Which picture or video region ``region`` lies in, as the region table says."""
+        for i, picture in enumerate(self.pictures):
+            if picture.regions[0] <= region < picture.regions[1]:
+                return f"picture {i}"
+        for i, video in enumerate(self.videos):
+            if video.regions[0] <= region < video.regions[1]:
+                return video_where(video, i, region)
+        raise ValueError(f"headscope.explain: no picture or video holds region {region}")
 
     def report(self) -> dict:
         """Every number of the explanation, as report.json holds them."""
@@ -111,22 +128,33 @@ class Explanation:
         return save(self, Path(folder))
 
 
-def prompt_inputs(processor, images: Sequence, prompt: str) -> dict:
-    """The processor's inputs for ``prompt`` about ``images`` (PIL), through its chat
-    template: one user turn holding the pictures, then the text."""
+def prompt_inputs(processor, images: Sequence, prompt: str, videos: Sequence[Video] = ()
+                  ) -> dict:
+    """The processor's inputs for ``prompt`` about ``images`` (PIL) and ``videos``
+    (``headscope.videos.Video``: frames sampled as the processor samples them, with their
+    metadata), through its chat template: one user turn holding the pictures, then the
+    videos, then the text."""
     if getattr(processor, "chat_template", None) is None:
         raise ValueError("headscope: the processor has no chat template to build the prompt "
                          "with; build the model inputs yourself (headscope.explain takes them "
                          "as inputs=)")
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": prompt}]
+    if videos and getattr(processor, "video_processor", None) is None:
+        raise ValueError(f"headscope: the processor ({type(processor).__name__}) has no video "
+                         f"processor, so the model takes no video")
+    content = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos] + \
+        [{"type": "text", "text": prompt}]
     text = processor.apply_chat_template([{"role": "user", "content": content}],
                                          add_generation_prompt=True, tokenize=False)
-    return dict(processor(text=[text], images=list(images), return_tensors="pt"))
+    return dict(processor(text=[text], images=list(images) or None, return_tensors="pt",
+                          **Video.processor_kwargs(list(videos))))
 
 
-def tracer_regions(regions: Union[int, Tuple[int, int], str]):
+def tracer_regions(regions: Union[int, Tuple[int, int], str], frames: Optional[int] = None,
+                   videos: bool = False):
     """``(what Tracer(regions=) takes, its name)`` for K Ward regions, a ``(rows, cols)``
-    grid, or its spelling ``"3x3"`` / ``"8"``."""
+    grid, or its spelling ``"3x3"`` / ``"8"``; ``frames``: a grid's time windows of that
+    many sampled frames on videos (default: each frame group); ``videos``: the prompt holds
+    videos (the name says what the regions are on them)."""
     from ..hf import grid_regions
     from ..hf.regions import parse_grid
     if isinstance(regions, str):
@@ -134,13 +162,21 @@ def tracer_regions(regions: Union[int, Tuple[int, int], str]):
     if isinstance(regions, int) and not isinstance(regions, bool):
         if regions < 1:
             raise ValueError(f"headscope.explain: argument 'regions' must be >= 1, got {regions}")
-        return regions, f"{regions} Ward regions per picture"
+        if frames is not None:
+            raise ValueError("headscope.explain: argument 'frames' (time windows) needs grid "
+                             "regions; Ward regions cluster over space and time by themselves")
+        return regions, f"{regions} Ward regions per picture" + \
+            (" and per video (over space and time)" if videos else "")
     rows, cols = regions
-    return grid_regions(rows, cols), f"a {rows}x{cols} grid per picture"
+    window = "frame group" if frames is None else f"window of {frames} frames"
+    return grid_regions(rows, cols, frames), f"a {rows}x{cols} grid per picture" + \
+        (f" and per {window} of each video" if videos else "")
 
 
 def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
+                 videos: Sequence = (),
                  regions: Union[int, Tuple[int, int], str] = DEFAULT_GRID,
+                 frames: Optional[int] = None,
                  detector=None, inputs: Optional[dict] = None, max_new_tokens: int = 64,
                  model_name: Optional[str] = None, **generate_kwargs
                  ) -> Iterator[Explanation]:
@@ -149,16 +185,21 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
     from ..hf import Tracer
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("headscope.explain: argument 'prompt' must be a non-empty string")
-    if not images:
-        raise ValueError("headscope.explain: argument 'images' must hold at least one picture")
+    if not images and not videos:
+        raise ValueError("headscope.explain: arguments 'images' and 'videos' hold no picture "
+                         "and no video; give at least one")
     images = [upright_rgb(image, f"headscope.explain: images[{i}]") for i, image in enumerate(images)]
-    traced, regions_name = tracer_regions(regions)
+    video_processor = getattr(processor, "video_processor", None)
+    videos = [as_video(video, video_processor, f"headscope.explain: videos[{i}]")
+              for i, video in enumerate(videos)]
+    traced, regions_name = tracer_regions(regions, frames, bool(videos))
     if inputs is None:
-        inputs = prompt_inputs(processor, images, prompt)
+        inputs = prompt_inputs(processor, images, prompt, videos)
     device = next(model.parameters()).device
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    if "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
-        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
+    for key in ("pixel_values", "pixel_values_videos"):
+        if key in inputs and inputs[key].is_floating_point():
+            inputs[key] = inputs[key].to(model.dtype)
     tokenizer = getattr(processor, "tokenizer", processor)
     result = Explanation(prompt=prompt, pictures=[], feature_set="",
                          score_name=RAW_ATTENTION if head is None else HEAD_EFFECT,
@@ -171,8 +212,8 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
         result.feature_set = tr.features
         L, H = tr.num_layers, tr.num_heads
         for span in tr.generate(**inputs, max_new_tokens=max_new_tokens, **generate_kwargs):
-            if not result.pictures:  # the prefill has laid out the pictures and regions
-                result.pictures = _pictures(tr, images)
+            if not result.spans:  # the prefill has laid out the pictures, videos and regions
+                result.pictures, result.videos = _media(tr, images, videos)
             before = tokenizer.decode(answer_ids, skip_special_tokens=True)
             answer_ids += span.token_ids.tolist()
             result.answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
@@ -198,14 +239,21 @@ def explain(model, processor, images: Sequence, prompt: str, head=None, **kwargs
             ) -> Explanation:
     """Generates ``model``'s answer to ``prompt`` about ``images`` (PIL pictures, taken as
     they are seen: ``headscope.pictures.upright_rgb`` turns them by their EXIF orientation
-    and flattens transparency on white) under :class:`headscope.hf.Tracer` and returns an :class:`Explanation`: the answer's spans
-    (sentence ends), each with its score per region of the pictures, the answer's VAS
-    features, and the pages that show them (``.save(dir)``, ``_repr_html_``).
+    and flattens transparency on white) and ``videos`` under
+    :class:`headscope.hf.Tracer` and returns an :class:`Explanation`: the answer's spans
+    (sentence ends), each with its score per region of the pictures and videos, the
+    answer's VAS features, and the pages that show them (``.save(dir)``,
+    ``_repr_html_``).
 
     ``head``: an ``AttributionHead`` fitted for this model (scores: its predicted effects;
     the tracer computes the head's feature set), else None (raw attention).
-    Keyword arguments: ``regions`` (K Ward regions per picture, or ``(rows, cols)`` /
-    ``"3x3"``: a grid of blocks on each picture; default 3x3), ``detector`` (a
+    Keyword arguments: ``videos`` (paths, read by ``headscope.videos.read_video`` with the
+    processor's video processor, or ``headscope.videos.Video``; the prompt shows them
+    after the pictures), ``regions`` (K Ward regions per picture and per video, or
+    ``(rows, cols)`` / ``"3x3"``: a grid of blocks on each picture and each video frame
+    group; default 3x3), ``frames`` (a grid's time windows on videos: that many sampled
+    frames, a multiple of the frames the model merges into one token; default each frame
+    group), ``detector`` (a
     ``headscope.VASDetector``: the answer's hallucination probability), ``inputs`` (the
     model inputs, for a processor without a chat template), ``max_new_tokens`` (64),
     ``model_name`` (shown on the page), and ``generate``'s own (``do_sample``, ...)."""
@@ -215,18 +263,24 @@ def explain(model, processor, images: Sequence, prompt: str, head=None, **kwargs
     return result
 
 
-def _pictures(tr, images: Sequence) -> List[Picture]:
-    """The prompt's pictures with each token's box and region (batch row 0), their
-    regions as the tracer numbered them (a prompt's pictures and videos in sequence
-    order: ``tr.media_regions``)."""
-    from ..hf.families import ImageTokens
-    row = [part for part in tr.media_regions[0] if isinstance(part.media, ImageTokens)]
-    if len(row) != len(images):
-        raise ValueError(f"headscope.explain: the prompt holds {len(row)} pictures, "
-                         f"got {len(images)} images")
+def _media(tr, images: Sequence, videos: Sequence[Video]
+           ) -> Tuple[List[Picture], List[ExplainedVideo]]:
+    """The prompt's pictures and videos with each token's box and region (batch row 0;
+    the tracer's ``media_regions``: each picture's and video's regions)."""
+    from ..hf.families import VideoTokens
+    row = tr.media_regions[0]
+    found = {kind: [m for m in row if isinstance(m.media, VideoTokens) == (kind == "videos")]
+             for kind in ("pictures", "videos")}
+    for kind, given, name in (("pictures", images, "images"), ("videos", videos, "videos")):
+        if len(found[kind]) != len(given):
+            raise ValueError(f"headscope.explain: the prompt holds {len(found[kind])} {kind}, "
+                             f"got {len(given)} {name}")
     ids = tr.region_ids[0].cpu()
-    return [Picture(image=image, boxes=part.media.boxes.float(),
-                    labels=ids[part.media.positions], regions=(part.first, part.end),
-                    views=[{"name": v.name, "rows": v.rows, "cols": v.cols,
-                            "box": [float(c) for c in v.box]} for v in part.media.views])
-            for part, image in zip(row, images)]
+    pictures = [Picture(image=image, boxes=m.media.boxes.float(), labels=ids[m.media.positions],
+                        regions=(m.first, m.end),
+                        views=[{"name": v.name, "rows": v.rows, "cols": v.cols,
+                                "box": [float(c) for c in v.box]} for v in m.media.views])
+                for m, image in zip(found["pictures"], images)]
+    explained = [explained_video(m.media, video, ids[m.media.positions], (m.first, m.end))
+                 for m, video in zip(found["videos"], videos)]
+    return pictures, explained

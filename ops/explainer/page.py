@@ -1,6 +1,6 @@
 """What an :class:`~headscope.explainer.Explanation` looks like: heat maps of a span's
 region scores on the picture plane, the self-contained HTML page, one PNG per span and
-report.json.
+report.json. Videos (their strips of frames and timelines) are ``video.py``'s.
 
 Every token of every view (tiles, thumbnails, global images, crops) has a box on its
 picture; a picture's region map paints each token's box with its region, coarse views
@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from ..io import atomic_path
+from . import video as videos
+from .video import video_report
 
 DISPLAY_SIDE = 448       # the longest side of a picture on the page, in pixels
 COLORMAP = "inferno"
@@ -126,6 +128,7 @@ def report(explanation) -> dict:
                    "head_scores": None if s.head_scores is None else s.head_scores.tolist(),
                    "top_regions": [k for k, _ in s.top_regions(e.num_regions)],
                    "features": s.features.tolist()} for s in e.spans],
+        "videos": [video_report(v, e) for v in e.videos],
         "vas_features": e.vas_features, "hallucination_probability": e.hallucination,
     }
 
@@ -136,7 +139,8 @@ def png_name(span) -> str:
 
 def span_png(explanation, span) -> bytes:
     """A PNG of one span's picture(s) under its heat map, with region numbers and a
-    labelled colour bar."""
+    labelled colour bar, and of its videos (``video.draw``: frames under the heat, the
+    timeline of frame groups)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -145,8 +149,12 @@ def span_png(explanation, span) -> bytes:
     scores = span.scores.double().numpy()
     low, high = scale(scores)
     pictures = explanation.pictures
-    fig, axes = plt.subplots(1, len(pictures), figsize=(4.4 * len(pictures) + 1.4, 4.6),
-                             dpi=100, squeeze=False, layout="constrained")
+    heights = [4.6] * bool(pictures) + [videos.PNG_HEIGHT] * len(explanation.videos)
+    width = max(4.4 * len(pictures) + 1.4, 11.0 * bool(explanation.videos))
+    fig = plt.figure(figsize=(width, sum(heights) + 0.3), dpi=100, layout="constrained")
+    parts = list(fig.subfigures(len(heights), 1, squeeze=False, height_ratios=heights)[:, 0])
+    picture_part = parts.pop(0) if pictures else None
+    axes = picture_part.subplots(1, len(pictures), squeeze=False) if pictures else [[]]
     for ax, picture in zip(axes[0], pictures):
         size = display_size(picture.image)
         labels = region_map(picture, size)
@@ -157,9 +165,15 @@ def span_png(explanation, span) -> bytes:
                     bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none", alpha=0.7))
         ax.set_xticks([])
         ax.set_yticks([])
-    bar = plt.cm.ScalarMappable(Normalize(low, high if high > low else low + 1e-12),
-                                cmap=COLORMAP)
-    fig.colorbar(bar, ax=list(axes[0]), shrink=0.85).set_label(explanation.score_name)
+    if pictures:
+        bar = plt.cm.ScalarMappable(Normalize(low, high if high > low else low + 1e-12),
+                                    cmap=COLORMAP)
+        picture_part.colorbar(bar, ax=list(axes[0]), shrink=0.85).set_label(
+            explanation.score_name)
+    if explanation.videos:
+        heat = videos.per_token(span.scores, videos.region_tokens(explanation))
+        for i, (part, video) in enumerate(zip(parts, explanation.videos)):
+            videos.draw(part, explanation, video, i, heat, *videos.heat_scale(heat))
     text = span.text.strip()
     fig.suptitle(f"\u201c{text[:77] + '...' if len(text) > 80 else text}\u201d", fontsize=11)
     buffer = io.BytesIO()
@@ -191,17 +205,17 @@ def _page_data(explanation) -> dict:
                          "height": size[1],
                          "centres": {str(k): [round(x, 4), round(y, 4)]
                                      for k, (x, y) in region_centres(labels, p.regions).items()}})
-    spans = []
+    spans, tokens = [], videos.region_tokens(e)
     for s in _shown_spans(e):
         scores = s.scores.double().numpy()
         low, high = scale(scores)
         spans.append({
             "index": s.index, "text": s.text, "low": low, "high": high,
             "overlays": [png_data_uri(heat_rgba(m, scores, low, high)) for m in maps],
-            "table": [[k, next(i for i, p in enumerate(e.pictures)
-                               if p.regions[0] <= k < p.regions[1]),
-                       float(scores[k]), float(s.attention[k])]
+            "table": [[k, e.where(k), float(scores[k]), float(s.attention[k])]
                       for k, _ in s.top_regions(e.num_regions)]})
+        if e.videos:
+            spans[-1]["video"] = videos.span_data(e, s, tokens)
     return {"pictures": pictures, "spans": spans, "head": e.score_name != "raw attention"}
 
 
@@ -243,6 +257,7 @@ SCRIPT = """
       return '<tr' + (j === 0 ? ' class="top"' : '') + '><td>' + r[0] + '</td><td>' + r[1] +
         '</td><td>' + fmt(r[2]) + '</td>' + (data.head ? '<td>' + fmt(r[3]) + '</td>' : '') + '</tr>'; });
     root.querySelector('tbody.scores').innerHTML = rows.join('');
+    if (root.hsVideos) root.hsVideos(s);
   }
   root.querySelectorAll('.span').forEach(function(el){
     el.addEventListener('click', function(){ choose(+el.dataset.i); });
@@ -301,14 +316,16 @@ def _body(explanation, root: str) -> str:
         f"<p class='prompt'><b>Prompt:</b> {x(e.prompt)}</p>"
         f"<p class='answer'><b>Answer</b> <span class='note'>(choose a span)</span>: "
         f"{''.join(answer)}</p><p class='note'>{' '.join(notes)}</p>"
-        f"<div class='view'><div>{pictures}</div><div><p class='chosen-text'></p>"
+        f"{videos.section(e, _colour_stops())}<div class='view'><div>{pictures}</div><div><p class='chosen-text'></p>"
+        f"<div{'' if e.pictures else ' hidden'}>"
         f"<div class='bar' style='background:linear-gradient(to right, {_colour_stops()})'>"
         f"</div><div class='ticks'><span class='low'></span><span class='mid'></span>"
         f"<span class='high'></span></div><p class='note'>{x(e.score_name)} per region "
-        f"(colour bar: the span's lowest to highest)</p>"
-        f"<table><thead><tr><th>region</th><th>picture</th><th>{x(e.score_name)}</th>"
+        f"(colour bar: the span's lowest to highest)</p></div>"
+        f"<table><thead><tr><th>region</th><th>where</th><th>{x(e.score_name)}</th>"
         f"{head_column}</tr></thead><tbody class='scores'></tbody></table></div></div>"
-        f"{''.join(extra)}<script>{script}</script></div>")
+        f"{''.join(extra)}"
+        f"{videos.script(e, root)}<script>{script}</script></div>")
 
 
 def page(explanation, inline: bool = False) -> str:
