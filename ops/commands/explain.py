@@ -1,7 +1,12 @@
-"""``python -m headscope explain``: which parts of your pictures each sentence of a VLM's
-answer rests on, shown as the answer is generated.
+"""``python -m headscope explain``: which parts of your pictures (and which moments and
+places of your videos) each sentence of a VLM's answer rests on, shown as the answer is
+generated.
 
     python -m headscope explain --model MODEL --image photo.jpg --prompt "Describe it."
+    python -m headscope explain --model MODEL --video clip.mp4 --prompt "What happens?"
+
+Videos are decoded as the model's video processor decodes a file (torchcodec) and its
+frames sampled as it samples them (``headscope.videos``).
 
 Each span (sentence) is printed as it is generated, with its best-scored regions; then
 DIR/index.html (one self-contained page: open it from disk), DIR/report.json (every
@@ -19,6 +24,7 @@ from pathlib import Path
 from typing import List
 
 from ..pictures import PictureError, check_picture, read_picture
+from ..videos import VideoError, check_video, read_video
 from .errors import UsageError, check_output, integer, number, refuse_ignored
 from .models import add_model_arguments
 
@@ -42,10 +48,15 @@ def regions_type(text: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="a transformers VLM folder, or a hub "
                         "id in the local Hugging Face cache (no network)")
-    parser.add_argument("--image", action="append", required=True, metavar="PATH",
+    parser.add_argument("--image", action="append", default=[], metavar="PATH",
                         help="a picture (give --image again for more, in prompt order)")
+    parser.add_argument("--video", action="append", default=[], metavar="PATH",
+                        help="a video file, its frames sampled as the model's video processor "
+                             "samples them (give --video again for more; the prompt holds the "
+                             "pictures, then the videos); at least one --image or --video")
     parser.add_argument("--prompt", required=True, metavar="TEXT",
-                        help="the question; the processor's chat template places the pictures")
+                        help="the question; the processor's chat template places the pictures "
+                             "and videos")
     parser.add_argument("--head", default=None, metavar="FILE",
                         help="an attribution head for this model (`python -m headscope train`): "
                              "scores are its predicted effects (default: raw attention)")
@@ -53,9 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a headscope.VASDetector (safetensors): the answer's "
                              "hallucination probability")
     parser.add_argument("--regions", type=regions_type, default=None, metavar="3x3|K",
-                        help="ROWSxCOLS blocks of each picture, or K Ward regions of its "
-                             "image tokens (default 3x3; 9 Ward regions for a model traced "
+                        help="ROWSxCOLS blocks of each picture and of each video's frame "
+                             "groups, or K Ward regions of its image tokens (of a video's over "
+                             "space and time) (default 3x3; 9 Ward regions for a model traced "
                              "by its structure, whose pictures have no known layout)")
+    parser.add_argument("--frames", type=integer(1), default=None, metavar="N",
+                        help="with ROWSxCOLS regions and --video: blocks over windows of N "
+                             "sampled frames, a multiple of the frames the model merges into "
+                             "one token (default: each frame group)")
     parser.add_argument("--max-new-tokens", type=integer(1), default=64, metavar="N",
                         help="tokens to generate at most (default 64)")
     parser.add_argument("--out", default="explain", metavar="DIR",
@@ -89,6 +105,29 @@ def check_image(path: str) -> None:
         raise UsageError(f"--image {e.path}: {e.reason}") from e
 
 
+def check_video_file(path: str) -> None:
+    """UsageError unless ``path`` opens as a video with frames and a frame rate."""
+    try:
+        check_video(path)
+    except VideoError as e:
+        raise UsageError(f"--video {e}") from e
+
+
+def read_videos(paths: List[str], processor, model: str) -> List:
+    """The --video files, their frames sampled as ``processor``'s video processor samples
+    them; UsageError for a processor without one, or a file that does not decode."""
+    if not paths:
+        return []
+    if getattr(processor, "video_processor", None) is None:
+        raise UsageError(f"--video {paths[0]}: the processor of {model} "
+                         f"({type(processor).__name__}) has no video processor, so the model "
+                         f"takes no video; allowed: --image only")
+    try:
+        return [read_video(path, processor.video_processor) for path in paths]
+    except VideoError as e:
+        raise UsageError(f"--video {e}") from e
+
+
 def read_images(paths: List[str]) -> List:
     """The --image pictures as they are seen, upright in RGB; UsageError for one whose
     pixels do not decode."""
@@ -112,6 +151,10 @@ def check_arguments(args) -> None:
     """Everything that needs no model: options, files, the output folder, the port."""
     if not args.prompt.strip():
         raise UsageError("--prompt: is empty; allowed: the question to ask about the pictures")
+    if not args.image and not args.video:
+        raise UsageError("no --image and no --video: allowed: at least one picture or video")
+    if args.frames is not None and not args.video:
+        raise UsageError(f"--frames {args.frames}: has no effect without --video")
     if not args.do_sample:
         refuse_ignored(args, SAMPLING, "without --do-sample (decoding is greedy)")
     if args.top_p is not None and args.top_p > 1:
@@ -120,6 +163,8 @@ def check_arguments(args) -> None:
         refuse_ignored(args, ["host"], "without --serve")
     for path in args.image:
         check_image(path)
+    for path in args.video:
+        check_video_file(path)
     for name in ("head", "detector"):
         path = getattr(args, name)
         if path is not None and not Path(path).is_file():
@@ -169,29 +214,59 @@ def choose_regions(args, config, family) -> None:
                          f"of image tokens); allowed: K Ward regions, such as --regions 9")
 
 
-def check_pictures(args, pictures: List, processor, config, family) -> None:
-    """The processor gives one picture per --image, each with enough image tokens for the
-    regions asked for."""
+def check_media(args, pictures: List, videos: List, processor, config, family) -> None:
+    """The processor gives one picture per --image and one video per --video, each with
+    enough tokens for the regions asked for (a video: per frame group, or over space and
+    time for Ward regions)."""
     from ..explainer import prompt_inputs
-    from ..hf.regions import parse_grid
+    if args.frames is not None and "x" not in args.regions:
+        raise UsageError(f"--frames {args.frames}: windows of frames need ROWSxCOLS regions; "
+                         f"Ward regions (--regions {args.regions}) cluster over space and "
+                         f"time by themselves")
     try:
-        found = family.images(config, prompt_inputs(processor, pictures, args.prompt))[0]
+        inputs = prompt_inputs(processor, pictures, args.prompt, videos)
+        found = family.images(config, inputs)[0]
+        found_videos = family.videos(config, inputs)[0] if videos else []
     except ValueError as e:
         raise UsageError(f"--model {args.model}: {e}") from e
-    if len(found) != len(pictures):
-        raise UsageError(f"--model {args.model}: its processor gives {len(found)} pictures for "
-                         f"{len(pictures)} --image; allowed: a VLM whose chat template places "
-                         f"every picture")
+    except NotImplementedError as e:
+        raise UsageError(f"--video {args.video[0]}: headscope does not read the video tokens "
+                         f"of model type {config.model_type!r} yet; allowed: --image only") from e
+    for kind, given, got in (("pictures", pictures, found), ("videos", videos, found_videos)):
+        if len(got) != len(given):
+            option = "--image" if kind == "pictures" else "--video"
+            raise UsageError(f"--model {args.model}: its processor gives {len(got)} {kind} "
+                             f"for {len(given)} {option}; allowed: a VLM whose chat template "
+                             f"places every one")
     for path, image in zip(args.image, found):
-        rows, cols = image.rows, image.cols
-        if "x" in args.regions:
-            R, C = parse_grid(args.regions)
-            if R > rows or C > cols:
-                raise UsageError(f"--regions {args.regions}: more blocks than the {rows}x{cols} "
-                                 f"image tokens of {path}; allowed: at most {rows}x{cols}")
-        elif int(args.regions) > rows * cols:
-            raise UsageError(f"--regions {args.regions}: more regions than the {rows}x{cols} "
-                             f"image tokens of {path}; allowed: 1 to {rows * cols}")
+        check_regions(args.regions, (image.rows, image.cols), "image", path)
+    for path, video in zip(args.video, found_videos):
+        check_regions(args.regions, video.grid, "video", path)
+        merged = video.frames_per_group
+        if args.frames is not None and args.frames % merged:
+            raise UsageError(f"--frames {args.frames}: the model merges {merged} frames into "
+                             f"each video token of {path}; allowed: a multiple of {merged}")
+
+
+def check_regions(regions: str, grid: tuple, kind: str, path: str) -> None:
+    """UsageError when grid ``regions`` have more blocks than a picture's (or a video frame
+    group's) ``rows x cols`` tokens, or K Ward regions more than its tokens; ``grid``:
+    ``(rows, cols)``, a video's ``(groups, rows, cols)``."""
+    from ..hf.regions import parse_grid
+    rows, cols = grid[-2:]
+    video = len(grid) == 3
+    if "x" in regions:
+        R, C = parse_grid(regions)
+        if R > rows or C > cols:
+            where = "each frame group of " if video else ""
+            raise UsageError(f"--regions {regions}: more blocks than the {rows}x{cols} {kind} "
+                             f"tokens of {where}{path}; allowed: at most {rows}x{cols}")
+        return
+    tokens = rows * cols * (grid[0] if video else 1)
+    shape = f"{grid[0]} frame groups of {rows}x{cols}" if video else f"{rows}x{cols}"
+    if int(regions) > tokens:
+        raise UsageError(f"--regions {regions}: more regions than the {shape} {kind} tokens "
+                         f"of {path}; allowed: 1 to {tokens}")
 
 
 def span_line(span) -> str:
@@ -229,7 +304,8 @@ def run(args) -> int:
     choose_regions(args, config, family)
     processor = load_processor(args.model)
     pictures = read_images(args.image)
-    check_pictures(args, pictures, processor, config, family)
+    videos = read_videos(args.video, processor, args.model)
+    check_media(args, pictures, videos, processor, config, family)
     L, H = text_sizes(config)
     head = None if args.head is None else load_head(args.head, L, H)
     detector = None if args.detector is None else load_detector(args.detector)
@@ -245,8 +321,8 @@ def run(args) -> int:
     shown = name if args.quantize is None else f"{name} ({args.quantize} weights)"
 
     def explanations():
-        return iter_explain(model, processor, pictures, args.prompt, head,
-                            regions=args.regions, detector=detector,
+        return iter_explain(model, processor, pictures, args.prompt, head, videos=videos,
+                            regions=args.regions, frames=args.frames, detector=detector,
                             max_new_tokens=args.max_new_tokens, model_name=shown,
                             **generate_kwargs)
     if args.serve is not None:

@@ -128,6 +128,16 @@ class Explanation:
         return save(self, Path(folder))
 
 
+def video_processor_of(processor):
+    """``processor``'s video processor; a ValueError for a processor without one (checked
+    before any video is read)."""
+    video_processor = getattr(processor, "video_processor", None)
+    if video_processor is None:
+        raise ValueError(f"headscope: the processor ({type(processor).__name__}) has no video "
+                         f"processor, so the model takes no video")
+    return video_processor
+
+
 def prompt_inputs(processor, images: Sequence, prompt: str, videos: Sequence[Video] = ()
                   ) -> dict:
     """The processor's inputs for ``prompt`` about ``images`` (PIL) and ``videos``
@@ -138,9 +148,8 @@ def prompt_inputs(processor, images: Sequence, prompt: str, videos: Sequence[Vid
         raise ValueError("headscope: the processor has no chat template to build the prompt "
                          "with; build the model inputs yourself (headscope.explain takes them "
                          "as inputs=)")
-    if videos and getattr(processor, "video_processor", None) is None:
-        raise ValueError(f"headscope: the processor ({type(processor).__name__}) has no video "
-                         f"processor, so the model takes no video")
+    if videos:
+        video_processor_of(processor)
     content = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos] + \
         [{"type": "text", "text": prompt}]
     text = processor.apply_chat_template([{"role": "user", "content": content}],
@@ -189,9 +198,10 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
         raise ValueError("headscope.explain: arguments 'images' and 'videos' hold no picture "
                          "and no video; give at least one")
     images = [upright_rgb(image, f"headscope.explain: images[{i}]") for i, image in enumerate(images)]
-    video_processor = getattr(processor, "video_processor", None)
-    videos = [as_video(video, video_processor, f"headscope.explain: videos[{i}]")
-              for i, video in enumerate(videos)]
+    if videos:
+        video_processor = video_processor_of(processor)
+        videos = [as_video(video, video_processor, f"headscope.explain: videos[{i}]")
+                  for i, video in enumerate(videos)]
     traced, regions_name = tracer_regions(regions, frames, bool(videos))
     if inputs is None:
         inputs = prompt_inputs(processor, images, prompt, videos)
