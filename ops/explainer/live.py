@@ -67,8 +67,8 @@ def app(explanations: Callable[[], Iterator], out: Path):
         yield _answer(final.spans), shown, f"Done: {len(shown)} spans; wrote {page}."
 
     with gr.Blocks(title="headscope explain", analytics_enabled=False) as blocks:
-        gr.Markdown("## headscope explain\nWhich regions of the picture each span of the "
-                    "answer rests on, shown as the model generates.")
+        gr.Markdown("## headscope explain\nWhich regions of the pictures and videos each "
+                    "span of the answer rests on, shown as the model generates.")
         status = gr.Markdown("Starting...", elem_id="status")
         answer = gr.HighlightedText(label="Answer", elem_id="answer", show_legend=False)
         heat = gr.Gallery(label="Each span's heat map (its colour bar names the scores)",
