@@ -17,7 +17,7 @@ Image = pytest.importorskip("PIL.Image")
 from conftest import (assert_canvas_views, assert_every_image_token_placed,  # noqa: E402
                       assert_tile_quarters_are_regions, assert_tiles_need_pixel_values,
                       patch_pixels, tile_colours)
-from headscope.hf import Tracer  # noqa: E402
+from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.testing.families.internvl import IMAGE_END, IMAGE_START  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours, quarters,  # noqa: E402
@@ -132,3 +132,34 @@ def test_ward_regions_cluster_on_the_stitched_tiles(model, processor):
     rid = tr.region_ids[0, image.positions]
     top = (image.boxes[:, 1] + image.boxes[:, 3]) / 2 < 0.5
     assert torch.equal(rid, (~top).to(torch.int64))  # tiles and thumbnail alike
+
+
+def test_a_videos_frames_are_read_as_pictures(model, processor):
+    """InternVL's processor writes a video as its frames, each one tile between <img> and
+    </img> after its "FrameN:" text, and merges their pixels into pixel_values: the model
+    takes them as pictures, and so does headscope (tr.images, one per frame, in sequence
+    order with a picture beside them; tr.videos none). Each frame's tokens read that
+    frame's pixels: its own grey level."""
+    greys = (40, 120, 200)
+    video = np.stack([np.full((24, 32, 3), g, np.uint8) for g in greys])
+    inputs = processor(text=["describe <video> and <IMG_CONTEXT> now ."], videos=[video],
+                       images=[quarters(40, 40, COLOURS)], return_tensors="pt")
+    assert "pixel_values_videos" not in inputs
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        with Tracer(model, regions=grid_regions(1, 1), vas=False) as tr:
+            assert torch.equal(model(**inputs).logits, plain)
+    assert tr.videos == [[]]
+    *frames, picture = tr.images[0]
+    assert len(frames) == len(greys) and len(picture.views) == 5  # 2 x 2 tiles, thumbnail
+    mean = torch.tensor(processor.video_processor.image_mean)
+    std = torch.tensor(processor.video_processor.image_std)
+    for f, (frame, grey) in enumerate(zip(frames, greys)):
+        assert (frame.rows, frame.cols) == (2, 2) and len(frame.views) == 1
+        assert int(frame.positions.min()) > int(frames[f - 1].positions.max()) if f else True
+        want = (grey / 255 - mean) / std
+        torch.testing.assert_close(inputs["pixel_values"][f].mean((1, 2)), want.float(),
+                                   atol=2e-2, rtol=0)
+        assert set(tr.region_ids[0, frame.positions].tolist()) == {f}
+    assert int(picture.positions.min()) > int(frames[-1].positions.max())
+    assert tr.num_regions == [len(greys) + 1]

@@ -4,7 +4,9 @@ token grids and boxes follow the image processor's own canvas (compute_crop_geom
 several aspect ratios, the markers and the image block (mm_token_type_ids) follow its
 prompt, the tiny prompts are the processor's, a four-coloured picture's tokens (global view
 and canvas) read the colour of their box's quarter through the patches they pool by index,
-and grid_regions(2, 2) gives each quarter one region in both views."""
+and grid_regions(2, 2) gives each quarter one region in both views. A video's frames (its
+<im_patch> tokens between frame markers) are read apart from pictures, each token on its
+own frame's quarter."""
 from __future__ import annotations
 
 import pytest
@@ -17,14 +19,14 @@ pytest.importorskip("PIL.Image")
 
 from conftest import (assert_every_image_token_placed, nearest_colour,  # noqa: E402
                       quarter_prompts)
-from headscope.hf import Tracer  # noqa: E402
+from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.testing.families.molmo2 import (COLUMN, LOW_RES_START,  # noqa: E402
                                                   TINY_CROP, TINY_MARGINS, TINY_PATCH,
                                                   TINY_POOL)
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
                                   assert_quarter_colours, assert_quarters_are_regions,
-                                  image_prompt, tiny_model, tiny_processor)
+                                  image_prompt, quarters, tiny_model, tiny_processor)
 
 MAX_CROPS = 6
 # (height, width): one crop, square, 2:1 wide, 1:2 tall, 1:5 wide, odd sizes, thin and tall
@@ -166,8 +168,6 @@ def test_missing_or_inconsistent_pooling_raises(model, processor):
         with pytest.raises(ValueError, match=r"need the image_grids .* tr\.generate"):
             model.generate(**inputs, max_new_tokens=1)
         assert len(list(tr.generate(**inputs, max_new_tokens=1))) == 1
-    with pytest.raises(ValueError, match="video prompt"):
-        family.images(model.config, dict(inputs, video_grids=torch.tensor([[2, 3, 6]])))
     for key in ("image_grids", "image_token_pooling"):
         with pytest.raises(ValueError, match=f"need the {key} .* tr.generate"):
             family.images(model.config, dict(inputs, **{key: None}))
@@ -193,3 +193,79 @@ def test_pictures_quarters_reach_the_crops(processor):
     colours = nearest_colour(processor, patches[[0, -1], :, :, :].reshape(2, -1, 3))
     colours = colours.reshape(2, -1, TINY_PATCH * TINY_PATCH)
     assert bool((colours[0, 0] == 0).all()) and bool((colours[1, -1] == 3).all())
+
+
+# ---- videos ----------------------------------------------------------------------------------
+
+FPS = 2.0
+
+
+def video_inputs(processor, frames: int, size, picture=None):
+    """One prompt of a video of ``frames`` frames of ``size``, frame f's quarters the
+    quarter colours turned by f (quarter q coloured ``(q + f) % 4``: a token's colours
+    give both its frame and its quarter), and ``picture`` (a size) before it."""
+    np = pytest.importorskip("numpy")
+    from conftest import QUARTER_COLOURS
+    video = np.stack([np.asarray(quarters(*size, [QUARTER_COLOURS[(q + f) % 4]
+                                                  for q in range(4)])) for f in range(frames)])
+    text = "describe " + ("<|image|> and " if picture else "") + "<|video|> ."
+    metadata = [dict(total_num_frames=frames, fps=FPS, frames_indices=list(range(frames)))]
+    return dict(processor(text=[text], videos=[video], video_metadata=metadata,
+                          images=[quarters(*picture, QUARTER_COLOURS)] if picture else None,
+                          return_metadata=True, return_tensors="pt"))
+
+
+@pytest.mark.parametrize("size, picture", [((24, 32), None), ((30, 20), (40, 40))])
+def test_video_frames_follow_the_processor(model, processor, size, picture):
+    """Each frame is one group of its own, its tokens one run between <frame_start> and
+    <frame_end>, boxes from the patches they pool (video_token_pooling): every token reads
+    its own frame's colour of its box's quarter; seconds are the processor's timestamps
+    (frame index / fps); a picture beside the video keeps its own tokens (the model
+    itself takes a prompt of pictures or of a video, not both)."""
+    from conftest import nearest_colour
+    from headscope.hf.testing.families.molmo2 import FRAME_END, FRAME_START
+    frames = 3
+    inputs = video_inputs(processor, frames, size, picture)
+    family = family_of(model)
+    (video,), = family.videos(model.config, inputs)
+    ids = inputs["input_ids"][0]
+    starts, ends = (ids == FRAME_START).nonzero().flatten(), (ids == FRAME_END).nonzero().flatten()
+    assert video.num_frames == frames == len(starts) == len(ends)
+    assert [g.frames for g in video.groups] == [(f,) for f in range(frames)]
+    torch.testing.assert_close(video.seconds, torch.arange(frames, dtype=torch.float64) / FPS)
+    f, r, c = inputs["video_grids"][0].tolist()
+    assert video.grid == (f, r, c)
+    pooled = inputs["video_token_pooling"]
+    pooled = torch.where(pooled >= 0, pooled, pooled[:, :1])
+    patches = inputs["pixel_values_videos"].reshape(-1, TINY_PATCH * TINY_PATCH, 3)
+    colours = nearest_colour(processor, patches[pooled].reshape(len(pooled), -1, 3),
+                             normaliser=processor.video_processor)
+    for g, (group, start, end) in enumerate(zip(video.groups, starts, ends)):
+        assert torch.equal(group.image.positions, torch.arange(int(start) + 1, int(end)))
+        mine = colours[g * r * c:(g + 1) * r * c]
+        assert_quarter_colours(group.image.boxes, (mine - g) % 4)
+    pictures, = family.images(model.config, inputs)
+    assert len(pictures) == (1 if picture else 0)
+    is_patch = ids == IMAGE_TOKEN
+    placed = torch.cat([video.positions, *[p.positions for p in pictures]]).sort().values
+    assert torch.equal(placed, is_patch.nonzero().flatten())
+    if picture:  # the model takes pictures or a video, not both: its reading tells them apart
+        with pytest.raises(ValueError, match="pixel_values and pixel_values_videos"):
+            model(**family.model_inputs(inputs))
+        return
+    with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
+        model(**family.model_inputs(inputs))
+    assert tr.videos[0][0].grid == video.grid and tr.images == [[]]
+    assert tr.num_regions == [4 * frames]
+
+
+def test_video_inputs_are_checked(model, processor):
+    family = family_of(model)
+    inputs = video_inputs(processor, 2, (24, 32))
+    for key in ("video_grids", "video_token_pooling"):
+        with pytest.raises(ValueError, match=f"need the {key} .* tr.generate"):
+            family.videos(model.config, dict(inputs, **{key: None}))
+    pooled = inputs["video_token_pooling"]
+    with pytest.raises(ValueError, match="video_token_pooling pools"):
+        family.videos(model.config, dict(inputs, video_token_pooling=pooled[:-1]))
+    assert family.images(model.config, dict(inputs, image_grids=None)) == [[]]

@@ -15,7 +15,13 @@ The prompt (``Molmo2Processor.replace_image_token``)::
 (``<im_col>`` after the global view's rows where the processor is set so; the checkpoints'
 are not). All of these tokens are the picture's block, which attends bidirectionally
 (``mm_token_type_ids`` 1); only ``<im_patch>`` holds the picture (the pooled features are
-added onto its embedding), the markers are text positions, region -1."""
+added onto its embedding), the markers are text positions, region -1.
+
+A video (at most one per prompt) is its sampled frames one by one (none merged), each
+resized to one crop and pooled in windows as the global view is (``video_token_pooling``,
+``video_grids`` ``(frames, rows, cols)``), written ``t.t <frame_start> <im_patch>... 
+<frame_end>`` with the frame's time in seconds: its tokens are ``<im_patch>`` too, told
+apart from a picture's by the frame markers around them."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple
@@ -23,7 +29,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from .base import Family, missing_input, register
-from .layout import Box, ImageTokens, View, image_positions, patches_per_side, split_images
+from .layout import (Box, ImageTokens, VideoTokens, View, group_videos, patches_per_side,
+                     runs, split_images)
 
 WHO = "headscope.hf.Tracer"
 
@@ -36,13 +43,29 @@ class Molmo2(Family):
     layout = ("global view (the picture resized to one crop), then the canvas of "
               "overlapping crops, each token pooling a window of patches by index "
               "(image_token_pooling), <im_col> after each row")
-    input_keys = ("image_grids", "image_token_pooling", "video_grids")
+    # video_metadata: the processor's (each video's sampled frames and fps); the model
+    # does not take it
+    input_keys = ("image_grids", "image_token_pooling", "video_grids", "video_token_pooling",
+                  "video_metadata")
+    layout_keys = ("video_metadata",)
+
+    def media_positions(self, config, input_ids: torch.Tensor
+                        ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """Per row, the positions of its pictures' ``<im_patch>`` tokens and of its video
+        frames' (those between a ``<frame_start>`` and its ``<frame_end>``)."""
+        ids = input_ids.cpu()
+        opened = (ids == config.frame_start_token_id).cumsum(-1)
+        closed = (ids == config.frame_end_token_id).cumsum(-1)
+        in_frame = opened > closed
+        is_patch = torch.isin(ids, torch.tensor(self.image_token_ids(config)))
+        return ([row.nonzero().flatten() for row in is_patch & ~in_frame],
+                [row.nonzero().flatten() for row in is_patch & in_frame])
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
+        per_row, _ = self.media_positions(config, inputs["input_ids"])
+        if not any(len(p) for p in per_row):  # a prompt of videos only
+            return [[] for _ in per_row]
         grids, pooling = inputs.get("image_grids"), inputs.get("image_token_pooling")
-        if inputs.get("video_grids") is not None:  # frames' tokens are <im_patch> too
-            raise ValueError(f"{WHO}: regions of a Molmo 2 video prompt (video_grids) are not "
-                             f"supported; pictures (image_grids) are")
         if grids is None:
             raise missing_input(config, "image_grids", " (each picture's token grids)")
         if pooling is None:
@@ -64,10 +87,47 @@ class Molmo2(Family):
             pictures.append(((rows, cols, view_box(pooled, rows, cols, window)),
                              (canvas_rows, canvas_cols,
                               view_box(canvas, canvas_rows, canvas_cols, window))))
-        per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
         views = iter(pictures)
         return [[_picture(positions, *next(views)) for positions in row]
                 for row in split_images(WHO, per_row, counts)]
+
+
+    def videos(self, config, inputs: Dict[str, Any]) -> List[List[VideoTokens]]:
+        _, per_row = self.media_positions(config, inputs["input_ids"])
+        if not any(len(p) for p in per_row):
+            return [[] for _ in per_row]
+        grids, pooling = inputs.get("video_grids"), inputs.get("video_token_pooling")
+        if grids is None:
+            raise missing_input(config, "video_grids", " (each video's frames and token grid)")
+        if pooling is None:
+            raise missing_input(config, "video_token_pooling",
+                                " (the patches each token pools: its place on the frame)")
+        grids = grids.reshape(-1, 3).tolist()
+        if sum(f * r * c for f, r, c in grids) != len(pooling):
+            raise ValueError(f"{WHO}: video_grids give {sum(f * r * c for f, r, c in grids)} "
+                             f"video tokens but video_token_pooling pools {len(pooling)}")
+        side = patches_per_side(config.vision_config)
+        frames, first = [], 0
+        for count, rows, cols in grids:
+            for _ in range(count):
+                pooled = pooling[first:first + rows * cols].cpu()
+                frames.append((rows, cols, view_box(pooled, rows, cols,
+                                                    pooling_window(pooled, rows, cols, side))))
+                first += rows * cols
+        boxes, groups = iter(frames), []
+        sizes = [rows * cols for count, rows, cols in grids for _ in range(count)]
+        for row in split_images(WHO, per_row, sizes, "video frame"):
+            groups.append([])
+            for positions in row:
+                rows, cols, box = next(boxes)
+                if len(runs(positions)) != 1:
+                    raise ValueError(f"{WHO}: a video frame's {len(positions)} tokens from "
+                                     f"position {int(positions[0])} are not one run between "
+                                     f"its frame markers; input_ids do not follow video_grids")
+                view = View("frame", positions, rows, cols, box)
+                groups[-1].append(ImageTokens((view,), view))
+        return group_videos(WHO, groups, [f for f, _, _ in grids], 1,
+                            inputs.get("video_metadata"))
 
 
 def _ends(counts: Sequence[int]) -> List[int]:

@@ -57,10 +57,13 @@ class TinyInternVL(TinyFamily):
         return ids, {"pixel_values": torch.stack(tiles)}
 
     def processor(self, model_type: str, tokenizer, *, max_tiles: int, **_):
-        """Up to ``max_tiles`` tiles of 16 x 16 pixels and a thumbnail, 4 tokens each."""
+        """Up to ``max_tiles`` tiles of 16 x 16 pixels and a thumbnail, 4 tokens each; each
+        video frame squashed to one tile (frames taken as given, the checkpoints'
+        ``do_sample_frames`` off)."""
         import transformers as tf
-        images = tf.GotOcr2ImageProcessor(size={"height": 16, "width": 16}, crop_to_patches=True,
+        tile = {"height": 16, "width": 16}
+        images = tf.GotOcr2ImageProcessor(size=tile, crop_to_patches=True,
                                           min_patches=1, max_patches=max_tiles)
         return tf.InternVLProcessor(image_processor=images, tokenizer=tokenizer,
-                                    video_processor=tf.InternVLVideoProcessor(),
+                                    video_processor=tf.InternVLVideoProcessor(size=tile),
                                     image_seq_length=4, chat_template=self.spec.chat_template)

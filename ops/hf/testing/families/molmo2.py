@@ -68,7 +68,7 @@ class TinyMolmo2(TinyFamily):
                 "<frame_start>": FRAME_START, "<frame_end>": FRAME_END,
                 "<im_low>": LOW_RES_PATCH},
         tokenizer_extras={"image_token": "<|image|>", "video_token": "<|video|>"},
-        chat_template=llava_template("<|image|> "), grids=((2, 2), (1, 3)),
+        chat_template=llava_template("<|image|> "), video="<|video|>", grids=((2, 2), (1, 3)),
         typed_tokens=("<im_col>", "<im_start>", "<low_res_im_start>", "<im_end>"),
         index_inputs={"image_token_pooling": "pixel_values"},
         effects={"molmo2": ("mask", "zero")}, commands=("molmo2",))
