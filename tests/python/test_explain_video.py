@@ -255,6 +255,51 @@ def test_frames_sampled_by_a_sampling_processor_end_to_end(files):
     assert report["source_frames"] == sampled and report["num_frames"] == len(sampled)
 
 
+def _video_families():
+    """The model types whose tiny family reads videos (``TinySpec.video``) and whose tiny
+    processor has a video processor."""
+    from types import SimpleNamespace
+
+    from headscope.hf.families import family_of
+    from headscope.hf.testing import FAMILIES, tiny_of, tiny_processor
+    chosen = []
+    for model_type in FAMILIES:
+        try:
+            processor = tiny_processor(model_type)
+        except NotImplementedError:
+            continue
+        tiny = tiny_of(family_of(SimpleNamespace(model_type=model_type)))
+        if tiny.spec.video is not None and getattr(processor, "video_processor", None):
+            chosen.append(model_type)
+    return chosen
+
+
+@pytest.mark.parametrize("model_type", _video_families())
+def test_each_family_with_a_video_layout(model_type, files):
+    """Every family that reads videos: the explanation's frames are the ones read (sampled
+    as its video processor samples them), its frame groups cover them once in order, and
+    every video token has a region of the video (the tiny chat templates write no video,
+    so the prompt is the family's video text: ``TinySpec.video``)."""
+    import headscope
+    from headscope.hf.families import family_of
+    from headscope.hf.testing import tiny_model, tiny_of, tiny_processor
+    from headscope.videos import Video, read_video
+    model, processor = tiny_model(model_type).eval(), tiny_processor(model_type)
+    video = read_video(files["long"], processor.video_processor)
+    text = tiny_of(family_of(model)).spec.video + " " + PROMPT
+    inputs = dict(processor(text=[text], return_tensors="pt", **Video.processor_kwargs([video])))
+    result = headscope.explain(model, processor, [], PROMPT, videos=[video], inputs=inputs,
+                               regions=(2, 2), max_new_tokens=2)
+    (v,) = result.videos
+    assert v.num_frames == video.num_frames and v.source_frames.tolist() == \
+        video.source_frames.tolist()
+    torch.testing.assert_close(v.seconds, video.seconds)
+    assert [f for g in v.groups for f in g] == list(range(v.num_frames))
+    assert v.regions == (0, result.num_regions) and int(v.labels.min()) >= 0
+    assert len(v.group_tokens(len(v.groups) - 1).labels) > 0
+    assert result.report()["videos"][0]["num_frames"] == video.num_frames
+
+
 def test_a_processor_without_a_video_processor_is_refused_before_reading():
     import headscope
     from headscope.hf.testing import tiny_model, tiny_processor
