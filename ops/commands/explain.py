@@ -218,7 +218,7 @@ def check_media(args, pictures: List, videos: List, processor, config, family) -
     """The processor gives one picture per --image and one video per --video, each with
     enough tokens for the regions asked for (a video: per frame group, or over space and
     time for Ward regions)."""
-    from ..explainer import prompt_inputs
+    from ..explainer import media_mismatch, prompt_inputs
     if args.frames is not None and "x" not in args.regions:
         raise UsageError(f"--frames {args.frames}: windows of frames need ROWSxCOLS regions; "
                          f"Ward regions (--regions {args.regions}) cluster over space and "
@@ -232,12 +232,10 @@ def check_media(args, pictures: List, videos: List, processor, config, family) -
     except NotImplementedError as e:
         raise UsageError(f"--video {args.video[0]}: headscope does not read the video tokens "
                          f"of model type {config.model_type!r} yet; allowed: --image only") from e
-    for kind, given, got in (("pictures", pictures, found), ("videos", videos, found_videos)):
-        if len(got) != len(given):
-            option = "--image" if kind == "pictures" else "--video"
-            raise UsageError(f"--model {args.model}: its processor gives {len(got)} {kind} "
-                             f"for {len(given)} {option}; allowed: a VLM whose chat template "
-                             f"places every one")
+    mismatch = media_mismatch(len(found), len(found_videos), len(pictures), len(videos))
+    if mismatch:
+        raise UsageError(f"--model {args.model}: {mismatch}; allowed: a VLM whose chat "
+                         f"template places every --image and --video")
     for path, image in zip(args.image, found):
         check_regions(args.regions, (image.rows, image.cols), "image", path)
     for path, video in zip(args.video, found_videos):

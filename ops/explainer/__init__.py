@@ -273,6 +273,19 @@ def explain(model, processor, images: Sequence, prompt: str, head=None, **kwargs
     return result
 
 
+def media_mismatch(pictures: int, videos: int, images: int, given_videos: int) -> str:
+    """Why a prompt laid out with ``pictures`` pictures and ``videos`` videos does not match
+    ``images`` pictures and ``given_videos`` videos asked about, or "" when it does."""
+    if pictures == images and videos == given_videos:
+        return ""
+    why = f"the prompt holds {pictures} pictures and {videos} videos, got {images} images " \
+          f"and {given_videos} videos"
+    if videos < given_videos and pictures > images:
+        why += ("; this model's processor writes a video's frames as pictures of their own "
+                "(InternVL, SmolVLM), which explain does not show as a video")
+    return why
+
+
 def _media(tr, images: Sequence, videos: Sequence[Video]
            ) -> Tuple[List[Picture], List[ExplainedVideo]]:
     """The prompt's pictures and videos with each token's box and region (batch row 0;
@@ -281,10 +294,10 @@ def _media(tr, images: Sequence, videos: Sequence[Video]
     row = tr.media_regions[0]
     found = {kind: [m for m in row if isinstance(m.media, VideoTokens) == (kind == "videos")]
              for kind in ("pictures", "videos")}
-    for kind, given, name in (("pictures", images, "images"), ("videos", videos, "videos")):
-        if len(found[kind]) != len(given):
-            raise ValueError(f"headscope.explain: the prompt holds {len(found[kind])} {kind}, "
-                             f"got {len(given)} {name}")
+    mismatch = media_mismatch(len(found["pictures"]), len(found["videos"]), len(images),
+                              len(videos))
+    if mismatch:
+        raise ValueError(f"headscope.explain: {mismatch}")
     ids = tr.region_ids[0].cpu()
     pictures = [Picture(image=image, boxes=m.media.boxes.float(), labels=ids[m.media.positions],
                         regions=(m.first, m.end),

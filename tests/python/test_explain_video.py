@@ -300,6 +300,23 @@ def test_each_family_with_a_video_layout(model_type, files):
     assert result.report()["videos"][0]["num_frames"] == video.num_frames
 
 
+def test_a_video_written_as_pictures_is_refused_in_one_line(files):
+    """InternVL's processor writes a video's frames as pictures of their own: explain
+    says so instead of showing them as pictures nobody gave."""
+    import headscope
+    from headscope.hf.testing import tiny_model, tiny_processor
+    from headscope.videos import Video, read_video
+    processor = tiny_processor("internvl")
+    video = read_video(files["clip"], processor.video_processor)
+    inputs = dict(processor(text=[processor.video_token + " " + PROMPT], return_tensors="pt",
+                            **Video.processor_kwargs([video])))
+    with pytest.raises(ValueError, match=r"^headscope.explain: the prompt holds 8 pictures and "
+                                         r"0 videos, got 0 images and 1 videos; this model's "
+                                         r"processor writes a video's frames as pictures"):
+        headscope.explain(tiny_model("internvl").eval(), processor, [], PROMPT, videos=[video],
+                          inputs=inputs, regions=(2, 2), max_new_tokens=2)
+
+
 def test_a_processor_without_a_video_processor_is_refused_before_reading():
     import headscope
     from headscope.hf.testing import tiny_model, tiny_processor
