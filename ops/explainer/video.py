@@ -246,6 +246,13 @@ STYLE = """
 .hs .vaxis{display:flex;flex-direction:column;justify-content:space-between;font-size:11px;
  color:#444;text-align:right;white-space:nowrap}
 .hs .vcaption{font-size:11px;color:#444;text-align:center}
+.hs .vtimeline{display:flex;gap:1px;height:40px;max-width:1000px;margin:.2em 0 0 0;
+ border-bottom:1px solid #888}
+.hs .vtimeline .tbar{position:relative;flex:1;cursor:pointer}
+.hs .vtimeline .tbar:hover{background:#f3f3f3}
+.hs .vtimeline .fill{position:absolute;left:0;right:0;background:#f0a020}
+.hs .vtl-axis{display:flex;justify-content:space-between;max-width:1000px;font-size:11px;
+ color:#444;margin-bottom:.4em}
 """
 
 SCRIPT = """
@@ -263,23 +270,31 @@ SCRIPT = """
       var lo = Math.min(0, Math.min.apply(null, d.groups)),
           hi = Math.max(0, Math.max.apply(null, d.groups)), range = (hi - lo) || 1;
       var best = d.groups.indexOf(Math.max.apply(null, d.groups));
-      box.querySelectorAll('.vbar').forEach(function(bar){
+      box.querySelectorAll('.vbar, .tbar').forEach(function(bar){
         var g = +bar.dataset.g, value = d.groups[g];
         var zero = hi / range * 100, top = (hi - Math.max(value, 0)) / range * 100;
         var fill = bar.querySelector('.fill');
         fill.style.top = top + '%';
         fill.style.height = Math.abs(value) / range * 100 + '%';
         fill.style.background = g === best ? '#d9480f' : '#f0a020';
+        bar.title = 'frame group ' + g + ': ' + fmt(value);
+        if (!bar.classList.contains('vbar')) return;  // the whole video's timeline: no labels
         bar.querySelector('.zero').style.top = zero + '%';
         var label = bar.querySelector('.val');
         label.textContent = fmt(value);
         label.style.top = (value >= 0 ? Math.max(top - 16, 0) : Math.min(top + Math.abs(value) / range * 100, 84)) + '%';
-        bar.title = 'frame group ' + g + ': ' + fmt(value);
       });
       box.querySelector('.vmax').textContent = fmt(hi);
       box.querySelector('.vmin').textContent = fmt(lo);
     });
   };
+  root.querySelectorAll('.video').forEach(function(box){  // a timeline bar shows its group
+    var groups = box.querySelectorAll('.vgroup');
+    box.querySelectorAll('.tbar').forEach(function(bar){
+      bar.addEventListener('click', function(){
+        groups[+bar.dataset.g].scrollIntoView({block: 'nearest', inline: 'center'}); });
+    });
+  });
 })(document.getElementById('ROOT'), function(v){  // 4 significant digits: heat per token is small
   return v === 0 ? '0' : Math.abs(v) >= 1000 || Math.abs(v) < 0.001 ? v.toExponential(3) : v.toPrecision(4); });
 """
@@ -316,6 +331,20 @@ def _strip(video: ExplainedVideo, index: int) -> str:
     return f"<div class='vstrip'>{axis}{''.join(groups)}</div>"
 
 
+def _timeline(video: ExplainedVideo) -> str:
+    """The whole video's timeline: one bar per frame group, its width its share of the
+    sampled frames (the strip below may scroll; clicking a bar brings its group into
+    view)."""
+    x = html.escape
+    bars = "".join(f"<div class='tbar' data-g='{g}' style='flex:{len(frames)}'>"
+                   f"<div class='fill'></div></div>" for g, frames in enumerate(video.groups))
+    first, last = video.groups[0], video.groups[-1]
+    return (f"<div class='vtimeline'>{bars}</div><div class='vtl-axis'>"
+            f"<span>{x(video.time(first[0]))}</span><span>each frame group's score over "
+            f"time (click a bar to see its frames)</span><span>{x(video.time(last[-1]))}</span>"
+            f"</div>")
+
+
 def _meta(video: ExplainedVideo, index: int) -> str:
     per = max(len(g) for g in video.groups)
     sampled = f"{video.num_frames} frames sampled"
@@ -336,21 +365,23 @@ def script(explanation, root: str) -> str:
 
 
 def section(explanation, colour_stops: str) -> str:
-    """The page's videos: each one's strip and timeline, and the colour bar of the heat
-    on their frames; "" without videos."""
+    """The page's videos: each one's timeline and strip of frames, and the colour bar of
+    the heat on their frames; "" without videos."""
     if not explanation.videos:
         return ""
     x = html.escape
     score_name = explanation.score_name
-    videos = "".join(f"<div class='video'>{_meta(v, i)}<div class='vscroll'>{_strip(v, i)}"
+    videos = "".join(f"<div class='video'>{_meta(v, i)}{_timeline(v)}"
+                     f"<div class='vscroll'>{_strip(v, i)}"
                      f"</div></div>" for i, v in enumerate(explanation.videos))
     return (f"<div class='videos'><style>{STYLE}</style><p class='vchosen'></p>"
             f"<div class='bar' style='background:linear-gradient(to right, {colour_stops})'>"
             f"</div><div class='ticks'><span class='vlow'></span><span class='vmid'></span>"
             f"<span class='vhigh'></span></div><p class='note'>Heat on the frames: "
             f"{x(score_name)} {HEAT_UNIT} of each region (its score over its tokens; colour "
-            f"bar: the span's lowest to highest). Bars: each frame group's score (its tokens' "
-            f"shares of their regions' scores), the span's highest in red.</p>"
+            f"bar: the span's lowest to highest). Bars, on each video's timeline and under each "
+            f"frame group: the group's score (its tokens' shares of their regions' scores), "
+            f"the span's highest in red.</p>"
             f"{videos}</div>")
 
 

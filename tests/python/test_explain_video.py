@@ -390,6 +390,11 @@ def video_page(qwen, files, tmp_path_factory):
     return result.save(tmp_path_factory.mktemp("page"))
 
 
+def _wait(browser, condition, seconds=10):
+    from selenium.webdriver.support.ui import WebDriverWait
+    return WebDriverWait(browser, seconds, poll_frequency=0.1).until(lambda _: condition())
+
+
 @pytest.fixture
 def browser():
     from headscope.explainer.screenshot import browser_missing, headless_chromium
@@ -432,6 +437,9 @@ def test_video_page_in_a_browser(video_page, browser, tmp_path):
             labels = [b.find_element(By.CSS_SELECTOR, ".val").text for b in
                       box.find_elements(By.CSS_SELECTOR, ".vbar")]
             assert [float(x) for x in labels] == pytest.approx(scores, abs=1e-4, rel=1e-3)
+            timeline = [b.size["height"] for b in
+                        box.find_elements(By.CSS_SELECTOR, ".tbar .fill")]
+            assert len(timeline) == len(scores) and timeline[best] == max(timeline) > 0
             bars.append(heights)
         return heats, bars
     first = state(shown[0])
@@ -444,6 +452,11 @@ def test_video_page_in_a_browser(video_page, browser, tmp_path):
     assert shown[1]["text"].strip() in browser.find_element(By.CSS_SELECTOR, ".vchosen").text
     rows = browser.find_element(By.CSS_SELECTOR, "tbody.scores").text.splitlines()
     assert len(rows) == report["num_regions"]
+    # a click on the timeline's last bar scrolls the strip to the last frame group
+    strip = boxes[0].find_element(By.CSS_SELECTOR, ".vscroll")
+    assert browser.execute_script("return arguments[0].scrollLeft", strip) == 0
+    boxes[0].find_elements(By.CSS_SELECTOR, ".tbar")[-1].click()
+    _wait(browser, lambda: browser.execute_script("return arguments[0].scrollLeft", strip) > 0)
     assert browser.get_screenshot_as_file(str(tmp_path / "page.png"))
     assert (tmp_path / "page.png").stat().st_size > 10_000
 
@@ -454,7 +467,6 @@ def test_live_page_with_a_video(qwen, files, browser, tmp_path):
     pytest.importorskip("gradio", reason="the live page needs gradio: pip install "
                                          "\"headscope[app]\"")
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
     from headscope.explainer import iter_explain
     from headscope.explainer.live import app, launch
@@ -467,14 +479,15 @@ def test_live_page_with_a_video(qwen, files, browser, tmp_path):
     url = launch(blocks, "127.0.0.1", None)
     try:
         browser.get(url)
-        WebDriverWait(browser, 60, poll_frequency=0.1).until(
-            lambda _: "Done:" in browser.find_element(By.ID, "status").text)
+        _wait(browser, lambda: "Done:" in browser.find_element(By.ID, "status").text, 60)
         report = json.loads((tmp_path / "live" / "report.json").read_text())
         shown = [s for s in report["spans"] if not s["special"]]
         images = browser.find_elements(By.CSS_SELECTOR, "#spans img")
         assert len(images) >= len(shown) >= 1 and len(report["videos"]) == 1
         # a span's PNG holds the video: wider than a picture-only one (11 inches at 100 dpi)
-        assert browser.execute_script("return arguments[0].naturalWidth", images[0]) >= 1000
+        width = "return arguments[0].complete && arguments[0].naturalWidth"
+        _wait(browser, lambda: browser.execute_script(width, images[0]), 30)
+        assert browser.execute_script(width, images[0]) >= 1000
         assert browser.get_screenshot_as_file(str(tmp_path / "live.png"))
     finally:
         blocks.close()
