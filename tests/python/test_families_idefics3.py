@@ -226,3 +226,38 @@ def test_layouts_that_do_not_fit_raise(model):
     ragged = torch.cat([_layout(2, 2)[:, :14], _layout(1, 1)[:, 1:]], 1)
     with pytest.raises(ValueError, match="do not form a grid"):
         family.images(model.config, {"input_ids": ragged})
+
+
+def test_smolvlm_video_frames_are_read_as_pictures(monkeypatch):
+    """SmolVLM's processor writes a video as its frames, each one global image after its
+    timestamp, in pixel_values as pictures: the model takes them as pictures, and so does
+    headscope (tr.images, one per frame in time order; tr.videos none). Each frame's
+    pixels are its own grey level."""
+    import numpy as np
+    import transformers as tf
+    from transformers.models.smolvlm import processing_smolvlm
+    monkeypatch.setattr(processing_smolvlm, "num2words", str)  # the intro's frame count
+    tile = {"longest_edge": TILE}
+    proc = tf.SmolVLMProcessor(tf.SmolVLMImageProcessor(size=tile, max_image_size=tile),
+                               tiny_tokenizer("smolvlm"),
+                               tf.SmolVLMVideoProcessor(size=tile, max_image_size=tile),
+                               image_seq_len=4)
+    model = tiny_model("smolvlm")
+    greys = (40, 120, 200)
+    video = np.stack([np.full((24, 32, 3), g, np.uint8) for g in greys])
+    metadata = [dict(total_num_frames=3, fps=2.0, frames_indices=[0, 1, 2])]
+    inputs = dict(proc(text=["describe <video> now ."], videos=[video], video_metadata=metadata,
+                       do_sample_frames=False, return_tensors="pt"))
+    assert "pixel_values_videos" not in inputs and inputs["pixel_values"].shape[1] == 3
+    with torch.no_grad(), Tracer(model, regions=grid_regions(1, 1), vas=False) as tr:
+        model(**inputs)
+    assert tr.videos == [[]] and len(tr.images[0]) == len(greys)
+    mean = torch.tensor(proc.video_processor.image_mean)
+    std = torch.tensor(proc.video_processor.image_std)
+    for f, (frame, grey) in enumerate(zip(tr.images[0], greys)):
+        assert [v.name for v in frame.views] == ["global"] and (frame.rows, frame.cols) == (2, 2)
+        torch.testing.assert_close(inputs["pixel_values"][0, f].mean((1, 2)),
+                                   ((grey / 255 - mean) / std).float(), atol=2e-2, rtol=0)
+        assert set(tr.region_ids[0, frame.positions].tolist()) == {f}
+        if f:
+            assert int(frame.positions.min()) > int(tr.images[0][f - 1].positions.max())

@@ -1,0 +1,87 @@
+"""Video layouts of Gemma 4 and LLaVA-OneVision against their real tiny processors: each
+token's frame and box. Gemma 4: every token pools its k x k patches (video_position_ids)
+of its own sampled frame (4 of 6, evenly), whose pixels carry that source frame's colour
+of the token's box's quarter.
+LLaVA-OneVision: new pixels in one frame change exactly that frame group's tokens'
+decoder inputs (the model's own features), and the newline after the frames is a marker."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("torchvision")
+np = pytest.importorskip("numpy")
+
+from conftest import QUARTER_COLOURS, nearest_colour  # noqa: E402
+from headscope.hf.capture import decoder_kwargs  # noqa: E402
+from headscope.hf.families import family_of  # noqa: E402
+from headscope.hf.testing import (assert_quarter_colours, quarters, tiny_model,  # noqa: E402
+                                  tiny_processor, tiny_of)
+
+FPS = 2.0
+
+
+def turning_quarters(frames: int, height: int, width: int):
+    """(frames, height, width, 3) uint8: frame f's quarter q coloured ``(q + f) % 4`` of the
+    quarter colours, so a token's colours give both its frame and its quarter."""
+    return np.stack([np.asarray(quarters(height, width, [QUARTER_COLOURS[(q + f) % 4]
+                                                         for q in range(4)]))
+                     for f in range(frames)])
+
+
+def run_processor(model, video):
+    spec = tiny_of(model).spec
+    processor = tiny_processor(model.config.model_type)
+    metadata = [dict(total_num_frames=len(video), fps=FPS, frames_indices=list(range(len(video))))]
+    inputs = processor(text=[f"describe {spec.video} now ."], videos=[video],
+                       video_metadata=metadata, return_metadata=True, return_tensors="pt")
+    return processor, dict(inputs)
+
+
+@pytest.mark.parametrize("size", [(24, 32), (40, 24), (60, 20)])
+def test_gemma4_each_token_pools_its_own_frames_quarter(size):
+    model = tiny_model("gemma4")
+    processor, inputs = run_processor(model, turning_quarters(6, *size))
+    (video,), = family_of(model).videos(model.config, inputs)
+    sampled = inputs["video_metadata"][0].frames_indices
+    assert video.num_frames == len(sampled) == len(video.groups)
+    assert list(sampled) != list(range(len(sampled)))  # 4 of 6 frames: some skipped
+    assert video.source_frames.tolist() == list(sampled)
+    torch.testing.assert_close(video.seconds, torch.as_tensor(sampled, dtype=torch.float64) / FPS)
+    k = int(model.config.vision_config.pooling_kernel_size)
+    patch = int(model.config.vision_config.patch_size)
+    for g, group in enumerate(video.groups):
+        source = int(sampled[g])  # the source frame this sampled frame is
+        view = group.image.grid
+        where = inputs["video_position_ids"][g]
+        real = (where >= 0).all(-1)
+        pixels = inputs["pixel_values_videos"][g][real].reshape(-1, patch * patch, 3)
+        token = (where[real, 1] // k) * view.cols + where[real, 0] // k  # its token, row-major
+        assert int(token.max()) + 1 == view.rows * view.cols
+        colours = nearest_colour(processor, pixels, normaliser=processor.video_processor)
+        per_token = torch.stack([colours[token == t].flatten()
+                                 for t in range(view.rows * view.cols)])
+        assert_quarter_colours(group.image.boxes, (per_token - source) % 4)
+
+
+def test_llava_onevision_frames_are_the_model_own():
+    model = tiny_model("llava_onevision")
+    _, inputs = run_processor(model, turning_quarters(5, 24, 32))
+    family = family_of(model)
+    (video,), = family.videos(model.config, inputs)
+    inputs = family.model_inputs(inputs)
+    decoder = model.get_decoder()
+    with torch.no_grad():
+        before = decoder_kwargs(model, decoder, inputs)["inputs_embeds"][0]
+        for f, group in enumerate(video.groups):
+            moved = inputs["pixel_values_videos"].clone()
+            moved[:, f] += 1
+            after = decoder_kwargs(model, decoder,
+                                   dict(inputs, pixel_values_videos=moved))["inputs_embeds"][0]
+            changed = (after != before).any(-1).nonzero().flatten()
+            assert group.frames == (f,)
+            assert torch.equal(changed, group.image.positions)
+    (marker,) = video.markers.tolist()
+    assert marker == int(video.positions.max()) + 1
+    assert video.grid[0] == 5
