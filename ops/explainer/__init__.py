@@ -166,6 +166,9 @@ def tracer_regions(regions: Union[int, Tuple[int, int], str], frames: Optional[i
     videos (the name says what the regions are on them)."""
     from ..hf import grid_regions
     from ..hf.regions import parse_grid
+    if frames is not None and not videos:
+        raise ValueError("headscope.explain: argument 'frames' (time windows on videos) has no "
+                         "effect without videos")
     if isinstance(regions, str):
         regions = int(regions) if regions.strip().isdigit() else parse_grid(regions)
     if isinstance(regions, int) and not isinstance(regions, bool):

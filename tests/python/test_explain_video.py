@@ -222,6 +222,8 @@ def test_python_api_video_only_ward_regions_over_space_and_time(qwen, files):
 
 def test_grid_windows_of_frames(qwen, files):
     """frames=4: 3x3 blocks over windows of 4 sampled frames (two frame groups each)."""
+    from PIL import Image
+
     import headscope
     model, processor = _load(qwen)
     result = headscope.explain(model, processor, [], PROMPT, videos=[str(files["long"])],
@@ -234,6 +236,12 @@ def test_grid_windows_of_frames(qwen, files):
     with pytest.raises(ValueError, match="frames=3 must be a multiple of the 2 frames"):
         headscope.explain(model, processor, [], PROMPT, videos=[str(files["long"])],
                           regions="3x3", frames=3, max_new_tokens=3)
+    with pytest.raises(ValueError, match="'frames' .* has no effect without videos"):
+        headscope.explain(model, processor, [Image.open(files["picture"])], PROMPT,
+                          regions="3x3", frames=4)
+    with pytest.raises(ValueError, match="'frames' .* needs grid regions"):
+        headscope.explain(model, processor, [], PROMPT, videos=[str(files["long"])],
+                          regions=4, frames=4)
 
 
 def test_frames_sampled_by_a_sampling_processor_end_to_end(files):
