@@ -8,8 +8,8 @@ at a time (the model has one tracer); when one ends, the page, report.json and t
 written to the output folder as the command writes them."""
 from __future__ import annotations
 
-import io
 import queue
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,11 +24,14 @@ def _answer(spans) -> list:
     return [(s.text, None if s.special else f"span {s.index}") for s in spans]
 
 
-def _gallery_item(explanation, span) -> tuple:
-    from PIL import Image
+def _gallery_item(explanation, span, folder: Path) -> tuple:
+    """The span's PNG as a file in ``folder`` and its caption. A file, not a PIL picture:
+    Gradio writes a picture into its cache again on every update, in place, while the
+    browser may be reading it (a truncated image); a file it copies once, atomically."""
     k, score = span.top_regions(1)[0]
-    return (Image.open(io.BytesIO(span_png(explanation, span))),
-            f"[{span.index}] {span.text.strip()}  (top: region {k}, {score:.4f})")
+    path = folder / f"span{span.index}.png"
+    path.write_bytes(span_png(explanation, span))
+    return (str(path), f"[{span.index}] {span.text.strip()}  (top: region {k}, {score:.4f})")
 
 
 def app(explanations: Callable[[], Iterator], out: Path):
@@ -52,19 +55,22 @@ def app(explanations: Callable[[], Iterator], out: Path):
         threading.Thread(target=generate, name="headscope-explain", daemon=True).start()
         gallery, final = [], None
         yield [], [], "Generating..."
-        while (update := updates.get()) is not None:
-            result, count, error = update
-            if error is not None:
-                raise error
-            spans = result.spans[:count]
-            for span in spans[len(gallery):]:
-                gallery.append(None if span.special else _gallery_item(result, span))
-            final = result
-            yield (_answer(spans), [g for g in gallery if g is not None],
-                   f"Generating... {sum(g is not None for g in gallery)} spans.")
-        page = final.save(out)
-        shown = [g for g in gallery if g is not None]
-        yield _answer(final.spans), shown, f"Done: {len(shown)} spans; wrote {page}."
+        # the span PNGs Gradio copies into its cache; removed when the handler ends
+        with tempfile.TemporaryDirectory(prefix="headscope-live-") as folder:
+            while (update := updates.get()) is not None:
+                result, count, error = update
+                if error is not None:
+                    raise error
+                spans = result.spans[:count]
+                for span in spans[len(gallery):]:
+                    gallery.append(None if span.special
+                                   else _gallery_item(result, span, Path(folder)))
+                final = result
+                yield (_answer(spans), [g for g in gallery if g is not None],
+                       f"Generating... {sum(g is not None for g in gallery)} spans.")
+            page = final.save(out)
+            shown = [g for g in gallery if g is not None]
+            yield _answer(final.spans), shown, f"Done: {len(shown)} spans; wrote {page}."
 
     with gr.Blocks(title="headscope explain", analytics_enabled=False) as blocks:
         gr.Markdown("## headscope explain\nWhich regions of the pictures and videos each "
