@@ -37,7 +37,8 @@ HEAT_UNIT = "per token"
 class ExplainedVideo:
     """One video of the prompt and where its tokens lie: ``frames``, the sampled frames
     (PIL RGB, longest side at most :data:`FRAME_SIDE`); ``width`` x ``height``, the source
-    frames' size; ``fps``, the source frame rate; ``seconds`` ``(N,)``, each sampled
+    frames' size; ``fps``, the source frame rate; ``source_num_frames``, the source's
+    frames (of which N were sampled); ``seconds`` ``(N,)``, each sampled
     frame's time and ``source_frames`` ``(N,)`` its index in the source (None where the
     inputs do not say); ``groups``, each frame group's sampled frames; per token (in the
     order of the tracer's ``VideoTokens.positions``) its box on the frame ``boxes``
@@ -49,6 +50,7 @@ class ExplainedVideo:
     width: int
     height: int
     fps: Optional[float]
+    source_num_frames: int
     seconds: Optional[torch.Tensor]
     source_frames: Optional[torch.Tensor]
     groups: List[Tuple[int, ...]]
@@ -105,6 +107,7 @@ def explained_video(tokens, video, labels: torch.Tensor, regions: Tuple[int, int
     return ExplainedVideo(
         name=video.name, frames=frames, width=int(video.frames.shape[-1]),
         height=int(video.frames.shape[-2]), fps=float(video.metadata.fps),
+        source_num_frames=int(video.metadata.total_num_frames),
         seconds=tokens.seconds, source_frames=tokens.source_frames,
         groups=[g.frames for g in tokens.groups], boxes=tokens.boxes.float(),
         labels=labels, token_groups=token_groups, regions=regions)
@@ -172,6 +175,7 @@ def video_report(video: ExplainedVideo, explanation) -> dict:
     seconds = None if video.seconds is None else video.seconds.tolist()
     return {
         "name": video.name, "width": video.width, "height": video.height, "fps": video.fps,
+        "source_num_frames": video.source_num_frames,
         "num_frames": video.num_frames,
         "source_frames": None if video.source_frames is None else video.source_frames.tolist(),
         "seconds": seconds,
@@ -347,9 +351,8 @@ def _timeline(video: ExplainedVideo) -> str:
 
 def _meta(video: ExplainedVideo, index: int) -> str:
     per = max(len(g) for g in video.groups)
-    sampled = f"{video.num_frames} frames sampled"
-    if video.source_frames is not None and video.fps:
-        sampled += f" of {video.width}x{video.height} at {video.fps:g} fps"
+    sampled = (f"{video.num_frames} of its {video.source_num_frames} frames sampled "
+               f"({video.width}x{video.height}, {video.fps:g} fps)")
     merged = (f"{len(video.groups)} frame groups of {per} frames (the model merges each "
               f"group's frames into the same tokens)" if per > 1
               else f"{len(video.groups)} frame groups of one frame")

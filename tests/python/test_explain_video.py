@@ -261,6 +261,8 @@ def test_frames_sampled_by_a_sampling_processor_end_to_end(files):
                         for i in range(0, len(sampled), 2)]
     report = result.report()["videos"][0]
     assert report["source_frames"] == sampled and report["num_frames"] == len(sampled)
+    assert report["source_num_frames"] == 12
+    assert f"{len(sampled)} of its 12 frames sampled (64x48, 4 fps)" in result.html()
 
 
 def _video_families():
