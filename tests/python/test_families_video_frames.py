@@ -3,7 +3,8 @@ token's frame and box. Gemma 4: every token pools its k x k patches (video_posit
 of its own sampled frame (4 of 6, evenly), whose pixels carry that source frame's colour
 of the token's box's quarter.
 LLaVA-OneVision: new pixels in one frame change exactly that frame group's tokens'
-decoder inputs (the model's own features), and the newline after the frames is a marker."""
+decoder inputs (the model's own features), and the newline after the frames is a marker.
+Both: a picture and a video in one prompt, in either order."""
 from __future__ import annotations
 
 import pytest
@@ -85,3 +86,42 @@ def test_llava_onevision_frames_are_the_model_own():
     (marker,) = video.markers.tolist()
     assert marker == int(video.positions.max()) + 1
     assert video.grid[0] == 5
+
+
+# the text of one picture in a prompt, as each family's processor expects it
+PICTURE = {"gemma4": "<|image|>", "llava_onevision": "<image>"}
+
+
+@pytest.mark.parametrize("model_type", sorted(PICTURE))
+@pytest.mark.parametrize("picture_first", [True, False])
+def test_a_picture_and_a_video_in_one_prompt(model_type, picture_first):
+    """tr.images holds the picture, tr.videos the video, their regions numbered in sequence
+    order (tr.media_regions); logits unchanged by the tracer."""
+    from headscope.hf import Tracer, grid_regions
+    from headscope.hf.families import ImageTokens, VideoTokens
+    model = tiny_model(model_type)
+    spec = tiny_of(model).spec
+    processor = tiny_processor(model_type)
+    parts = [PICTURE[model_type], spec.video] if picture_first else [spec.video, PICTURE[model_type]]
+    metadata = [dict(total_num_frames=4, fps=FPS, frames_indices=[0, 1, 2, 3])]
+    inputs = dict(processor(text=["describe " + " and ".join(parts) + " ."],
+                            videos=[turning_quarters(4, 24, 32)], video_metadata=metadata,
+                            images=[quarters(32, 24, QUARTER_COLOURS)], return_metadata=True,
+                            return_tensors="pt"))
+    inputs = family_of(model).model_inputs(inputs)
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        with Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
+            assert torch.equal(model(**inputs).logits, plain)
+    (picture,), = tr.images
+    (video,), = tr.videos
+    first, second = tr.media_regions[0]
+    want = (picture, video) if picture_first else (video, picture)
+    assert first.media is want[0] and second.media is want[1]
+    assert isinstance(picture, ImageTokens) and isinstance(video, VideoTokens)
+    count = {id(picture): 4, id(video): 4 * len(video.groups)}
+    assert (first.first, first.end) == (0, count[id(first.media)])
+    assert second.end == tr.num_regions[0] == first.end + count[id(second.media)]
+    for part in (first, second):
+        ids = tr.region_ids[0, part.media.positions]
+        assert int(ids.min()) == part.first and int(ids.max()) == part.end - 1
