@@ -1,5 +1,6 @@
-"""Video layouts of Gemma 4 and LLaVA-OneVision against their real tiny processors: each
-token's frame and box. Gemma 4: every token pools its k x k patches (video_position_ids)
+"""Video layouts of Gemma 4, LLaVA-OneVision and Kimi K2.5 against their real tiny
+processors: each token's frame and box. Kimi K2.5: every token of a chunk pools its block
+in each of the chunk's frames, carrying that frame's colour of its box's quarter. Gemma 4: every token pools its k x k patches (video_position_ids)
 of its own sampled frame (4 of 6, evenly), whose pixels carry that source frame's colour
 of the token's box's quarter.
 LLaVA-OneVision: new pixels in one frame change exactly that frame group's tokens'
@@ -125,3 +126,31 @@ def test_a_picture_and_a_video_in_one_prompt(model_type, picture_first):
     for part in (first, second):
         ids = tr.region_ids[0, part.media.positions]
         assert int(ids.min()) == part.first and int(ids.max()) == part.end - 1
+
+
+@pytest.mark.parametrize("frames, size", [(5, (24, 32)), (4, (40, 16))])
+def test_kimi_k25_each_chunk_token_pools_its_frames_quarter(frames, size):
+    """Kimi K2.5's chunks of 2 frames (the tiny processor's temporal_patch_size): every
+    token of a chunk pools its merge block of patches in each of the chunk's frames
+    (pixel_values_videos, frame by frame, patches row-major), whose pixels carry that
+    frame's colour of the token's box's quarter; the last chunk of an odd count holds one
+    frame; seconds from the processor's metadata."""
+    model = tiny_model("kimi_k25")
+    processor, inputs = run_processor(model, turning_quarters(frames, *size))
+    (video,), = family_of(model).videos(model.config, inputs)
+    assert video.num_frames == frames
+    assert [g.frames for g in video.groups] == [tuple(range(f, min(f + 2, frames)))
+                                                for f in range(0, frames, 2)]
+    torch.testing.assert_close(video.seconds, torch.arange(frames, dtype=torch.float64) / FPS)
+    kh, kw = (int(k) for k in model.config.vision_config.merge_kernel_size)
+    patches, start = inputs["pixel_values_videos"], 0
+    for group, (t, h, w) in zip(video.groups, inputs["video_grid_thw"].tolist()):
+        assert t == len(group.frames)
+        chunk = patches[start:start + t * h * w].reshape(t, h // kh, kh, w // kw, kw, 3, -1)
+        start += t * h * w
+        # (frames, tokens row-major, pixels of its block, channels)
+        pixels = chunk.permute(0, 1, 3, 2, 4, 6, 5).reshape(t, (h // kh) * (w // kw), -1, 3)
+        for i, frame in enumerate(group.frames):
+            colours = nearest_colour(processor, pixels[i], normaliser=processor.video_processor)
+            assert_quarter_colours(group.image.boxes, (colours - frame) % 4)
+    assert start == len(patches)
