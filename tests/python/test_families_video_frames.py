@@ -1,5 +1,6 @@
-"""Video layouts of Gemma 4, LLaVA-OneVision and Kimi K2.5 against their real tiny
-processors: each token's frame and box. Kimi K2.5: every token of a chunk pools its block
+"""Video layouts of Gemma 4, LLaVA-OneVision, Kimi K2.5 and MiniCPM-V 4.6 against their
+real tiny processors: each token's frame and box. MiniCPM-V 4.6: new pixels in one frame
+change exactly that frame's tokens (source view and slices). Kimi K2.5: every token of a chunk pools its block
 in each of the chunk's frames, carrying that frame's colour of its box's quarter. Gemma 4: every token pools its k x k patches (video_position_ids)
 of its own sampled frame (4 of 6, evenly), whose pixels carry that source frame's colour
 of the token's box's quarter.
@@ -35,7 +36,8 @@ def turning_quarters(frames: int, height: int, width: int):
 def run_processor(model, video):
     spec = tiny_of(model).spec
     processor = tiny_processor(model.config.model_type)
-    metadata = [dict(total_num_frames=len(video), fps=FPS, frames_indices=list(range(len(video))))]
+    metadata = [dict(total_num_frames=len(video), fps=FPS, duration=len(video) / FPS,
+                     frames_indices=list(range(len(video))))]
     inputs = processor(text=[f"describe {spec.video} now ."], videos=[video],
                        video_metadata=metadata, return_metadata=True, return_tensors="pt")
     return processor, dict(inputs)
@@ -154,3 +156,36 @@ def test_kimi_k25_each_chunk_token_pools_its_frames_quarter(frames, size):
             colours = nearest_colour(processor, pixels[i], normaliser=processor.video_processor)
             assert_quarter_colours(group.image.boxes, (colours - frame) % 4)
     assert start == len(patches)
+
+
+@pytest.mark.parametrize("size", [(24, 32), (96, 64)])
+def test_minicpmv_frames_are_the_model_own(size):
+    """MiniCPM-V 4.6: each sampled frame laid out as a picture (source view, and slices for
+    a large frame); new pixels in one frame (its views' patches, NaViT-packed in
+    pixel_values_videos) change exactly that frame group's decoder inputs."""
+    model = tiny_model("minicpmv4_6")
+    _, inputs = run_processor(model, turning_quarters(3, *size))
+    family = family_of(model)
+    (video,), = family.videos(model.config, inputs)
+    sampled = inputs["video_metadata"][0].frames_indices
+    assert video.num_frames == len(sampled) == len(video.groups)
+    assert video.source_frames.tolist() == list(sampled)
+    views = [len(g.image.views) for g in video.groups]
+    assert len(set(views)) == 1 and (views[0] > 1) == (size == (96, 64))
+    inputs = family.model_inputs(inputs)
+    patch = int(model.config.vision_config.patch_size)
+    per_view = (inputs["target_sizes_videos"].prod(-1) * patch).tolist()
+    decoder = model.get_decoder()
+    with torch.no_grad():
+        before = decoder_kwargs(model, decoder, inputs)["inputs_embeds"][0]
+        start = 0
+        for f, group in enumerate(video.groups):
+            width = sum(per_view[f * views[0]:(f + 1) * views[0]])
+            moved = inputs["pixel_values_videos"].clone()
+            moved[..., start:start + width] += 1
+            start += width
+            after = decoder_kwargs(model, decoder,
+                                   dict(inputs, pixel_values_videos=moved))["inputs_embeds"][0]
+            changed = (after != before).any(-1).nonzero().flatten()
+            assert torch.equal(changed, group.image.positions.sort().values)
+    assert start == inputs["pixel_values_videos"].shape[-1]
