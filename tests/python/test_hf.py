@@ -106,7 +106,7 @@ def _host_syncs(run) -> int:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: no GPU on this machine")
-def test_a_traced_decode_step_synchronises_the_host_no_more_than_plain_generate():
+def test_on_cuda_a_traced_decode_step_synchronises_the_host_no_more_than_plain_generate():
     """Per decode step (one open span, pooled as it grows), the tracer adds no host
     synchronisation to generate's own: the difference of two answer lengths is counted, so
     the prefill's and the span end's are left out."""
