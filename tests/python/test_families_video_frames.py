@@ -1,9 +1,12 @@
-"""Video layouts of Gemma 4 and LLaVA-OneVision against their real tiny processors: each
-token's frame and box. Gemma 4: every token pools its k x k patches (video_position_ids)
+"""Video layouts of Gemma 4, LLaVA-OneVision, Kimi K2.5 and MiniCPM-V 4.6 against their
+real tiny processors: each token's frame and box. MiniCPM-V 4.6: new pixels in one frame
+change exactly that frame's tokens (source view and slices). Kimi K2.5: every token of a chunk pools its block
+in each of the chunk's frames, carrying that frame's colour of its box's quarter. Gemma 4: every token pools its k x k patches (video_position_ids)
 of its own sampled frame (4 of 6, evenly), whose pixels carry that source frame's colour
 of the token's box's quarter.
 LLaVA-OneVision: new pixels in one frame change exactly that frame group's tokens'
-decoder inputs (the model's own features), and the newline after the frames is a marker."""
+decoder inputs (the model's own features), and the newline after the frames is a marker.
+Both: a picture and a video in one prompt, in either order."""
 from __future__ import annotations
 
 import pytest
@@ -33,7 +36,8 @@ def turning_quarters(frames: int, height: int, width: int):
 def run_processor(model, video):
     spec = tiny_of(model).spec
     processor = tiny_processor(model.config.model_type)
-    metadata = [dict(total_num_frames=len(video), fps=FPS, frames_indices=list(range(len(video))))]
+    metadata = [dict(total_num_frames=len(video), fps=FPS, duration=len(video) / FPS,
+                     frames_indices=list(range(len(video))))]
     inputs = processor(text=[f"describe {spec.video} now ."], videos=[video],
                        video_metadata=metadata, return_metadata=True, return_tensors="pt")
     return processor, dict(inputs)
@@ -85,3 +89,103 @@ def test_llava_onevision_frames_are_the_model_own():
     (marker,) = video.markers.tolist()
     assert marker == int(video.positions.max()) + 1
     assert video.grid[0] == 5
+
+
+# the text of one picture in a prompt, as each family's processor expects it
+PICTURE = {"gemma4": "<|image|>", "llava_onevision": "<image>"}
+
+
+@pytest.mark.parametrize("model_type", sorted(PICTURE))
+@pytest.mark.parametrize("picture_first", [True, False])
+def test_a_picture_and_a_video_in_one_prompt(model_type, picture_first):
+    """tr.images holds the picture, tr.videos the video, their regions numbered in sequence
+    order (tr.media_regions); logits unchanged by the tracer."""
+    from headscope.hf import Tracer, grid_regions
+    from headscope.hf.families import ImageTokens, VideoTokens
+    model = tiny_model(model_type)
+    spec = tiny_of(model).spec
+    processor = tiny_processor(model_type)
+    parts = [PICTURE[model_type], spec.video] if picture_first else [spec.video, PICTURE[model_type]]
+    metadata = [dict(total_num_frames=4, fps=FPS, frames_indices=[0, 1, 2, 3])]
+    inputs = dict(processor(text=["describe " + " and ".join(parts) + " ."],
+                            videos=[turning_quarters(4, 24, 32)], video_metadata=metadata,
+                            images=[quarters(32, 24, QUARTER_COLOURS)], return_metadata=True,
+                            return_tensors="pt"))
+    inputs = family_of(model).model_inputs(inputs)
+    with torch.no_grad():
+        plain = model(**inputs).logits
+        with Tracer(model, regions=grid_regions(2, 2), vas=False) as tr:
+            assert torch.equal(model(**inputs).logits, plain)
+    (picture,), = tr.images
+    (video,), = tr.videos
+    first, second = tr.media_regions[0]
+    want = (picture, video) if picture_first else (video, picture)
+    assert first.media is want[0] and second.media is want[1]
+    assert isinstance(picture, ImageTokens) and isinstance(video, VideoTokens)
+    count = {id(picture): 4, id(video): 4 * len(video.groups)}
+    assert (first.first, first.end) == (0, count[id(first.media)])
+    assert second.end == tr.num_regions[0] == first.end + count[id(second.media)]
+    for part in (first, second):
+        ids = tr.region_ids[0, part.media.positions]
+        assert int(ids.min()) == part.first and int(ids.max()) == part.end - 1
+
+
+@pytest.mark.parametrize("frames, size", [(5, (24, 32)), (4, (40, 16))])
+def test_kimi_k25_each_chunk_token_pools_its_frames_quarter(frames, size):
+    """Kimi K2.5's chunks of 2 frames (the tiny processor's temporal_patch_size): every
+    token of a chunk pools its merge block of patches in each of the chunk's frames
+    (pixel_values_videos, frame by frame, patches row-major), whose pixels carry that
+    frame's colour of the token's box's quarter; the last chunk of an odd count holds one
+    frame; seconds from the processor's metadata."""
+    model = tiny_model("kimi_k25")
+    processor, inputs = run_processor(model, turning_quarters(frames, *size))
+    (video,), = family_of(model).videos(model.config, inputs)
+    assert video.num_frames == frames
+    assert [g.frames for g in video.groups] == [tuple(range(f, min(f + 2, frames)))
+                                                for f in range(0, frames, 2)]
+    torch.testing.assert_close(video.seconds, torch.arange(frames, dtype=torch.float64) / FPS)
+    kh, kw = (int(k) for k in model.config.vision_config.merge_kernel_size)
+    patches, start = inputs["pixel_values_videos"], 0
+    for group, (t, h, w) in zip(video.groups, inputs["video_grid_thw"].tolist()):
+        assert t == len(group.frames)
+        chunk = patches[start:start + t * h * w].reshape(t, h // kh, kh, w // kw, kw, 3, -1)
+        start += t * h * w
+        # (frames, tokens row-major, pixels of its block, channels)
+        pixels = chunk.permute(0, 1, 3, 2, 4, 6, 5).reshape(t, (h // kh) * (w // kw), -1, 3)
+        for i, frame in enumerate(group.frames):
+            colours = nearest_colour(processor, pixels[i], normaliser=processor.video_processor)
+            assert_quarter_colours(group.image.boxes, (colours - frame) % 4)
+    assert start == len(patches)
+
+
+@pytest.mark.parametrize("size", [(24, 32), (96, 64)])
+def test_minicpmv_frames_are_the_model_own(size):
+    """MiniCPM-V 4.6: each sampled frame laid out as a picture (source view, and slices for
+    a large frame); new pixels in one frame (its views' patches, NaViT-packed in
+    pixel_values_videos) change exactly that frame group's decoder inputs."""
+    model = tiny_model("minicpmv4_6")
+    _, inputs = run_processor(model, turning_quarters(3, *size))
+    family = family_of(model)
+    (video,), = family.videos(model.config, inputs)
+    sampled = inputs["video_metadata"][0].frames_indices
+    assert video.num_frames == len(sampled) == len(video.groups)
+    assert video.source_frames.tolist() == list(sampled)
+    views = [len(g.image.views) for g in video.groups]
+    assert len(set(views)) == 1 and (views[0] > 1) == (size == (96, 64))
+    inputs = family.model_inputs(inputs)
+    patch = int(model.config.vision_config.patch_size)
+    per_view = (inputs["target_sizes_videos"].prod(-1) * patch).tolist()
+    decoder = model.get_decoder()
+    with torch.no_grad():
+        before = decoder_kwargs(model, decoder, inputs)["inputs_embeds"][0]
+        start = 0
+        for f, group in enumerate(video.groups):
+            width = sum(per_view[f * views[0]:(f + 1) * views[0]])
+            moved = inputs["pixel_values_videos"].clone()
+            moved[..., start:start + width] += 1
+            start += width
+            after = decoder_kwargs(model, decoder,
+                                   dict(inputs, pixel_values_videos=moved))["inputs_embeds"][0]
+            changed = (after != before).any(-1).nonzero().flatten()
+            assert torch.equal(changed, group.image.positions.sort().values)
+    assert start == inputs["pixel_values_videos"].shape[-1]

@@ -16,7 +16,12 @@ opens the batch's first run (``<image>``: a slice's is ``<slice>``), and a slice
 new row of slices unless only the previous slice's closing token and its own opening
 token lie between them (the newline between rows is a token in every tokenizer of the
 checkpoints). The decoder is Qwen3.5's hybrid (gated delta nets between gated softmax
-layers): only its softmax layers are traced."""
+layers): only its softmax layers are traced.
+
+A video is its sampled frames one by one (none merged), each laid out as a picture is,
+a source view and, for a large frame, its slices, all of video tokens
+(``target_sizes_videos``); the processor's ``video_metadata`` says how many frames each
+video has (without it, a row's frames are one video)."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
@@ -24,7 +29,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from .base import Family, missing_input, register
-from .layout import ImageTokens, View, image_positions, runs, stitch, tile_boxes
+from .layout import (ImageTokens, VideoTokens, View, group_videos, image_positions, runs,
+                     stitch, tile_boxes)
 
 WHO = "headscope.hf.Tracer"
 
@@ -45,20 +51,46 @@ class MiniCPMV(Family):
     model_types = ("minicpmv4_6",)
     layout = ("a source view of the whole picture, then rows x cols slices (equal cells of "
               "the picture), each view its patches merged 4x4")
-    input_keys = ("target_sizes",)
+    # video_metadata: the processor's (each video's sampled frames and fps); the model
+    # does not take it
+    input_keys = ("target_sizes", "target_sizes_videos", "video_metadata")
+    layout_keys = ("video_metadata",)
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
-        sizes = inputs.get("target_sizes")
+        per_row = image_positions(inputs["input_ids"], self.image_token_ids(config))
+        if not any(len(p) for p in per_row):  # a prompt of videos only
+            return [[] for _ in per_row]
+        return self.pictures(config, inputs, self.image_token_ids(config), "target_sizes")
+
+    def videos(self, config, inputs: Dict[str, Any]) -> List[List[VideoTokens]]:
+        """Each frame laid out as a picture (a source view and its slices, of video tokens);
+        the frames of each video from the processor's ``video_metadata``, without it a
+        row's frames one video."""
+        per_row = image_positions(inputs["input_ids"], self.video_token_ids(config))
+        if not any(len(p) for p in per_row):
+            return [[] for _ in per_row]
+        frames = self.pictures(config, inputs, self.video_token_ids(config),
+                               "target_sizes_videos")
+        metadata = inputs.get("video_metadata")
+        counts = [len(row) for row in frames if row] if metadata is None else \
+            [len(entry["frames_indices"]) for entry in metadata]
+        return group_videos(WHO, frames, counts, 1, metadata)
+
+    def pictures(self, config, inputs: Dict[str, Any], token_ids: Tuple[int, ...],
+                 key: str) -> List[List[ImageTokens]]:
+        """Per batch row, its pictures (or video frames) of ``token_ids``, each view's patch
+        grid from the input ``key`` (``target_sizes``, ``target_sizes_videos``)."""
+        sizes = inputs.get(key)
         if sizes is None:
-            raise missing_input(config, "target_sizes")
+            raise missing_input(config, key)
         fh, fw = merge_factor(config)
         shapes = iter([(h // fh, w // fw) for h, w in sizes.tolist()])
         ids = inputs["input_ids"].cpu()
-        per_row = [runs(p) for p in image_positions(ids, self.image_token_ids(config))]
+        per_row = [runs(p) for p in image_positions(ids, token_ids)]
         found = sum(len(r) for r in per_row)
         if found != len(sizes):
-            raise ValueError(f"{WHO}: target_sizes holds {len(sizes)} views (each picture's "
-                             f"source view and slices) but input_ids {found} runs of image "
+            raise ValueError(f"{WHO}: {key} holds {len(sizes)} views (each picture's "
+                             f"source view and slices) but input_ids {found} runs of their "
                              f"tokens")
         opener, out = None, []
         for b, row in enumerate(per_row):

@@ -152,8 +152,8 @@ def video_prompt(model, videos: Sequence[Tuple[int, int, int]] = ((8, 24, 32),),
     if text is None:
         text = [" ".join(["w300"] * (2 + b) + [tiny.spec.video, "describe the video ."])
                 for b in range(len(videos))]
-    metadata = [dict(total_num_frames=f, fps=fps, frames_indices=list(range(f)))
-                for f, _, _ in videos]
+    metadata = [dict(total_num_frames=f, fps=fps, duration=f / fps,
+                     frames_indices=list(range(f))) for f, _, _ in videos]
     if rows is not None:
         text, clips, metadata = ([items[b] for b in rows] for items in (text, clips, metadata))
     inputs = processor(text=list(text), videos=clips, images=images, video_metadata=metadata,

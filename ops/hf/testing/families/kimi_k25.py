@@ -33,7 +33,7 @@ class TinyKimiK25(TinyFamily):
                           "video_token": "<|kimi_k25_video_placeholder|>"},
         chat_template=llava_template(
             "<|media_begin|><|media_content|><|media_pad|><|media_end|> "),
-        effects={"kimi_k25": ("mask",)})
+        video="<|kimi_k25_video_placeholder|>", effects={"kimi_k25": ("mask",)})
 
     def config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
                ids: Dict[str, int]):
@@ -64,13 +64,14 @@ class TinyKimiK25(TinyFamily):
     def processor(self, model_type: str, tokenizer, *, max_pixels: int,
                   longest_edge: int, **_):
         """Patches of 4 pixels pooled 2 x 2, pictures shrunk to at most ``max_pixels``
-        and ``longest_edge`` pixels a side."""
+        and ``longest_edge`` pixels a side; videos in chunks of 2 frames (the tiny tower's
+        time embeddings: ``pos_emb_time`` 2; the checkpoints' 4)."""
         import transformers as tf
         side = longest_edge // 4  # the image processor's limit per side, in patches
         images = tf.Kimi_K25ImageProcessor(size={"max_height": side, "max_width": side},
                                            patch_size=4, merge_size=2,
                                            max_patches=max_pixels // 16)
-        video = tf.Kimi_K25VideoProcessor(patch_size=4, merge_size=2)
+        video = tf.Kimi_K25VideoProcessor(patch_size=4, merge_size=2, temporal_patch_size=2)
         return tf.Kimi_K25Processor(image_processor=images, tokenizer=tokenizer,
                                     video_processor=video,
                                     chat_template=self.spec.chat_template)

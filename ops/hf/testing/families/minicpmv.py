@@ -33,7 +33,7 @@ class TinyMiniCPMV(TinyFamily):
                           "slice_start_token": "<slice>", "slice_end_token": "</slice>",
                           "image_id_start_token": "<image_id>",
                           "image_id_end_token": "</image_id>"},
-        chat_template=llava_template("<|image_pad|> "),
+        chat_template=llava_template("<|image_pad|> "), video="<|video_pad|>",
         grids=((8, 16), (16, 8)), cat_dims={"pixel_values": -1},
         effects={"minicpmv4_6": ("zero",)})
 
