@@ -423,26 +423,26 @@ def test_resume_records_the_checksum_of_a_shard_written_just_before_a_kill(files
     _same(read_collection(copy), read_collection(collection))
 
 
-def _written_collection(folder, feature_set, special=None):
-    """A collection of 2 examples, 6 spans, 3 regions, 2 layers x 2 heads, written with the
-    shards' own writer; ``special``: each span's special_only flag (None: not recorded,
+def _written_collection(folder, feature_set, special=None, K=3, heads=2, seed=5):
+    """A collection of 2 examples, 6 spans, K regions (3), 2 layers x 2 heads, written with
+    the shards' own writer; ``special``: each span's special_only flag (None: not recorded,
     as an older collect wrote it)."""
     from headscope.commands.shards import write_manifest, write_shard
-    g = torch.Generator().manual_seed(5)
-    S, K, F = 6, 3, 4 * (2 if feature_set == "both" else 1)
+    g = torch.Generator().manual_seed(seed)
+    S, F = 6, 2 * heads * (2 if feature_set == "both" else 1)
     features = torch.rand(S, K, F, generator=g)
     folder.mkdir()
     # the effects follow feature 1, with noise: each subset of spans has its own fit
     effects = features[..., 1] + 0.01 * torch.randn(S, K, generator=g)
-    write_manifest(folder, {"model": "m", "num_layers": 2, "num_heads": 2,
+    write_manifest(folder, {"model": "m", "num_layers": 2, "num_heads": heads,
                             "feature_set": feature_set, "examples": 2, "shard_size": 2})
     tensors = {"line": torch.tensor([1, 2]), "span_example": torch.tensor([0, 0, 0, 1, 1, 1]),
                "span_bounds": torch.tensor([[i, i + 1] for i in range(S)]),
                "features": features, "effects": effects,
                "subsets": torch.zeros(2, 0, K, dtype=torch.bool),
-               "subset_effects": torch.zeros(S, 0), "grid": torch.tensor([[1, 3], [1, 3]]),
-               "labels": torch.tensor([0, 1, 2, 0, 1, 2]),
-               "image_size": torch.tensor([[3, 1], [3, 1]]),
+               "subset_effects": torch.zeros(S, 0), "grid": torch.tensor([[1, K], [1, K]]),
+               "labels": torch.arange(K).repeat(2),
+               "image_size": torch.tensor([[K, 1], [K, 1]]),
                "seconds": torch.ones(2, 2, dtype=torch.float64)}
     if special is not None:
         tensors["special_only"] = torch.tensor(special)
@@ -546,6 +546,41 @@ def test_train_fits_ranked_targets(tmp_path, capsys):
         features, effects, weights)
     for name in ("weight", "bias", "mean", "std"):
         assert torch.equal(getattr(head, name), getattr(expected, name)), name
+
+
+def test_train_fits_one_head_on_several_collections(tmp_path, capsys):
+    """--data given twice (collections of 3 and of 5 regions, as two region layouts give):
+    one fit over every (span, region) pair of both, ranks taken within each collection's
+    spans; collections of another model's heads are refused."""
+    from headscope.attribution import AttributionHead
+    from headscope.commands.train import ranked_targets
+    special = [False, False, True, False, False, True]
+    f3, e3 = _written_collection(tmp_path / "three", "both", special)
+    f5, e5 = _written_collection(tmp_path / "five", "both", special, K=5, seed=6)
+    ordinary = ~torch.tensor(special)
+    out = tmp_path / "both.safetensors"
+    assert main(["train", "--data", str(tmp_path / "three"), "--data", str(tmp_path / "five"),
+                 "--out", str(out), "--target", "ranks"]) == 0
+    printed = capsys.readouterr().out
+    assert f"on 4 spans of {tmp_path / 'three'} x 3 regions" in printed
+    assert f"on 4 spans of {tmp_path / 'five'} x 5 regions" in printed
+    features = torch.cat([f3[ordinary].reshape(-1, 8), f5[ordinary].reshape(-1, 8)])
+    targets = torch.cat([ranked_targets(e3[ordinary], 0.5).reshape(-1),
+                         ranked_targets(e5[ordinary], 0.5).reshape(-1)])
+    effects = torch.cat([e3[ordinary].reshape(-1), e5[ordinary].reshape(-1)])
+    expected = AttributionHead(2, 2, feature_set="both").fit(features, targets).calibrate(
+        features, effects)
+    head = AttributionHead.load(str(out))
+    for name in ("weight", "bias", "mean", "std"):
+        assert torch.equal(getattr(head, name), getattr(expected, name)), name
+    _written_collection(tmp_path / "other", "both", special, heads=3)
+    err = usage_error(capsys, "train", "--data", tmp_path / "three", "--data",
+                      tmp_path / "other", "--out", tmp_path / "h.safetensors")
+    assert f"--data {tmp_path / 'other'}: 2 layers x 3 heads" in err
+    err = usage_error(capsys, "train", "--data", tmp_path / "three", "--data",
+                      tmp_path / "five", "--out", tmp_path / "h.safetensors", "--loss",
+                      "pearson")
+    assert "--loss pearson fits one collection" in err
 
 
 def test_manifest_feature_sets(tmp_path):
