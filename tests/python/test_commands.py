@@ -6,6 +6,7 @@ one process gives, and every command reports bad input with its file and line.""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -133,13 +134,35 @@ def test_train_and_eval_report_numbers(files, tmp_path):
     random = results["random"]
     assert random["pointing_spans"] == results["head"]["pointing_spans"]
     assert 0 < random["pointing"] < 1 and "random" in out.stdout.splitlines()[0]
+    # the heat map's yardsticks: deletion and insertion per scorer and reference, per
+    # sentence span with a defined AUC, in a resumable folder beside the report
+    curves = results["curves"]
+    assert curves["spans"] == int((~col.tensors["special_only"]).sum())
+    for name in ("head", "attention", "attnlrp", "effects", "random"):
+        for curve in ("deletion", "insertion"):
+            m = curves[curve][name]
+            assert m["n"] == curves["images"] and (m["mean"] is None or math.isfinite(m["mean"]))
+    assert set(curves["deletion_difference"]) == {"head - attention", "head - attnlrp"}
+    assert "deletion / insertion AUC" in out.stdout
+    for scorer in ("head", "attention", "attnlrp"):
+        assert 0 <= results[scorer]["pointing_heat"] <= 1
+    shards = sorted((tmp_path / "report.curves").glob("shard-*"))
+    assert shards and json.loads((tmp_path / "report.curves" / "manifest.json").read_text())[
+        "format"] == "headscope.curves"
+    written = [p.stat().st_mtime_ns for p in shards]
+    out = headscope("eval", "--model", model, "--head", head, "--data", tmp_path / "report.collect",
+                    "--report", report)  # a rerun: the curves are read back, not measured
+    assert [p.stat().st_mtime_ns for p in shards] == written
+    assert json.loads(report.read_text())["curves"] == curves
     # the collection eval made of the boxed data equals the plain one (same images)
     _same_numbers = read_collection(tmp_path / "report.collect")
     assert torch.equal(_same_numbers.tensors["effects"], col.tensors["effects"])
     # eval of an existing collection reads it without collecting
     out = headscope("eval", "--model", model, "--head", pearson_head, "--data", collection,
-                    "--report", tmp_path / "again.json")
-    assert json.loads((tmp_path / "again.json").read_text())["spans"] == col.num_spans
+                    "--report", tmp_path / "again.json", "--no-curves")
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["spans"] == col.num_spans and "curves" not in again
+    assert not (tmp_path / "again.curves").exists()
 
 
 def test_value_norm_features_through_collect_train_eval(files, tmp_path):
