@@ -26,9 +26,10 @@ def _answer(spans) -> list:
 
 def _gallery_item(explanation, span) -> tuple:
     from PIL import Image
-    k, score = span.top_regions(1)[0]
+    k, heat = span.top_regions(1)[0]
     return (Image.open(io.BytesIO(span_png(explanation, span))),
-            f"[{span.index}] {span.text.strip()}  (top: region {k}, {score:.4f})")
+            f"[{span.index}] {span.text.strip()}  (hottest: region {k}, {heat:.4f} per "
+            f"image token)")
 
 
 def app(explanations: Callable[[], Iterator], out: Path):

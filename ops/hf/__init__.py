@@ -12,14 +12,14 @@ imports it.
 from .attnlrp import attnlrp_scores
 from .curves import heat_curves
 from .effects import region_effects
-from .gradient import gradient_scores
+from .gradient import gradient_norm_scores, gradient_scores
 from .mixer import MixerHandle, saved_mixer_rank, use_mixer
 from .regions import grid_regions
 from .stream import Span, special_only
 from .tracer import Tracer, sentence_end
 from .value_norm import value_norm_factors, value_norms
 
-__all__ = ["MixerHandle", "Span", "Tracer", "attnlrp_scores", "gradient_scores", "grid_regions",
+__all__ = ["MixerHandle", "Span", "Tracer", "attnlrp_scores", "gradient_norm_scores", "gradient_scores", "grid_regions",
            "heat_curves",
            "region_effects", "saved_mixer_rank", "sentence_end", "special_only", "use_mixer",
            "value_norm_factors", "value_norms"]

@@ -1,5 +1,5 @@
 """python -m headscope.shapes {train,demo,accuracy,latency,data,answers,hallucination,
-faithfulness,head-eval,mixer,reproduce}: the embedded shapes model.
+faithfulness,head-eval,scorer-cost,mixer,reproduce}: the embedded shapes model.
 
   train     train the model from scratch into a folder (resumable: rerun the same command)
   demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
@@ -13,6 +13,7 @@ faithfulness,head-eval,mixer,reproduce}: the embedded shapes model.
   head-eval      the head against raw attention (and value-norm-weighted attention) on a
                  fixed seed range: per-image LDS with the paired difference's interval,
                  pointing
+  scorer-cost    what each scorer of headscope.explain costs per answer and per span
   mixer          the model with mixer vision attention against the softmax one: caption
                  accuracy with intervals, and the projection's iterations against time
   reproduce      every measurement above in one resumable run (results.json, results.md)
@@ -70,6 +71,7 @@ def main(argv=None) -> int:
     from ..commands.errors import (INTERRUPTED, USAGE, Parser, UsageError, check_output, grid,
                                    integer, number)
     from ..features import FEATURE_SETS
+    from .head_eval import SEED_RANGES
     from .processor import TOKEN_GRID
     parser = Parser(prog=PROG, description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,12 +166,20 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=count, default=40, help="tokens per latency round")
 
     p = sub.add_parser("head-eval", help="the head against raw attention, with intervals")
-    p.add_argument("--seeds", choices=("dev", "reported"), default="dev",
-                   help="seed range: dev (for choosing settings) or reported (for the "
-                        "reported numbers only)")
+    p.add_argument("--seeds", choices=sorted(SEED_RANGES), default="dev",
+                   help="seed range: dev (for choosing settings), reported (for the "
+                        "reported numbers only), or one registered since (docs/shapes.md)")
     p.add_argument("--scenes", type=count, default=300)
-    p.add_argument("--grid", type=grid(TOKEN_GRID, TOKEN_GRID, image_tokens), default="3x3",
-                   metavar="ROWSxCOLS", help="regions: a grid (default 3x3, the world's cells)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--grid", type=grid(TOKEN_GRID, TOKEN_GRID, image_tokens),
+                       default="3x3", metavar="ROWSxCOLS",
+                       help="regions: a grid (default 3x3, the world's cells)")
+    which.add_argument("--regions", type=integer(1, TOKEN_GRID ** 2, image_tokens),
+                       default=None, metavar="K",
+                       help="regions: K Ward regions of the image instead of a grid")
+    p.add_argument("--cache", type=Path, default=None, metavar="DIR",
+                   help="keep each scene's record in DIR as it is measured; a rerun with the "
+                        "same settings resumes there")
     p.add_argument("--model", **model)
     p.add_argument("--head", type=_head_file, action="append", default=None,
                    help="head file (default: the model folder's head.safetensors); given "
@@ -179,6 +189,13 @@ def main(argv=None) -> int:
                    help="the feature set to trace (default: the heads' own; 'both' for "
                         "heads of different sets): each of its blocks is scored as a raw "
                         "baseline, and it must hold every head's blocks")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+
+    p = sub.add_parser("scorer-cost", help="what each scorer of headscope.explain costs")
+    p.add_argument("--model", **model)
+    p.add_argument("--rounds", type=count, default=9)
+    p.add_argument("--regions", type=integer(1, TOKEN_GRID ** 2, image_tokens), default=8,
+                   help="Ward regions per image")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
 
     p = sub.add_parser("mixer", help="mixer against softmax vision attention: accuracy, "
@@ -250,9 +267,17 @@ def _run(args) -> None:
     elif args.command == "head-eval":
         from ..hf.regions import parse_grid
         from .head_eval import evaluate_head, table
-        result = evaluate_head(args.seeds, args.scenes, regions=parse_grid(args.grid),
+        result = evaluate_head(args.seeds, args.scenes,
+                               regions=args.regions if args.regions is not None
+                               else parse_grid(args.grid),
                                model_dir=args.model, head_path=args.head,
-                               features=args.features)
+                               features=args.features, cache=args.cache)
+        print(table(result))
+        if args.json is not None:
+            _write_json(args.json, result)
+    elif args.command == "scorer-cost":
+        from .scorer_cost import measure_scorer_cost, table
+        result = measure_scorer_cost(args.rounds, args.regions, model_dir=args.model)
         print(table(result))
         if args.json is not None:
             _write_json(args.json, result)

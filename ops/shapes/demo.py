@@ -79,8 +79,9 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
                     s = None if span.special else _span_record(span, objects, centroids)
                     spans.append(s)
                     if s is not None:
-                        echo(f"  span {span.index}: {s['text']!r:44} top region "
-                             f"{s['top_region']} ({s['scores'][s['top_region']]:+.3f})"
+                        echo(f"  span {span.index}: {s['text']!r:44} hottest region "
+                             f"{s['top_region']} ({s['scores_per_token'][s['top_region']]:+.3f}"
+                             f" per image token)"
                              + ("" if s["object"] is None else
                                 f", {'on' if s['pointing_hit'] else 'off'} the object"))
             spans = [s for s in spans if s is not None]
@@ -90,7 +91,8 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
                 title = f"\u201c{s['text']}\u201d" + ("" if s["object"] is not None
                                                        else f"  ({name})")
                 span_figure(out / s["png"], image, labels, grid, centroids,
-                            np.array(s["scores"]), title, score_name, s["box"], s["top_region"])
+                            np.array(s["scores_per_token"]), title,
+                            f"{score_name} per image token", s["box"], s["top_region"])
             image_file = f"image{i}.png"
             save_png(image, out / image_file)
             page = result.save(out / f"image{i}")  # the page python -m headscope explain writes
@@ -121,9 +123,10 @@ def _span_record(span, objects, centroids: np.ndarray) -> dict:
     text, scores = span.text.strip(), span.scores
     parsed = parse_sentence(text)
     obj = match_object(parsed, objects)
-    top = int(torch.argmax(scores))
+    top = span.top_regions(1)[0][0]  # the hottest region as painted: per image token
     return {"text": text, "start": span.start, "end": span.end,
             "scores": [round(float(v), 6) for v in scores],
+            "scores_per_token": [round(float(v), 6) for v in span.per_token],
             "top_region": top, "parsed": parsed is not None,
             "object": None if obj is None else f"{obj.colour} {obj.shape} ({obj.position})",
             "box": None if obj is None else list(obj.box),
@@ -156,7 +159,7 @@ def _html(report: dict) -> str:
                      f"</p><p><small>VAS (first of 36): {e(vas)} ...</small></p></td></tr>")
         for s in im["spans"]:
             where = s["object"] or "names no object of the image"
-            hit = {True: "top region on the object", False: "top region off the object",
+            hit = {True: "hottest region on the object", False: "hottest region off the object",
                    None: ""}[s["pointing_hit"]]
             parts.append(f"<tr><td><b>{e(s['text'])}</b><br>{e(where)}<br>{hit}</td>"
                          f"<td><img class='span' src='{e(s['png'])}'></td></tr>")

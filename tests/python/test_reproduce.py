@@ -25,9 +25,9 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     assert versus["regions"] == "3x3 grid" and versus["special_spans_left_out"] >= 1
     # the head reads its own block; both raw baselines and AttnLRP are scored beside it
     assert versus["features"] == "both"
-    assert versus["baselines"] == ["attention", "attention*value_norm", "attnlrp"]
+    assert versus["baselines"] == ["attention", "attention*value_norm", "attnlrp", "gradient"]
     assert list(versus["lds_difference"]) == ["head - attention", "head - attention*value_norm",
-                                              "head - attnlrp"]
+                                              "head - attnlrp", "head - gradient"]
     assert versus["ms_per_span"]["attnlrp"] > 0
     every = versus["all_spans"]  # the same comparisons with the end-of-text spans put back
     assert every["spans"] == versus["spans"] + versus["special_spans_left_out"]
