@@ -6,8 +6,8 @@ answer rests on, shown as the answer is generated.
 Each span (sentence) is printed as it is generated, with its best-scored regions; then
 DIR/index.html (one self-contained page: open it from disk), DIR/report.json (every
 number) and DIR/span{j}.png are written. Scores (--scores): with --head, the head's
-predicted effect of ablating each region; without, AttnLRP computed as each span ends, or
-raw attention, raw value-norm-weighted attention or the gradient norm. The page paints each
+predicted effect of ablating each region; without, the gradient norm computed as each span
+ends, or raw attention, raw value-norm-weighted attention or AttnLRP. The page paints each
 region's score per image token. --serve shows the answer and each span's
 heat map on a live page while the model generates (needs `pip install "headscope[app]"`).
 """
@@ -205,7 +205,7 @@ def span_line(span) -> str:
     """One span on the terminal: its number, text and best regions with their scores."""
     if span.special:
         return f"[{span.index}] (special tokens only: {len(span.token_ids)})"
-    top = "  ".join(f"region {k} {v:.4f}/token ({float(span.scores[k]):.4f})"
+    top = "  ".join(f"region {k} {v:.4g}/token ({float(span.scores[k]):.4g})"
                     for k, v in span.top_regions(3))
     return f"[{span.index}] {span.text.strip()}\n      {top}"
 
@@ -219,7 +219,7 @@ def summary(explanation, seconds: float) -> str:
     if shown:
         best = max(shown, key=lambda s: s.top_regions(1)[0][1])
         k, v = best.top_regions(1)[0]
-        lines.append(f"hottest: span {best.index}, region {k} ({e.score_name} {v:.4f} per "
+        lines.append(f"hottest: span {best.index}, region {k} ({e.score_name} {v:.4g} per "
                      f"image token)")
     if e.hallucination is not None:
         lines.append(f"hallucination probability (VAS detector): {e.hallucination:.3f}")
@@ -252,15 +252,11 @@ def run(args) -> int:
             torch.manual_seed(args.seed)
     model, processor = _collect.load_model(args.model, args.dtype, _collect.device(args))
 
-    scorer = choose_scorer(args.scores, head, model)
-    asked = args.scores or ("head" if head is not None else DEFAULT_SCORER)
-    unsupported = posthoc_unsupported(asked, model)
-    if unsupported and args.scores is not None:
-        raise UsageError(f"--scores {args.scores}: {unsupported}; allowed: --scores attention, "
-                         f"attention*value_norm or gradient")
+    scorer = choose_scorer(args.scores, head)
+    unsupported = posthoc_unsupported(scorer, model)
     if unsupported:
-        print(f"scores: {SCORERS[asked]}, the default, cannot run on this model "
-              f"({unsupported}); raw attention instead", flush=True)
+        raise UsageError(f"--scores {scorer}: {unsupported}; allowed: --scores attention, "
+                         f"attention*value_norm or gradient")
 
     def explanations():
         return iter_explain(model, processor, pictures, args.prompt, head, scores=scorer,

@@ -58,6 +58,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--special-span-weight", type=number(0, above=True), default=None,
                         help="fit on spans made only of special tokens too, each weighing "
                              "this much against 1 for the others (--keep-special-spans: 1)")
+    parser.add_argument("--data-weight", type=number(0, above=True), action="append",
+                        default=None, metavar="W",
+                        help="with several --data: how much each collection weighs, one "
+                             "--data-weight per --data in their order (default 1 each)")
+    parser.add_argument("--span-weights", choices=("pairs", "spans"), default="pairs",
+                        help="pairs: every (span, region) pair weighs 1 (default); spans: every "
+                             "span weighs 1, shared by its regions, so that collections of many "
+                             "regions do not outweigh those of few")
+    parser.add_argument("--calibration", choices=("affine", "origin"), default="affine",
+                        help="how the scores are put in the effects' units: affine (slope and "
+                             "offset, default; --target ranks only) or origin (a slope through "
+                             "the origin: a region without attention is predicted no effect, so "
+                             "that the score divided by a region's image tokens is a per-token "
+                             "attribution, and regions of unequal size compare)")
 
 
 PEARSON_ONLY = ("epochs", "lr", "batch_spans")
@@ -75,6 +89,12 @@ def check_arguments(args) -> None:
         refuse_ignored(args, ["effect_weight"], "with --target effects")
     if args.keep_special_spans:
         refuse_ignored(args, ["special_span_weight"], "with --keep-special-spans (weight 1)")
+    if args.data_weight is not None and len(args.data_weight) != len(args.data):
+        raise UsageError(f"--data-weight: given {len(args.data_weight)} times for "
+                         f"{len(args.data)} --data; allowed: one per --data, in their order")
+    if args.loss == "pearson":
+        refuse_ignored(args, ["data_weight", "span_weights", "calibration"],
+                       "with --loss pearson")
     check_output(args.out, "--out")
 
 
@@ -178,19 +198,24 @@ def fit(data: Union[Collection, List[Collection]], args) -> AttributionHead:
         check_feature_columns(d.manifest, d.tensors["features"].shape[-1], "train")
     head = AttributionHead(int(first.manifest["num_layers"]), int(first.manifest["num_heads"]),
                            feature_set=feature_set(first.manifest))
+    data_weights = args.data_weight or [1.0] * len(datas)
+    per_span = args.span_weights == "spans"
     features, effects, targets, weights = [], [], [], []
-    for d in datas:
+    for d, data_weight in zip(datas, data_weights):
         t = d.tensors
         S, K, _ = t["features"].shape
         features.append(t["features"].reshape(-1, F))
         effects.append(t["effects"].reshape(-1))
         targets.append((t["effects"] if args.target == "effects" else
                         ranked_targets(t["effects"], args.effect_weight)).reshape(-1))
-        weights.append(torch.ones(S * K) if args.special_span_weight is None else
-                       torch.where(t["special_only"], args.special_span_weight, 1.0)
-                       .unsqueeze(1).expand(S, K).reshape(-1))
+        span = torch.ones(S) if args.special_span_weight is None else \
+            torch.where(t["special_only"], args.special_span_weight, 1.0)
+        weights.append((span * data_weight / (K if per_span else 1)).unsqueeze(1)
+                       .expand(S, K).reshape(-1))
     features, effects, targets = torch.cat(features), torch.cat(effects), torch.cat(targets)
-    weights = None if args.special_span_weight is None else torch.cat(weights)
+    weighted = args.special_span_weight is not None or per_span or \
+        any(w != 1.0 for w in data_weights)
+    weights = torch.cat(weights) if weighted else None
     if args.loss == "lstsq":
         head.fit(features, targets, ridge=args.ridge, weights=weights)
     else:
@@ -202,8 +227,31 @@ def fit(data: Union[Collection, List[Collection]], args) -> AttributionHead:
             loader = _Batches(t["features"], targets.reshape(t["effects"].shape),
                               args.batch_spans, bar)
             head.fit_pearson(loader, args.epochs, lr=args.lr)
-    if args.target == "ranks":  # scores in nats again: predicted effects, same ranking
+    if args.calibration == "origin":
+        calibrate_through_origin(head, features, effects, weights)
+    elif args.target == "ranks":  # scores in nats again: predicted effects, same ranking
         head.calibrate(features, effects, weights)
+    return head
+
+
+def calibrate_through_origin(head: AttributionHead, features: torch.Tensor,
+                             effects: torch.Tensor, weights=None) -> AttributionHead:
+    """Puts ``head``'s scores in the effects' units with a slope through the origin: the
+    score's value at zero features is dropped and the least-squares slope of the effects
+    on what remains (weighted by ``weights``) is folded into the weight, so that a region
+    without attention is predicted no effect and a region's score is the sum of its image
+    tokens' shares (the ranking within a span is unchanged). A slope that is not positive is
+    an error, as it would reverse the ranking."""
+    X = features.reshape(-1, features.shape[-1]).double()
+    y = effects.reshape(-1).double()
+    w = torch.ones_like(y) if weights is None else weights.reshape(-1).double()
+    std = head.std.double()
+    raw = (X / std) @ head.weight.detach().double()  # the score less its value at 0
+    slope = float((w * raw * y).sum() / (w * raw * raw).sum())
+    if not slope > 0:
+        raise ValueError(f"headscope train: the effects do not rise with the scores through the "
+                         f"origin (slope {slope:g}); calibrating would reverse the ranking")
+    head._store(head.weight.detach().double() * slope, torch.zeros_like(std), std, 0.0)
     return head
 
 

@@ -7,9 +7,9 @@ as the answer is generated, on any supported model.
     result                # in a notebook: the same page, inline
 
 Scores (``scores=``, ``scorers.py``): the attribution head's predicted effect of ablating
-each region when a head is given, else the default scorer without a head (AttnLRP,
-computed as each span ends), or raw attention, raw value-norm-weighted attention or the
-gradient norm. The page paints each region's score per image token. ``iter_explain`` yields the
+each region when a head is given, else the default scorer without a head (the gradient
+norm, computed as each span ends), or raw attention, raw value-norm-weighted attention or
+AttnLRP. The page paints each region's score per image token. ``iter_explain`` yields the
 explanation after each span, for pages and terminals that show spans while the model
 generates (``python -m headscope explain``).
 """
@@ -182,7 +182,7 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
     it, and once more when generation has ended (``done`` True, VAS set)."""
     from ..hf import Tracer
     from .scorers import POSTHOC, block_mean, choose_scorer, posthoc_scores, traced_features
-    scorer = choose_scorer(scores, head, model)
+    scorer = choose_scorer(scores, head)
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("headscope.explain: argument 'prompt' must be a non-empty string")
     if not images:

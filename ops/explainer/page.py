@@ -237,6 +237,7 @@ STYLE = """
 .hs .ticks{display:flex;justify-content:space-between;width:262px;font-size:.8em}
 .hs table{border-collapse:collapse;font-size:.9em}
 .hs td,.hs th{padding:2px 10px;border-bottom:1px solid #ddd;text-align:right}
+.hs td{white-space:nowrap}
 .hs tr.top td{font-weight:bold}.hs .note{color:#666;font-size:.85em}
 """
 

@@ -1,5 +1,6 @@
 """python -m headscope.shapes {train,demo,accuracy,latency,data,answers,hallucination,
-faithfulness,head-eval,scorer-cost,mixer,reproduce}: the embedded shapes model.
+faithfulness,head-eval,scorer-cost,heat-check,mixer,reproduce}: the embedded shapes
+model.
 
   train     train the model from scratch into a folder (resumable: rerun the same command)
   demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
@@ -14,6 +15,8 @@ faithfulness,head-eval,scorer-cost,mixer,reproduce}: the embedded shapes model.
                  fixed seed range: per-image LDS with the paired difference's interval,
                  pointing
   scorer-cost    what each scorer of headscope.explain costs per answer and per span
+  heat-check     does the page paint the named object hotter than the rest of the picture,
+                 without a head and with the shipped head
   mixer          the model with mixer vision attention against the softmax one: caption
                  accuracy with intervals, and the projection's iterations against time
   reproduce      every measurement above in one resumable run (results.json, results.md)
@@ -198,6 +201,15 @@ def main(argv=None) -> int:
                    help="Ward regions per image")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
 
+    p = sub.add_parser("heat-check", help="the page paints the named object hotter than the "
+                                          "rest: without a head and with the shipped head")
+    p.add_argument("--seeds", choices=sorted(SEED_RANGES), default="dev")
+    p.add_argument("--scenes", type=count, default=300)
+    p.add_argument("--regions", type=integer(1, TOKEN_GRID ** 2, image_tokens), default=8,
+                   help="Ward regions per image (default 8)")
+    p.add_argument("--model", **model)
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+
     p = sub.add_parser("mixer", help="mixer against softmax vision attention: accuracy, "
                                      "projection settings against time")
     p.add_argument("--scenes", type=count, default=300,
@@ -278,6 +290,12 @@ def _run(args) -> None:
     elif args.command == "scorer-cost":
         from .scorer_cost import measure_scorer_cost, table
         result = measure_scorer_cost(args.rounds, args.regions, model_dir=args.model)
+        print(table(result))
+        if args.json is not None:
+            _write_json(args.json, result)
+    elif args.command == "heat-check":
+        from .heat_check import check_pages, table
+        result = check_pages(args.seeds, args.scenes, args.regions, model_dir=args.model)
         print(table(result))
         if args.json is not None:
             _write_json(args.json, result)

@@ -596,6 +596,24 @@ def test_train_fits_one_head_on_several_collections(tmp_path, capsys):
     head = AttributionHead.load(str(out))
     for name in ("weight", "bias", "mean", "std"):
         assert torch.equal(getattr(head, name), getattr(expected, name)), name
+    # each collection weighted, each span weighing 1 shared by its regions, and the scores
+    # calibrated through the origin: a region without attention is predicted no effect
+    out = tmp_path / "weighted.safetensors"
+    assert main(["train", "--data", str(tmp_path / "three"), "--data", str(tmp_path / "five"),
+                 "--data-weight", "2", "--data-weight", "0.5", "--span-weights", "spans",
+                 "--out", str(out), "--target", "ranks", "--calibration", "origin"]) == 0
+    weights = torch.cat([torch.full((4 * 3,), 2 / 3), torch.full((4 * 5,), 0.5 / 5)])
+    expected = AttributionHead(2, 2, feature_set="both").fit(features, targets, weights=weights)
+    raw = (features.double() / expected.std.double()) @ expected.weight.detach().double()
+    slope = float((weights * raw * effects).sum() / (weights * raw * raw).sum())
+    head = AttributionHead.load(str(out))
+    assert float(head.bias) == 0 and torch.equal(head.mean, torch.zeros(8))
+    torch.testing.assert_close(head.weight.double(), expected.weight.double() * slope)
+    with torch.no_grad():
+        assert float(head(torch.zeros(3, 8)).abs().max()) == 0
+    err = usage_error(capsys, "train", "--data", tmp_path / "three", "--data",
+                      tmp_path / "five", "--data-weight", "2", "--out", tmp_path / "h.safetensors")
+    assert "--data-weight: given 1 times for 2 --data" in err
     _written_collection(tmp_path / "other", "both", special, heads=3)
     err = usage_error(capsys, "train", "--data", tmp_path / "three", "--data",
                       tmp_path / "other", "--out", tmp_path / "h.safetensors")

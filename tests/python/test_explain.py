@@ -1,7 +1,9 @@
 """``python -m headscope explain`` and ``headscope.explain``: end to end on every family's
 tiny checkpoint (report.json against a Tracer run of its own), on the embedded shapes model
-(the object's cell is the hottest), bad arguments (one line, exit 2, nothing created), a
-hub id from the local Hugging Face cache, and the page in headless Chromium."""
+(the object's cell is the hottest), the post-hoc scorers computed as each span ends, the
+heat painted per image token, bad arguments (one line, exit 2, nothing created), a hub id
+from the local Hugging Face cache, and the page in headless Chromium (on the world's cells
+and on Ward regions)."""
 from __future__ import annotations
 
 import json
@@ -202,6 +204,23 @@ def test_posthoc_scores_are_computed_as_each_span_ends(qwen, picture, scores):
     assert result.report()["scorer"] == scores
 
 
+def test_scorer_choice_and_what_attnlrp_cannot_run_on():
+    from headscope.explainer.scorers import DEFAULT_SCORER, choose_scorer, posthoc_unsupported
+    from headscope.hf.testing import tiny_model
+    head = object()
+    assert choose_scorer(None, None) == DEFAULT_SCORER == "gradient"
+    assert choose_scorer(None, head) == "head" and choose_scorer("attnlrp", None) == "attnlrp"
+    for scores, given, message in (("head", None, "needs a head"),
+                                   ("attention", head, "does not use it"),
+                                   ("words", None, "must be one of")):
+        with pytest.raises(ValueError, match=message):
+            choose_scorer(scores, given)
+    moe = tiny_model("qwen3_vl_moe")  # mixture-of-experts layers: no AttnLRP rule
+    assert "no AttnLRP rule for the parameters of" in posthoc_unsupported("attnlrp", moe)
+    assert posthoc_unsupported("gradient", moe) is None
+    assert posthoc_unsupported("attnlrp", tiny_model("qwen2_vl")) is None
+
+
 def test_the_page_paints_each_region_per_image_token(qwen, picture):
     """Ward regions of unequal size: the heat, the table order, the PNG and the page's
     overlay follow each region's score per image token, not its total."""
@@ -399,6 +418,35 @@ def test_page_in_a_browser(shapes_page, browser, tmp_path):
     assert browser.execute_script("return arguments[0].naturalWidth", heat) > 0
     assert browser.get_screenshot_as_file(str(tmp_path / "page.png"))
     assert (tmp_path / "page.png").stat().st_size > 10_000
+
+
+def test_ward_page_in_a_browser(browser, tmp_path):
+    """The page on 8 Ward regions of unequal size, without a head: the colour bar names the
+    unit (per image token), the table shows each region's tokens, total and score per token,
+    hottest first, and the heat map shows; a screenshot is written."""
+    from selenium.webdriver.common.by import By
+
+    from headscope.explainer.screenshot import shapes_page
+    page = shapes_page(tmp_path / "ward", regions=8, scores="attention")
+    report = json.loads((page.parent / "report.json").read_text())
+    assert len(set(report["region_tokens"])) > 1 and report["heat"] == "per image token"
+    browser.get(page.as_uri())
+    unit = browser.find_element(By.CSS_SELECTOR, ".note.unit").text
+    assert unit.startswith("raw attention per image token")
+    header = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "thead th")]
+    assert header == ["region", "picture", "tokens", "total", "per image token"]
+    rows = [[float(c.text) for c in tr.find_elements(By.TAG_NAME, "td")]
+            for tr in browser.find_elements(By.CSS_SELECTOR, "tbody.scores tr")]
+    assert len(rows) == 8
+    shown = next(s for s in report["spans"] if not s["special"])
+    assert [int(r[0]) for r in rows] == shown["top_regions"]
+    assert [int(r[2]) for r in rows] == [report["region_tokens"][int(r[0])] for r in rows]
+    per_token = [r[4] for r in rows]
+    assert per_token == sorted(per_token, reverse=True)  # hottest first, per image token
+    heat = browser.find_element(By.CSS_SELECTOR, "img.heat")
+    assert browser.execute_script("return arguments[0].naturalWidth", heat) > 0
+    assert browser.get_screenshot_as_file(str(tmp_path / "ward.png"))
+    assert (tmp_path / "ward.png").stat().st_size > 10_000
 
 
 def test_live_page_shows_spans_while_generating(qwen, picture, browser, tmp_path):
