@@ -67,11 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "span weighs 1, shared by its regions, so that collections of many "
                              "regions do not outweigh those of few")
     parser.add_argument("--calibration", choices=("affine", "origin"), default="affine",
-                        help="how the scores are put in the effects' units: affine (slope and "
-                             "offset, default; --target ranks only) or origin (a slope through "
-                             "the origin: a region without attention is predicted no effect, so "
-                             "that the score divided by a region's image tokens is a per-token "
-                             "attribution, and regions of unequal size compare)")
+                        help="how the scores are put in the effects' units, on every (span, "
+                             "region) pair as collected (--data-weight and --span-weights "
+                             "weigh the fit only): affine (slope and offset, default; --target "
+                             "ranks only) or origin (a slope through the origin: a region "
+                             "without attention is predicted no effect, so that the score "
+                             "divided by a region's image tokens is a per-token attribution, "
+                             "and regions of unequal size compare)")
 
 
 PEARSON_ONLY = ("epochs", "lr", "batch_spans")
@@ -200,7 +202,7 @@ def fit(data: Union[Collection, List[Collection]], args) -> AttributionHead:
                            feature_set=feature_set(first.manifest))
     data_weights = args.data_weight or [1.0] * len(datas)
     per_span = args.span_weights == "spans"
-    features, effects, targets, weights = [], [], [], []
+    features, effects, targets, spans, weights = [], [], [], [], []
     for d, data_weight in zip(datas, data_weights):
         t = d.tensors
         S, K, _ = t["features"].shape
@@ -208,13 +210,16 @@ def fit(data: Union[Collection, List[Collection]], args) -> AttributionHead:
         effects.append(t["effects"].reshape(-1))
         targets.append((t["effects"] if args.target == "effects" else
                         ranked_targets(t["effects"], args.effect_weight)).reshape(-1))
-        span = torch.ones(S) if args.special_span_weight is None else \
-            torch.where(t["special_only"], args.special_span_weight, 1.0)
-        weights.append((span * data_weight / (K if per_span else 1)).unsqueeze(1)
-                       .expand(S, K).reshape(-1))
+        span = (torch.ones(S) if args.special_span_weight is None else
+                torch.where(t["special_only"], args.special_span_weight, 1.0)
+                ).unsqueeze(1).expand(S, K).reshape(-1)
+        spans.append(span)
+        weights.append(span * data_weight / (K if per_span else 1))
     features, effects, targets = torch.cat(features), torch.cat(effects), torch.cat(targets)
-    weighted = args.special_span_weight is not None or per_span or \
-        any(w != 1.0 for w in data_weights)
+    # the fit's weights; the calibration weighs every pair as collected (special-token-only
+    # spans by --special-span-weight): it puts the scores in nats on the data itself
+    spans = None if args.special_span_weight is None else torch.cat(spans)
+    weighted = spans is not None or per_span or any(w != 1.0 for w in data_weights)
     weights = torch.cat(weights) if weighted else None
     if args.loss == "lstsq":
         head.fit(features, targets, ridge=args.ridge, weights=weights)
@@ -228,9 +233,9 @@ def fit(data: Union[Collection, List[Collection]], args) -> AttributionHead:
                               args.batch_spans, bar)
             head.fit_pearson(loader, args.epochs, lr=args.lr)
     if args.calibration == "origin":
-        calibrate_through_origin(head, features, effects, weights)
+        calibrate_through_origin(head, features, effects, spans)
     elif args.target == "ranks":  # scores in nats again: predicted effects, same ranking
-        head.calibrate(features, effects, weights)
+        head.calibrate(features, effects, spans)
     return head
 
 

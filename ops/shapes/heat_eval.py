@@ -79,7 +79,8 @@ def summarise_heat(records: List[dict], heads: Sequence[str], baselines: Sequenc
     a positive effect; then mean, standard error and bootstrap 95% interval over images),
     each head's paired difference to each baseline, pointing by the painted heat and the
     share of object-naming spans painted hotter on the object than elsewhere, and each
-    head's R^2 of its predicted effects (every sentence span and region pooled). None
+    head's R^2 of its predicted effects (every sentence span and region pooled; and over
+    all spans, the end-of-text ones included, as ``r_squared_all_spans``). None
     when no record was measured with the yardsticks."""
     scorers = [*heads, *baselines]
     names = [*scorers, *REFERENCES]
@@ -107,15 +108,14 @@ def summarise_heat(records: List[dict], heads: Sequence[str], baselines: Sequenc
                                                                                "effects"]}
     out["hotter"] = {name: _share([c[name] for c in hotter if c[name] is not None])
                      for name in [*scorers, "effects"]}
-    out["r_squared"] = {}
-    for head in heads:
-        predicted, measured = [], []
-        for r in scored:
-            keep = r["heat"]["sentence"]
-            predicted.append(r["scores"][head][keep])
-            measured.append(r["effects"][keep])
-        out["r_squared"][head] = r_squared(torch.cat(predicted), torch.cat(measured)) \
-            if predicted else None
+    for key, every in (("r_squared", False), ("r_squared_all_spans", True)):
+        out[key] = {}
+        for head in heads:
+            keeps = [torch.ones_like(r["heat"]["sentence"]) if every else r["heat"]["sentence"]
+                     for r in scored]
+            out[key][head] = r_squared(
+                torch.cat([r["scores"][head][k] for r, k in zip(scored, keeps)]),
+                torch.cat([r["effects"][k] for r, k in zip(scored, keeps)]))
     return out
 
 
@@ -148,9 +148,13 @@ def heat_table(heat: dict, name) -> str:
         rows.append(f"| {name(a)} - {name(b)} (paired) | "
                     f"{cell(heat['deletion_difference'][pair])} | "
                     f"{cell(heat['insertion_difference'][pair])} | | | |")
+    every = "; ".join(f"{name(h)} {v:.3f}" for h, v in heat.get("r_squared_all_spans", {}).items()
+                      if v is not None)
     return "\n".join([
         f"Heat map yardsticks on {heat['spans']} sentence spans of {heat['scenes_scored']} "
         f"scenes (deletion and insertion AUC: mean over images [bootstrap 95%]; regions in "
         f"order of score per image token); {heat['pointing_spans']} spans name an object.",
         "", "| scores | deletion AUC | insertion AUC | pointing by heat | object hotter than "
-        "the rest | R^2 (nats) |", "| --- | --- | --- | --- | --- | --- |", *rows])
+        "the rest | R^2 (nats) |", "| --- | --- | --- | --- | --- | --- |", *rows,
+        *([f"R^2 over all spans (the end-of-text spans included): {every}."] if every
+          else [])])

@@ -202,6 +202,7 @@ def test_heat_summary_pairs_images_and_counts_references():
     measured = torch.tensor([2.0, 0.0, 1.0, 1.0, 0.0, 2.0, 3.0, 1.0])
     expected = 1 - 8.0 / float(((measured - measured.mean()) ** 2).sum())
     assert h["r_squared"]["head"] == pytest.approx(expected)
+    assert h["r_squared_all_spans"]["head"] == pytest.approx(expected)  # no special span
     text = heat_table(h, str)
     assert "| head - attention (paired) |" in text and "true-effect order" in text
     assert summarise_heat(records[2:], ["head"], ["attention"]) is None
