@@ -1,6 +1,6 @@
 """python -m headscope.shapes {train,demo,accuracy,latency,data,answers,hallucination,
-faithfulness,head-eval,scorer-cost,heat-check,mixer,reproduce}: the embedded shapes
-model.
+faithfulness,head-eval,scorer-cost,heat-check,heat-default,mixer,reproduce}: the embedded
+shapes model.
 
   train     train the model from scratch into a folder (resumable: rerun the same command)
   demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
@@ -17,6 +17,8 @@ model.
   scorer-cost    what each scorer of headscope.explain costs per answer and per span
   heat-check     does the page paint the named object hotter than the rest of the picture,
                  without a head and with the shipped head
+  heat-default   which scorer without a head takes the best deletion and insertion over
+                 the layouts of head-eval runs (their --cache folders)
   mixer          the model with mixer vision attention against the softmax one: caption
                  accuracy with intervals, and the projection's iterations against time
   reproduce      every measurement above in one resumable run (results.json, results.md)
@@ -31,6 +33,7 @@ import sys
 from pathlib import Path
 
 
+HEAD_FREE = ("attention", "attention*value_norm", "attnlrp", "gradient")  # explain's scorers
 SIZES = ("steps", "batch", "seed", "hidden", "layers", "heads", "kv_heads", "intermediate",
          "vision_width", "vision_depth", "vision_mlp_ratio", "warmup", "max_objects", "mixer_rank")
 PROG = "python -m headscope.shapes"
@@ -210,6 +213,12 @@ def main(argv=None) -> int:
     p.add_argument("--model", **model)
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
 
+    p = sub.add_parser("heat-default", help="the best scorer without a head on deletion and "
+                                            "insertion over head-eval runs' layouts")
+    p.add_argument("--cache", type=Path, action="append", required=True, metavar="DIR",
+                   help="a head-eval --cache folder, one per layout (give it again)")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+
     p = sub.add_parser("mixer", help="mixer against softmax vision attention: accuracy, "
                                      "projection settings against time")
     p.add_argument("--scenes", type=count, default=300,
@@ -297,6 +306,24 @@ def _run(args) -> None:
         from .heat_check import check_pages, table
         result = check_pages(args.seeds, args.scenes, args.regions, model_dir=args.model)
         print(table(result))
+        if args.json is not None:
+            _write_json(args.json, result)
+    elif args.command == "heat-default":
+        import torch
+
+        from .head_eval import RAW_NAMES
+        from .heat_eval import across_layouts, across_layouts_table
+        layouts = {}
+        for folder in args.cache:
+            if not (folder / "settings.json").is_file():
+                raise UsageError(f"--cache {folder}: not a head-eval --cache folder (no "
+                                 f"settings.json)")
+            regions = json.loads((folder / "settings.json").read_text())["regions"]
+            name = f"{regions} Ward regions" if isinstance(regions, int) else regions
+            layouts[name] = [
+                torch.load(p, weights_only=False) for p in sorted(folder.glob("scene-*.pt"))]
+        result = across_layouts(layouts, HEAD_FREE)
+        print(across_layouts_table(result, lambda n: RAW_NAMES.get(n, n)))
         if args.json is not None:
             _write_json(args.json, result)
     elif args.command == "mixer":

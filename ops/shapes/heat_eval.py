@@ -158,3 +158,47 @@ def heat_table(heat: dict, name) -> str:
         "the rest | R^2 (nats) |", "| --- | --- | --- | --- | --- | --- |", *rows,
         *([f"R^2 over all spans (the end-of-text spans included): {every}."] if every
           else [])])
+
+
+def across_layouts(layouts: Mapping[str, List[dict]], scorers: Sequence[str]) -> dict:
+    """Which scorer takes the best deletion and insertion over several region layouts of
+    the same scenes (``layouts``: each layout's scene records, as ``head-eval --cache``
+    keeps them): per scene, each layout's mean over its sentence spans of deletion plus
+    insertion AUC, averaged over the layouts; the mean over the scenes measured on every
+    layout, with its bootstrap 95% interval, for each of ``scorers``, and the paired
+    difference of the best to each other scorer."""
+    per_layout = []
+    for records in layouts.values():
+        values = {}
+        for r in records:
+            curves = r.get("heat", {}).get("curves")
+            if curves is None:
+                continue
+            defined = ~torch.isnan(curves["effects"]["deletion"])
+            if defined.any():
+                values[r["seed"]] = {n: float((curves[n]["deletion"] + curves[n]["insertion"])
+                                              [defined].mean()) for n in scorers}
+        per_layout.append(values)
+    seeds = sorted(set.intersection(*(set(v) for v in per_layout)))
+    score = {n: torch.tensor([sum(v[s][n] for v in per_layout) / len(per_layout)
+                              for s in seeds], dtype=torch.float64) for n in scorers}
+    means = {n: mean_with_interval(v) for n, v in score.items()}
+    best = max(scorers, key=lambda n: means[n]["mean"])
+    return {"layouts": list(layouts), "scenes": len(seeds), "deletion_plus_insertion": means,
+            "best": best, "best_minus": {n: mean_with_interval(score[best] - score[n])
+                                         for n in scorers if n != best}}
+
+
+def across_layouts_table(result: dict, name) -> str:
+    """Markdown of :func:`across_layouts`."""
+    def cell(m):
+        return f"{m['mean']:.3f} [{m['interval95'][0]:.3f}, {m['interval95'][1]:.3f}]"
+    m = result["deletion_plus_insertion"]
+    rows = [f"| {name(n)} | {cell(v)} | "
+            + ("best |" if n == result["best"] else f"{cell(result['best_minus'][n])} |")
+            for n, v in sorted(m.items(), key=lambda kv: -kv[1]["mean"])]
+    return "\n".join([
+        f"Deletion + insertion AUC averaged over {', '.join(result['layouts'])}, on the "
+        f"{result['scenes']} scenes measured on each (mean [bootstrap 95%]):", "",
+        f"| scores | deletion + insertion | {name(result['best'])} minus it (paired) |",
+        "| --- | --- | --- |", *rows])

@@ -208,6 +208,34 @@ def test_heat_summary_pairs_images_and_counts_references():
     assert summarise_heat(records[2:], ["head"], ["attention"]) is None
 
 
+def test_best_scorer_across_layouts():
+    """Per scene: deletion + insertion averaged over the layouts (each layout's mean over the
+    scene's spans with a defined AUC); scenes missing on a layout left out."""
+    from headscope.shapes.heat_eval import across_layouts, across_layouts_table
+
+    def record(seed, a, b, total=(1.0,)):
+        n = len(total)
+        curves = {"a": {"deletion": torch.tensor(a[0], dtype=torch.float64),
+                        "insertion": torch.tensor(a[1], dtype=torch.float64)},
+                  "b": {"deletion": torch.tensor(b[0], dtype=torch.float64),
+                        "insertion": torch.tensor(b[1], dtype=torch.float64)},
+                  "effects": {"deletion": torch.where(torch.tensor(total) > 0, 1.0,
+                                                      float("nan")).double()}}
+        assert all(len(x) == n for x in (*a, *b))
+        return {"seed": seed, "heat": {"curves": curves}}
+    cells = [record(1, ([1.0], [0.5]), ([0.8], [0.4])), record(2, ([1.2], [0.6]), ([1.0], [0.6])),
+             record(3, ([9.0], [9.0]), ([0.0], [0.0]))]  # scene 3: not on the other layout
+    ward = [record(1, ([1.0, 5.0], [0.5, 5.0]), ([0.6, 0.0], [0.4, 0.0]), total=(1.0, -1.0)),
+            record(2, ([1.0], [0.4]), ([1.0], [0.5]))]
+    r = across_layouts({"cells": cells, "ward": ward}, ["a", "b"])
+    assert r["scenes"] == 2 and r["best"] == "a"
+    # a: scene 1 (1.5 + 1.5) / 2, scene 2 (1.8 + 1.4) / 2; b: (1.2 + 1.0) / 2, (1.6 + 1.5) / 2
+    assert r["deletion_plus_insertion"]["a"]["mean"] == pytest.approx((1.5 + 1.6) / 2)
+    assert r["deletion_plus_insertion"]["b"]["mean"] == pytest.approx((1.1 + 1.55) / 2)
+    assert r["best_minus"]["b"]["mean"] == pytest.approx((0.4 + 0.05) / 2)
+    assert "| a | 1.550" in across_layouts_table(r, str)
+
+
 def test_head_labels_and_traced_features():
     from headscope.attribution import AttributionHead
     assert head_labels(["x/h.safetensors"]) == ["head"]
