@@ -5,7 +5,8 @@ headscope explain`` runs); per span a PNG with the object's true box, per scene 
 page and a summary on the terminal.
 
 Scores are the attribution head's predicted effects when the model folder has a head,
-else raw attention (each region's pooled attention mass averaged over layers and heads).
+else ``headscope.explain``'s default scorer without one; each region is painted and ranked
+per image token.
 Regions are the world's 3 x 3 cells by default (``headscope.hf.grid_regions``: each place
 of the world is a 2 x 2 block of image tokens), or K Ward regions of the image's token
 embeddings, what the tracer would use on an image whose layout nobody knows.
@@ -47,6 +48,7 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
     ``regions``: ``(rows, cols)`` for a grid of blocks, or K for Ward regions. Returns the
     report."""
     from ..explainer import iter_explain
+    from ..explainer.scorers import SCORERS, choose_scorer
 
     if num_images < 1:
         raise ValueError(f"headscope.shapes.demo: argument 'num_images' must be >= 1, got "
@@ -54,7 +56,7 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model, processor, head = load(model_dir)
-    score_name = "head's predicted effect" if head is not None else "raw attention"
+    score_name = SCORERS[choose_scorer(None, head)]
     regions_name = f"{regions} Ward regions" if isinstance(regions, int) else \
         "a {}x{} grid".format(*regions)
     images = []

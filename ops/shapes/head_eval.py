@@ -360,11 +360,13 @@ def table(result: dict) -> str:
              f"{cell(every['lds_difference'][f'{a} - {b}'])} | |"
              for a, b in compared_pairs(result["heads"], result["baselines"])]
     features = f", features {result['features']}" if "features" in result else ""
+    regions = f"{result['regions']} Ward regions" if isinstance(result["regions"], int) \
+        else result["regions"]
     timed = "; ".join(f"{name(k)}: {v:.1f} ms per span"
                       for k, v in result.get("ms_per_span", {}).items())
     return "\n".join([
         f"{result['scenes']} scenes ({result['seed_range']} seeds {result['seeds'][0]}.."
-        f"{result['seeds'][1]}, {result['regions']}{features}). Sentence spans: "
+        f"{result['seeds'][1]}, {regions}{features}). Sentence spans: "
         f"{result['spans']} ({result['special_spans_left_out']} special-token-only spans "
         f"left out), {result['scenes_scored']} scenes with every LDS defined; all spans: "
         f"{every['spans']}, {every['scenes_scored']} scenes; {result['pointing_spans']} "

@@ -40,7 +40,7 @@ FULL = {"accuracy": {"scenes": 200},
         "head_vs_attention_ward": {"seeds": "heat-reported", "scenes": 300, "regions": 8,
                                    "features": "both"},
         "heat_check": {"seeds": "heat-done", "scenes": 300, "regions": 8},
-        "scorer_cost": {"rounds": 9, "regions": 8},
+        "scorer_cost": {"rounds": 9, "regions": 8, "tokens": 48},
         "head_eval": {"scenes": 60, "regions": 8, "max_new_tokens": 48, "subsets": 8,
                       "features": "both"},
         "head_eval_grid": {"scenes": 60, "grid": "3x3", "max_new_tokens": 48, "subsets": 8,
@@ -56,7 +56,7 @@ QUICK = {"accuracy": {"scenes": 4},
          "head_vs_attention_ward": {"seeds": "heat-reported", "scenes": 2, "regions": 8,
                                     "features": "both"},
          "heat_check": {"seeds": "heat-done", "scenes": 2, "regions": 8},
-         "scorer_cost": {"rounds": 1, "regions": 8},
+         "scorer_cost": {"rounds": 1, "regions": 8, "tokens": 12},
          "head_eval": {"scenes": 2, "regions": 8, "max_new_tokens": 48, "subsets": 2,
                        "features": "both"},
          "head_eval_grid": {"scenes": 2, "grid": "3x3", "max_new_tokens": 48, "subsets": 2,
@@ -104,7 +104,7 @@ def _heat_check(out: Path, s: dict, done: dict, model_dir) -> dict:
 
 def _scorer_cost(out: Path, s: dict, done: dict, model_dir) -> dict:
     from .scorer_cost import measure_scorer_cost
-    return measure_scorer_cost(s["rounds"], s["regions"], model_dir=model_dir)
+    return measure_scorer_cost(s["rounds"], s["regions"], s["tokens"], model_dir=model_dir)
 
 
 def _head_eval(out: Path, s: dict, done: dict, model_dir) -> dict:

@@ -50,7 +50,8 @@ def measure_scorer_cost(rounds: int = 9, regions: int = DEFAULT_REGIONS,
         for s in scorers:
             seconds[s].append(run(s))
     base = statistics.median(seconds["attention"])
-    return {"rounds": rounds, "regions": regions, "threads": torch.get_num_threads(),
+    return {"rounds": rounds, "regions": regions, "max_new_tokens": max_new_tokens,
+            "threads": torch.get_num_threads(),
             "spans": spans["attention"],
             "seconds": {s: round(statistics.median(v), 4) for s, v in seconds.items()},
             "vs_attention": {s: round_ratios(v, seconds["attention"])
