@@ -15,7 +15,8 @@ from typing import Dict, List
 import torch
 
 from ..metrics import mean_with_interval, per_image
-from .shards import Collection, Layout, checked_shards, fill_shards, read_manifest
+from .collection import Collection
+from .shards import Layout, checked_shards, fill_shards, read_manifest, write_shard_bytes
 
 CURVES = Layout("headscope.curves", 1, ".safetensors", "eval")
 CURVE_NAMES = ("deletion", "insertion")
@@ -80,8 +81,8 @@ def measure(args, data: Collection, collection: Path, scores: Dict[str, torch.Te
     ablations per forward); returns,
     per sentence span of the collection (in order), ``"<scorer>/<curve>"`` AUCs (NaN where
     removing every image token has no positive effect), ``"total"`` and ``"span_example"``."""
-    from .collect import device, load_model
     from .data import read_examples
+    from .models import device, load_model
     m = data.manifest
     examples = read_examples(Path(m["data"]))
     t = data.tensors
@@ -101,8 +102,6 @@ def measure(args, data: Collection, collection: Path, scores: Dict[str, torch.Te
 
     def write(shard: int, items: List) -> None:
         from safetensors.torch import save
-
-        from .shards import write_shard_bytes
         tensors = {"span_example": torch.cat([torch.full((int(o["sentence"].sum()),), i)
                                               for i, o in items]),
                    "sentence": torch.cat([o["sentence"] for _, o in items])}

@@ -13,7 +13,7 @@ import torch
 from ..attribution import pearson, spearman
 from ..metrics import (defined_mean, heat_order, in_box, lds_per_image, per_image, per_token,
                        random_pointing, region_centroids)
-from .shards import Collection
+from .collection import Collection
 
 
 def pointing_cases(data: Collection) -> List[tuple]:

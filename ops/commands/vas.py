@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,12 +31,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..vas import VAS_COLUMNS
-from .collect import (chat_inputs, device, load_config, load_model, load_processor,
-                      text_sizes)
-from .data import (image_file, json_records, jsonl_file, non_empty_string, open_image, rgb,
-                   size)
+from .data import (checked_image_size, image_file, json_records, jsonl_file, non_empty_string,
+                   read_image)
 from .errors import UsageError, check_output, given, integer
+from .models import chat_inputs, device, load_config, load_model, load_processor, text_sizes
 from .shards import fill_shards, write_shard_bytes
+from .torchrun import rank
 from .vas_table import LAYOUT, RESERVED, read_table, shard_bytes
 
 DEFAULT_LABEL = "hallucinated"
@@ -229,7 +228,7 @@ def score_record(model, processor, record: Record, max_new_tokens: int) -> Dict[
     """The table's row of one record."""
     from ..hf.families import family_of
     start = time.perf_counter()
-    images = [open_image(p, record.line, rgb) for p in record.images]
+    images = [read_image(p, record.line) for p in record.images]
     dev = next(model.parameters()).device
     inputs = chat_inputs(processor, record.prompt, images, dev)
     tokenizer = processor.tokenizer
@@ -274,7 +273,7 @@ def prepare(args) -> Tuple[List[Record], Dict[str, str], Dict]:
         raise UsageError(f"--label {args.label}: no record of {args.data} holds that key")
     for record in records:
         for image in record.images:
-            open_image(image, record.line, size)  # its header: it opens
+            checked_image_size(image, record.line)  # it reads, in a mode taken
     config = load_config(args.model)
     try:
         family = family_of(config, WHO)
@@ -303,7 +302,7 @@ def run(args) -> int:
 
     before = fill_shards(out, LAYOUT, settings, len(records), args.shard_size, start, write,
                          "vas", "record")
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank() == 0:
         _, table = read_table(out)
         seconds = table.column("seconds").to_pylist()
         labels = table.column("label").to_pylist()

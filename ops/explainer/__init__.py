@@ -21,10 +21,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .scorers import DEFAULT_SCORER, SCORERS
-
-RAW_ATTENTION = SCORERS["attention"]
-HEAD_EFFECT = SCORERS["head"]
+from ..pictures import upright_rgb
+from .scorers import SCORERS
 DEFAULT_GRID = (3, 3)
 
 
@@ -187,7 +185,7 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
         raise ValueError("headscope.explain: argument 'prompt' must be a non-empty string")
     if not images:
         raise ValueError("headscope.explain: argument 'images' must hold at least one picture")
-    images = [image.convert("RGB") for image in images]
+    images = [upright_rgb(image, f"headscope.explain: images[{i}]") for i, image in enumerate(images)]
     traced, regions_name = tracer_regions(regions)
     if inputs is None:
         inputs = prompt_inputs(processor, images, prompt)
@@ -241,8 +239,9 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
 
 def explain(model, processor, images: Sequence, prompt: str, head=None, **kwargs
             ) -> Explanation:
-    """Generates ``model``'s answer to ``prompt`` about ``images`` (PIL pictures) under
-    :class:`headscope.hf.Tracer` and returns an :class:`Explanation`: the answer's spans
+    """Generates ``model``'s answer to ``prompt`` about ``images`` (PIL pictures, taken as
+    they are seen: ``headscope.pictures.upright_rgb`` turns them by their EXIF orientation
+    and flattens transparency on white) under :class:`headscope.hf.Tracer` and returns an :class:`Explanation`: the answer's spans
     (sentence ends), each with its score per region of the pictures, the answer's VAS
     features, and the pages that show them (``.save(dir)``, ``_repr_html_``).
 
@@ -250,8 +249,9 @@ def explain(model, processor, images: Sequence, prompt: str, head=None, **kwargs
     the tracer computes the head's feature set), else None.
     Keyword arguments: ``scores`` (``"attention"``, ``"attention*value_norm"``,
     ``"attnlrp"``, ``"gradient"`` or ``"head"``, which needs ``head``; default: ``"head"``
-    with a head, else ``DEFAULT_SCORER``), ``regions`` (K Ward regions per picture, or ``(rows, cols)`` /
-    ``"3x3"``: a grid of blocks on each picture; default 3x3), ``detector`` (a
+    with a head, else ``scorers.DEFAULT_SCORER``, the gradient norm), ``regions`` (K Ward
+    regions per picture, or ``(rows, cols)`` / ``"3x3"``: a grid of blocks on each picture;
+    default 3x3), ``detector`` (a
     ``headscope.VASDetector``: the answer's hallucination probability), ``inputs`` (the
     model inputs, for a processor without a chat template), ``max_new_tokens`` (64),
     ``model_name`` (shown on the page), and ``generate``'s own (``do_sample``, ...)."""

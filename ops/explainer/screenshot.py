@@ -1,19 +1,10 @@
 """Pictures of the explain page as a browser shows it: headless Chromium driven through
 Selenium and chromium-driver (Debian: ``apt-get install chromium chromium-driver``;
-``pip install selenium``). The tests use it to check the page; run as a script it writes
-the screenshot the docs show, from the embedded shapes model:
-
-    python -m headscope.explainer.screenshot docs/images/explain.png
-    python -m headscope.explainer.screenshot docs/images/explain-ward.png --regions 8
-
-(``--regions K``: K Ward regions instead of the world's 3 x 3 cells; ``--scores S``: a
-scorer other than the shipped head, ``headscope.explain``'s ``scores=``.)
-"""
+``pip install selenium``). The tests use it to check the page, and ``python -m
+headscope.shapes screenshot`` to write the picture the docs show."""
 from __future__ import annotations
 
 import shutil
-import sys
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -62,43 +53,3 @@ def screenshot(page: Path, out: Path, span: int = 1) -> Path:
         with atomic_path(out) as tmp:
             Path(tmp).write_bytes(browser.get_screenshot_as_png())
     return Path(out)
-
-
-def shapes_page(folder: Path, regions=(3, 3), scores=None) -> Path:
-    """The explain page of the shapes model describing a held-out two-object scene, with
-    the shipped head (or the scorer ``scores``) on ``regions``."""
-    from ..shapes import load, prompt, scene
-    from ..shapes.accuracy import HELD_OUT_SEED
-    from ..shapes.demo import DEMO_OFFSET
-    from . import explain
-    model, processor, head = load(head=scores in (None, "head"))
-    image, _ = scene(HELD_OUT_SEED + DEMO_OFFSET + 1, 2)
-    return explain(model, processor, [image], "Describe the image.", head, scores=scores,
-                   regions=regions, inputs=prompt(processor, image), max_new_tokens=24,
-                   model_name="headscope.shapes (the embedded model)").save(folder)
-
-
-def main(argv=None) -> int:
-    import argparse
-
-    from .scorers import SCORERS
-    parser = argparse.ArgumentParser(prog="python -m headscope.explainer.screenshot",
-                                     description="a screenshot of the shapes model's page")
-    parser.add_argument("out", metavar="OUT.png")
-    parser.add_argument("--regions", type=int, default=None, metavar="K",
-                        help="K Ward regions (default: the world's 3 x 3 cells)")
-    parser.add_argument("--scores", choices=tuple(SCORERS), default=None,
-                        help="the scorer (default: the shipped head)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    missing = browser_missing()
-    if missing:
-        print(f"headscope.explainer.screenshot: {missing}", file=sys.stderr)
-        return 2
-    regions = (3, 3) if args.regions is None else args.regions
-    with tempfile.TemporaryDirectory() as folder:
-        print(screenshot(shapes_page(Path(folder), regions, args.scores), Path(args.out)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

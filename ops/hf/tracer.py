@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import torch
 
 from .. import vas as _vas
-from ..attribution import AttributionHead
+from ..head import AttributionHead
 from ..features import FEATURE_SETS, feature_blocks
 from . import backend
 from .families import ImageTokens, family_of

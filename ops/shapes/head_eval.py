@@ -253,7 +253,7 @@ def evaluate_head(which: str = "reported", scenes: int = 300, *,
     setting is refused). Returns :func:`summarise_span_sets`' result with the settings."""
     from tqdm import tqdm
 
-    from ..attribution import AttributionHead
+    from ..head import AttributionHead
     from ..hf import grid_regions
 
     chosen = range_scenes(which, scenes)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Union
 
-import torch
-
 from .accuracy import wilson_interval
 from .head_eval import range_scenes
 from .heat_eval import object_tokens

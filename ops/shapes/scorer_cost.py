@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from ..bench.timing import round_ratios
+from ..timing import round_ratios
 from .accuracy import held_out_scenes
 from .demo import DEFAULT_REGIONS
 from .model import load, prompt

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 from headscope.commands import main  # noqa: E402
-from headscope.commands.shards import read_collection, shard_path  # noqa: E402
+from headscope.commands.collection import read_collection, shard_path  # noqa: E402
 from conftest import kill_once_written, usage_error  # noqa: E402
 from headscope.hf.families import FAMILIES  # noqa: E402
 from headscope.hf.testing import tiny_checkpoint, tiny_dataset  # noqa: E402
@@ -57,7 +57,8 @@ def _same(a, b) -> None:
 
 
 def test_collection_holds_tracer_features_and_region_effects(files):
-    from headscope.commands.collect import load_model, random_subsets
+    from headscope.commands.collect import random_subsets
+    from headscope.commands.models import load_model
     from headscope.commands.data import load_image, read_examples
     from headscope.commands.collect import prompt_inputs
     from headscope.hf import Tracer, region_effects
@@ -450,7 +451,7 @@ def _written_collection(folder, feature_set, special=None, K=3, heads=2, seed=5)
     """A collection of 2 examples, 6 spans, K regions (3), 2 layers x 2 heads, written with
     the shards' own writer; ``special``: each span's special_only flag (None: not recorded,
     as an older collect wrote it)."""
-    from headscope.commands.shards import write_manifest, write_shard
+    from headscope.commands.collection import write_manifest, write_shard
     g = torch.Generator().manual_seed(seed)
     S, F = 6, 2 * heads * (2 if feature_set == "both" else 1)
     features = torch.rand(S, K, F, generator=g)
@@ -477,7 +478,7 @@ def test_train_leaves_special_spans_out_and_fits_a_block_of_both(tmp_path, capsy
     """train fits on the spans that are not only special tokens (as head-eval scores), or
     on all with --keep-special-spans; --features takes one block out of a 'both'
     collection; a collection that does not record special spans is refused by default."""
-    from headscope.attribution import AttributionHead
+    from headscope.head import AttributionHead
     special = [False, False, True, False, False, True]
     features, effects = _written_collection(tmp_path / "both", "both", special)
     ordinary = ~torch.tensor(special)
@@ -541,7 +542,7 @@ def test_ranked_targets():
 def test_train_fits_ranked_targets(tmp_path, capsys):
     """--target ranks fits the head to ranked_targets of the same spans (the closed form on
     them), --effect-weight sets their mix; the LDS printed is against the effects."""
-    from headscope.attribution import AttributionHead
+    from headscope.head import AttributionHead
     from headscope.commands.train import ranked_targets
     special = [False, False, True, False, False, True]
     features, effects = _written_collection(tmp_path / "both", "both", special)
@@ -575,7 +576,7 @@ def test_train_fits_one_head_on_several_collections(tmp_path, capsys):
     """--data given twice (collections of 3 and of 5 regions, as two region layouts give):
     one fit over every (span, region) pair of both, ranks taken within each collection's
     spans; collections of another model's heads are refused."""
-    from headscope.attribution import AttributionHead
+    from headscope.head import AttributionHead
     from headscope.commands.train import ranked_targets
     special = [False, False, True, False, False, True]
     f3, e3 = _written_collection(tmp_path / "three", "both", special)
@@ -628,8 +629,9 @@ def test_manifest_feature_sets(tmp_path):
     """One feature set per collection; a manifest from before feature sets holds
     "attention" (resumable as such); feature columns must match it."""
     from headscope.commands.errors import UsageError
-    from headscope.commands.shards import (MANIFEST, check_feature_columns, feature_set,
-                                           read_manifest, write_manifest)
+    from headscope.commands.collection import (check_feature_columns, feature_set,
+                                               read_manifest, write_manifest)
+    from headscope.commands.shards import MANIFEST
     settings = {"model": "m", "num_layers": 2, "num_heads": 3}
     write_manifest(tmp_path, settings)  # an older collect's settings: no feature_set
     assert feature_set(read_manifest(tmp_path)) == "attention"

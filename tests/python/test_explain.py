@@ -373,8 +373,8 @@ def test_hub_id_from_the_local_cache(qwen, picture, tmp_path):
 @pytest.fixture(scope="module")
 def shapes_page(tmp_path_factory):
     """The shapes model's page of a two-object held-out scene (several spans)."""
-    from headscope.explainer.screenshot import shapes_page
-    return shapes_page(tmp_path_factory.mktemp("shapes"))
+    from headscope.shapes.demo import explain_page
+    return explain_page(tmp_path_factory.mktemp("shapes"))
 
 
 @pytest.fixture
@@ -426,8 +426,8 @@ def test_ward_page_in_a_browser(browser, tmp_path):
     hottest first, and the heat map shows; a screenshot is written."""
     from selenium.webdriver.common.by import By
 
-    from headscope.explainer.screenshot import shapes_page
-    page = shapes_page(tmp_path / "ward", regions=8, scores="attention")
+    from headscope.shapes.demo import explain_page
+    page = explain_page(tmp_path / "ward", regions=8, scores="attention")
     report = json.loads((page.parent / "report.json").read_text())
     assert len(set(report["region_tokens"])) > 1 and report["heat"] == "per image token"
     browser.get(page.as_uri())

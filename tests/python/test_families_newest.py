@@ -16,7 +16,7 @@ import torch
 import headscope
 
 pytest.importorskip("transformers")
-from headscope.commands.collect import text_sizes  # noqa: E402
+from headscope.commands.models import text_sizes  # noqa: E402
 from headscope.hf import Tracer, grid_regions, region_effects  # noqa: E402
 from headscope.hf.families import GENERIC, family_of  # noqa: E402
 from headscope.hf.structure import softmax_attention_layers  # noqa: E402

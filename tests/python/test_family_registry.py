@@ -1,8 +1,8 @@
-"""The family registry (headscope.hf.families) and what derives from it: every registered
-model type has its row in docs/hf.md's families table, the README's list of families is
-the one scripts/readme_families.py writes from the registry, and every model type has a
-geometry test against its real processor or a waiver with a reason in its family module;
-the tiny models' lists and tokens come from the registry, and a family module that
+"""The family registry (headscope.hf.families) and what derives from it: docs/hf.md's
+families table and the README's list of families are the ones scripts/readme_families.py
+writes from the registry (every registered model type has its row), and every model type
+has a geometry test against its real processor or a waiver with a reason in its family
+module; the tiny models' lists and tokens come from the registry, and a family module that
 leaves anything out, or gives two roles one token id, is refused when it registers."""
 from __future__ import annotations
 
@@ -65,6 +65,19 @@ def test_readme_list_is_the_registry():
     assert all(title in listed for family in FAMILIES for title in family.titles)
     assert readme == script.rewritten(readme), (
         "README.md's list of families is not the registry's: run python "
+        "scripts/readme_families.py")
+
+
+def test_hf_docs_table_is_the_registry():
+    spec = importlib.util.spec_from_file_location("readme_families",
+                                                  REPO / "scripts" / "readme_families.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    page = (REPO / "docs" / "hf.md").read_text()
+    for family in FAMILIES:
+        assert all(f"`{t}`" in script.families_table() for t in family.model_types)
+    assert page == script.rewritten_hf_docs(page), (
+        "docs/hf.md's families table is not the registry's: run python "
         "scripts/readme_families.py")
 
 

@@ -237,7 +237,7 @@ def test_best_scorer_across_layouts():
 
 
 def test_head_labels_and_traced_features():
-    from headscope.attribution import AttributionHead
+    from headscope.head import AttributionHead
     assert head_labels(["x/h.safetensors"]) == ["head"]
     assert head_labels(["x/attention.safetensors", "y/both.safetensors"]) == \
         ["head:attention", "head:both"]  # never a raw baseline's name

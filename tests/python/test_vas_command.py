@@ -195,7 +195,7 @@ def test_features_equal_the_tracers_on_every_family(family, tmp_path):
     Tracer.generate over the same prompt (forced to the given answer's tokens, or free),
     whose vas_features trace the final sequence."""
     from PIL import Image
-    from headscope.commands.collect import chat_inputs, load_model
+    from headscope.commands.models import chat_inputs, load_model
     from headscope.commands.vas import end_tokens
     from headscope.hf import Tracer
     from headscope.hf.families import family_of
