@@ -325,20 +325,17 @@ def _run(args) -> None:
         if args.json is not None:
             write_json(args.json, result)
     elif args.command == "heat-default":
-        import torch
-
         from ..commands.errors import UsageError
-        from .head_eval import RAW_NAMES
+        from .head_eval import RAW_NAMES, SETTINGS, SceneCache
         from .heat_eval import across_layouts, across_layouts_table
         layouts = {}
         for folder in args.cache:
-            if not (folder / "settings.json").is_file():
+            if not (folder / SETTINGS).is_file():
                 raise UsageError(f"--cache {folder}: not a head-eval --cache folder (no "
-                                 f"settings.json)")
-            regions = json.loads((folder / "settings.json").read_text())["regions"]
+                                 f"{SETTINGS})")
+            regions = json.loads((folder / SETTINGS).read_text())["regions"]
             name = f"{regions} Ward regions" if isinstance(regions, int) else regions
-            layouts[name] = [
-                torch.load(p, weights_only=False) for p in sorted(folder.glob("scene-*.pt"))]
+            layouts[name] = SceneCache.records(folder)
         result = across_layouts(layouts, HEAD_FREE)
         print(across_layouts_table(result, lambda n: RAW_NAMES.get(n, n)))
         if args.json is not None:

@@ -57,7 +57,8 @@ POSTHOC = ("attnlrp", "gradient")  # post-hoc baselines, computed after generati
 # spans, "all_spans" holds the same summary with the special-token-only spans put back.
 SPAN_SETS = ("sentence", "all")
 WHO = "headscope.shapes.head_eval"
-CACHE_FORMAT = 1  # raised when what a scene record holds changes
+CACHE_FORMAT = 2  # raised when what a scene record holds changes (2: no pickle)
+SETTINGS = "settings.json"  # a cache folder's settings
 
 def range_scenes(which: str, count: int) -> List[Tuple[int, int]]:
     """``(seed, num_objects)`` of the first ``count`` scenes of the ``which`` range."""
@@ -303,16 +304,17 @@ def head_digest(head) -> str:
 
 
 class SceneCache:
-    """A folder of scene records (``scene-SEED.pt``, each written atomically) and the
-    settings they were measured with (``settings.json``); other settings are refused."""
+    """A folder of scene records (``scene-SEED.safetensors``, each written atomically by
+    ``headscope.io.save_state``: loading one runs no code) and the settings they were
+    measured with (``settings.json``); other settings are refused."""
 
     def __init__(self, folder: Path, settings: dict):
         import json
 
-        from ..io import atomic_path
+        from ..io import write_json
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / "settings.json"
+        path = self.folder / SETTINGS
         if path.is_file():
             held = json.loads(path.read_text())
             if held != settings:
@@ -321,17 +323,24 @@ class SceneCache:
                 raise ValueError(f"{WHO}: the cache {self.folder} holds scenes measured with "
                                  f"other settings ({', '.join(differ)}); use another folder")
         else:
-            with atomic_path(path) as tmp:
-                Path(tmp).write_text(json.dumps(settings, indent=1) + "\n")
+            write_json(path, settings)
 
     def get(self, seed: int) -> Optional[dict]:
-        path = self.folder / f"scene-{seed}.pt"
-        return torch.load(path, weights_only=False) if path.is_file() else None
+        from ..io import load_state
+        path = self.folder / f"scene-{seed}.safetensors"
+        return load_state(path) if path.is_file() else None
 
     def put(self, seed: int, record: dict) -> None:
-        from ..io import atomic_path
-        with atomic_path(self.folder / f"scene-{seed}.pt") as tmp:
-            torch.save(record, tmp)
+        from ..io import save_state
+        save_state(self.folder / f"scene-{seed}.safetensors", record)
+
+    @staticmethod
+    def records(folder: Path) -> List[dict]:
+        """Every scene record of a cache folder, in seed order."""
+        from ..io import load_state
+        paths = sorted(Path(folder).glob("scene-*.safetensors"),
+                       key=lambda p: int(p.stem.split("-")[1]))
+        return [load_state(p) for p in paths]
 
 
 def table(result: dict) -> str:

@@ -236,6 +236,32 @@ def test_best_scorer_across_layouts():
     assert "| a | 1.550" in across_layouts_table(r, str)
 
 
+def test_head_eval_on_ward_regions_resumes_from_its_cache(tmp_path, capsys):
+    """--regions K with --cache: each scene's record is kept; a rerun reads them back (the
+    same result, nothing measured again); other settings are refused; heat-default reads
+    the caches of two layouts. (Four scenes measured with their curves: tens of seconds.)"""
+    from headscope.shapes.__main__ import main
+    from headscope.shapes.head_eval import evaluate_head
+    cache = tmp_path / "ward"
+    first = evaluate_head("dev", 2, regions=4, features="both", cache=cache, progress=False)
+    records = sorted(cache.glob("scene-*.safetensors"))
+    assert len(records) == 2 and first["regions"] == 4
+    assert set(first["heat"]["deletion"]) == {"head", *first["baselines"], "effects", "random"}
+    written = [p.stat().st_mtime_ns for p in records]
+    again = evaluate_head("dev", 2, regions=4, features="both", cache=cache, progress=False)
+    assert [p.stat().st_mtime_ns for p in records] == written
+    assert json.dumps(again, default=str) == json.dumps(first, default=str)
+    with pytest.raises(ValueError, match=r"holds scenes measured with other settings \(regions\)"):
+        evaluate_head("dev", 2, regions=5, features="both", cache=cache, progress=False)
+    evaluate_head("dev", 2, regions=(2, 2), features="both", cache=tmp_path / "grid",
+                  progress=False)
+    assert main(["heat-default", "--cache", str(cache), "--cache", str(tmp_path / "grid")]) == 0
+    printed = capsys.readouterr().out
+    assert "averaged over 4 Ward regions, 2x2 grid, on the 2 scenes" in printed
+    assert main(["heat-default", "--cache", str(tmp_path)]) == 2
+    assert "not a head-eval --cache folder" in capsys.readouterr().err
+
+
 def test_head_labels_and_traced_features():
     from headscope.head import AttributionHead
     assert head_labels(["x/h.safetensors"]) == ["head"]
