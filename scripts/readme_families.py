@@ -19,15 +19,16 @@ TABLE_BEGIN, TABLE_END = "<!-- families-table:begin -->", "<!-- families-table:e
 
 def layout_only(family) -> bool:
     """Whether only the family's picture layout is supported (tracing it is expected to
-    fail)."""
-    return family.tiny.contract_xfail is not None
+    fail: its testing module's TinySpec.contract_xfail)."""
+    from headscope.hf.testing import tiny_of
+    return tiny_of(family).spec.contract_xfail is not None
 
 
 def families_list() -> str:
     """The README's list: the families with a module (the picture plane), then the models
     the generic path is tested on."""
     from headscope.hf.families import FAMILIES
-    from headscope.hf.tiny_newest import RECIPES
+    from headscope.hf.testing.newest import RECIPES
     traced = [t for f in FAMILIES if not layout_only(f) for t in f.titles]
     layout_only_titles = [t for f in FAMILIES if layout_only(f) for t in f.titles]
     lines = [f"Families with the picture plane (one module each in "

@@ -68,9 +68,9 @@ REGIONS = 16
 
 
 #: The tracer's calls that compute what streaming attribution adds, by part of its work
-#: (the owner given by name: "tracer", its "generation", or the SpanRows class).
+#: (the owner given by name: the "tracer", the Generation class, or the SpanRows class).
 WORK_PARTS = {"prompt's regions": [("tracer", "_start_forward")],
-              "prefill's rows": [("tracer", "observe")],
+              "prefill's rows": [("tracer", "_prefill")],
               "decode steps' rows": [("rows", "add"), ("rows", "begin_step")],
               "spans' features, scores": [("generation", "_make_span")]}
 
@@ -79,8 +79,9 @@ WORK_PARTS = {"prompt's regions": [("tracer", "_start_forward")],
 def tracer_work_clock(tracer, device):
     """Yields a dict that the tracer's own work adds its seconds to, by part
     (:data:`WORK_PARTS`), the device synced around each call."""
+    from ..hf.generation import Generation
     from ..hf.rows import SpanRows
-    owners = {"tracer": tracer, "generation": tracer.generation, "rows": SpanRows}
+    owners = {"tracer": tracer, "generation": Generation, "rows": SpanRows}
     spent = dict.fromkeys(WORK_PARTS, 0.0)
 
     def timed(fn, part):

@@ -12,7 +12,8 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..metrics import curve_sets, deletion_auc, heat_order, insertion_auc, per_token
-from .effects import check_region_ids, check_sequence, region_effects
+from .checks import check_region_ids, check_sequence
+from .effects import region_effects
 
 WHO = "headscope.hf.heat_curves"
 TRUE_ORDER = "effects"  # the references: the true single-region effects' heat order

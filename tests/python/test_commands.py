@@ -20,7 +20,7 @@ from headscope.commands import main  # noqa: E402
 from headscope.commands.collection import read_collection, shard_path  # noqa: E402
 from conftest import kill_once_written, usage_error  # noqa: E402
 from headscope.hf.families import FAMILIES  # noqa: E402
-from headscope.hf.testing import tiny_checkpoint, tiny_dataset  # noqa: E402
+from headscope.hf.testing import tiny_checkpoint, tiny_dataset, tiny_of  # noqa: E402
 
 IMAGES = 4
 COLLECT = ["--regions", "4", "--max-new-tokens", "6", "--subsets", "3", "--shard-size", "1"]
@@ -689,7 +689,7 @@ def test_grid_collection_has_the_grid_regions(files, tmp_path):
     assert got.tensors["effects"].shape[1] == 6
 
 
-@pytest.mark.parametrize("family", [t for f in FAMILIES for t in f.tiny.commands])
+@pytest.mark.parametrize("family", [t for f in FAMILIES for t in tiny_of(f).spec.commands])
 def test_collect_train_eval_on_a_saved_model_of_another_layout(tmp_path, family):
     """The commands on a saved tiny model of a family other than the Qwen-VL of the
     other tests, with its real processor, on non-square pictures: the model types each
