@@ -188,7 +188,7 @@ def test_value_norm_features_through_collect_train_eval(files, tmp_path):
     assert AttributionHead.load(head).feature_set == "both"
     report = tmp_path / "report.json"
     out = headscope("eval", "--model", model, "--head", head, "--data", data,
-                    "--report", report, *COLLECT)
+                    "--report", report, *COLLECT, "--no-curves")  # curves: tested above
     results = json.loads(report.read_text())
     assert results["manifest"]["feature_set"] == "both"
     assert results["baselines"] == ["attention", "attention*value_norm"]
@@ -202,7 +202,7 @@ def test_value_norm_features_through_collect_train_eval(files, tmp_path):
               "--keep-special-spans")
     for folder, name in ((both, "on_both.json"), (collection, "on_plain.json")):
         headscope("eval", "--model", model, "--head", attention_head, "--data", folder,
-                  "--report", tmp_path / name)
+                  "--report", tmp_path / name, "--no-curves")
     on_both, on_plain = (json.loads((tmp_path / n).read_text())
                          for n in ("on_both.json", "on_plain.json"))
     assert on_both["baselines"] == ["attention", "attention*value_norm"]
@@ -710,3 +710,8 @@ def test_collect_train_eval_on_a_saved_model_of_another_layout(tmp_path, family)
                     "--regions", "4", "--max-new-tokens", "4", "--report",
                     tmp_path / "report.json")
     assert "LDS (mean over images)" in out.stdout
+    # deletion and insertion on this layout: the answers generated again are the
+    # collection's (else eval stops), every sentence span measured
+    curves = json.loads((tmp_path / "report.json").read_text())["curves"]
+    assert curves["spans"] == int((~t["special_only"]).sum())
+    assert set(curves["deletion"]) == {"head", "attention", "effects", "random"}
