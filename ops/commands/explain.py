@@ -234,7 +234,7 @@ def summary(explanation, seconds: float) -> str:
 
 def run(args) -> int:
     from ..explainer import iter_explain
-    from ..explainer.scorers import SCORE_HELP, choose_scorer, posthoc_unsupported
+    from ..explainer.scorers import SCORE_HELP, posthoc_unsupported, runnable_scorer
     from .models import (device, load_config, load_model, load_processor, model_folder,
                          text_sizes)
     check_arguments(args)
@@ -259,11 +259,16 @@ def run(args) -> int:
     # the page and report say which weights gave the answer
     shown = name if args.quantize is None else f"{name} ({args.quantize} weights)"
 
-    scorer = choose_scorer(args.scores, head)
-    unsupported = posthoc_unsupported(scorer, model)
-    if unsupported:
-        raise UsageError(f"--scores {scorer}: {unsupported}; allowed: --scores attention, "
-                         f"attention*value_norm or gradient")
+    if args.scores is not None:
+        unsupported = posthoc_unsupported(args.scores, model)
+        if unsupported:
+            allowed = [s for s in SCORERS
+                       if s != "head" and posthoc_unsupported(s, model) is None]
+            raise UsageError(f"--scores {args.scores}: {unsupported}; allowed: --scores "
+                             f"{', '.join(allowed)}")
+    # the default without a head falls back to raw attention, with a warning, on a model
+    # that passes no gradient (the scorer is chosen once, here, for the terminal and page)
+    scorer = runnable_scorer(args.scores, head, model)
 
     def explanations():
         return iter_explain(model, processor, pictures, args.prompt, head, scores=scorer,

@@ -179,8 +179,8 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
     """:func:`explain`, yielding the explanation after each span as the model generates
     it, and once more when generation has ended (``done`` True, VAS set)."""
     from ..hf import Tracer
-    from .scorers import POSTHOC, block_mean, choose_scorer, posthoc_scores, traced_features
-    scorer = choose_scorer(scores, head)
+    from .scorers import POSTHOC, block_mean, posthoc_scores, runnable_scorer, traced_features
+    scorer = runnable_scorer(scores, head, model)
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("headscope.explain: argument 'prompt' must be a non-empty string")
     if not images:
@@ -249,7 +249,9 @@ def explain(model, processor, images: Sequence, prompt: str, head=None, **kwargs
     the tracer computes the head's feature set), else None.
     Keyword arguments: ``scores`` (``"attention"``, ``"attention*value_norm"``,
     ``"attnlrp"``, ``"gradient"`` or ``"head"``, which needs ``head``; default: ``"head"``
-    with a head, else ``scorers.DEFAULT_SCORER``, the gradient norm), ``regions`` (K Ward
+    with a head, else ``scorers.DEFAULT_SCORER``, the gradient norm, or raw attention with
+    a warning where quantized layers pass no gradient; a scorer that cannot run on the
+    model is refused before generating), ``regions`` (K Ward
     regions per picture, or ``(rows, cols)`` / ``"3x3"``: a grid of blocks on each picture;
     default 3x3), ``detector`` (a
     ``headscope.VASDetector``: the answer's hallucination probability), ``inputs`` (the

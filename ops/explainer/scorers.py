@@ -36,8 +36,17 @@ WHO = "headscope.explain"
 
 
 def posthoc_unsupported(scorer: str, model) -> Optional[str]:
-    """Why ``scorer`` (AttnLRP) cannot run on ``model`` (a decoder with parameters it has
-    no rule for, such as mixture-of-experts layers), or None."""
+    """Why ``scorer`` cannot run on ``model``, or None: a post-hoc scorer on a model whose
+    quantized layers pass no gradient to their inputs
+    (:func:`headscope.hf.quantized.check_input_gradients`), AttnLRP on a decoder with
+    parameters it has no rule for (such as mixture-of-experts layers)."""
+    if scorer not in POSTHOC:
+        return None
+    from ..hf.quantized import check_input_gradients
+    try:
+        check_input_gradients(model, WHO)
+    except NotImplementedError as e:
+        return str(e)
     if scorer != "attnlrp":
         return None
     from ..hf.attnlrp import AttnLRP
@@ -47,6 +56,23 @@ def posthoc_unsupported(scorer: str, model) -> Optional[str]:
     except NotImplementedError as e:
         return str(e)
     return None
+
+
+def runnable_scorer(scores: Optional[str], head, model) -> str:
+    """:func:`choose_scorer`, checked against ``model`` before anything is generated: a
+    scorer asked for that cannot run on it is refused (ValueError, naming why); the
+    default without a head falls back to raw attention, with a warning that names why,
+    where the gradient norm cannot run (quantized layers without a true gradient)."""
+    scorer = choose_scorer(scores, head)
+    why = posthoc_unsupported(scorer, model)
+    if why is None:
+        return scorer
+    if scores is None:
+        import warnings
+        warnings.warn(f"{WHO}: the default scorer ({SCORERS[scorer]}) cannot run on this "
+                      f"model, so the page shows raw attention: {why}", stacklevel=3)
+        return "attention"
+    raise ValueError(f"{WHO}: scores={scores!r} cannot run on this model: {why}")
 
 
 def choose_scorer(scores: Optional[str], head) -> str:

@@ -221,6 +221,31 @@ def test_scorer_choice_and_what_attnlrp_cannot_run_on():
     assert posthoc_unsupported("attnlrp", tiny_model("qwen2_vl")) is None
 
 
+def test_a_scorer_that_cannot_run_is_refused_before_generating(picture, tmp_path, capsys):
+    """AttnLRP on mixture-of-experts layers: the Python API raises before generating (no
+    processor is needed to refuse), the command refuses in one line and names the scorers
+    that run on the model."""
+    from PIL import Image
+
+    from headscope import explain
+    from headscope.hf.testing import tiny_model
+    with pytest.raises(ValueError, match="scores='attnlrp' cannot run on this model: .*no "
+                                         "AttnLRP rule for the parameters of"):
+        explain(tiny_model("qwen3_vl_moe"), None, [Image.open(picture)], PROMPT,
+                          scores="attnlrp")
+    folder = tiny_checkpoint(tmp_path / "moe", "qwen3_vl_moe")
+    capsys.readouterr()
+    # known once the model is loaded (its loading bar comes first), before generating
+    assert main(["explain", "--model", str(folder), "--image", str(picture), "--prompt",
+                 PROMPT, "--scores", "attnlrp", "--out", str(tmp_path / "out")]) == 2
+    out, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert not out and last.startswith("headscope explain: error: --scores attnlrp: ")
+    assert "no AttnLRP rule" in last
+    assert last.endswith("allowed: --scores attention, attention*value_norm, gradient")
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_page_paints_each_region_per_image_token(qwen, picture):
     """Ward regions of unequal size: the heat, the table order, the PNG and the page's
     overlay follow each region's score per image token, not its total."""
