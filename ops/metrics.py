@@ -1,7 +1,9 @@
 """Faithfulness metrics of region scores against measured ablation effects: the paper's
-LDS (:func:`lds`), per-span LDS averaged per image, pointing at a boxed object (with the exact expectation of pointing at a
-uniformly random region), and bootstrap intervals of a mean; and the AUROC of a detector's
-scores, overall and within strata (pairs of one stratum only), with bootstrap intervals.
+LDS (:func:`lds`), per-span LDS averaged per image, pointing at a boxed object (with the
+exact expectation of pointing at a uniformly random region), and bootstrap intervals of a
+mean; heat per image token and the deletion and insertion AUC of a span's regions taken in
+heat order; R^2 of predicted effects; and the AUROC of a detector's scores, overall and
+within strata (pairs of one stratum only), with bootstrap intervals.
 
 What ``python -m headscope eval`` reports, and what ``headscope.shapes`` and
 ``python -m headscope synthetic`` measure with (``python -m headscope detector eval`` and
@@ -18,9 +20,10 @@ from torch import Tensor
 
 from .attribution import spearman
 
-__all__ = ["LDS", "auroc", "auroc_interval", "auroc_within", "bootstrap_interval",
-           "defined_mean", "in_box", "lds", "lds_per_image", "mean_with_interval", "per_image",
-           "random_pointing", "region_centroids"]
+__all__ = ["LDS", "auroc", "auroc_interval", "auroc_within", "bootstrap_interval", "curve_auc",
+           "curve_sets", "defined_mean", "deletion_auc", "heat_order", "hotter_than_rest",
+           "in_box", "insertion_auc", "lds", "lds_per_image", "mean_with_interval",
+           "per_image", "per_token", "r_squared", "random_pointing", "region_centroids"]
 
 WHO = "headscope.metrics"
 
@@ -183,3 +186,96 @@ def auroc_interval(scores: torch.Tensor, labels: torch.Tensor, rounds: int = 100
     low, high = torch.tensor(values, dtype=torch.float64).quantile(
         torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
     return [low, high]
+
+
+def per_token(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``(..., K)`` float64: each region's score divided by its image tokens (``tokens``
+    ``(K,)`` or broadcastable), NaN for a region without tokens: the heat a page paints,
+    so that a region does not win by its size."""
+    tokens = torch.as_tensor(tokens).double()
+    return scores.double() / tokens.masked_fill(tokens == 0, math.nan)
+
+
+def heat_order(heat: torch.Tensor) -> torch.Tensor:
+    """``(..., K)`` int64: the regions hottest first (NaN last; ties by region number)."""
+    key = heat.double().nan_to_num(nan=-math.inf)
+    return torch.sort(key, dim=-1, descending=True, stable=True).indices
+
+
+def curve_sets(order: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The region sets a span's deletion and insertion curves remove, for ``order``
+    ``(K,)`` (regions hottest first): ``(deletion, insertion)``, each ``(K, K)`` bool.
+    Row j of ``deletion`` removes the first j + 1 regions (its last row removes every
+    region); row j of ``insertion`` keeps the first j + 1 and removes the rest (its last row
+    removes none)."""
+    K = order.shape[-1]
+    ranks = torch.empty_like(order)
+    ranks[order] = torch.arange(K, device=order.device)
+    within = ranks.unsqueeze(0) <= torch.arange(K, device=order.device).unsqueeze(1)
+    return within, ~within
+
+
+def curve_auc(tokens_in_order: torch.Tensor, shares: torch.Tensor) -> torch.Tensor:
+    """Area under the curve through (0, 0) and the points (x_j, ``shares[..., j]``), x_j
+    the share of the image tokens in the first j + 1 regions (``tokens_in_order`` ``(...,
+    K)``, in the curve's order), by the trapezoid rule: ``(...,)`` float64."""
+    tokens = tokens_in_order.double()
+    x = torch.nn.functional.pad(tokens.cumsum(-1) / tokens.sum(-1, keepdim=True), (1, 0))
+    y = torch.nn.functional.pad(shares.double(), (1, 0))
+    return ((x[..., 1:] - x[..., :-1]) * (y[..., 1:] + y[..., :-1]) / 2).sum(-1)
+
+
+def _ordered_tokens(order: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(tokens).double().expand(order.shape).gather(-1, order)
+
+
+def deletion_auc(order: torch.Tensor, tokens: torch.Tensor, removed_effects: torch.Tensor
+                 ) -> torch.Tensor:
+    """Deletion AUC of regions taken in ``order`` ``(..., K)``: x the share of image tokens
+    removed, y the effect of removing the first regions as a share of the effect of
+    removing them all. ``removed_effects`` ``(..., K)``: the effect of removing the first
+    j + 1 regions (the rows of :func:`curve_sets`' ``deletion``; the last, every region);
+    ``tokens`` ``(K,)``: image tokens per region. Higher is better: the hottest regions
+    carry the effect. NaN where removing every region has no positive effect."""
+    total = removed_effects[..., -1:].double()
+    shares = removed_effects.double() / total
+    auc = curve_auc(_ordered_tokens(order, tokens), shares)
+    return auc.masked_fill(~(total.squeeze(-1) > 0), math.nan)
+
+
+def insertion_auc(order: torch.Tensor, tokens: torch.Tensor, kept_effects: torch.Tensor,
+                  total: torch.Tensor) -> torch.Tensor:
+    """Insertion AUC of regions taken in ``order`` ``(..., K)``: x the share of image tokens
+    kept, y the share of the effect of removing every region that keeping the first
+    regions recovers, ``1 - effect(removing the rest) / total``. ``kept_effects`` ``(...,
+    K)``: the effect of removing all but the first j + 1 regions (the rows of
+    :func:`curve_sets`' ``insertion``; the last removes none, 0); ``total`` ``(...,)``: the
+    effect of removing every region. Higher is better. NaN where ``total`` is not
+    positive."""
+    total = torch.as_tensor(total).double().unsqueeze(-1)
+    shares = 1 - kept_effects.double() / total
+    auc = curve_auc(_ordered_tokens(order, tokens), shares)
+    return auc.masked_fill(~(total.squeeze(-1) > 0), math.nan)
+
+
+def hotter_than_rest(token_heat: torch.Tensor, on_object: torch.Tensor) -> Optional[bool]:
+    """Whether a picture is painted hotter on an object than elsewhere: the mean heat of
+    the image tokens on the object (``on_object`` ``(T,)`` bool, e.g. the tokens whose cell
+    centre lies in its box) above the mean over the other image tokens (``token_heat``
+    ``(T,)``: the heat of each token's region). None when either side has no token."""
+    on_object = on_object.bool()
+    if not on_object.any() or on_object.all():
+        return None
+    heat = token_heat.double()
+    return bool(heat[on_object].mean() > heat[~on_object].mean())
+
+
+def r_squared(predicted: torch.Tensor, measured: torch.Tensor) -> Optional[float]:
+    """``1 - sum (measured - predicted)^2 / sum (measured - mean)^2`` over every entry (the
+    predictions as they are, no fit: below 0 when worse than the mean); None when the
+    measured values are constant."""
+    predicted, measured = predicted.double().flatten(), measured.double().flatten()
+    spread = float(((measured - measured.mean()) ** 2).sum())
+    if not spread > 0:
+        return None
+    return 1 - float(((measured - predicted) ** 2).sum()) / spread

@@ -11,8 +11,12 @@ span-region pair, Pearson, the subset-level LDS (predicted joint effect of each 
 region set = the sum of its regions' scores) and pointing accuracy (spans whose text holds
 a boxed phrase: is the top-scored region's centroid inside the box), beside the pointing
 accuracy a uniformly random region has in expectation (per span, the share of regions
-whose centroid is inside the box). A collection made with ``--attnlrp`` adds AttnLRP's
-scores as a baseline, with its milliseconds per span.
+whose centroid is inside the box), and pointing by the painted heat (the region hottest per
+image token). A collection made with ``--attnlrp`` adds AttnLRP's scores as a baseline, with
+its milliseconds per span. Then, unless ``--no-curves``, the heat map's yardsticks
+(``curves.py``): per sentence span, the deletion and insertion AUC of each scorer's regions
+in heat order, with the true-effect and random orders as references and intervals over
+images (the model runs again: each example's answer and its regions' cumulative sets).
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ from .shards import MANIFEST
 from .torchrun import rank
 
 ROWS = (("lds", "LDS (mean over images)"), ("lds_pooled", "LDS (pooled)"),
-        ("pearson", "Pearson"), ("subset_lds", "subset LDS"), ("pointing", "pointing accuracy"))
+        ("pearson", "Pearson"), ("subset_lds", "subset LDS"), ("pointing", "pointing accuracy"),
+        ("pointing_heat", "pointing by heat"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work", default=None,
                         help="where DATA is collected (default: <report>.collect/; reused "
                              "and resumed when it exists; not with a collection as --data)")
+    parser.add_argument("--no-curves", action="store_true",
+                        help="leave out the deletion and insertion AUC (they run the model "
+                             "again: each example's answer, then a batch of ablations per "
+                             "example; resumable in <report>.curves/)")
     parser.set_defaults(collect_options=_collect.add_arguments(parser))
 
 
@@ -118,6 +127,14 @@ def table(results: dict) -> str:
     for name in names:
         if "ms_per_span" in results[name]:
             lines.append(f"{name}: {results[name]['ms_per_span']:.1f} ms per span")
+    if results.get("curves"):
+        curves = results["curves"]
+        lines.append(f"deletion / insertion AUC (mean over {curves['images']} images of its "
+                     f"{curves['spans']} sentence spans; regions in heat order):")
+        for name in [*names, "effects", "random"]:
+            d, i = curves["deletion"][name], curves["insertion"][name]
+            label = {"effects": "true-effect order", "random": "random order"}.get(name, name)
+            lines.append(f"  {label:22} {cell(d['mean'])} / {cell(i['mean'])}")
     lines.append(f"LDS per image (line: {' / '.join(names)}):")
     for i, line in enumerate(results["lines"]):
         lines.append(f"  {line:>6}: " + " / ".join(cell(s["lds_per_image"][i]) for s in scorers))
@@ -147,30 +164,34 @@ def run(args) -> int:
             args.features = head.feature_set
     if not is_collection:
         folder, _ = _collect.collect(args)
-    if rank() != 0:
-        return 0
     data = read_collection(folder)
     features = data.tensors["features"]
     check_feature_columns(data.manifest, features.shape[-1], "eval")
     # a raw baseline per block of L*H columns: its mean over layers and heads
     collected = feature_set(data.manifest)
     raw = FEATURE_BLOCKS[collected]
-    posthoc = {}
-    if "attnlrp" in data.tensors:
-        posthoc["attnlrp"] = score(data, data.tensors["attnlrp"])
-        posthoc["attnlrp"]["ms_per_span"] = \
-            1e3 * float(data.tensors["attnlrp_seconds"].sum()) / data.num_spans
     with torch.no_grad():
-        results = {"head": score(data, head(feature_columns(features, collected,
-                                                            head.feature_set))),
-                   **{name: score(data, feature_columns(features, collected, name).mean(-1))
-                      for name in raw},
-                   **posthoc,
-                   "baselines": [*raw, *posthoc],
-                   "random": random_baseline(data),
-                   "lines": data.tensors["line"].tolist(),
-                   "spans": data.num_spans, "collection": str(folder),
-                   "head_file": str(args.head), "manifest": data.manifest}
+        scored = {"head": head(feature_columns(features, collected, head.feature_set)),
+                  **{name: feature_columns(features, collected, name).mean(-1) for name in raw}}
+    if "attnlrp" in data.tensors:
+        scored["attnlrp"] = data.tensors["attnlrp"]
+    measured = None
+    if not args.no_curves:  # under torchrun every process measures its share of examples
+        from . import curves
+        measured = curves.measure(args, data, folder, scored, curves.folder_for(args.report))
+    if rank() != 0:
+        return 0
+    results = {name: score(data, scores) for name, scores in scored.items()}
+    if "attnlrp" in scored:
+        results["attnlrp"]["ms_per_span"] = \
+            1e3 * float(data.tensors["attnlrp_seconds"].sum()) / data.num_spans
+    results.update({"baselines": [name for name in scored if name != "head"],
+                    "random": random_baseline(data), "lines": data.tensors["line"].tolist(),
+                    "spans": data.num_spans, "collection": str(folder),
+                    "head_file": str(args.head), "manifest": data.manifest})
+    if measured is not None:
+        results["curves"] = curves.summarise(measured, data.tensors["line"].shape[0], ["head"],
+                                             results["baselines"])
     print(table(results))
     write_json(args.report, results)
     print(f"report written to {args.report}")

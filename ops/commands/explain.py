@@ -10,9 +10,10 @@ frames sampled as it samples them (``headscope.videos``).
 
 Each span (sentence) is printed as it is generated, with its best-scored regions; then
 DIR/index.html (one self-contained page: open it from disk), DIR/report.json (every
-number) and DIR/span{j}.png are written. Scores: with --head, the head's predicted effect
-of ablating each region; without, raw attention (each region's attention mass from the
-span, mean over the decoder's layers and heads). --serve shows the answer and each span's
+number) and DIR/span{j}.png are written. Scores (--scores): with --head, the head's
+predicted effect of ablating each region; without, the gradient norm computed as each span
+ends, or raw attention, raw value-norm-weighted attention or AttnLRP. The page paints each
+region's score per image token. --serve shows the answer and each span's
 heat map on a live page while the model generates (needs `pip install "headscope[app]"`).
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 from typing import List
 
+from ..explainer.scorers import DEFAULT_SCORER, SCORERS
 from ..pictures import PictureError, check_picture, read_picture
 from ..videos import VideoError, check_video, read_video
 from .errors import UsageError, check_output, integer, number, refuse_ignored
@@ -57,9 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", required=True, metavar="TEXT",
                         help="the question; the processor's chat template places the pictures "
                              "and videos")
+    parser.add_argument("--scores", choices=tuple(SCORERS), default=None,
+                        help="what scores each region: raw attention, raw value-norm-weighted "
+                             "attention, AttnLRP or the gradient norm (both computed as each "
+                             "span ends), or the head of --head (default: head with --head, "
+                             f"else {DEFAULT_SCORER})")
     parser.add_argument("--head", default=None, metavar="FILE",
                         help="an attribution head for this model (`python -m headscope train`): "
-                             "scores are its predicted effects (default: raw attention)")
+                             "scores are its predicted effects")
     parser.add_argument("--detector", default=None, metavar="FILE",
                         help="a headscope.VASDetector (safetensors): the answer's "
                              "hallucination probability")
@@ -161,6 +168,12 @@ def check_arguments(args) -> None:
         raise UsageError(f"--top-p {args.top_p}: must be in (0, 1]")
     if args.serve is None:
         refuse_ignored(args, ["host"], "without --serve")
+    if args.scores == "head" and args.head is None:
+        raise UsageError("--scores head: needs --head FILE (an attribution head fitted for "
+                         "this model by `python -m headscope train`)")
+    if args.head is not None and args.scores not in (None, "head"):
+        raise UsageError(f"--head {args.head}: has no effect with --scores {args.scores}; "
+                         f"allowed: leave --scores out (or --scores head), or leave --head out")
     for path in args.image:
         check_image(path)
     for path in args.video:
@@ -271,7 +284,8 @@ def span_line(span) -> str:
     """One span on the terminal: its number, text and best regions with their scores."""
     if span.special:
         return f"[{span.index}] (special tokens only: {len(span.token_ids)})"
-    top = "  ".join(f"region {k} {v:.4f}" for k, v in span.top_regions(3))
+    top = "  ".join(f"region {k} {v:.4g}/token ({float(span.scores[k]):.4g})"
+                    for k, v in span.top_regions(3))
     return f"[{span.index}] {span.text.strip()}\n      {top}"
 
 
@@ -282,17 +296,18 @@ def summary(explanation, seconds: float) -> str:
     lines = [f"{len(e.spans)} spans ({len(e.spans) - len(shown)} of special tokens only), "
              f"{tokens} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s)"]
     if shown:
-        best = max(shown, key=lambda s: float(s.scores.max()))
+        best = max(shown, key=lambda s: s.top_regions(1)[0][1])
         k, v = best.top_regions(1)[0]
-        lines.append(f"strongest: span {best.index}, region {k} ({e.score_name} {v:.4f})")
+        lines.append(f"hottest: span {best.index}, region {k} ({e.score_name} {v:.4g} per "
+                     f"image token)")
     if e.hallucination is not None:
         lines.append(f"hallucination probability (VAS detector): {e.hallucination:.3f}")
     return "\n".join(lines)
 
 
 def run(args) -> int:
-    from ..explainer import HEAD_EFFECT, RAW_ATTENTION, iter_explain
-    from ..explainer.page import SCORE_HELP
+    from ..explainer import iter_explain
+    from ..explainer.scorers import SCORE_HELP, posthoc_unsupported, runnable_scorer
     from .models import (device, load_config, load_model, load_processor, model_folder,
                          text_sizes)
     check_arguments(args)
@@ -318,16 +333,28 @@ def run(args) -> int:
     # the page and report say which weights gave the answer
     shown = name if args.quantize is None else f"{name} ({args.quantize} weights)"
 
+    if args.scores is not None:
+        unsupported = posthoc_unsupported(args.scores, model)
+        if unsupported:
+            allowed = [s for s in SCORERS
+                       if s != "head" and posthoc_unsupported(s, model) is None]
+            raise UsageError(f"--scores {args.scores}: {unsupported}; allowed: --scores "
+                             f"{', '.join(allowed)}")
+    # the default without a head falls back to raw attention, with a warning, on a model
+    # that passes no gradient (the scorer is chosen once, here, for the terminal and page)
+    scorer = runnable_scorer(args.scores, head, model)
+
     def explanations():
         return iter_explain(model, processor, pictures, args.prompt, head, videos=videos,
-                            regions=args.regions, frames=args.frames, detector=detector,
+                            scores=scorer, regions=args.regions, frames=args.frames,
+                            detector=detector,
                             max_new_tokens=args.max_new_tokens, model_name=shown,
                             **generate_kwargs)
     if args.serve is not None:
         from ..explainer.live import serve
         return serve(explanations, args.host, args.serve, Path(args.out))
-    score_name = HEAD_EFFECT if head is not None else RAW_ATTENTION
-    print(f"scores: {score_name} ({SCORE_HELP[score_name]}); regions: {args.regions}",
+    print(f"scores: {SCORERS[scorer]} ({SCORE_HELP[scorer]}); regions: {args.regions}; "
+          f"each span's hottest regions: score per image token (the region's total)",
           flush=True)
     start, printed, result = time.perf_counter(), 0, None
     for result in explanations():

@@ -1,7 +1,8 @@
 """Faithfulness of a collection's region scores against its measured ablation effects, per
 span and per image: LDS (Spearman across regions), Pearson, subset-level LDS and pointing
-accuracy (with the exact expectation of pointing at a uniformly random region as its
-baseline), built on :mod:`headscope.metrics`."""
+accuracy, by the top region and by the region hottest per image token (the painted heat),
+with the exact expectation of pointing at a uniformly random region as its baseline,
+built on :mod:`headscope.metrics`."""
 from __future__ import annotations
 
 import math
@@ -10,8 +11,8 @@ from typing import Dict, List
 import torch
 
 from ..attribution import pearson, spearman
-from ..metrics import (defined_mean, in_box, lds_per_image, per_image, random_pointing,
-                       region_centroids)
+from ..metrics import (defined_mean, heat_order, in_box, lds_per_image, per_image, per_token,
+                       random_pointing, region_centroids)
 from .collection import Collection
 
 
@@ -59,12 +60,25 @@ def score(data: Collection, scores: torch.Tensor) -> Dict:
     else:
         out["subset_lds"] = None
     cases = pointing_cases(data)
-    hits = []
+    tokens = region_tokens(data)
+    hits, heat_hits = [], []
     for span, centroids, box in cases:
         hits.append(bool(in_box(*centroids[int(scores[span].argmax())].tolist(), box)))
+        hottest = int(heat_order(per_token(scores[span], tokens[span_example[span]]))[0])
+        heat_hits.append(bool(in_box(*centroids[hottest].tolist(), box)))
     out["pointing"] = sum(hits) / len(hits) if hits else None
+    out["pointing_heat"] = sum(heat_hits) / len(heat_hits) if heat_hits else None
     out["pointing_spans"] = len(hits)
     return out
+
+
+def region_tokens(data: Collection) -> torch.Tensor:
+    """``(examples, K)`` int64: each example's image tokens (of its grid) per region."""
+    t = data.tensors
+    K = t["effects"].shape[1]
+    sizes = (t["grid"][:, 0] * t["grid"][:, 1]).tolist()
+    return torch.stack([torch.bincount(labels, minlength=K)
+                        for labels in t["labels"].split(sizes)])
 
 
 def random_baseline(data: Collection) -> Dict:

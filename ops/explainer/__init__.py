@@ -9,10 +9,12 @@ model.
 
     headscope.explain(model, processor, [], "What happens?", videos=["clip.mp4"])
 
-Scores are the attribution head's predicted effect of ablating each region when a head
-is given, else raw attention (each region's attention mass averaged over the decoder's
-layers and heads). ``iter_explain`` yields the explanation after each span, for pages and
-terminals that show spans while the model generates (``python -m headscope explain``).
+Scores (``scores=``, ``scorers.py``): the attribution head's predicted effect of ablating
+each region when a head is given, else the default scorer without a head (the gradient
+norm, computed as each span ends), or raw attention, raw value-norm-weighted attention or
+AttnLRP. The page paints each region's score per image token (of a picture or a video).
+``iter_explain`` yields the explanation after each span, for pages and terminals that show
+spans while the model generates (``python -m headscope explain``).
 """
 from __future__ import annotations
 
@@ -24,10 +26,9 @@ import torch
 
 from ..pictures import upright_rgb
 from ..videos import Video, as_video
+from .scorers import SCORERS
 from .video import ExplainedVideo, explained_video, where as video_where
 
-RAW_ATTENTION = "raw attention"
-HEAD_EFFECT = "head's predicted effect"
 DEFAULT_GRID = (3, 3)
 
 
@@ -37,9 +38,14 @@ class ExplainedSpan:
     left out, spacing as in the whole answer); ``special``: the tracer's ``span.special``,
     it holds only special tokens (such as end-of-text), so it names nothing of the pictures; ``features`` ``(K, F)``:
     the tracer's span features; ``attention`` ``(K,)``: their attention block averaged over
-    layers and heads (raw attention); ``head_scores`` ``(K,)``: the head's predicted
-    effects, or None without a head; ``scores``: what the page shows (the head's, else raw
-    attention)."""
+    layers and heads (raw attention; None when the tracer computed only value-norm-weighted
+    attention, for such a head); ``scores`` ``(K,)``: each region's score by the
+    explanation's scorer, a total over the region's image tokens; ``head_scores`` ``(K,)``:
+    the head's predicted effects, or None without a head; ``region_tokens`` ``(K,)``: how many
+    image tokens each region holds (every view of every picture, every frame group of every
+    video); ``per_token``: the
+    scores per image token, what the page paints, so that a large region does not win by
+    its size."""
     index: int
     start: int
     end: int
@@ -47,17 +53,27 @@ class ExplainedSpan:
     token_ids: List[int]
     special: bool
     features: torch.Tensor
-    attention: torch.Tensor
+    attention: Optional[torch.Tensor]
+    scores: torch.Tensor
     head_scores: Optional[torch.Tensor] = None
+    region_tokens: Optional[torch.Tensor] = None
 
     @property
-    def scores(self) -> torch.Tensor:
-        return self.attention if self.head_scores is None else self.head_scores
+    def per_token(self) -> torch.Tensor:
+        """``(K,)`` float64: each region's score divided by its image tokens (the scores
+        themselves when the token counts are not known); NaN for a region without tokens."""
+        scores = self.scores.double()
+        if self.region_tokens is None:
+            return scores
+        return scores / self.region_tokens.double().masked_fill(self.region_tokens == 0,
+                                                                 float("nan"))
 
     def top_regions(self, count: int = 3) -> List[Tuple[int, float]]:
-        """The ``count`` best-scored regions, ``(region, score)``, best first."""
-        order = torch.argsort(self.scores, descending=True)[:count]
-        return [(int(k), float(self.scores[k])) for k in order]
+        """The ``count`` hottest regions as the page paints them, ``(region, score per
+        image token)``, hottest first (regions without tokens last)."""
+        from ..metrics import heat_order
+        heat = self.per_token
+        return [(int(k), float(heat[k])) for k in heat_order(heat)[:count]]
 
 
 @dataclass
@@ -78,8 +94,9 @@ class Explanation:
     """What :func:`explain` returns (and :func:`iter_explain` yields as spans come):
     the prompt, the answer, its spans, the pictures and videos (``videos``: each an
     ``ExplainedVideo``, ``video.py``) with their regions, the answer's VAS features and,
-    with a detector, its hallucination probability. ``done``: generation has ended (VAS
-    and the hallucination probability are then set)."""
+    with a detector, its hallucination probability. ``scorer``: what scores the regions (a
+    key of ``headscope.explainer.scorers.SCORERS``), ``score_name`` its name. ``done``:
+    generation has ended (VAS and the hallucination probability are then set)."""
     prompt: str
     pictures: List[Picture]
     score_name: str
@@ -87,6 +104,7 @@ class Explanation:
     feature_set: str
     model_name: str
     spans: List[ExplainedSpan] = field(default_factory=list)
+    scorer: str = "attention"
     answer: str = ""
     vas_features: Optional[dict] = None
     hallucination: Optional[float] = None
@@ -107,6 +125,12 @@ class Explanation:
                 return video_where(video, i, region)
         raise ValueError(f"headscope.explain: no picture or video holds region {region}")
 
+    @property
+    def region_tokens(self) -> torch.Tensor:
+        """``(K,)`` int64: the image tokens of each region, over every view of every
+        picture and every frame group of every video."""
+        return region_token_counts([*self.pictures, *self.videos], self.num_regions)
+
     def report(self) -> dict:
         """Every number of the explanation, as report.json holds them."""
         from .page import report
@@ -126,6 +150,15 @@ class Explanation:
         (one per span), each atomically; creates the folder. Returns the page's path."""
         from .page import save
         return save(self, Path(folder))
+
+
+def region_token_counts(media: Sequence, regions: int) -> torch.Tensor:
+    """``(regions,)`` int64: how many image tokens each region holds, over every view of
+    every picture and every frame group of every video in ``media`` (each with the
+    ``labels`` of its tokens)."""
+    labels = torch.cat([m.labels for m in media]) if media else \
+        torch.zeros(0, dtype=torch.int64)
+    return torch.bincount(labels[labels >= 0], minlength=regions)
 
 
 def video_processor_of(processor):
@@ -187,6 +220,7 @@ def tracer_regions(regions: Union[int, Tuple[int, int], str], frames: Optional[i
 
 def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
                  videos: Sequence = (),
+                 scores: Optional[str] = None,
                  regions: Union[int, Tuple[int, int], str] = DEFAULT_GRID,
                  frames: Optional[int] = None,
                  detector=None, inputs: Optional[dict] = None, max_new_tokens: int = 64,
@@ -195,6 +229,8 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
     """:func:`explain`, yielding the explanation after each span as the model generates
     it, and once more when generation has ended (``done`` True, VAS set)."""
     from ..hf import Tracer
+    from .scorers import POSTHOC, block_mean, posthoc_scores, runnable_scorer, traced_features
+    scorer = runnable_scorer(scores, head, model)
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("headscope.explain: argument 'prompt' must be a non-empty string")
     if not images and not videos:
@@ -215,29 +251,38 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
             inputs[key] = inputs[key].to(model.dtype)
     tokenizer = getattr(processor, "tokenizer", processor)
     result = Explanation(prompt=prompt, pictures=[], feature_set="",
-                         score_name=RAW_ATTENTION if head is None else HEAD_EFFECT,
+                         score_name=SCORERS[scorer], scorer=scorer,
                          regions_name=regions_name,
                          model_name=model_name or getattr(model.config, "_name_or_path", "")
                          or type(model).__name__)
     answer_ids: List[int] = []
     with torch.no_grad(), Tracer(model, regions=traced, vas=True, head=head,
-                                 tokenizer=tokenizer) as tr:
-        result.feature_set = tr.features
-        L, H = tr.num_layers, tr.num_heads
+                                 tokenizer=tokenizer,
+                                 features=traced_features(scorer, head)) as tr:
+        result.feature_set = features = tr.features
         for span in tr.generate(**inputs, max_new_tokens=max_new_tokens, **generate_kwargs):
             if not result.spans:  # the prefill has laid out the pictures, videos and regions
                 result.pictures, result.videos = _media(tr, images, videos)
+                tokens = result.region_tokens
             before = tokenizer.decode(answer_ids, skip_special_tokens=True)
             answer_ids += span.token_ids.tolist()
             result.answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
+            attention = None if features == "attention*value_norm" else \
+                block_mean(span.features, features, "attention")
+            if scorer == "head":
+                chosen = span.scores
+            elif scorer in POSTHOC:
+                chosen = posthoc_scores(scorer, tr, model, inputs, answer_ids, span)
+            else:
+                chosen = block_mean(span.features, features, scorer)
             result.spans.append(ExplainedSpan(
                 index=len(result.spans), start=span.start, end=span.end,
                 text=result.answer[len(before):] if result.answer.startswith(before)
                 else tokenizer.decode(span.token_ids, skip_special_tokens=True),
                 token_ids=span.token_ids.tolist(),
                 special=span.special,
-                features=span.features, attention=span.features[:, :L * H].mean(-1),
-                head_scores=span.scores))
+                features=span.features, attention=attention, scores=chosen,
+                head_scores=span.scores, region_tokens=tokens))
             yield result
         vas = tr.vas_features()[0].float().cpu()
     from ..vas import VAS_COLUMNS
@@ -259,14 +304,18 @@ def explain(model, processor, images: Sequence, prompt: str, head=None, **kwargs
     ``_repr_html_``).
 
     ``head``: an ``AttributionHead`` fitted for this model (scores: its predicted effects;
-    the tracer computes the head's feature set), else None (raw attention).
+    the tracer computes the head's feature set), else None.
     Keyword arguments: ``videos`` (paths, read by ``headscope.videos.read_video`` with the
     processor's video processor, or ``headscope.videos.Video``; the prompt shows them
-    after the pictures), ``regions`` (K Ward regions per picture and per video, or
-    ``(rows, cols)`` / ``"3x3"``: a grid of blocks on each picture and each video frame
-    group; default 3x3), ``frames`` (a grid's time windows on videos: that many sampled
-    frames, a multiple of the frames the model merges into one token; default each frame
-    group), ``detector`` (a
+    after the pictures), ``scores`` (``"attention"``, ``"attention*value_norm"``,
+    ``"attnlrp"``, ``"gradient"`` or ``"head"``, which needs ``head``; default: ``"head"``
+    with a head, else ``scorers.DEFAULT_SCORER``, the gradient norm, or raw attention with
+    a warning where quantized layers pass no gradient; a scorer that cannot run on the
+    model is refused before generating), ``regions`` (K Ward regions per picture and per
+    video, or ``(rows, cols)`` / ``"3x3"``: a grid of blocks on each picture and each video
+    frame group; default 3x3), ``frames`` (a grid's time windows on videos: that many
+    sampled frames, a multiple of the frames the model merges into one token; default each
+    frame group), ``detector`` (a
     ``headscope.VASDetector``: the answer's hallucination probability), ``inputs`` (the
     model inputs, for a processor without a chat template), ``max_new_tokens`` (64),
     ``model_name`` (shown on the page), and ``generate``'s own (``do_sample``, ...)."""

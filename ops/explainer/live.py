@@ -28,10 +28,11 @@ def _gallery_item(explanation, span, folder: Path) -> tuple:
     """The span's PNG as a file in ``folder`` and its caption. A file, not a PIL picture:
     Gradio writes a picture into its cache again on every update, in place, while the
     browser may be reading it (a truncated image); a file it copies once, atomically."""
-    k, score = span.top_regions(1)[0]
+    k, heat = span.top_regions(1)[0]
     path = folder / f"span{span.index}.png"
     path.write_bytes(span_png(explanation, span))
-    return (str(path), f"[{span.index}] {span.text.strip()}  (top: region {k}, {score:.4f})")
+    return (str(path), f"[{span.index}] {span.text.strip()}  (hottest: region {k}, "
+                       f"{heat:.4f} per image token)")
 
 
 def app(explanations: Callable[[], Iterator], out: Path):

@@ -5,31 +5,30 @@ report.json. Videos (their strips of frames and timelines) are ``video.py``'s.
 Every token of every view (tiles, thumbnails, global images, crops) has a box on its
 picture; a picture's region map paints each token's box with its region, coarse views
 first, so the finest view present decides each pixel. A span's heat map colours each
-pixel by its region's score, scaled to the span's lowest and highest score (the colour
-bar says which numbers those are)."""
+pixel by its region's score per image token (the region's score over its tokens, so that
+regions of unequal size compare: a region's score and its ablation effect both grow with
+its size), scaled to the span's lowest and highest (the colour bar says which numbers
+those are and names the unit)."""
 from __future__ import annotations
 
 import base64
 import html
 import io
 import json
+import math
 import uuid
 from pathlib import Path
 import numpy as np
 
 from ..io import atomic_path
 from . import video as videos
+from .scorers import SCORE_HELP
 from .video import video_report
 
 DISPLAY_SIDE = 448       # the longest side of a picture on the page, in pixels
 COLORMAP = "inferno"
 HEAT_ALPHA = 0.6
-SCORE_HELP = {
-    "raw attention": "each region's attention mass from the span, mean over the decoder's "
-                     "layers and heads",
-    "head's predicted effect": "the attribution head's predicted effect of ablating the "
-                               "region on the span",
-}
+HEAT_UNIT = "per image token"
 
 
 def display_size(image, side: int = DISPLAY_SIDE) -> tuple:
@@ -76,10 +75,11 @@ def region_centres(label_map: np.ndarray, regions: tuple) -> dict:
     return centres
 
 
-def scale(scores: np.ndarray) -> tuple:
-    """(low, high) of a span's scores: the ends of its colour bar."""
-    low, high = float(np.min(scores)), float(np.max(scores))
-    return low, high
+def scale(heat: np.ndarray) -> tuple:
+    """(low, high) of a span's heat: the ends of its colour bar (regions without tokens,
+    NaN, left out)."""
+    shown = heat[~np.isnan(heat)]
+    return (float(shown.min()), float(shown.max())) if len(shown) else (0.0, 0.0)
 
 
 def heat_rgba(label_map: np.ndarray, scores: np.ndarray, low: float, high: float
@@ -110,13 +110,20 @@ def _shown_spans(explanation) -> list:
     return [s for s in explanation.spans if not s.special]
 
 
+def heat_label(explanation) -> str:
+    """The colour bar's name: the scores and their unit."""
+    return f"{explanation.score_name} {HEAT_UNIT}"
+
+
 def report(explanation) -> dict:
     """Every number of the explanation (report.json)."""
     e = explanation
     return {
         "model": e.model_name, "prompt": e.prompt, "answer": e.answer,
-        "scores": e.score_name, "regions": e.regions_name, "feature_set": e.feature_set,
-        "num_regions": e.num_regions, "complete": e.done,
+        "scores": e.score_name, "scorer": e.scorer, "regions": e.regions_name,
+        "feature_set": e.feature_set,
+        "num_regions": e.num_regions, "complete": e.done, "heat": HEAT_UNIT,
+        "region_tokens": e.region_tokens.tolist(),
         "pictures": [{"width": p.image.size[0], "height": p.image.size[1],
                       "regions": list(p.regions), "views": p.views,
                       "token_boxes": p.boxes.tolist(), "token_regions": p.labels.tolist()}
@@ -124,7 +131,10 @@ def report(explanation) -> dict:
         "spans": [{"index": s.index, "start": s.start, "end": s.end, "text": s.text,
                    "token_ids": s.token_ids, "special": s.special,
                    "png": None if s.special else png_name(s),
-                   "scores": s.scores.tolist(), "attention": s.attention.tolist(),
+                   "scores": s.scores.tolist(),
+                   "scores_per_token": [None if math.isnan(v) else v
+                                        for v in s.per_token.tolist()],
+                   "attention": None if s.attention is None else s.attention.tolist(),
                    "head_scores": None if s.head_scores is None else s.head_scores.tolist(),
                    "top_regions": [k for k, _ in s.top_regions(e.num_regions)],
                    "features": s.features.tolist()} for s in e.spans],
@@ -138,15 +148,15 @@ def png_name(span) -> str:
 
 
 def span_png(explanation, span) -> bytes:
-    """A PNG of one span's picture(s) under its heat map, with region numbers and a
-    labelled colour bar, and of its videos (``video.draw``: frames under the heat, the
-    timeline of frame groups)."""
+    """A PNG of one span's picture(s) under its heat map (scores per image token), with
+    region numbers and a colour bar that names the unit, and of its videos (``video.draw``:
+    frames under the heat, the timeline of frame groups)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import Normalize
 
-    scores = span.scores.double().numpy()
+    scores = span.per_token.numpy()
     low, high = scale(scores)
     pictures = explanation.pictures
     heights = [4.6] * bool(pictures) + [videos.PNG_HEIGHT] * len(explanation.videos)
@@ -169,11 +179,9 @@ def span_png(explanation, span) -> bytes:
         bar = plt.cm.ScalarMappable(Normalize(low, high if high > low else low + 1e-12),
                                     cmap=COLORMAP)
         picture_part.colorbar(bar, ax=list(axes[0]), shrink=0.85).set_label(
-            explanation.score_name)
-    if explanation.videos:
-        heat = videos.per_token(span.scores, videos.region_tokens(explanation))
-        for i, (part, video) in enumerate(zip(parts, explanation.videos)):
-            videos.draw(part, explanation, video, i, heat, *videos.heat_scale(heat))
+            heat_label(explanation))
+    for i, (part, video) in enumerate(zip(parts, explanation.videos)):
+        videos.draw(part, explanation, video, i, scores, low, high)
     text = span.text.strip()
     fig.suptitle(f"\u201c{text[:77] + '...' if len(text) > 80 else text}\u201d", fontsize=11)
     buffer = io.BytesIO()
@@ -205,18 +213,23 @@ def _page_data(explanation) -> dict:
                          "height": size[1],
                          "centres": {str(k): [round(x, 4), round(y, 4)]
                                      for k, (x, y) in region_centres(labels, p.regions).items()}})
-    spans, tokens = [], videos.region_tokens(e)
+    tokens = e.region_tokens
+    spans = []
     for s in _shown_spans(e):
-        scores = s.scores.double().numpy()
-        low, high = scale(scores)
+        heat = s.per_token.numpy()
+        low, high = scale(heat)
         spans.append({
             "index": s.index, "text": s.text, "low": low, "high": high,
-            "overlays": [png_data_uri(heat_rgba(m, scores, low, high)) for m in maps],
-            "table": [[k, e.where(k), float(scores[k]), float(s.attention[k])]
+            "overlays": [png_data_uri(heat_rgba(m, heat, low, high)) for m in maps],
+            # region, where, tokens, score, score per token, raw attention
+            "table": [[k, e.where(k), int(tokens[k]), float(s.scores[k]), float(heat[k]),
+                       None if s.attention is None else float(s.attention[k])]
                       for k, _ in s.top_regions(e.num_regions)]})
         if e.videos:
-            spans[-1]["video"] = videos.span_data(e, s, tokens)
-    return {"pictures": pictures, "spans": spans, "head": e.score_name != "raw attention"}
+            spans[-1]["video"] = videos.span_data(e, s)
+    # raw attention beside another scorer's scores, when the tracer computed it
+    beside = e.scorer != "attention" and all(s.attention is not None for s in e.spans)
+    return {"pictures": pictures, "spans": spans, "raw": beside}
 
 
 STYLE = """
@@ -232,10 +245,12 @@ STYLE = """
 .hs .pic img{display:block}.hs .pic img.heat{position:absolute;left:0;top:0}
 .hs .pic .rid{position:absolute;transform:translate(-50%,-50%);font-size:11px;line-height:1;
  background:rgba(255,255,255,.75);padding:1px 3px;border-radius:3px;pointer-events:none}
+.hs .side{max-width:560px}
 .hs .bar{width:260px;height:14px;border:1px solid #999}
 .hs .ticks{display:flex;justify-content:space-between;width:262px;font-size:.8em}
 .hs table{border-collapse:collapse;font-size:.9em}
 .hs td,.hs th{padding:2px 10px;border-bottom:1px solid #ddd;text-align:right}
+.hs td{white-space:nowrap}
 .hs tr.top td{font-weight:bold}.hs .note{color:#666;font-size:.85em}
 """
 
@@ -255,7 +270,8 @@ SCRIPT = """
     root.querySelector('.high').textContent = fmt(s.high);
     var rows = s.table.map(function(r, j){
       return '<tr' + (j === 0 ? ' class="top"' : '') + '><td>' + r[0] + '</td><td>' + r[1] +
-        '</td><td>' + fmt(r[2]) + '</td>' + (data.head ? '<td>' + fmt(r[3]) + '</td>' : '') + '</tr>'; });
+        '</td><td>' + r[2] + '</td><td>' + fmt(r[3]) + '</td><td>' + fmt(r[4]) + '</td>' +
+        (data.raw ? '<td>' + fmt(r[5]) + '</td>' : '') + '</tr>'; });
     root.querySelector('tbody.scores').innerHTML = rows.join('');
     if (root.hsVideos) root.hsVideos(s);
   }
@@ -305,25 +321,27 @@ def _body(explanation, root: str) -> str:
                         for k, v in e.vas_features.items())
         extra.append(f"<details><summary>VAS features of the prompt and answer "
                      f"({len(e.vas_features)})</summary><table>{cells}</table></details>")
-    head_column = "<th>raw attention</th>" if data["head"] else ""
+    raw_column = "<th>raw attention</th>" if data["raw"] else ""
     script = SCRIPT.replace("ROOT", root).replace(
         "DATA", json.dumps(data).replace("</", "<\\/"))
     return (
         f"<div class='hs' id='{root}'><style>{STYLE}</style>"
         f"<h1>headscope explain</h1><p class='meta'>{x(e.model_name)} &middot; scores: "
-        f"{x(e.score_name)} ({x(SCORE_HELP.get(e.score_name, ''))}) &middot; regions: "
+        f"{x(e.score_name)} ({x(SCORE_HELP.get(e.scorer, ''))}) &middot; regions: "
         f"{x(e.regions_name)}, {e.num_regions} in all</p>"
         f"<p class='prompt'><b>Prompt:</b> {x(e.prompt)}</p>"
         f"<p class='answer'><b>Answer</b> <span class='note'>(choose a span)</span>: "
         f"{''.join(answer)}</p><p class='note'>{' '.join(notes)}</p>"
-        f"{videos.section(e, _colour_stops())}<div class='view'><div>{pictures}</div><div><p class='chosen-text'></p>"
-        f"<div{'' if e.pictures else ' hidden'}>"
+        f"{videos.section(e, _colour_stops())}<div class='view'><div>{pictures}</div>"
+        f"<div class='side'><p class='chosen-text'></p><div{'' if e.pictures else ' hidden'}>"
         f"<div class='bar' style='background:linear-gradient(to right, {_colour_stops()})'>"
         f"</div><div class='ticks'><span class='low'></span><span class='mid'></span>"
-        f"<span class='high'></span></div><p class='note'>{x(e.score_name)} per region "
-        f"(colour bar: the span's lowest to highest)</p></div>"
-        f"<table><thead><tr><th>region</th><th>where</th><th>{x(e.score_name)}</th>"
-        f"{head_column}</tr></thead><tbody class='scores'></tbody></table></div></div>"
+        f"<span class='high'></span></div><p class='note unit'>{x(heat_label(e))} "
+        f"(colour bar: the span's lowest to highest; each region's score divided by its "
+        f"image tokens, so that regions of unequal size compare)</p></div>"
+        f"<table><thead><tr><th>region</th><th>where</th><th>tokens</th>"
+        f"<th>total</th><th>{x(HEAT_UNIT)}</th>"
+        f"{raw_column}</tr></thead><tbody class='scores'></tbody></table></div></div>"
         f"{''.join(extra)}"
         f"{videos.script(e, root)}<script>{script}</script></div>")
 

@@ -115,28 +115,6 @@ def explained_video(tokens, video, labels: torch.Tensor, regions: Tuple[int, int
 
 # ---- a span's numbers on a video -------------------------------------------------------------
 
-def region_tokens(explanation) -> torch.Tensor:
-    """``(K,)`` int64: how many tokens each region holds, over every view of every picture
-    and every frame group of every video."""
-    media = [*explanation.pictures, *explanation.videos]
-    labels = torch.cat([m.labels for m in media]) if media else \
-        torch.zeros(0, dtype=torch.int64)
-    return torch.bincount(labels[labels >= 0], minlength=explanation.num_regions)
-
-
-def per_token(scores: torch.Tensor, tokens: torch.Tensor) -> np.ndarray:
-    """``(K,)`` float64: each region's score over its tokens; NaN for a region without
-    tokens."""
-    counts = tokens.double().masked_fill(tokens == 0, float("nan"))
-    return (scores.double() / counts).numpy()
-
-
-def heat_scale(heat: np.ndarray) -> Tuple[float, float]:
-    """The colour bar's ends: the lowest and highest heat of a span's regions."""
-    shown = heat[~np.isnan(heat)]
-    return (float(shown.min()), float(shown.max())) if len(shown) else (0.0, 0.0)
-
-
 def group_scores(video: ExplainedVideo, heat: np.ndarray) -> np.ndarray:
     """``(G,)`` float64: each frame group's score, its tokens' heat summed (module
     docstring)."""
@@ -162,11 +140,10 @@ def regions_of(video: ExplainedVideo) -> List[dict]:
 def video_report(video: ExplainedVideo, explanation) -> dict:
     """report.json's entry of ``video``: its frames, groups, regions and tokens, and per
     listed span its regions' scores (totals and per token) and its frame groups' scores."""
-    tokens = region_tokens(explanation)
     first, end = video.regions
     spans = []
     for s in explanation.spans:
-        heat = per_token(s.scores, tokens)
+        heat = s.per_token.numpy()
         spans.append({"index": s.index,
                       "region_scores": s.scores[first:end].tolist(),
                       "region_scores_per_token": [None if np.isnan(v) else float(v)
@@ -218,12 +195,12 @@ def _jpeg_uri(picture) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def span_data(explanation, span, tokens: torch.Tensor) -> dict:
+def span_data(explanation, span) -> dict:
     """What the page's script needs of ``span`` on the videos: the colour bar's ends (heat
     per token), per video each frame group's heat overlay and score."""
-    from .page import heat_rgba, png_data_uri, region_map
-    heat = per_token(span.scores, tokens)
-    low, high = heat_scale(heat)
+    from .page import heat_rgba, png_data_uri, region_map, scale
+    heat = span.per_token.numpy()
+    low, high = scale(heat)
     videos = []
     for v in explanation.videos:
         size = frame_size(v)

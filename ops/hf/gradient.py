@@ -1,7 +1,7 @@
 """A gradient baseline for region attribution: input x gradient of each span's
 log-probability with respect to the image-token embeddings as they enter the text
-decoder (after the vision tower's merge), summed per region; and the gradient's norm per
-region. Works on any model :func:`~headscope.hf.region_effects` takes, with its
+decoder (after the vision tower's merge), summed per region; the gradient's norm per
+region; and the sum of each token's gradient norm per region (:func:`gradient_norm_scores`). Works on any model :func:`~headscope.hf.region_effects` takes, with its
 arguments. :func:`span_gradients` is the driver it shares with
 :func:`~headscope.hf.attnlrp_scores`."""
 from __future__ import annotations
@@ -115,3 +115,16 @@ def gradient_scores(model, inputs: Dict[str, torch.Tensor], sequences: torch.Ten
         model, inputs, sequences, spans,
         lambda g, e: torch.stack([(g * e).sum(-1), g.square().sum(-1)], -1), WHO), rid)
     return both[..., 0].float(), both[..., 1].sqrt().float()
+
+
+def gradient_norm_scores(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tensor,
+                         spans: Sequence, region_ids: torch.Tensor) -> torch.Tensor:
+    """Per span S and region k: the sum over k's image tokens i of ``||d(sum_{t in S} log
+    p(y_t)) / d e_i||`` (the gradient's L2 norm at each token's embedding as the decoder
+    gets it: a saliency map, additive over tokens, so that per image token it is the mean
+    norm). Arguments as for :func:`~headscope.hf.region_effects`; one forward and one
+    backward pass per span. Returns a ``(num_spans, K)`` float32 tensor."""
+    P, _ = check_sequence(inputs, sequences, WHO)
+    rid = check_region_ids(region_ids, P, WHO)
+    norms = span_gradients(model, inputs, sequences, spans, lambda g, e: g.norm(dim=-1), WHO)
+    return region_sums(norms[:, :P], rid).float()

@@ -1,5 +1,6 @@
 """python -m headscope.shapes {train,demo,screenshot,accuracy,latency,data,answers,
-hallucination,faithfulness,head-eval,mixer,reproduce}: the embedded shapes model.
+hallucination,faithfulness,head-eval,scorer-cost,heat-check,heat-default,mixer,reproduce}:
+the embedded shapes model.
 
   train     train the model from scratch into a folder (resumable: rerun the same command)
   demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
@@ -15,6 +16,11 @@ hallucination,faithfulness,head-eval,mixer,reproduce}: the embedded shapes model
   head-eval      the head against raw attention (and value-norm-weighted attention) on a
                  fixed seed range: per-image LDS with the paired difference's interval,
                  pointing
+  scorer-cost    what each scorer of headscope.explain costs per answer and per span
+  heat-check     does the page paint the named object hotter than the rest of the picture,
+                 without a head and with the shipped head
+  heat-default   which scorer without a head takes the best deletion and insertion over
+                 the layouts of head-eval runs (their --cache folders)
   mixer          the model with mixer vision attention against the softmax one: caption
                  accuracy with intervals, and the projection's iterations against time
   reproduce      every measurement above in one resumable run (results.json, results.md)
@@ -29,6 +35,7 @@ import sys
 from pathlib import Path
 
 
+HEAD_FREE = ("attention", "attention*value_norm", "attnlrp", "gradient")  # explain's scorers
 SIZES = ("steps", "batch", "seed", "hidden", "layers", "heads", "kv_heads", "intermediate",
          "vision_width", "vision_depth", "vision_mlp_ratio", "warmup", "max_objects", "mixer_rank")
 PROG = "python -m headscope.shapes"
@@ -71,6 +78,8 @@ def _head_file(text: str) -> Path:
 def main(argv=None) -> int:
     from ..commands.errors import Parser, check_output, grid, integer, number, reported
     from ..features import FEATURE_SETS
+    from ..explainer.scorers import SCORERS
+    from .head_eval import SEED_RANGES
     from .processor import TOKEN_GRID
     parser = Parser(prog=PROG, description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,6 +124,10 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("screenshot", help="the explain page of a held-out scene as a PNG")
     p.add_argument("--png", type=Path, required=True, help="the PNG file to write")
+    p.add_argument("--regions", type=integer(1, TOKEN_GRID ** 2, image_tokens), default=None,
+                   metavar="K", help="K Ward regions (default: the world's 3 x 3 cells)")
+    p.add_argument("--scores", choices=tuple(SCORERS), default=None,
+                   help="the scorer (default: the shipped head)")
 
     p = sub.add_parser("accuracy", help="caption accuracy on held-out scenes")
     p.add_argument("--model", **model)
@@ -168,12 +181,20 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=count, default=40, help="tokens per latency round")
 
     p = sub.add_parser("head-eval", help="the head against raw attention, with intervals")
-    p.add_argument("--seeds", choices=("dev", "reported"), default="dev",
-                   help="seed range: dev (for choosing settings) or reported (for the "
-                        "reported numbers only)")
+    p.add_argument("--seeds", choices=sorted(SEED_RANGES), default="dev",
+                   help="seed range: dev (for choosing settings), reported (for the "
+                        "reported numbers only), or one registered since (docs/shapes.md)")
     p.add_argument("--scenes", type=count, default=300)
-    p.add_argument("--grid", type=grid(TOKEN_GRID, TOKEN_GRID, image_tokens), default="3x3",
-                   metavar="ROWSxCOLS", help="regions: a grid (default 3x3, the world's cells)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--grid", type=grid(TOKEN_GRID, TOKEN_GRID, image_tokens),
+                       default="3x3", metavar="ROWSxCOLS",
+                       help="regions: a grid (default 3x3, the world's cells)")
+    which.add_argument("--regions", type=integer(1, TOKEN_GRID ** 2, image_tokens),
+                       default=None, metavar="K",
+                       help="regions: K Ward regions of the image instead of a grid")
+    p.add_argument("--cache", type=Path, default=None, metavar="DIR",
+                   help="keep each scene's record in DIR as it is measured; a rerun with the "
+                        "same settings resumes there")
     p.add_argument("--model", **model)
     p.add_argument("--head", type=_head_file, action="append", default=None,
                    help="head file (default: the model folder's head.safetensors); given "
@@ -183,6 +204,28 @@ def main(argv=None) -> int:
                    help="the feature set to trace (default: the heads' own; 'both' for "
                         "heads of different sets): each of its blocks is scored as a raw "
                         "baseline, and it must hold every head's blocks")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+
+    p = sub.add_parser("scorer-cost", help="what each scorer of headscope.explain costs")
+    p.add_argument("--model", **model)
+    p.add_argument("--rounds", type=count, default=9)
+    p.add_argument("--regions", type=integer(1, TOKEN_GRID ** 2, image_tokens), default=8,
+                   help="Ward regions per image")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+
+    p = sub.add_parser("heat-check", help="the page paints the named object hotter than the "
+                                          "rest: without a head and with the shipped head")
+    p.add_argument("--seeds", choices=sorted(SEED_RANGES), default="dev")
+    p.add_argument("--scenes", type=count, default=300)
+    p.add_argument("--regions", type=integer(1, TOKEN_GRID ** 2, image_tokens), default=8,
+                   help="Ward regions per image (default 8)")
+    p.add_argument("--model", **model)
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+
+    p = sub.add_parser("heat-default", help="the best scorer without a head on deletion and "
+                                            "insertion over head-eval runs' layouts")
+    p.add_argument("--cache", type=Path, action="append", required=True, metavar="DIR",
+                   help="a head-eval --cache folder, one per layout (give it again)")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
 
     p = sub.add_parser("mixer", help="mixer against softmax vision attention: accuracy, "
@@ -234,11 +277,12 @@ def _run(args) -> None:
 
         from ..commands.errors import UsageError
         from ..explainer.screenshot import browser_missing, screenshot
-        from .demo import explain_page
+        from .demo import WORLD_GRID, explain_page
         if browser_missing():
             raise UsageError(browser_missing())
         with tempfile.TemporaryDirectory() as folder:
-            print(screenshot(explain_page(Path(folder)), args.png))
+            page = explain_page(Path(folder), args.regions or WORLD_GRID, args.scores)
+            print(screenshot(page, args.png))
     elif args.command == "accuracy":
         from .accuracy import caption_accuracy, held_out_scenes
         from .model import load
@@ -260,10 +304,40 @@ def _run(args) -> None:
     elif args.command == "head-eval":
         from ..hf.regions import parse_grid
         from .head_eval import evaluate_head, table
-        result = evaluate_head(args.seeds, args.scenes, regions=parse_grid(args.grid),
+        result = evaluate_head(args.seeds, args.scenes,
+                               regions=args.regions if args.regions is not None
+                               else parse_grid(args.grid),
                                model_dir=args.model, head_path=args.head,
-                               features=args.features)
+                               features=args.features, cache=args.cache)
         print(table(result))
+        if args.json is not None:
+            write_json(args.json, result)
+    elif args.command == "scorer-cost":
+        from .scorer_cost import measure_scorer_cost, table
+        result = measure_scorer_cost(args.rounds, args.regions, model_dir=args.model)
+        print(table(result))
+        if args.json is not None:
+            write_json(args.json, result)
+    elif args.command == "heat-check":
+        from .heat_check import check_pages, table
+        result = check_pages(args.seeds, args.scenes, args.regions, model_dir=args.model)
+        print(table(result))
+        if args.json is not None:
+            write_json(args.json, result)
+    elif args.command == "heat-default":
+        from ..commands.errors import UsageError
+        from .head_eval import RAW_NAMES, SETTINGS, SceneCache
+        from .heat_eval import across_layouts, across_layouts_table
+        layouts = {}
+        for folder in args.cache:
+            if not (folder / SETTINGS).is_file():
+                raise UsageError(f"--cache {folder}: not a head-eval --cache folder (no "
+                                 f"{SETTINGS})")
+            regions = json.loads((folder / SETTINGS).read_text())["regions"]
+            name = f"{regions} Ward regions" if isinstance(regions, int) else regions
+            layouts[name] = SceneCache.records(folder)
+        result = across_layouts(layouts, HEAD_FREE)
+        print(across_layouts_table(result, lambda n: RAW_NAMES.get(n, n)))
         if args.json is not None:
             write_json(args.json, result)
     elif args.command == "mixer":

@@ -5,7 +5,8 @@ headscope explain`` runs); per span a PNG with the object's true box, per scene 
 page and a summary on the terminal.
 
 Scores are the attribution head's predicted effects when the model folder has a head,
-else raw attention (each region's pooled attention mass averaged over layers and heads).
+else ``headscope.explain``'s default scorer without one; each region is painted and ranked
+per image token.
 Regions are the world's 3 x 3 cells by default (``headscope.hf.grid_regions``: each place
 of the world is a 2 x 2 block of image tokens), or K Ward regions of the image's token
 embeddings, what the tracer would use on an image whose layout nobody knows.
@@ -42,6 +43,7 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
     ``regions``: ``(rows, cols)`` for a grid of blocks, or K for Ward regions. Returns the
     report."""
     from ..explainer import iter_explain
+    from ..explainer.scorers import SCORERS, choose_scorer
 
     if num_images < 1:
         raise ValueError(f"headscope.shapes.demo: argument 'num_images' must be >= 1, got "
@@ -49,7 +51,7 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model, processor, head = load(model_dir)
-    score_name = "head's predicted effect" if head is not None else "raw attention"
+    score_name = SCORERS[choose_scorer(None, head)]
     regions_name = f"{regions} Ward regions" if isinstance(regions, int) else \
         "a {}x{} grid".format(*regions)
     images = []
@@ -74,8 +76,9 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
                     s = None if span.special else _span_record(span, objects, centroids)
                     spans.append(s)
                     if s is not None:
-                        echo(f"  span {span.index}: {s['text']!r:44} top region "
-                             f"{s['top_region']} ({s['scores'][s['top_region']]:+.3f})"
+                        echo(f"  span {span.index}: {s['text']!r:44} hottest region "
+                             f"{s['top_region']} ({s['scores_per_token'][s['top_region']]:+.3f}"
+                             f" per image token)"
                              + ("" if s["object"] is None else
                                 f", {'on' if s['pointing_hit'] else 'off'} the object"))
             spans = [s for s in spans if s is not None]
@@ -85,7 +88,8 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
                 title = f"\u201c{s['text']}\u201d" + ("" if s["object"] is not None
                                                        else f"  ({name})")
                 span_figure(out / s["png"], image, labels, grid, centroids,
-                            np.array(s["scores"]), title, score_name, s["box"], s["top_region"])
+                            np.array(s["scores_per_token"]), title,
+                            f"{score_name} per image token", s["box"], s["top_region"])
             image_file = f"image{i}.png"
             save_png(image, out / image_file)
             page = result.save(out / f"image{i}")  # the page python -m headscope explain writes
@@ -111,14 +115,16 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
     return report
 
 
-def explain_page(folder: Path) -> Path:
+def explain_page(folder: Path, regions=WORLD_GRID, scores: Optional[str] = None) -> Path:
     """The explain page of the shapes model describing a held-out two-object scene (the
-    page of the docs' picture, ``python -m headscope.shapes screenshot``)."""
+    page of the docs' pictures, ``python -m headscope.shapes screenshot``), with the shipped
+    head (or the scorer ``scores``, ``headscope.explain``'s ``scores=``) on ``regions``
+    (``(rows, cols)`` or K Ward regions)."""
     from ..explainer import explain
-    model, processor, head = load()
+    model, processor, head = load(head=scores in (None, "head"))
     image, _ = scene(HELD_OUT_SEED + DEMO_OFFSET + 1, 2)
-    return explain(model, processor, [image], "Describe the image.", head,
-                   inputs=prompt(processor, image), max_new_tokens=24,
+    return explain(model, processor, [image], "Describe the image.", head, scores=scores,
+                   regions=regions, inputs=prompt(processor, image), max_new_tokens=24,
                    model_name="headscope.shapes (the embedded model)").save(folder)
 
 
@@ -127,9 +133,10 @@ def _span_record(span, objects, centroids: np.ndarray) -> dict:
     text, scores = span.text.strip(), span.scores
     parsed = parse_sentence(text)
     obj = match_object(parsed, objects)
-    top = int(torch.argmax(scores))
+    top = span.top_regions(1)[0][0]  # the hottest region as painted: per image token
     return {"text": text, "start": span.start, "end": span.end,
             "scores": [round(float(v), 6) for v in scores],
+            "scores_per_token": [round(float(v), 6) for v in span.per_token],
             "top_region": top, "parsed": parsed is not None,
             "object": None if obj is None else f"{obj.colour} {obj.shape} ({obj.position})",
             "box": None if obj is None else list(obj.box),
@@ -162,7 +169,7 @@ def _html(report: dict) -> str:
                      f"</p><p><small>VAS (first of 36): {e(vas)} ...</small></p></td></tr>")
         for s in im["spans"]:
             where = s["object"] or "names no object of the image"
-            hit = {True: "top region on the object", False: "top region off the object",
+            hit = {True: "hottest region on the object", False: "hottest region off the object",
                    None: ""}[s["pointing_hit"]]
             parts.append(f"<tr><td><b>{e(s['text'])}</b><br>{e(where)}<br>{hit}</td>"
                          f"<td><img class='span' src='{e(s['png'])}'></td></tr>")

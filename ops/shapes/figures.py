@@ -84,7 +84,7 @@ def span_figure(path: Path, image, labels: np.ndarray, grid: Sequence[int],
     x, y = centroids[top_region]
     axes[1].text(x, y, f"top: {top_region}", color="cyan", ha="center", va="center",
                  fontsize=9, fontweight="bold")
-    axes[1].set_title(f"{score_name} per region (top outlined)", fontsize=10)
+    axes[1].set_title(f"{score_name} (hottest outlined)", fontsize=10)
     fig.colorbar(shown, ax=axes[1], fraction=0.046, pad=0.03)
     fig.suptitle(title, fontsize=12)
     fig.tight_layout()

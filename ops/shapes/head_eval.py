@@ -4,11 +4,17 @@ ranges, per image, with the paired difference's uncertainty.
 Two ranges of held-out scene seeds, fixed before any tuning and disjoint from every other
 use of seeds in the project (training: ``0 .. steps * batch - 1``; caption accuracy:
 ``HELD_OUT_SEED + k``; the ``eval`` tables and the faithfulness figure: ``+ 500_000``; the
-demo: ``+ 900_000``; hallucination: ``+ 2_000_000``):
+demo: ``+ 900_000``; hallucination: ``+ 2_000_000``; the mixer model: ``+ 6_000_000``):
 
 - ``"dev"``: ``HELD_OUT_SEED + 3_000_000 + k``, for developing and choosing settings;
 - ``"reported"``: ``HELD_OUT_SEED + 4_000_000 + k``, for the reported numbers only, never
-  used to choose anything.
+  used to choose anything;
+- ``"heat-reported"``: ``HELD_OUT_SEED + 7_000_000 + k``, registered before anything was
+  measured on it, for reporting the head fitted across region layouts (on the world's
+  cells and on Ward regions) once, after it was chosen on the dev range;
+- ``"heat-done"``: ``HELD_OUT_SEED + 8_000_000 + k``, registered before anything was
+  measured on it: its first 300 scenes with 8 Ward regions are the check of the heat map
+  (is the named object painted hotter than the rest of the picture), measured once.
 
 Scene ``k`` of a range has ``1 + k % 4`` objects. Each scene's description is generated
 inside a ``Tracer`` with the world's 3 x 3 cells as regions (by default) and the head's
@@ -34,20 +40,25 @@ from ..metrics import in_box, lds_per_image, mean_with_interval, random_pointing
 from .accuracy import HELD_OUT_SEED
 from .demo import WORLD_GRID
 from .figures import region_centroids
+from .heat_eval import heat_measures, heat_table, summarise_heat
 from .model import load, prompt
 from .world import IMAGE_SIZE, match_object, parse_sentence, scene
 
-SEED_RANGES = {"dev": HELD_OUT_SEED + 3_000_000, "reported": HELD_OUT_SEED + 4_000_000}
+SEED_RANGES = {"dev": HELD_OUT_SEED + 3_000_000, "reported": HELD_OUT_SEED + 4_000_000,
+               "heat-reported": HELD_OUT_SEED + 7_000_000,
+               "heat-done": HELD_OUT_SEED + 8_000_000}
 RANGE_SIZE = 1_000_000  # scenes per range: the next range starts past it
 HEAD = "head"  # a single head's label
 RAW_NAMES = {"attention": "raw attention",
              "attention*value_norm": "raw value-norm-weighted attention",
-             "attnlrp": "AttnLRP (log p)"}
-POSTHOC = ("attnlrp",)  # post-hoc baselines, computed after generation
+             "attnlrp": "AttnLRP (log p)", "gradient": "gradient norm"}
+POSTHOC = ("attnlrp", "gradient")  # post-hoc baselines, computed after generation
 # The span sets every score is reported on: the top level of the result is the sentence
 # spans, "all_spans" holds the same summary with the special-token-only spans put back.
 SPAN_SETS = ("sentence", "all")
 WHO = "headscope.shapes.head_eval"
+CACHE_FORMAT = 2  # raised when what a scene record holds changes (2: no pickle)
+SETTINGS = "settings.json"  # a cache folder's settings
 
 def range_scenes(which: str, count: int) -> List[Tuple[int, int]]:
     """``(seed, num_objects)`` of the first ``count`` scenes of the ``which`` range."""
@@ -82,7 +93,8 @@ def scene_record(model, processor, heads: Mapping[str, "AttributionHead"], regio
     ``Tracer`` takes them; ``features``: the set traced, holding every head's blocks."""
     import time
 
-    from ..hf import Tracer, attnlrp_scores, region_effects
+    from ..hf import Tracer, attnlrp_scores, gradient_norm_scores, region_effects
+    from ..hf.curves import region_tokens
 
     image, objects = scene(seed, num_objects)
     inputs = prompt(processor, image)
@@ -105,14 +117,17 @@ def scene_record(model, processor, heads: Mapping[str, "AttributionHead"], regio
                                        tracer.region_ids, ablation="mask", progress=False)
     start = time.perf_counter()
     attnlrp = attnlrp_scores(model, inputs, tracer.sequences, spans, tracer.region_ids)
-    record["seconds"] = {"attnlrp": time.perf_counter() - start}
+    middle = time.perf_counter()
+    gradient = gradient_norm_scores(model, inputs, tracer.sequences, spans, tracer.region_ids)
+    record["seconds"] = {"attnlrp": middle - start, "gradient": time.perf_counter() - middle}
     record["scores"] = {
         **{label: head(feature_columns(traced, features, head.feature_set)).float()
            for label, head in heads.items()},
         **{block: feature_columns(traced, features, block).mean(-1)
            for block in FEATURE_BLOCKS[features]},
-        "attnlrp": attnlrp}
+        "attnlrp": attnlrp, "gradient": gradient}
     pointing = []  # (hit per scorer, chance of a random region) per span naming an object
+    named = []  # (span, box) of each span naming an object
     for i, s in enumerate(spans):
         text = processor.tokenizer.decode(s.token_ids, skip_special_tokens=True)
         obj = match_object(parse_sentence(text), objects)
@@ -122,7 +137,14 @@ def scene_record(model, processor, heads: Mapping[str, "AttributionHead"], regio
                 for name, scores in record["scores"].items()}
         cell = torch.as_tensor(centroids, dtype=torch.float64)
         pointing.append((hits, random_pointing([(None, cell, obj.box)])))
+        named.append((i, obj.box))
     record["pointing"] = pointing
+    record["features"] = traced  # (S, K, F): heads fitted later score the same spans
+    record["tokens"] = region_tokens(tracer.region_ids)  # (K,): image tokens per region
+    record["heat"] = heat_measures(
+        model, inputs, tracer.sequences, spans, tracer.region_ids, record["scores"],
+        record["effects"], named, torch.as_tensor(centroids, dtype=torch.float64),
+        tracer.region_ids[0, picture.positions].cpu(), picture.boxes, IMAGE_SIZE, seed)
     return record
 
 
@@ -197,9 +219,11 @@ def summarise(records: List[dict], heads: Sequence[str] = (HEAD,),
 def summarise_span_sets(records: List[dict], heads: Sequence[str] = (HEAD,),
                         baselines: Sequence[str] = ("attention",)) -> dict:
     """:func:`summarise` on the sentence spans, with the same summary on all spans (the
-    end-of-text span included) as ``"all_spans"``."""
+    end-of-text span included) as ``"all_spans"``, and the heat map's yardsticks on the
+    sentence spans (``heat_eval.summarise_heat``) as ``"heat"``."""
     return {**summarise(records, heads, baselines, "sentence"),
-            "all_spans": summarise(records, heads, baselines, "all")}
+            "all_spans": summarise(records, heads, baselines, "all"),
+            "heat": summarise_heat(records, heads, baselines)}
 
 
 def head_labels(paths: Sequence[Path]) -> List[str]:
@@ -218,15 +242,16 @@ def evaluate_head(which: str = "reported", scenes: int = 300, *,
                   regions: Union[int, Tuple[int, int]] = WORLD_GRID, model_dir=None,
                   head_path: Union[None, Path, Sequence[Path]] = None,
                   features: Optional[str] = None, max_new_tokens: int = 48,
-                  progress: bool = True) -> dict:
+                  progress: bool = True, cache: Optional[Path] = None) -> dict:
     """The head against the raw baseline of each feature block and AttnLRP on the first
     ``scenes`` scenes of the ``which`` seed range (``"dev"`` or ``"reported"``); ``regions``:
     ``(rows, cols)`` for a grid (the world's cells by default) or K for Ward regions;
     ``head_path``: a head file other than the model folder's, or several (compared on the
     same spans, labelled ``head:NAME`` by file name); ``features``: the set to trace (default:
     the heads' own set, "both" for heads of different sets), which must hold every head's
-    blocks; its blocks are the raw baselines. Returns :func:`summarise_span_sets`' result
-    with the settings."""
+    blocks; its blocks are the raw baselines; ``cache``: a folder that keeps each scene's
+    record as it is measured, so that a rerun with the same settings resumes (another
+    setting is refused). Returns :func:`summarise_span_sets`' result with the settings."""
     from tqdm import tqdm
 
     from ..head import AttributionHead
@@ -246,17 +271,76 @@ def evaluate_head(which: str = "reported", scenes: int = 300, *,
     features = features or feature_set_holding(h.feature_set for h in heads.values())
     check_traced(heads, features)
     traced = regions if isinstance(regions, int) else grid_regions(*regions)
+    regions_name = regions if isinstance(regions, int) else "{}x{} grid".format(*regions)
+    store = None if cache is None else SceneCache(cache, {
+        "format": CACHE_FORMAT, "regions": regions_name, "features": features, "max_new_tokens": max_new_tokens,
+        "model": "shipped" if model_dir is None else str(Path(model_dir).resolve()),
+        "heads": {label: head_digest(h) for label, h in heads.items()}})
     records = []
     with torch.no_grad():
         for seed, num_objects in tqdm(chosen, desc=f"head vs raw baselines ({which} seeds)",
                                       disable=not progress):
-            records.append(scene_record(model, processor, heads, traced, seed, num_objects,
-                                        max_new_tokens, features))
+            record = None if store is None else store.get(seed)
+            if record is None:
+                record = scene_record(model, processor, heads, traced, seed, num_objects,
+                                      max_new_tokens, features)
+                if store is not None:
+                    store.put(seed, record)
+            records.append(record)
     return {"seed_range": which, "seeds": [chosen[0][0], chosen[-1][0]],
-            "regions": regions if isinstance(regions, int) else "{}x{} grid".format(*regions),
+            "regions": regions_name,
             "max_new_tokens": max_new_tokens, "features": features,
             "head_feature_sets": {label: h.feature_set for label, h in heads.items()},
             **summarise_span_sets(records, list(heads), [*FEATURE_BLOCKS[features], *POSTHOC])}
+
+
+def head_digest(head) -> str:
+    """SHA-256 of a head's tensors: which head a cached record was scored with."""
+    import hashlib
+    digest = hashlib.sha256(head.feature_set.encode())
+    for value in head.state_dict().values():
+        digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+class SceneCache:
+    """A folder of scene records (``scene-SEED.safetensors``, each written atomically by
+    ``headscope.io.save_state``: loading one runs no code) and the settings they were
+    measured with (``settings.json``); other settings are refused."""
+
+    def __init__(self, folder: Path, settings: dict):
+        import json
+
+        from ..io import write_json
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / SETTINGS
+        if path.is_file():
+            held = json.loads(path.read_text())
+            if held != settings:
+                differ = sorted(k for k in set(held) | set(settings)
+                                if held.get(k) != settings.get(k))
+                raise ValueError(f"{WHO}: the cache {self.folder} holds scenes measured with "
+                                 f"other settings ({', '.join(differ)}); use another folder")
+        else:
+            write_json(path, settings)
+
+    def get(self, seed: int) -> Optional[dict]:
+        from ..io import load_state
+        path = self.folder / f"scene-{seed}.safetensors"
+        return load_state(path) if path.is_file() else None
+
+    def put(self, seed: int, record: dict) -> None:
+        from ..io import save_state
+        save_state(self.folder / f"scene-{seed}.safetensors", record)
+
+    @staticmethod
+    def records(folder: Path) -> List[dict]:
+        """Every scene record of a cache folder, in seed order."""
+        from ..io import load_state
+        paths = sorted(Path(folder).glob("scene-*.safetensors"),
+                       key=lambda p: int(p.stem.split("-")[1]))
+        return [load_state(p) for p in paths]
 
 
 def table(result: dict) -> str:
@@ -285,11 +369,13 @@ def table(result: dict) -> str:
              f"{cell(every['lds_difference'][f'{a} - {b}'])} | |"
              for a, b in compared_pairs(result["heads"], result["baselines"])]
     features = f", features {result['features']}" if "features" in result else ""
+    regions = f"{result['regions']} Ward regions" if isinstance(result["regions"], int) \
+        else result["regions"]
     timed = "; ".join(f"{name(k)}: {v:.1f} ms per span"
                       for k, v in result.get("ms_per_span", {}).items())
     return "\n".join([
         f"{result['scenes']} scenes ({result['seed_range']} seeds {result['seeds'][0]}.."
-        f"{result['seeds'][1]}, {result['regions']}{features}). Sentence spans: "
+        f"{result['seeds'][1]}, {regions}{features}). Sentence spans: "
         f"{result['spans']} ({result['special_spans_left_out']} special-token-only spans "
         f"left out), {result['scenes_scored']} scenes with every LDS defined; all spans: "
         f"{every['spans']}, {every['scenes_scored']} scenes; {result['pointing_spans']} "
@@ -299,4 +385,5 @@ def table(result: dict) -> str:
         "| --- | --- | --- | --- |", *rows,
         f"| a uniformly random region (expected) | | | {pct['random']} |",
         *([f"Post-hoc cost: {timed} (after generation, this process's threads)."]
-          if timed else [])])
+          if timed else []),
+        *(["", heat_table(result["heat"], name)] if result.get("heat") else [])])

@@ -1,7 +1,11 @@
 """``python -m headscope.shapes reproduce``: every measurement of docs/shapes.md in one
-command, in order: caption accuracy, the shipped head against raw attention and raw
-value-norm-weighted attention on the reported seed range (per-image LDS with the paired
-differences' intervals, pointing), the shipped head against the same raw baselines,
+command, in order: caption accuracy, the shipped head against raw attention, raw
+value-norm-weighted attention, AttnLRP and the gradient norm on the heat-reported seed
+range, on the world's cells and on 8 Ward regions (per-image LDS with the paired
+differences' intervals, pointing, the heat map's yardsticks: deletion and insertion AUC,
+pointing by heat, object hotter than the rest, R^2), the page's heat-check on the heat-done
+range, what each scorer of ``headscope.explain`` costs, the shipped head against the same
+raw baselines,
 AttnLRP and random pointing (``python -m headscope eval`` on the held-out scenes, with Ward
 regions and with the world's 3 x 3 cells; the head is the shipped one, not refitted),
 latency, the
@@ -27,11 +31,16 @@ from .accuracy import HELD_OUT_SEED
 from .faithfulness import EVAL_OFFSET
 
 RESULTS = "results.json"
-STEPS = ("accuracy", "head_vs_attention", "head_eval", "head_eval_grid", "latency",
-         "faithfulness", "hallucination", "hallucination_hard", "mixer")
+STEPS = ("accuracy", "head_vs_attention", "head_vs_attention_ward", "heat_check",
+         "scorer_cost", "head_eval", "head_eval_grid", "latency", "faithfulness",
+         "hallucination", "hallucination_hard", "mixer")
 FULL = {"accuracy": {"scenes": 200},
-        "head_vs_attention": {"seeds": "reported", "scenes": 300, "grid": [3, 3],
+        "head_vs_attention": {"seeds": "heat-reported", "scenes": 300, "grid": [3, 3],
                               "features": "both"},
+        "head_vs_attention_ward": {"seeds": "heat-reported", "scenes": 300, "regions": 8,
+                                   "features": "both"},
+        "heat_check": {"seeds": "heat-done", "scenes": 300, "regions": 8},
+        "scorer_cost": {"rounds": 9, "regions": 8, "tokens": 48},
         "head_eval": {"scenes": 60, "regions": 8, "max_new_tokens": 48, "subsets": 8,
                       "features": "both"},
         "head_eval_grid": {"scenes": 60, "grid": "3x3", "max_new_tokens": 48, "subsets": 8,
@@ -42,8 +51,12 @@ FULL = {"accuracy": {"scenes": 200},
         "hallucination_hard": {"fit": 500, "test": 500, "objects": [5, 9]},
         "mixer": {"scenes": 300, "sweep_scenes": 100, "rounds": 5}}
 QUICK = {"accuracy": {"scenes": 4},
-         "head_vs_attention": {"seeds": "reported", "scenes": 2, "grid": [3, 3],
+         "head_vs_attention": {"seeds": "heat-reported", "scenes": 2, "grid": [3, 3],
                                "features": "both"},
+         "head_vs_attention_ward": {"seeds": "heat-reported", "scenes": 2, "regions": 8,
+                                    "features": "both"},
+         "heat_check": {"seeds": "heat-done", "scenes": 2, "regions": 8},
+         "scorer_cost": {"rounds": 1, "regions": 8, "tokens": 12},
          "head_eval": {"scenes": 2, "regions": 8, "max_new_tokens": 48, "subsets": 2,
                        "features": "both"},
          "head_eval_grid": {"scenes": 2, "grid": "3x3", "max_new_tokens": 48, "subsets": 2,
@@ -56,14 +69,17 @@ QUICK = {"accuracy": {"scenes": 4},
 # A step's format: raised when what it measures changes (latency 2: time per token is the
 # decode's time over its steps, span ends included; the head evaluations 2: a raw baseline
 # per feature block, the head reading its own block of features="both"; 3: AttnLRP beside
-# them, with its time per span; head_vs_attention 4: every score on the sentence spans and on
-# all spans; faithfulness 3: AttnLRP and ms per span; hallucination 2: AUROC within object
-# counts and of the count alone).
-FORMATS = {"accuracy": 1, "head_vs_attention": 4, "head_eval": 3, "head_eval_grid": 3,
+# them, with its time per span; 4: deletion and insertion, pointing by heat; head_vs_attention
+# 4: every score on the sentence spans and on all spans; 5: the gradient norm and the heat
+# map's yardsticks; faithfulness 3: AttnLRP and ms per span; hallucination 2: AUROC within
+# object counts and of the count alone).
+FORMATS = {"accuracy": 1, "head_vs_attention": 5, "head_vs_attention_ward": 1,
+           "heat_check": 1, "scorer_cost": 1, "head_eval": 4, "head_eval_grid": 4,
            "latency": 2, "faithfulness": 3, "hallucination": 2, "hallucination_hard": 2,
            "mixer": 1}
 USES = {"faithfulness": ("latency",)}  # steps whose result this one takes in
-EVAL_KEYS = ("lds", "lds_pooled", "pearson", "subset_lds", "pointing", "pointing_spans")
+EVAL_KEYS = ("lds", "lds_pooled", "pearson", "subset_lds", "pointing", "pointing_heat",
+             "pointing_spans")
 
 
 def _accuracy(out: Path, s: dict, done: dict, model_dir) -> dict:
@@ -76,8 +92,19 @@ def _accuracy(out: Path, s: dict, done: dict, model_dir) -> dict:
 
 def _head_vs_attention(out: Path, s: dict, done: dict, model_dir) -> dict:
     from .head_eval import evaluate_head
-    return evaluate_head(s["seeds"], s["scenes"], regions=tuple(s["grid"]),
+    return evaluate_head(s["seeds"], s["scenes"],
+                         regions=tuple(s["grid"]) if "grid" in s else s["regions"],
                          model_dir=model_dir, features=s["features"])
+
+
+def _heat_check(out: Path, s: dict, done: dict, model_dir) -> dict:
+    from .heat_check import check_pages
+    return check_pages(s["seeds"], s["scenes"], s["regions"], model_dir=model_dir)
+
+
+def _scorer_cost(out: Path, s: dict, done: dict, model_dir) -> dict:
+    from .scorer_cost import measure_scorer_cost
+    return measure_scorer_cost(s["rounds"], s["regions"], s["tokens"], model_dir=model_dir)
 
 
 def _head_eval(out: Path, s: dict, done: dict, model_dir) -> dict:
@@ -105,7 +132,8 @@ def _head_eval(out: Path, s: dict, done: dict, model_dir) -> dict:
                             for scorer in results["baselines"]
                             if "ms_per_span" in results[scorer]},
             **{scorer: {k: results[scorer][k] for k in EVAL_KEYS if k in results[scorer]}
-               for scorer in ("head", *results["baselines"], "random")}}
+               for scorer in ("head", *results["baselines"], "random")},
+            "curves": results.get("curves")}
 
 
 def _latency(out: Path, s: dict, done: dict, model_dir) -> dict:
@@ -135,6 +163,8 @@ def _mixer(out: Path, s: dict, done: dict, model_dir) -> dict:
 
 
 RUN: Dict[str, Callable] = {"accuracy": _accuracy, "head_vs_attention": _head_vs_attention,
+                            "head_vs_attention_ward": _head_vs_attention,
+                            "heat_check": _heat_check, "scorer_cost": _scorer_cost,
                             "head_eval": _head_eval,
                             "head_eval_grid": _head_eval,
                             "latency": _latency, "faithfulness": _faithfulness,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from .faithfulness import table as faithfulness_table
 from .head_eval import RAW_NAMES, table as head_vs_attention_table
+from .heat_check import table as heat_check_table
 from .latency import LABELS as LATENCY_LABELS
 from .mixer_eval import table as mixer_table
+from .scorer_cost import table as scorer_cost_table
 
 
 def _cell(v, digits: int = 3) -> str:
@@ -37,7 +39,29 @@ def _head_eval(r: dict, regions: str = "8 Ward regions") -> list:
     lines.append(f"| random region (expected) | | | | | {_cell(r['random']['pointing'])} |")
     lines += [f"{RAW_NAMES.get(scorer, scorer)}: {ms:.1f} ms per span"
               for scorer, ms in r.get("ms_per_span", {}).items()]
+    curves = r.get("curves")
+    if curves:
+        lines += ["", f"Deletion and insertion AUC ({curves['spans']} sentence spans, "
+                      f"{curves['images']} images; mean [bootstrap 95%]; pointing by heat: "
+                      f"the region hottest per image token):", "",
+                  "| scores | deletion AUC | insertion AUC | pointing by heat |",
+                  "| --- | --- | --- | --- |"]
+        for scorer in ("head", *r["baselines"], "effects", "random"):
+            label = {"effects": "true-effect order", "random": "random order"}.get(
+                scorer, RAW_NAMES.get(scorer, scorer))
+            pointing = r.get(scorer, {}).get("pointing_heat")
+            lines.append(f"| {label} | {_interval(curves['deletion'][scorer])} | "
+                         f"{_interval(curves['insertion'][scorer])} | "
+                         f"{'' if pointing is None else _cell(pointing)} |")
     return lines
+
+
+def _interval(m: dict) -> str:
+    if m["mean"] is None:
+        return "n/a"
+    if m["interval95"] is None:
+        return f"{m['mean']:.3f}"
+    return f"{m['mean']:.3f} [{m['interval95'][0]:.3f}, {m['interval95'][1]:.3f}]"
 
 
 def _latency(r: dict) -> list:
@@ -89,6 +113,12 @@ def _hallucination(r: dict) -> list:
 SECTIONS = {"accuracy": ("Caption accuracy", _accuracy),
             "head_vs_attention": ("The head against raw attention (per feature block)",
                                   lambda r: [head_vs_attention_table(r)]),
+            "head_vs_attention_ward": ("The head against raw attention on 8 Ward regions",
+                                       lambda r: [head_vs_attention_table(r)]),
+            "heat_check": ("The page's heat map: the named object hotter than the rest",
+                           lambda r: [heat_check_table(r)]),
+            "scorer_cost": ("What each scorer of headscope.explain costs",
+                            lambda r: [scorer_cost_table(r)]),
             "head_eval": ("Attribution head", _head_eval),
             "head_eval_grid": ("Attribution head on the world's cells",
                                lambda r: _head_eval(r, "the world's 3x3 cells as regions")),

@@ -6,6 +6,7 @@ one process gives, and every command reports bad input with its file and line.""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -134,13 +135,35 @@ def test_train_and_eval_report_numbers(files, tmp_path):
     random = results["random"]
     assert random["pointing_spans"] == results["head"]["pointing_spans"]
     assert 0 < random["pointing"] < 1 and "random" in out.stdout.splitlines()[0]
+    # the heat map's yardsticks: deletion and insertion per scorer and reference, per
+    # sentence span with a defined AUC, in a resumable folder beside the report
+    curves = results["curves"]
+    assert curves["spans"] == int((~col.tensors["special_only"]).sum())
+    for name in ("head", "attention", "attnlrp", "effects", "random"):
+        for curve in ("deletion", "insertion"):
+            m = curves[curve][name]
+            assert m["n"] == curves["images"] and (m["mean"] is None or math.isfinite(m["mean"]))
+    assert set(curves["deletion_difference"]) == {"head - attention", "head - attnlrp"}
+    assert "deletion / insertion AUC" in out.stdout
+    for scorer in ("head", "attention", "attnlrp"):
+        assert 0 <= results[scorer]["pointing_heat"] <= 1
+    shards = sorted((tmp_path / "report.curves").glob("shard-*"))
+    assert shards and json.loads((tmp_path / "report.curves" / "manifest.json").read_text())[
+        "format"] == "headscope.curves"
+    written = [p.stat().st_mtime_ns for p in shards]
+    out = headscope("eval", "--model", model, "--head", head, "--data", tmp_path / "report.collect",
+                    "--report", report)  # a rerun: the curves are read back, not measured
+    assert [p.stat().st_mtime_ns for p in shards] == written
+    assert json.loads(report.read_text())["curves"] == curves
     # the collection eval made of the boxed data equals the plain one (same images)
     _same_numbers = read_collection(tmp_path / "report.collect")
     assert torch.equal(_same_numbers.tensors["effects"], col.tensors["effects"])
     # eval of an existing collection reads it without collecting
     out = headscope("eval", "--model", model, "--head", pearson_head, "--data", collection,
-                    "--report", tmp_path / "again.json")
-    assert json.loads((tmp_path / "again.json").read_text())["spans"] == col.num_spans
+                    "--report", tmp_path / "again.json", "--no-curves")
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["spans"] == col.num_spans and "curves" not in again
+    assert not (tmp_path / "again.curves").exists()
 
 
 def test_value_norm_features_through_collect_train_eval(files, tmp_path):
@@ -165,7 +188,7 @@ def test_value_norm_features_through_collect_train_eval(files, tmp_path):
     assert AttributionHead.load(head).feature_set == "both"
     report = tmp_path / "report.json"
     out = headscope("eval", "--model", model, "--head", head, "--data", data,
-                    "--report", report, *COLLECT)
+                    "--report", report, *COLLECT, "--no-curves")  # curves: tested above
     results = json.loads(report.read_text())
     assert results["manifest"]["feature_set"] == "both"
     assert results["baselines"] == ["attention", "attention*value_norm"]
@@ -179,7 +202,7 @@ def test_value_norm_features_through_collect_train_eval(files, tmp_path):
               "--keep-special-spans")
     for folder, name in ((both, "on_both.json"), (collection, "on_plain.json")):
         headscope("eval", "--model", model, "--head", attention_head, "--data", folder,
-                  "--report", tmp_path / name)
+                  "--report", tmp_path / name, "--no-curves")
     on_both, on_plain = (json.loads((tmp_path / n).read_text())
                          for n in ("on_both.json", "on_plain.json"))
     assert on_both["baselines"] == ["attention", "attention*value_norm"]
@@ -424,26 +447,26 @@ def test_resume_records_the_checksum_of_a_shard_written_just_before_a_kill(files
     _same(read_collection(copy), read_collection(collection))
 
 
-def _written_collection(folder, feature_set, special=None):
-    """A collection of 2 examples, 6 spans, 3 regions, 2 layers x 2 heads, written with the
-    shards' own writer; ``special``: each span's special_only flag (None: not recorded,
+def _written_collection(folder, feature_set, special=None, K=3, heads=2, seed=5):
+    """A collection of 2 examples, 6 spans, K regions (3), 2 layers x 2 heads, written with
+    the shards' own writer; ``special``: each span's special_only flag (None: not recorded,
     as an older collect wrote it)."""
     from headscope.commands.collection import write_manifest, write_shard
-    g = torch.Generator().manual_seed(5)
-    S, K, F = 6, 3, 4 * (2 if feature_set == "both" else 1)
+    g = torch.Generator().manual_seed(seed)
+    S, F = 6, 2 * heads * (2 if feature_set == "both" else 1)
     features = torch.rand(S, K, F, generator=g)
     folder.mkdir()
     # the effects follow feature 1, with noise: each subset of spans has its own fit
     effects = features[..., 1] + 0.01 * torch.randn(S, K, generator=g)
-    write_manifest(folder, {"model": "m", "num_layers": 2, "num_heads": 2,
+    write_manifest(folder, {"model": "m", "num_layers": 2, "num_heads": heads,
                             "feature_set": feature_set, "examples": 2, "shard_size": 2})
     tensors = {"line": torch.tensor([1, 2]), "span_example": torch.tensor([0, 0, 0, 1, 1, 1]),
                "span_bounds": torch.tensor([[i, i + 1] for i in range(S)]),
                "features": features, "effects": effects,
                "subsets": torch.zeros(2, 0, K, dtype=torch.bool),
-               "subset_effects": torch.zeros(S, 0), "grid": torch.tensor([[1, 3], [1, 3]]),
-               "labels": torch.tensor([0, 1, 2, 0, 1, 2]),
-               "image_size": torch.tensor([[3, 1], [3, 1]]),
+               "subset_effects": torch.zeros(S, 0), "grid": torch.tensor([[1, K], [1, K]]),
+               "labels": torch.arange(K).repeat(2),
+               "image_size": torch.tensor([[K, 1], [K, 1]]),
                "seconds": torch.ones(2, 2, dtype=torch.float64)}
     if special is not None:
         tensors["special_only"] = torch.tensor(special)
@@ -549,6 +572,59 @@ def test_train_fits_ranked_targets(tmp_path, capsys):
         assert torch.equal(getattr(head, name), getattr(expected, name)), name
 
 
+def test_train_fits_one_head_on_several_collections(tmp_path, capsys):
+    """--data given twice (collections of 3 and of 5 regions, as two region layouts give):
+    one fit over every (span, region) pair of both, ranks taken within each collection's
+    spans; collections of another model's heads are refused."""
+    from headscope.head import AttributionHead
+    from headscope.commands.train import ranked_targets
+    special = [False, False, True, False, False, True]
+    f3, e3 = _written_collection(tmp_path / "three", "both", special)
+    f5, e5 = _written_collection(tmp_path / "five", "both", special, K=5, seed=6)
+    ordinary = ~torch.tensor(special)
+    out = tmp_path / "both.safetensors"
+    assert main(["train", "--data", str(tmp_path / "three"), "--data", str(tmp_path / "five"),
+                 "--out", str(out), "--target", "ranks"]) == 0
+    printed = capsys.readouterr().out
+    assert f"on 4 spans of {tmp_path / 'three'} x 3 regions" in printed
+    assert f"on 4 spans of {tmp_path / 'five'} x 5 regions" in printed
+    features = torch.cat([f3[ordinary].reshape(-1, 8), f5[ordinary].reshape(-1, 8)])
+    targets = torch.cat([ranked_targets(e3[ordinary], 0.5).reshape(-1),
+                         ranked_targets(e5[ordinary], 0.5).reshape(-1)])
+    effects = torch.cat([e3[ordinary].reshape(-1), e5[ordinary].reshape(-1)])
+    expected = AttributionHead(2, 2, feature_set="both").fit(features, targets).calibrate(
+        features, effects)
+    head = AttributionHead.load(str(out))
+    for name in ("weight", "bias", "mean", "std"):
+        assert torch.equal(getattr(head, name), getattr(expected, name)), name
+    # each collection weighted, each span weighing 1 shared by its regions, and the scores
+    # calibrated through the origin: a region without attention is predicted no effect
+    out = tmp_path / "weighted.safetensors"
+    assert main(["train", "--data", str(tmp_path / "three"), "--data", str(tmp_path / "five"),
+                 "--data-weight", "2", "--data-weight", "0.5", "--span-weights", "spans",
+                 "--out", str(out), "--target", "ranks", "--calibration", "origin"]) == 0
+    weights = torch.cat([torch.full((4 * 3,), 2 / 3), torch.full((4 * 5,), 0.5 / 5)])
+    expected = AttributionHead(2, 2, feature_set="both").fit(features, targets, weights=weights)
+    raw = (features.double() / expected.std.double()) @ expected.weight.detach().double()
+    slope = float((raw * effects).sum() / (raw * raw).sum())  # every pair weighs 1 here
+    head = AttributionHead.load(str(out))
+    assert float(head.bias) == 0 and torch.equal(head.mean, torch.zeros(8))
+    torch.testing.assert_close(head.weight.double(), expected.weight.double() * slope)
+    with torch.no_grad():
+        assert float(head(torch.zeros(3, 8)).abs().max()) == 0
+    err = usage_error(capsys, "train", "--data", tmp_path / "three", "--data",
+                      tmp_path / "five", "--data-weight", "2", "--out", tmp_path / "h.safetensors")
+    assert "--data-weight: given 1 times for 2 --data" in err
+    _written_collection(tmp_path / "other", "both", special, heads=3)
+    err = usage_error(capsys, "train", "--data", tmp_path / "three", "--data",
+                      tmp_path / "other", "--out", tmp_path / "h.safetensors")
+    assert f"--data {tmp_path / 'other'}: 2 layers x 3 heads" in err
+    err = usage_error(capsys, "train", "--data", tmp_path / "three", "--data",
+                      tmp_path / "five", "--out", tmp_path / "h.safetensors", "--loss",
+                      "pearson")
+    assert "--loss pearson fits one collection" in err
+
+
 def test_manifest_feature_sets(tmp_path):
     """One feature set per collection; a manifest from before feature sets holds
     "attention" (resumable as such); feature columns must match it."""
@@ -634,3 +710,8 @@ def test_collect_train_eval_on_a_saved_model_of_another_layout(tmp_path, family)
                     "--regions", "4", "--max-new-tokens", "4", "--report",
                     tmp_path / "report.json")
     assert "LDS (mean over images)" in out.stdout
+    # deletion and insertion on this layout: the answers generated again are the
+    # collection's (else eval stops), every sentence span measured
+    curves = json.loads((tmp_path / "report.json").read_text())["curves"]
+    assert curves["spans"] == int((~t["special_only"]).sum())
+    assert set(curves["deletion"]) == {"head", "attention", "effects", "random"}

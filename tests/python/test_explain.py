@@ -1,7 +1,9 @@
 """``python -m headscope explain`` and ``headscope.explain``: end to end on every family's
 tiny checkpoint (report.json against a Tracer run of its own), on the embedded shapes model
-(the object's cell is the hottest), bad arguments (one line, exit 2, nothing created), a
-hub id from the local Hugging Face cache, and the page in headless Chromium."""
+(the object's cell is the hottest), the post-hoc scorers computed as each span ends, the
+heat painted per image token, bad arguments (one line, exit 2, nothing created), a hub id
+from the local Hugging Face cache, and the page in headless Chromium (on the world's cells
+and on Ward regions)."""
 from __future__ import annotations
 
 import json
@@ -76,7 +78,8 @@ def test_command_on_each_family_equals_a_tracer_run(family, picture, tmp_path, c
     folder = tiny_checkpoint(tmp_path / "model", family)
     out = tmp_path / "out"
     code = main(["explain", "--model", str(folder), "--image", str(picture), "--prompt",
-                 PROMPT, "--regions", "2x2", "--max-new-tokens", "6", "--out", str(out)])
+                 PROMPT, "--regions", "2x2", "--max-new-tokens", "6", "--out", str(out),
+                 "--scores", "attention"])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert printed.startswith("scores: raw attention")
@@ -119,7 +122,7 @@ def test_python_api_on_inputs_of_each_family_without_a_processor(family, picture
     model, tokenizer = tiny_model(family), tiny_tokenizer(family)
     inputs = image_prompt(model, grids=((2, 2),) if family == "smolvlm" else ((8, 8),))  # tiles
     result = headscope.explain(model, tokenizer, [Image.open(picture)], PROMPT, inputs=inputs,
-                               regions=(2, 2), max_new_tokens=6)
+                               regions=(2, 2), max_new_tokens=6, scores="attention")
     with torch.no_grad(), Tracer(model, regions=grid_regions(2, 2), tokenizer=tokenizer) as tr:
         spans = list(tr.generate(**inputs, max_new_tokens=6, do_sample=False))
         labels = tr.region_ids[0, tr.images[0][0].positions]
@@ -159,6 +162,143 @@ def test_python_api_with_a_head_and_a_detector(qwen, picture, tmp_path):
     assert inline.startswith("<div class='hs' id='hs-") and "<html" not in inline
     page = result.save(tmp_path / "out")
     assert "Hallucination probability" in page.read_text()
+
+
+def _traced(model, processor, picture, regions, max_new_tokens):
+    """A plain Tracer run of the API's prompt: (inputs, sequences, spans, region ids)."""
+    from PIL import Image
+
+    from headscope.explainer import prompt_inputs
+    from headscope.hf import Tracer
+    inputs = prompt_inputs(processor, [Image.open(picture).convert("RGB")], PROMPT)
+    with torch.no_grad(), Tracer(model, regions=regions, tokenizer=processor.tokenizer) as tr:
+        spans = list(tr.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False))
+    return inputs, tr.sequences, spans, tr.region_ids
+
+
+@pytest.mark.parametrize("scores", ["attnlrp", "gradient"])
+def test_posthoc_scores_are_computed_as_each_span_ends(qwen, picture, scores):
+    """AttnLRP and the gradient norm over the sequence so far, at each span's end: the
+    scores the functions give after generation over the whole answer, and the same answer
+    as a run without them (the tracer stands aside and comes back)."""
+    import transformers as tf
+    from PIL import Image
+
+    from headscope.explainer import iter_explain
+    from headscope.hf import attnlrp_scores, gradient_norm_scores
+    processor = tf.AutoProcessor.from_pretrained(qwen)
+    model = tf.AutoModelForImageTextToText.from_pretrained(qwen).eval()
+    inputs, sequences, spans, rid = _traced(model, processor, picture, 3, 10)
+    seen = []
+    for result in iter_explain(model, processor, [Image.open(picture)], PROMPT, scores=scores,
+                               regions=3, max_new_tokens=10):
+        if not result.done:  # each span is scored when it is yielded
+            seen.append(result.spans[-1].scores.clone())
+    assert result.scorer == scores and len(seen) == len(spans) >= 2
+    assert [(s.start, s.end) for s in result.spans] == [(s.start, s.end) for s in spans]
+    after = attnlrp_scores(model, inputs, sequences, spans, rid) if scores == "attnlrp" \
+        else gradient_norm_scores(model, inputs, sequences, spans, rid)
+    torch.testing.assert_close(torch.stack(seen), after, atol=1e-5, rtol=1e-4)
+    for span, theirs in zip(result.spans, spans):
+        assert torch.equal(span.attention, theirs.features.mean(-1))
+    assert result.report()["scorer"] == scores
+
+
+def test_scorer_choice_and_what_attnlrp_cannot_run_on():
+    from headscope.explainer.scorers import DEFAULT_SCORER, choose_scorer, posthoc_unsupported
+    from headscope.hf.testing import tiny_model
+    head = object()
+    assert choose_scorer(None, None) == DEFAULT_SCORER == "gradient"
+    assert choose_scorer(None, head) == "head" and choose_scorer("attnlrp", None) == "attnlrp"
+    for scores, given, message in (("head", None, "needs a head"),
+                                   ("attention", head, "does not use it"),
+                                   ("words", None, "must be one of")):
+        with pytest.raises(ValueError, match=message):
+            choose_scorer(scores, given)
+    moe = tiny_model("qwen3_vl_moe")  # mixture-of-experts layers: no AttnLRP rule
+    assert "no AttnLRP rule for the parameters of" in posthoc_unsupported("attnlrp", moe)
+    assert posthoc_unsupported("gradient", moe) is None
+    assert posthoc_unsupported("attnlrp", tiny_model("qwen2_vl")) is None
+
+
+def test_a_scorer_that_cannot_run_is_refused_before_generating(picture, tmp_path, capsys):
+    """AttnLRP on mixture-of-experts layers: the Python API raises before generating (no
+    processor is needed to refuse), the command refuses in one line and names the scorers
+    that run on the model."""
+    from PIL import Image
+
+    from headscope import explain
+    from headscope.hf.testing import tiny_model
+    with pytest.raises(ValueError, match="scores='attnlrp' cannot run on this model: .*no "
+                                         "AttnLRP rule for the parameters of"):
+        explain(tiny_model("qwen3_vl_moe"), None, [Image.open(picture)], PROMPT,
+                          scores="attnlrp")
+    folder = tiny_checkpoint(tmp_path / "moe", "qwen3_vl_moe")
+    capsys.readouterr()
+    # known once the model is loaded (its loading bar comes first), before generating
+    assert main(["explain", "--model", str(folder), "--image", str(picture), "--prompt",
+                 PROMPT, "--scores", "attnlrp", "--out", str(tmp_path / "out")]) == 2
+    out, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert not out and last.startswith("headscope explain: error: --scores attnlrp: ")
+    assert "no AttnLRP rule" in last
+    assert last.endswith("allowed: --scores attention, attention*value_norm, gradient")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_page_paints_each_region_per_image_token(qwen, picture):
+    """Ward regions of unequal size: the heat, the table order, the PNG and the page's
+    overlay follow each region's score per image token, not its total."""
+    import base64
+    import io
+
+    import matplotlib
+    import numpy as np
+    import transformers as tf
+    from PIL import Image
+
+    import headscope
+    from headscope.explainer.page import COLORMAP, HEAT_ALPHA, _page_data, region_map
+    processor = tf.AutoProcessor.from_pretrained(qwen)
+    model = tf.AutoModelForImageTextToText.from_pretrained(qwen).eval()
+    result = headscope.explain(model, processor, [Image.open(picture)], PROMPT, regions=3,
+                               scores="attention", max_new_tokens=6)
+    tokens = result.region_tokens
+    (shown,) = result.pictures
+    assert tokens.tolist() == torch.bincount(shown.labels, minlength=3).tolist()
+    assert len(set(tokens.tolist())) > 1  # unequal sizes
+    span = next(s for s in result.spans if not s.special)
+    # the largest region gets the largest total but the lowest score per token
+    big = int(tokens.argmax())
+    per_token = torch.where(torch.arange(3) == big, 0.5,
+                            0.6 + 0.1 * torch.arange(3, dtype=torch.float64))
+    assert (per_token * tokens).argmax() == big
+    span.scores = (per_token * tokens).float()
+    heat = span.per_token
+    torch.testing.assert_close(heat, span.scores.double() / tokens.double())
+    assert int(span.scores.argmax()) == big and int(heat.argmin()) == big
+    order = [k for k, _ in span.top_regions(3)]
+    assert order == torch.argsort(heat, descending=True).tolist()
+    report = result.report()
+    assert report["heat"] == "per image token" and report["region_tokens"] == tokens.tolist()
+    assert report["spans"][span.index]["scores_per_token"] == pytest.approx(heat.tolist())
+    data = _page_data(result)
+    row = data["spans"][[s.index for s in result.spans if not s.special].index(span.index)]
+    assert [r[0] for r in row["table"]] == order
+    assert [r[2] for r in row["table"]] == [int(tokens[k]) for k in order]
+    assert row["low"] == pytest.approx(float(heat.min()))
+    assert row["high"] == pytest.approx(float(heat.max()))
+    overlay = np.asarray(Image.open(io.BytesIO(base64.b64decode(
+        row["overlays"][0].split(",", 1)[1]))))
+    labels = region_map(shown, overlay.shape[1::-1])
+    cmap = matplotlib.colormaps[COLORMAP]
+    for k in range(3):
+        t = (float(heat[k]) - row["low"]) / (row["high"] - row["low"])
+        expected = np.round(np.array([*cmap(t)[:3], HEAT_ALPHA]) * 255)
+        got = overlay[labels == k]
+        assert np.abs(got.astype(float) - expected).max() <= 1, k
+    png = Image.open(io.BytesIO(headscope.explainer.page.span_png(result, span)))
+    assert png.size[0] > 100
 
 
 def test_shapes_model_points_at_the_object(tmp_path):
@@ -215,6 +355,9 @@ def test_bad_arguments_fail_before_any_work(qwen, picture, tmp_path, capsys):
         "model_type 'bert'": ["--model", str(other)],
         "num_layers=3, expected 2": ["--head", str(work / "wrong.safetensors")],
         "--regions: must be": ["--regions", "0"],
+        "--scores head: needs --head FILE": ["--scores", "head"],
+        "has no effect with --scores attention": ["--head", str(work / "wrong.safetensors"),
+                                                  "--scores", "attention"],
         "--prompt: is empty": ["--prompt", "  "],
         "exists and is not a folder": ["--out", str(work / "afile")],
         f"cannot listen on 127.0.0.1:{busy.getsockname()[1]}":
@@ -300,6 +443,35 @@ def test_page_in_a_browser(shapes_page, browser, tmp_path):
     assert browser.execute_script("return arguments[0].naturalWidth", heat) > 0
     assert browser.get_screenshot_as_file(str(tmp_path / "page.png"))
     assert (tmp_path / "page.png").stat().st_size > 10_000
+
+
+def test_ward_page_in_a_browser(browser, tmp_path):
+    """The page on 8 Ward regions of unequal size, without a head: the colour bar names the
+    unit (per image token), the table shows each region's tokens, total and score per token,
+    hottest first, and the heat map shows; a screenshot is written."""
+    from selenium.webdriver.common.by import By
+
+    from headscope.shapes.demo import explain_page
+    page = explain_page(tmp_path / "ward", regions=8, scores="attention")
+    report = json.loads((page.parent / "report.json").read_text())
+    assert len(set(report["region_tokens"])) > 1 and report["heat"] == "per image token"
+    browser.get(page.as_uri())
+    unit = browser.find_element(By.CSS_SELECTOR, ".note.unit").text
+    assert unit.startswith("raw attention per image token")
+    header = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "thead th")]
+    assert header == ["region", "picture", "tokens", "total", "per image token"]
+    rows = [[float(c.text) for c in tr.find_elements(By.TAG_NAME, "td")]
+            for tr in browser.find_elements(By.CSS_SELECTOR, "tbody.scores tr")]
+    assert len(rows) == 8
+    shown = next(s for s in report["spans"] if not s["special"])
+    assert [int(r[0]) for r in rows] == shown["top_regions"]
+    assert [int(r[2]) for r in rows] == [report["region_tokens"][int(r[0])] for r in rows]
+    per_token = [r[4] for r in rows]
+    assert per_token == sorted(per_token, reverse=True)  # hottest first, per image token
+    heat = browser.find_element(By.CSS_SELECTOR, "img.heat")
+    assert browser.execute_script("return arguments[0].naturalWidth", heat) > 0
+    assert browser.get_screenshot_as_file(str(tmp_path / "ward.png"))
+    assert (tmp_path / "ward.png").stat().st_size > 10_000
 
 
 def test_live_page_shows_spans_while_generating(qwen, picture, browser, tmp_path):

@@ -22,10 +22,14 @@ def test_seed_ranges_are_disjoint_from_every_other_use():
     from headscope.shapes.demo import DEMO_OFFSET
     from headscope.shapes.faithfulness import EVAL_OFFSET
     from headscope.shapes.hallucination import OFFSET as HALLUCINATION_OFFSET
-    others = [HELD_OUT_SEED + o for o in (0, EVAL_OFFSET, DEMO_OFFSET, HALLUCINATION_OFFSET)]
+    from headscope.shapes.mixer_eval import MIXER_EVAL_START
+    others = [HELD_OUT_SEED + o for o in (0, EVAL_OFFSET, DEMO_OFFSET, HALLUCINATION_OFFSET,
+                                          MIXER_EVAL_START)]
     firsts = sorted(SEED_RANGES.values())
-    assert firsts[0] >= max(others) + RANGE_SIZE  # past every other range's first million
-    assert firsts[1] - firsts[0] >= RANGE_SIZE
+    assert firsts[0] >= sorted(others)[-2] + RANGE_SIZE  # past the others' first million
+    for first in firsts:  # each range a million scenes of its own, apart from the mixer's
+        assert all(abs(first - other) >= RANGE_SIZE for other in others + firsts
+                   if other != first)
     dev = range_scenes("dev", 5)
     assert dev[0] == (SEED_RANGES["dev"], 1) and [n for _, n in dev] == [1, 2, 3, 4, 1]
     with pytest.raises(ValueError, match="one of"):
@@ -117,7 +121,8 @@ def test_span_sets_differ_by_exactly_the_special_spans():
     assert both["spans"] == 1 and both["all_spans"]["spans"] == 2
     assert both["lds"]["attention"]["mean"] == pytest.approx(-1.0)
     assert both["all_spans"]["lds"]["attention"]["mean"] == pytest.approx(0.0)
-    assert {k: v for k, v in both.items() if k != "all_spans"} == summarise(
+    assert both["heat"] is None  # no record measured the heat map's yardsticks
+    assert {k: v for k, v in both.items() if k not in ("all_spans", "heat")} == summarise(
         [_record([[1.0, 2.0, 3.0]], [[3.0, 2.0, 1.0]], [[1.0, 2.0, 3.0]],
                  special=[([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [1.0, 2.0, 3.0])])])
 
@@ -150,6 +155,111 @@ def test_summary_pairs_every_head_with_every_baseline():
         [-2.0, 2.0])  # differences -2 and 2
     assert s["pointing"] == pytest.approx({**{k: float(v) for k, v in hits.items()},
                                            "random": 0.25})
+
+
+def test_heat_summary_pairs_images_and_counts_references():
+    """Deletion and insertion per image (the mean over its spans with a defined AUC), the
+    paired difference, the references, pointing by heat, hotter than the rest and R^2."""
+    from headscope.shapes.heat_eval import heat_table, summarise_heat
+
+    def record(head, attention, total, effects, scores, pointing, hotter):
+        curves = {"head": {"deletion": torch.tensor(head[0], dtype=torch.float64),
+                           "insertion": torch.tensor(head[1], dtype=torch.float64)},
+                  "attention": {"deletion": torch.tensor(attention[0], dtype=torch.float64),
+                                "insertion": torch.tensor(attention[1], dtype=torch.float64)}}
+        for ref in ("effects", "random"):
+            curves[ref] = {c: torch.full((len(total),), 0.5, dtype=torch.float64)
+                           for c in ("deletion", "insertion")}
+        return {"effects": torch.tensor(effects), "scores": {"head": torch.tensor(scores)},
+                "heat": {"sentence": torch.tensor([True] * len(total)), "curves": curves,
+                         "total": torch.tensor(total), "pointing": pointing,
+                         "hotter": hotter}}
+    nan = float("nan")
+    records = [
+        # two spans, the second undefined (no positive total): the image is its first span
+        record(([1.2, nan], [0.8, nan]), ([1.0, nan], [0.5, nan]), [2.0, -1.0],
+               [[2.0, 0.0], [1.0, 1.0]], [[2.0, 0.0], [1.0, 1.0]],
+               [{"head": True, "attention": False, "effects": True}],
+               [{"head": True, "attention": None, "effects": False}]),
+        record(([1.0, 0.8], [0.6, 0.4]), ([1.0, 1.0], [0.6, 0.6]), [1.0, 3.0],
+               [[0.0, 2.0], [3.0, 1.0]], [[0.0, 2.0], [1.0, 3.0]],
+               [{"head": True, "attention": True, "effects": False}], []),
+        {"effects": torch.zeros(1, 2), "scores": {}},  # a scene not measured
+    ]
+    h = summarise_heat(records, ["head"], ["attention"])
+    assert h["scenes"] == 2 and h["spans"] == 4 and h["scenes_scored"] == 2
+    assert h["deletion"]["head"]["mean"] == pytest.approx((1.2 + 0.9) / 2)
+    assert h["insertion"]["attention"]["mean"] == pytest.approx((0.5 + 0.6) / 2)
+    assert h["deletion"]["random"]["mean"] == pytest.approx(0.5)
+    d = h["deletion_difference"]["head - attention"]
+    assert d["mean"] == pytest.approx((0.2 - 0.1) / 2) and d["n"] == 2
+    assert h["insertion_difference"]["head - attention"]["mean"] == pytest.approx(
+        (0.3 - 0.1) / 2)
+    assert h["pointing_spans"] == 2
+    assert h["pointing"] == pytest.approx({"head": 1.0, "attention": 0.5, "effects": 0.5})
+    assert h["hotter"] == {"head": 1.0, "attention": None, "effects": 0.0}
+    # R^2 over both scenes' (span, region) pairs: residuals only in the second's last span
+    measured = torch.tensor([2.0, 0.0, 1.0, 1.0, 0.0, 2.0, 3.0, 1.0])
+    expected = 1 - 8.0 / float(((measured - measured.mean()) ** 2).sum())
+    assert h["r_squared"]["head"] == pytest.approx(expected)
+    assert h["r_squared_all_spans"]["head"] == pytest.approx(expected)  # no special span
+    text = heat_table(h, str)
+    assert "| head - attention (paired) |" in text and "true-effect order" in text
+    assert summarise_heat(records[2:], ["head"], ["attention"]) is None
+
+
+def test_best_scorer_across_layouts():
+    """Per scene: deletion + insertion averaged over the layouts (each layout's mean over the
+    scene's spans with a defined AUC); scenes missing on a layout left out."""
+    from headscope.shapes.heat_eval import across_layouts, across_layouts_table
+
+    def record(seed, a, b, total=(1.0,)):
+        n = len(total)
+        curves = {"a": {"deletion": torch.tensor(a[0], dtype=torch.float64),
+                        "insertion": torch.tensor(a[1], dtype=torch.float64)},
+                  "b": {"deletion": torch.tensor(b[0], dtype=torch.float64),
+                        "insertion": torch.tensor(b[1], dtype=torch.float64)},
+                  "effects": {"deletion": torch.where(torch.tensor(total) > 0, 1.0,
+                                                      float("nan")).double()}}
+        assert all(len(x) == n for x in (*a, *b))
+        return {"seed": seed, "heat": {"curves": curves}}
+    cells = [record(1, ([1.0], [0.5]), ([0.8], [0.4])), record(2, ([1.2], [0.6]), ([1.0], [0.6])),
+             record(3, ([9.0], [9.0]), ([0.0], [0.0]))]  # scene 3: not on the other layout
+    ward = [record(1, ([1.0, 5.0], [0.5, 5.0]), ([0.6, 0.0], [0.4, 0.0]), total=(1.0, -1.0)),
+            record(2, ([1.0], [0.4]), ([1.0], [0.5]))]
+    r = across_layouts({"cells": cells, "ward": ward}, ["a", "b"])
+    assert r["scenes"] == 2 and r["best"] == "a"
+    # a: scene 1 (1.5 + 1.5) / 2, scene 2 (1.8 + 1.4) / 2; b: (1.2 + 1.0) / 2, (1.6 + 1.5) / 2
+    assert r["deletion_plus_insertion"]["a"]["mean"] == pytest.approx((1.5 + 1.6) / 2)
+    assert r["deletion_plus_insertion"]["b"]["mean"] == pytest.approx((1.1 + 1.55) / 2)
+    assert r["best_minus"]["b"]["mean"] == pytest.approx((0.4 + 0.05) / 2)
+    assert "| a | 1.550" in across_layouts_table(r, str)
+
+
+def test_head_eval_on_ward_regions_resumes_from_its_cache(tmp_path, capsys):
+    """--regions K with --cache: each scene's record is kept; a rerun reads them back (the
+    same result, nothing measured again); other settings are refused; heat-default reads
+    the caches of two layouts. (Four scenes measured with their curves: tens of seconds.)"""
+    from headscope.shapes.__main__ import main
+    from headscope.shapes.head_eval import evaluate_head
+    cache = tmp_path / "ward"
+    first = evaluate_head("dev", 2, regions=4, features="both", cache=cache, progress=False)
+    records = sorted(cache.glob("scene-*.safetensors"))
+    assert len(records) == 2 and first["regions"] == 4
+    assert set(first["heat"]["deletion"]) == {"head", *first["baselines"], "effects", "random"}
+    written = [p.stat().st_mtime_ns for p in records]
+    again = evaluate_head("dev", 2, regions=4, features="both", cache=cache, progress=False)
+    assert [p.stat().st_mtime_ns for p in records] == written
+    assert json.dumps(again, default=str) == json.dumps(first, default=str)
+    with pytest.raises(ValueError, match=r"holds scenes measured with other settings \(regions\)"):
+        evaluate_head("dev", 2, regions=5, features="both", cache=cache, progress=False)
+    evaluate_head("dev", 2, regions=(2, 2), features="both", cache=tmp_path / "grid",
+                  progress=False)
+    assert main(["heat-default", "--cache", str(cache), "--cache", str(tmp_path / "grid")]) == 0
+    printed = capsys.readouterr().out
+    assert "averaged over 4 Ward regions, 2x2 grid, on the 2 scenes" in printed
+    assert main(["heat-default", "--cache", str(tmp_path)]) == 2
+    assert "not a head-eval --cache folder" in capsys.readouterr().err
 
 
 def test_head_labels_and_traced_features():
@@ -196,6 +306,7 @@ def test_head_eval_command_on_the_shipped_model(tmp_path, capsys):
     assert "special-token-only spans left out" in printed
     assert "| per-image LDS, all spans |" in printed
     assert "attnlrp" in result["baselines"] and result["ms_per_span"]["attnlrp"] > 0
+    assert "gradient" in result["baselines"] and result["ms_per_span"]["gradient"] > 0
     assert "| AttnLRP (log p) |" in printed and "AttnLRP (log p): " in printed
     assert f"| head ({shipped.feature_set}) - raw " in printed
     # traced with both blocks, the same head scores the same spans exactly as before (its
@@ -204,7 +315,7 @@ def test_head_eval_command_on_the_shipped_model(tmp_path, capsys):
     assert main(["--threads", "1", "head-eval", "--seeds", "dev", "--scenes", "4",
                  "--features", "both", "--json", str(both)]) == 0
     both = json.loads(both.read_text())
-    assert both["baselines"] == ["attention", "attention*value_norm", "attnlrp"]
+    assert both["baselines"] == ["attention", "attention*value_norm", "attnlrp", "gradient"]
     for name in ("head", *result["baselines"]):
         assert both["lds"][name] == result["lds"][name], name
         assert both["all_spans"]["lds"][name] == every["lds"][name], name

@@ -1,5 +1,6 @@
-"""headscope.metrics: the bootstrap interval on known cases and the exact expectation of
-random pointing."""
+"""headscope.metrics: the bootstrap interval on known cases, the exact expectation of
+random pointing, heat per image token and the deletion and insertion AUC on a case
+computed by hand."""
 from __future__ import annotations
 
 import math
@@ -7,8 +8,9 @@ import math
 import pytest
 import torch
 
-from headscope.metrics import (bootstrap_interval, mean_with_interval, random_pointing,
-                               region_centroids)
+from headscope.metrics import (bootstrap_interval, curve_sets, deletion_auc, heat_order,
+                               hotter_than_rest, insertion_auc, mean_with_interval, per_token,
+                               r_squared, random_pointing, region_centroids)
 
 
 def test_bootstrap_interval_of_a_known_mean():
@@ -48,3 +50,45 @@ def test_random_pointing_is_the_exact_expectation():
     assert torch.isnan(with_empty[3]).all()
     assert random_pointing([(0, with_empty, (0.0, 0.0, 0.5, 1.0))]) == pytest.approx(1 / 3)
     assert random_pointing([]) is None
+
+
+def test_deletion_and_insertion_auc_of_a_case_computed_by_hand():
+    # 3 regions of 2, 1 and 1 image tokens scored 4, 3, 1: per token 2, 3, 1, so the heat
+    # order is 1, 0, 2 (by total it would be 0, 1, 2)
+    scores, tokens = torch.tensor([4.0, 3.0, 1.0]), torch.tensor([2, 1, 1])
+    heat = per_token(scores, tokens)
+    assert heat.tolist() == [2.0, 3.0, 1.0]
+    order = heat_order(heat)
+    assert order.tolist() == [1, 0, 2]
+    deletion, insertion = curve_sets(order)
+    assert deletion.tolist() == [[False, True, False], [True, True, False], [True, True, True]]
+    assert insertion.tolist() == [[True, False, True], [False, False, True],
+                                  [False, False, False]]
+    # removing {1}: 1.0 nats, {0, 1}: 3.0, everything: 2.0 -> shares 0.5, 1.5, 1 at token
+    # shares 0.25, 0.75, 1: (0.25 * 0.5 + 0.5 * 2.0 + 0.25 * 2.5) / 2 = 0.875
+    removed = torch.tensor([1.0, 3.0, 2.0], dtype=torch.float64)
+    assert float(deletion_auc(order, tokens, removed)) == pytest.approx(0.875, abs=1e-12)
+    # keeping {1} (removing {0, 2}): 1.6 nats, keeping {0, 1}: 0.2, keeping all: 0 ->
+    # recovered 0.2, 0.9, 1: (0.25 * 0.2 + 0.5 * 1.1 + 0.25 * 1.9) / 2 = 0.5375
+    kept = torch.tensor([1.6, 0.2, 0.0], dtype=torch.float64)
+    assert float(insertion_auc(order, tokens, kept, torch.tensor(2.0))) == \
+        pytest.approx(0.5375, abs=1e-12)
+    # batched over spans, and undefined where removing everything has no positive effect
+    orders = torch.stack([order, order])
+    both = deletion_auc(orders, tokens, torch.stack([removed, torch.tensor([1.0, 0.5, 0.0])]))
+    assert both[0] == pytest.approx(0.875) and math.isnan(both[1])
+    assert math.isnan(float(insertion_auc(order, tokens, kept, torch.tensor(-1.0))))
+    # a region without tokens is painted NaN and comes last
+    assert heat_order(per_token(torch.tensor([5.0, 1.0]), torch.tensor([0, 1]))).tolist() == [1, 0]
+
+
+def test_hotter_than_rest_and_r_squared():
+    heat = torch.tensor([1.0, 1.0, 0.2, 0.2, 0.2])
+    assert hotter_than_rest(heat, torch.tensor([1, 1, 0, 0, 0])) is True
+    assert hotter_than_rest(heat, torch.tensor([0, 0, 1, 1, 0])) is False
+    assert hotter_than_rest(heat, torch.zeros(5)) is None
+    assert r_squared(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 2.0, 3.0])) == 1.0
+    # predicting the mean scores 0, the reverse order (1 - 8 / 2) = -3
+    assert r_squared(torch.full((3,), 2.0), torch.tensor([1.0, 2.0, 3.0])) == 0.0
+    assert r_squared(torch.tensor([3.0, 2.0, 1.0]), torch.tensor([1.0, 2.0, 3.0])) == -3.0
+    assert r_squared(torch.ones(3), torch.ones(3)) is None

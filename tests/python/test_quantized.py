@@ -508,6 +508,32 @@ def test_vas_command(saved, loading, tmp_path):
         torch.testing.assert_close(features, want, atol=1e-6, rtol=1e-6)
 
 
+def test_explain_on_weights_that_pass_no_gradient(checkpoints, tmp_path):
+    """torchao's dynamic int8 activations pass the gradient through their quantization
+    scale only: explain's default without a head (the gradient norm) falls back to raw
+    attention with a warning that says why, the page names it; asking for the gradient
+    norm or AttnLRP is refused before anything is generated."""
+    from PIL import Image
+
+    from headscope import explain
+    folder = checkpoints["qwen2_vl"]
+    model = load(folder, "torchao-int8-dynamic")
+    processor = tf.AutoProcessor.from_pretrained(folder)
+    picture = quarters(40, 48, ((200, 30, 30), (30, 200, 30), (30, 30, 200), (220, 220, 40)))
+    reason = NO_GRADIENT["torchao-int8-dynamic"]
+    with pytest.warns(UserWarning, match=f"the page shows raw attention: .*{reason}"):
+        result = explain(model, processor, [picture], "describe the image .", regions="2x2",
+                         max_new_tokens=4)
+    assert result.scorer == "attention" and result.report()["scorer"] == "attention"
+    assert result.spans
+    for span in result.spans:
+        assert torch.equal(span.scores, span.attention) and span.scores.abs().max() > 0
+    for scores in ("gradient", "attnlrp"):
+        with pytest.raises(ValueError, match=f"scores='{scores}' cannot run on this model: "
+                                             f".*{reason}"):
+            explain(model, None, [picture], "describe the image .", scores=scores)
+
+
 def test_quantize_refuses_a_bad_value_and_missing_packages(saved, tmp_path, capsys,
                                                            monkeypatch):
     import importlib.util

@@ -20,15 +20,26 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     steps = results["steps"]
     assert 0 <= steps["accuracy"]["result"]["recall"] <= 1
     versus = steps["head_vs_attention"]["result"]
-    assert versus["seed_range"] == "reported" and versus["scenes"] == 2
-    assert versus["seeds"] == [1_004_000_000, 1_004_000_001]
+    assert versus["seed_range"] == "heat-reported" and versus["scenes"] == 2
+    assert versus["seeds"] == [1_007_000_000, 1_007_000_001]
     assert versus["regions"] == "3x3 grid" and versus["special_spans_left_out"] >= 1
     # the head reads its own block; both raw baselines and AttnLRP are scored beside it
     assert versus["features"] == "both"
-    assert versus["baselines"] == ["attention", "attention*value_norm", "attnlrp"]
+    assert versus["baselines"] == ["attention", "attention*value_norm", "attnlrp", "gradient"]
     assert list(versus["lds_difference"]) == ["head - attention", "head - attention*value_norm",
-                                              "head - attnlrp"]
+                                              "head - attnlrp", "head - gradient"]
     assert versus["ms_per_span"]["attnlrp"] > 0
+    # the heat map's yardsticks beside LDS, on the cells and on 8 Ward regions
+    for result in (versus, steps["head_vs_attention_ward"]["result"]):
+        heat = result["heat"]
+        assert set(heat["deletion"]) == {"head", *result["baselines"], "effects", "random"}
+        assert heat["r_squared"]["head"] is not None
+    assert steps["head_vs_attention_ward"]["result"]["regions"] == 8
+    check = steps["heat_check"]["result"]
+    assert check["seeds"] == [1_008_000_000, 1_008_000_001] and check["regions"] == 8
+    assert check["no head"]["sentences"] >= 1 and check["head"]["sentences"] >= 1
+    assert set(steps["scorer_cost"]["result"]["seconds"]) == {
+        "attention", "attention*value_norm", "attnlrp", "gradient", "head"}
     every = versus["all_spans"]  # the same comparisons with the end-of-text spans put back
     assert every["spans"] == versus["spans"] + versus["special_spans_left_out"]
     assert list(every["lds_difference"]) == list(versus["lds_difference"])
@@ -39,6 +50,8 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     assert head_eval["baselines"] == ["attention", "attention*value_norm", "attnlrp"]
     assert -1 <= head_eval["attention*value_norm"]["lds"] <= 1
     assert -1 <= head_eval["attnlrp"]["lds"] <= 1 and head_eval["ms_per_span"]["attnlrp"] > 0
+    assert set(head_eval["curves"]["insertion"]) == {"head", *head_eval["baselines"],
+                                                     "effects", "random"}
     on_cells = steps["head_eval_grid"]["result"]
     assert on_cells["seeds"] == head_eval["seeds"] and on_cells["spans"] == head_eval["spans"]
     if on_cells["random"]["pointing_spans"]:  # one cell in nine holds a given object
@@ -56,13 +69,17 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     assert "| raw value-norm-weighted attention |" in text
     assert "| AttnLRP (log p) |" in text and "AttnLRP (log p): " in text
     assert "| per-image LDS, all spans |" in text
-    for title in ("Caption accuracy", "The head against raw attention", "Attribution head",
+    for title in ("Caption accuracy", "The head against raw attention",
+                  "The head against raw attention on 8 Ward regions",
+                  "The page's heat map: the named object hotter than the rest",
+                  "What each scorer of headscope.explain costs", "Attribution head",
                   "Attribution head on the world's cells", "Latency",
                   "Faithfulness against time", "Hallucination detection",
                   "Hallucination detection on hard scenes",
                   "Mixer against softmax vision attention"):
         assert f"## {title}" in text
     assert "random region (expected)" in text
+    assert "Deletion and insertion AUC" in text and "object hotter than the rest" in text
     assert [line.endswith("...") for line in said].count(True) == len(STEPS)
 
     # a run stopped after the latency step: the rerun does only the two removed
