@@ -2,9 +2,10 @@
 (headscope.hf.families; a family's TinySpec picks its prompts' pictures and marks a contract
 that cannot hold yet): the model's outputs are unchanged and it is restored on detach, VAS
 features equal the reference implementation's extract_vas (or vas_features) on eager
-attentions and per-head writes, span features equal region_pool on eager attentions of the
-teacher-forced sequence and greedy tokens equal the untraced model's, batches with left
-padding equal their rows alone, and tr.images places every image token on its picture.
+attentions and per-head writes (each head's block of the output projection's input, after
+an output gate), span features equal region_pool on eager attentions of the teacher-forced
+sequence and greedy tokens equal the untraced model's, batches with left padding equal
+their rows alone, and tr.images places every image token on its picture.
 The models of one model type and device are built once for all its tests."""
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from headscope.hf.families import FAMILIES, family_of  # noqa: E402
 from headscope.hf.families.base import TYPE_INPUTS  # noqa: E402
 from headscope.hf.structure import output_projection, softmax_attention_layers  # noqa: E402
 from headscope.hf.testing import eager_reference, image_prompt, tiny_model, tiny_of  # noqa: E402
+from headscope.hf.testing.reference import recorded_attention  # noqa: E402
 
 TYPES = TYPE_INPUTS  # per-position type inputs
 
@@ -325,3 +327,38 @@ def test_images_give_every_image_tokens_place_on_the_picture(models):
             quarter = (centre[:, 1] >= 0.5).long() * 2 + (centre[:, 0] >= 0.5).long()
             got = tr.region_ids[b, picture.positions] - tr.region_ids[b, picture.positions].min()
             assert torch.equal(got.cpu(), quarter)
+
+
+# ---- what a head writes -------------------------------------------------------------------
+
+# model types whose attention multiplies each head's output by sigmoid(gate) before the
+# output projection, the gate the second half of q_proj's output per head (Qwen3.5's
+# decoder); in every other family the projection reads the attention output as it is
+# (docs/hf.md, "What a head writes")
+GATED = {"qwen3_5", "qwen3_5_moe", "minicpmv4_6"}
+
+
+def test_what_lies_between_attention_and_output_projection(models):
+    _, eager = models
+    inputs = prompt(eager, batch=1)
+    decoder = family_of(eager).decoder(eager)
+    H = decoder.config.num_attention_heads
+    gates = []
+    hooks = [m.q_proj.register_forward_hook(
+        lambda module, args, out: gates.append(out.unflatten(-1, (H, -1)).chunk(2, -1)[1]))
+        for m in softmax_attention_layers(decoder) if eager.config.model_type in GATED]
+    try:
+        with torch.no_grad(), recorded_attention(eager) as calls:
+            eager(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(calls) == len(softmax_attention_layers(decoder))
+    for i, call in enumerate(calls):
+        written = call.writes.transpose(1, 2)  # (B, T, H, Dh)
+        if gates:
+            torch.testing.assert_close(written, call.output * torch.sigmoid(gates[i]))
+            assert (written - call.output).abs().max() > 1e-2 * call.output.abs().max()
+        else:
+            assert torch.equal(written, call.output)
+
