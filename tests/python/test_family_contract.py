@@ -5,9 +5,14 @@ features equal the reference implementation's extract_vas (or vas_features) on e
 attentions and per-head writes (each head's block of the output projection's input, after
 an output gate), span features equal region_pool on eager attentions of the teacher-forced
 sequence and greedy tokens equal the untraced model's, batches with left padding equal
-their rows alone, and tr.images places every image token on its picture.
+their rows alone, and tr.images places every image token on its picture. In bfloat16 and
+float16: logits unchanged bit for bit, and VAS and span features equal to their float64
+definitions on the very q, k and writes the model formed, within the bound of the ops'
+float32 arithmetic (headscope.hf.testing.precision).
 The models of one model type and device are built once for all its tests."""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -21,6 +26,7 @@ from headscope.hf.families import FAMILIES, family_of  # noqa: E402
 from headscope.hf.families.base import TYPE_INPUTS  # noqa: E402
 from headscope.hf.structure import output_projection, softmax_attention_layers  # noqa: E402
 from headscope.hf.testing import eager_reference, image_prompt, tiny_model, tiny_of  # noqa: E402
+from headscope.hf.testing.precision import step_masses64, vas_head_stats64  # noqa: E402
 from headscope.hf.testing.reference import recorded_attention  # noqa: E402
 
 TYPES = TYPE_INPUTS  # per-position type inputs
@@ -362,3 +368,72 @@ def test_what_lies_between_attention_and_output_projection(models):
         else:
             assert torch.equal(written, call.output)
 
+
+# ---- half precision -----------------------------------------------------------------------
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(scope="module", params=LOW, ids=[str(d)[6:] for d in LOW])
+def low_models(models, request):
+    """The contract's models with their weights rounded to bfloat16 or float16."""
+    return tuple(copy.deepcopy(m).to(request.param) for m in models)
+
+
+def assert_within(got, want, bound, what, fine=True):
+    """Every |got - want| within its bound; ``fine``: a bound of float32 arithmetic, far
+    below the statistics' own size (which are of order 1e-1 to 1)."""
+    err = (got.double().cpu() - want).abs()
+    assert not fine or float(bound.max()) < 1e-2, f"{what}: a bound of {float(bound.max()):.2e}"
+    out = err > bound
+    assert not bool(out.any()), \
+        f"{what}: an error of {float((err / bound)[out].max()):.2f} times its bound"
+
+
+def test_low_precision_logits_bitwise_and_vas_within_its_bound(low_models):
+    """On sdpa the Tracer recomputes each layer's probabilities from q and k; on eager it
+    reads the weights the model formed; each against float64 on those same tensors, and
+    the eager weights, which the model rounded to its dtype, against the float64 softmax
+    of their q and k within a bound of that dtype's unit roundoff."""
+    for model in low_models:
+        inputs = prompt(model, batch=2)
+        with torch.no_grad():
+            plain = model(**inputs).logits
+            with recorded_attention(model) as calls, Tracer(model, regions=4, vas=True) as tr:
+                traced = model(**inputs).logits
+                stats = tr.vas_head_stats()
+        assert torch.equal(plain, traced)
+        assert len(calls) == tr.num_layers and all(c.writes is not None for c in calls)
+        want, bound = vas_head_stats64(calls, inputs["attention_mask"])
+        impl = model.config.get_text_config(decoder=True)._attn_implementation
+        assert_within(stats, want, bound, f"VAS on {impl}")
+        if calls[0].weights is not None:
+            exact, exact_bound = vas_head_stats64(calls, inputs["attention_mask"], exact=True)
+            assert_within(stats, exact, exact_bound, "VAS of eager weights against float64",
+                          fine=False)
+        if model.config.model_type in GATED:  # the bound tells the gated write from the other
+            for call in calls:
+                call.writes = call.output.transpose(1, 2)
+            ungated, _ = vas_head_stats64(calls, inputs["attention_mask"])
+            assert bool(((ungated - want).abs() > bound).any())
+
+
+def test_low_precision_generation_and_span_features_within_their_bound(low_models):
+    model, _ = low_models
+    inputs = prompt(model, batch=2)
+    N = 4
+    plain = model.generate(**inputs, max_new_tokens=N, do_sample=False, eos_token_id=None)
+    every2 = lambda ids: len(ids) % 2 == 0  # noqa: E731
+    with torch.no_grad(), recorded_attention(model) as calls, \
+            Tracer(model, regions=3, vas=False, splitter=every2) as tr:
+        spans = list(tr.generate(**inputs, max_new_tokens=N, do_sample=False,
+                                 eos_token_id=None))
+    assert torch.equal(tr.sequences, plain)
+    masses, bounds = step_masses64(calls, tr.num_layers, inputs["input_ids"].shape[1],
+                                   tr.region_ids, max(tr.num_regions))
+    assert len(masses) == N and len(spans) == 2 * N // 2
+    for s in spans:
+        K = tr.num_regions[s.batch_index]
+        rows = slice(s.start, s.end)
+        assert_within(s.features, masses[rows, s.batch_index, :K].mean(0),
+                      bounds[rows, s.batch_index, :K].mean(0), f"span {s.start}-{s.end}")
