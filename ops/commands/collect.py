@@ -23,8 +23,8 @@ from ..features import FEATURE_SETS
 from .collection import COLLECTION, read_collection, write_shard
 from .data import Example, image_size, load_image, read_examples
 from .errors import UsageError, check_output, given, grid, integer, refuse_ignored
-from .models import (chat_inputs, device, load_config, load_model, load_processor,
-                     model_folder, text_sizes)
+from .models import (add_model_arguments, chat_inputs, device, load_config, load_model,
+                     load_processor, model_folder, text_sizes)
 from .shards import fill_shards
 from .torchrun import rank
 
@@ -61,8 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> List[str]:
                                  "baseline eval reports, with its time per span)"),
         parser.add_argument("--seed", type=int, default=0,
                             help="seed of the random region sets"),
-        parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                            default="float32", help="model dtype (default float32)"),
+        *add_model_arguments(parser),
         parser.add_argument("--device", default=None,
                             help="cpu, cuda, cuda:N (default: the process's GPU if any, "
                                  "else cpu)"))]
@@ -206,20 +205,21 @@ def collect(args) -> Tuple[Path, int]:
     out = Path(args.out)
 
     def start():
-        model, processor = load_model(args.model, args.dtype, device(args))
+        model, processor = load_model(args.model, args.dtype, device(args), args.quantize)
         return lambda i: collect_example(model, processor, examples[i], args)
 
     def write(shard: int, records: List[Dict]) -> None:
         write_shard(out, shard, _shard_tensors(records),
                     [t for r in records for t in r["texts"]], [r["boxes"] for r in records])
 
-    before = fill_shards(out, COLLECTION, {
+    settings = {
         "model": str(Path(args.model).resolve()), "num_layers": L, "num_heads": H,
         "feature_set": args.features, "data": str(Path(args.data).resolve()),
         "regions": args.regions, "grid": args.grid, "max_new_tokens": args.max_new_tokens,
         "subsets": args.subsets, "ablation": args.ablation, "seed": args.seed,
-        "attnlrp": args.attnlrp, "dtype": args.dtype}, len(examples), args.shard_size, start, write, "collect",
-        "example")
+        "attnlrp": args.attnlrp, "dtype": args.dtype, "quantize": args.quantize}
+    before = fill_shards(out, COLLECTION, settings, len(examples), args.shard_size, start,
+                         write, "collect", "example")
     return out, len(examples) - before
 
 

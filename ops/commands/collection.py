@@ -52,7 +52,7 @@ FORMAT = "headscope.collect"
 VERSION = 2  # 2: the manifest holds each shard's SHA-256
 # manifest fields added after collections were written, with the value an older one means
 COLLECTION = Layout(FORMAT, VERSION, ".safetensors", "collect",
-                    {"feature_set": "attention", "attnlrp": False})
+                    {"feature_set": "attention", "attnlrp": False, "quantize": None})
 TENSORS = ("line", "span_example", "span_bounds", "features", "effects", "subsets",
            "subset_effects", "grid", "labels", "image_size", "seconds")
 # absent from shards written before they were added (special_only) or without --attnlrp

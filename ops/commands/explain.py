@@ -20,6 +20,7 @@ from typing import List
 
 from ..pictures import PictureError, check_picture, read_picture
 from .errors import UsageError, check_output, integer, number, refuse_ignored
+from .models import add_model_arguments
 
 SAMPLING = ("temperature", "top_p", "top_k", "seed")
 DEFAULT_PORT = 7860
@@ -65,8 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default port {DEFAULT_PORT}; needs headscope[app]; Ctrl-C stops)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="the address --serve binds (default 127.0.0.1, this machine only)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        default="float32", help="model dtype (default float32)")
+    add_model_arguments(parser)
     parser.add_argument("--device", default=None,
                         help="cpu, cuda, cuda:N (default: the GPU if any, else cpu)")
     parser.add_argument("--do-sample", action="store_true",
@@ -240,12 +240,14 @@ def run(args) -> int:
         if args.seed is not None:
             import torch
             torch.manual_seed(args.seed)
-    model, processor = load_model(args.model, args.dtype, device(args))
+    model, processor = load_model(args.model, args.dtype, device(args), args.quantize)
+    # the page and report say which weights gave the answer
+    shown = name if args.quantize is None else f"{name} ({args.quantize} weights)"
 
     def explanations():
         return iter_explain(model, processor, pictures, args.prompt, head,
                             regions=args.regions, detector=detector,
-                            max_new_tokens=args.max_new_tokens, model_name=name,
+                            max_new_tokens=args.max_new_tokens, model_name=shown,
                             **generate_kwargs)
     if args.serve is not None:
         from ..explainer.live import serve

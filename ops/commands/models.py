@@ -1,13 +1,15 @@
 """A model and its processor for the commands: the folder ``--model`` names (a local
 folder or a hub id in the local cache, never a download), its config, processor and model
-loaded with a one-line error for each way that fails, the device ``--device`` picks (the
-process's own GPU under torchrun), the decoder's traced sizes, and a prompt's model inputs
+loaded with a one-line error for each way that fails, ``--dtype`` and ``--quantize`` (how
+its weights are loaded), the device ``--device`` picks (the process's own GPU under
+torchrun), the decoder's traced sizes, and a prompt's model inputs
 through the chat template. ``collect``, ``eval``, ``explain``, ``vas`` and the benchmarks
 load models with it."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -62,16 +64,55 @@ def load_processor(folder: str):
     return processor
 
 
-def load_model(folder: str, dtype: str, device: torch.device):
-    """Model and processor of a local transformers folder (no network)."""
+DTYPES = ("float32", "bfloat16", "float16")
+# --quantize: optimum-quanto's weight-only types (the one backend whose int8 and int4 both
+# run on the CPU and on CUDA, in every dtype, and pass gradients for --attnlrp)
+QUANTIZE = ("int8", "int4")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> List[argparse.Action]:
+    """``--dtype`` and ``--quantize``: how the model's weights are loaded."""
+    return [
+        parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                            help="model dtype (default float32)"),
+        parser.add_argument("--quantize", type=_quantize, choices=QUANTIZE, default=None,
+                            help="load the weights quantized to 8 or 4 bits (optimum-quanto, "
+                                 "weights only, every linear layer but the output layer; "
+                                 "needs optimum-quanto and accelerate; default: as saved)")]
+
+
+def _quantize(value: str) -> str:
+    """``--quantize``'s value, refused at once where its packages are not installed."""
+    import importlib.util
+    if value in QUANTIZE:
+        missing = [name for name, module in (("optimum-quanto", "optimum"),
+                                             ("accelerate", "accelerate"))
+                   if importlib.util.find_spec(module) is None]
+        if not missing and importlib.util.find_spec("optimum.quanto") is None:
+            missing = ["optimum-quanto"]
+        if missing:
+            raise argparse.ArgumentTypeError(
+                f"{value} needs {' and '.join(missing)} (pip install {' '.join(missing)}; "
+                f"requirements.txt pins them)")
+    return value
+
+
+def load_model(folder: str, dtype: str, device: torch.device, quantize: Optional[str] = None):
+    """Model and processor of a local transformers folder (no network), its weights in
+    ``dtype``, quantized as ``--quantize`` asks (None: as saved), on ``device``."""
     import transformers as tf
     processor = load_processor(folder)
+    kwargs = {}
+    if quantize is not None:
+        # quantized while loading, on the device it runs on
+        kwargs = dict(quantization_config=tf.QuantoConfig(weights=quantize),
+                      device_map={"": str(device)})
     try:
         model = tf.AutoModelForImageTextToText.from_pretrained(
-            model_folder(folder), dtype=getattr(torch, dtype), local_files_only=True)
+            model_folder(folder), dtype=getattr(torch, dtype), local_files_only=True, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"--model {folder}: cannot be loaded with from_pretrained: {e}") from e
-    return model.to(device).eval(), processor
+    return (model if quantize is not None else model.to(device)).eval(), processor
 
 
 def text_sizes(config) -> tuple:

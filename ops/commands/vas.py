@@ -34,7 +34,8 @@ from ..vas import VAS_COLUMNS
 from .data import (checked_image_size, image_file, json_records, jsonl_file, non_empty_string,
                    read_image)
 from .errors import UsageError, check_output, given, integer
-from .models import chat_inputs, device, load_config, load_model, load_processor, text_sizes
+from .models import (add_model_arguments, chat_inputs, device, load_config, load_model,
+                     load_processor, text_sizes)
 from .shards import fill_shards, write_shard_bytes
 from .torchrun import rank
 from .vas_table import LAYOUT, RESERVED, read_table, shard_bytes
@@ -69,8 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 64)")
     parser.add_argument("--shard-size", type=integer(1), default=64,
                         help="records per shard file (default 64)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                        default="float32", help="model dtype (default float32)")
+    add_model_arguments(parser)
     parser.add_argument("--device", default=None,
                         help="cpu, cuda, cuda:N (default: the process's GPU if any, else cpu)")
 
@@ -253,7 +253,8 @@ def prepare(args) -> Tuple[List[Record], Dict[str, str], Dict]:
     L, H = text_sizes(config)
     settings = {"model": str(Path(args.model).resolve()), "num_layers": L, "num_heads": H,
                 "data": str(Path(args.data).resolve()), "label": args.label,
-                "columns": types, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype}
+                "columns": types, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+                "quantize": args.quantize}
     return records, types, settings
 
 
@@ -262,7 +263,7 @@ def run(args) -> int:
     out = Path(args.out)
 
     def start():
-        model, processor = load_model(args.model, args.dtype, device(args))
+        model, processor = load_model(args.model, args.dtype, device(args), args.quantize)
         return lambda i: score_record(model, processor, records[i], args.max_new_tokens)
 
     def write(shard: int, rows: List[Dict]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .quantized import dense_weight, dequantized, is_quantized
 from .structure import output_projection
 
 __all__ = ["LayerFactors", "value_norm_factors", "value_norms"]
@@ -25,7 +26,16 @@ __all__ = ["LayerFactors", "value_norm_factors", "value_norms"]
 def value_norm_factors(o_proj_weight: Tensor, num_heads: int) -> Tensor:
     """``o_proj.weight`` ``(hidden, H*Dh)`` -> ``(H, r, Dh)`` factors ``R_h`` with
     ``R_h^T R_h = W_O^h^T W_O^h`` (``r = min(hidden, Dh)``), float32 (float64 for a float64
-    weight). Compute once per layer and keep: the weight does not change between prompts."""
+    weight). Compute once per layer and keep: the weight does not change between prompts.
+    A quantized weight is read through its own ``dequantize()`` (torchao, optimum-quanto);
+    for one without (bitsandbytes), pass ``headscope.hf.quantized.dense_weight(o_proj)``."""
+    if is_quantized(o_proj_weight):
+        dense = dequantized(o_proj_weight)
+        if dense is None:
+            raise ValueError(f"value_norm_factors: o_proj_weight is a quantized "
+                             f"{type(o_proj_weight).__name__} with no dequantize(); pass "
+                             f"headscope.hf.quantized.dense_weight(o_proj) instead")
+        o_proj_weight = dense
     if o_proj_weight.dim() != 2:
         raise ValueError(f"value_norm_factors: o_proj_weight must be (hidden, num_heads * "
                          f"head_dim), got shape {tuple(o_proj_weight.shape)}")
@@ -79,5 +89,5 @@ class LayerFactors:
     def of(self, layer: int, module: torch.nn.Module) -> Tensor:
         if layer not in self._factors:
             self._factors[layer] = value_norm_factors(
-                output_projection(module).weight.detach(), self.num_heads)
+                dense_weight(output_projection(module)), self.num_heads)
         return self._factors[layer]
