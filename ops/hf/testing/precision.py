@@ -242,3 +242,17 @@ def step_masses64(calls: Sequence[AttentionCall], num_layers: int, prompt_length
         masses.append(torch.cat(mass, -1))
         bounds.append(torch.cat(bound, -1))
     return torch.stack(masses).cpu(), torch.stack(bounds).cpu()
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str,
+                  fine: bool = True) -> None:
+    """Raises AssertionError unless every ``|got - want|`` is within its ``bound`` (``want``
+    and ``bound`` float64 on the CPU); ``fine``: the bound is one of float32 arithmetic,
+    and so far below the statistics' own size (of order 1e-1 to 1): under 1e-2."""
+    if fine and float(bound.max()) >= 1e-2:
+        raise AssertionError(f"{what}: a bound of {float(bound.max()):.2e}")
+    err = (got.double().cpu() - want).abs()
+    out = err > bound
+    if bool(out.any()):
+        raise AssertionError(f"{what}: an error of {float((err / bound)[out].max()):.2f} "
+                             f"times its bound")
