@@ -22,9 +22,7 @@ from headscope.hf import Tracer
 from headscope.hf.testing import image_prompt, tiny_model, tiny_of
 from headscope.hf.testing.models import FAMILIES
 from headscope.hf.testing.precision import step_masses64, vas_head_stats64
-from headscope.hf.testing.reference import recorded_attention
-
-GATED = {"qwen3_5", "qwen3_5_moe", "minicpmv4_6"}
+from headscope.hf.testing.reference import GATED, recorded_attention
 
 
 def prompt(model):

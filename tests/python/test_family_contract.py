@@ -28,7 +28,7 @@ from headscope.hf.structure import output_projection, softmax_attention_layers  
 from headscope.hf.testing import eager_reference, image_prompt, tiny_model, tiny_of  # noqa: E402
 from headscope.hf.testing.precision import (assert_within, step_masses64,  # noqa: E402
                                             vas_head_stats64)
-from headscope.hf.testing.reference import recorded_attention  # noqa: E402
+from headscope.hf.testing.reference import GATED, recorded_attention  # noqa: E402
 
 TYPES = TYPE_INPUTS  # per-position type inputs
 
@@ -338,18 +338,13 @@ def test_images_give_every_image_tokens_place_on_the_picture(models):
 
 # ---- what a head writes -------------------------------------------------------------------
 
-# model types whose attention multiplies each head's output by sigmoid(gate) before the
-# output projection, the gate the second half of q_proj's output per head (Qwen3.5's
-# decoder); in every other family the projection reads the attention output as it is
-# (docs/hf.md, "What a head writes")
-GATED = {"qwen3_5", "qwen3_5_moe", "minicpmv4_6"}
 
 
 def test_vas_equals_its_float64_definition_on_what_o_proj_reads(models):
     """float32: each head's VAS statistics equal their float64 definition on the q, k and
     writes the model formed, each head's write read at o_proj's input, within the bound of
     the ops' float32 arithmetic, and the features the same to the contract's 1e-4; on a
-    gated family the writes before the gate (what the Tracer once read) are off by more
+    gated family the writes before the gate (the attention call's output) are off by more
     than ten times that."""
     model, _ = models
     inputs = prompt(model, batch=1)

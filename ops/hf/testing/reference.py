@@ -15,6 +15,13 @@ from ..families import family_of
 from ..structure import output_projection, softmax_attention_layers
 
 
+# model types whose attention multiplies each head's output by sigmoid(gate) before the
+# output projection, the gate the second half of q_proj's output per head (Qwen3.5's
+# decoder); in every other family the projection reads the attention output as it is
+# (docs/hf.md, "What a head writes")
+GATED = frozenset({"qwen3_5", "qwen3_5_moe", "minicpmv4_6"})
+
+
 def eager_reference(model_eager, inputs: Dict[str, torch.Tensor], **forward_kwargs):
     """The way attention is inspected without headscope: a model loaded with eager
     attention, run with ``output_attentions=True`` and forward pre-hooks on the output
