@@ -421,6 +421,7 @@ def test_low_precision_logits_bitwise_and_vas_within_its_bound(low_models):
                 stats = tr.vas_head_stats()
         assert torch.equal(plain, traced)
         assert len(calls) == tr.num_layers and all(c.writes is not None for c in calls)
+        assert {c.query.dtype for c in calls} == {c.writes.dtype for c in calls} == {model.dtype}
         want, bound = vas_head_stats64(calls, inputs["attention_mask"])
         impl = model.config.get_text_config(decoder=True)._attn_implementation
         assert_within(stats, want, bound, f"VAS on {impl}")
@@ -436,6 +437,9 @@ def test_low_precision_logits_bitwise_and_vas_within_its_bound(low_models):
 
 
 def test_low_precision_generation_and_span_features_within_their_bound(low_models):
+    """Greedy tokens are plain generate's; each span's features (on sdpa: the Tracer
+    recomputes the probabilities of its rows from q and k) against the float64 masses of
+    the recorded q and k, within their bound."""
     model, _ = low_models
     inputs = prompt(model, batch=2)
     N = 4
@@ -446,6 +450,7 @@ def test_low_precision_generation_and_span_features_within_their_bound(low_model
         spans = list(tr.generate(**inputs, max_new_tokens=N, do_sample=False,
                                  eos_token_id=None))
     assert torch.equal(tr.sequences, plain)
+    assert {c.query.dtype for c in calls} == {c.key.dtype for c in calls} == {model.dtype}
     masses, bounds = step_masses64(calls, tr.num_layers, inputs["input_ids"].shape[1],
                                    tr.region_ids, max(tr.num_regions))
     assert len(masses) == N and len(spans) == 2 * N // 2
