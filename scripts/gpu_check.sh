@@ -7,6 +7,8 @@
 #   (optional)   HEADSCOPE_PREBUILT=build-carry: a library built elsewhere against the same
 #                torch, used when it loads and passes a smoke check; otherwise, or when it is
 #                absent, the library is built here against this machine's own torch.
+#   (optional)   HEADSCOPE_GPU_BENCH="vas:100 cost:180:big" picks the benchmark families, each
+#                family:seconds[:big] (default: vas, attribution, mixer, cost and hf).
 #   (optional)   HEADSCOPE_GPU_STEPS="tests memcheck profile bench" (the default) picks the
 #                steps; "ncu" adds Nsight Compute's stall and memory sections for the vas
 #                kernels of one layer (about a minute; one file more: leave "bench" out).
@@ -159,15 +161,14 @@ fi
 
 if want bench; then
 step "benchmarks on the GPU (each family under its own time limit)"
-for fam_limit in vas:100 attribution:60 mixer:80; do
-  fam=${fam_limit%:*}
-  timeout "${fam_limit#*:}" "$PYTHON" -m headscope.bench --device cuda --family $fam --json "$OUT/bench_$fam.json" \
-    >>"$OUT/bench.log" 2>&1 || { echo "bench $fam: exit $?" | tee -a "$OUT/summary.txt"; status=1; }
+# family:seconds[:big]; big: the sizes a CPU cannot run in reasonable time or memory (cost:
+# all 28 layers of the 2B shape in float32 and bfloat16; hf: the tracer on them in bfloat16)
+for fam_limit in ${HEADSCOPE_GPU_BENCH:-vas:100 attribution:60 mixer:80 cost:180:big hf:150:big}; do
+  IFS=: read -r fam limit big <<<"$fam_limit"
+  timeout "$limit" "$PYTHON" -m headscope.bench --device cuda --family "$fam" ${big:+--big} \
+    --json "$OUT/bench_$fam.json" >>"$OUT/bench.log" 2>&1 ||
+    { echo "bench $fam: exit $?" | tee -a "$OUT/summary.txt"; status=1; }
 done
-# the attribution cost at a real VLM's size: all 28 layers of the 2B shape, float32 and
-# bfloat16 (--big), which a CPU cannot run in reasonable time or memory
-timeout 180 "$PYTHON" -m headscope.bench --device cuda --family cost --big --json "$OUT/bench_cost.json" \
-  >>"$OUT/bench.log" 2>&1 || { echo "bench cost: exit $?" | tee -a "$OUT/summary.txt"; status=1; }
 cat "$OUT/bench.log"
 fi
 

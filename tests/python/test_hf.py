@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import threading
+import warnings
 
 import pytest
 import torch
@@ -89,6 +90,43 @@ def test_generation_keeps_only_the_open_spans_query_rows():
         spans = list(tr.generate(**inputs, max_new_tokens=12, do_sample=False,
                                  eos_token_id=None))
     assert len(spans) == 8 and max(held) == 3 and min(held) == 1
+
+
+def _host_syncs(run) -> int:
+    """The host synchronisations ``run()`` makes, as CUDA's sync debug mode counts them."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchronizing" in str(w.message) for w in seen)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: no GPU on this machine")
+def test_on_cuda_a_traced_decode_step_synchronises_the_host_no_more_than_plain_generate():
+    """Per decode step (one open span, pooled as it grows), the tracer adds no host
+    synchronisation to generate's own: the difference of two answer lengths is counted, so
+    the prefill's and the span end's are left out."""
+    model = _no_eos(tiny_model("qwen2_vl")).cuda()
+    inputs = _prompt(model).to("cuda")
+
+    def plain(n):
+        model.generate(**inputs, max_new_tokens=n, do_sample=False)
+
+    def traced(n):
+        with Tracer(model, regions=2) as tr:
+            tr.splitter = lambda ids: False
+            assert len(list(tr.generate(**inputs, max_new_tokens=n, do_sample=False))) == 1
+
+    def per_step(generate):
+        return (_host_syncs(lambda: generate(12)) - _host_syncs(lambda: generate(4))) / 8
+
+    plain_step, traced_step = per_step(plain), per_step(traced)
+    assert plain_step > 0, "sync debug mode saw none of generate's own synchronisations"
+    assert traced_step <= plain_step, (traced_step, plain_step)
 
 
 @pytest.mark.parametrize("features", ["attention", "both"])

@@ -897,3 +897,24 @@ def test_torchscript(device):
     args = _small_args(device)
     scripted = torch.jit.script(_VASModule())
     assert_close(scripted(*args), _VASModule()(*args), rtol=0, atol=0, what="script")
+
+
+def test_more_batch_heads_than_one_cuda_grid_dimension_holds(device):
+    """B * H past 65535, the most blocks CUDA launches along one grid dimension: every
+    (batch, head) gets the statistics it gets alone, the last ones (a later launch) too."""
+    gen = torch.Generator().manual_seed(61)
+    B, H, Hkv, T, D, Dh = 2, 32_800, 1, 8, 4, 4
+    lengths = torch.tensor([8, 5], device=device)
+    A, V, _ = rand_case(B, H, T, Dh, True, gen, lengths=torch.tensor([8, 5]), device=device)
+    q = torch.randn(B, H, T, D, generator=gen).to(device)
+    k = torch.randn(B, Hkv, T, D, generator=gen).to(device)
+    whole = OPS.vas_head_stats(A, V, lengths)
+    whole_qk = OPS.vas_head_stats_qk(q, k, V, lengths, 0.5, True)
+    assert whole.isfinite().all() and whole_qk.isfinite().all()
+    for heads in (slice(0, 3), slice(H - 3, H)):
+        alone = OPS.vas_head_stats(A[:, heads].contiguous(), V[:, heads].contiguous(), lengths)
+        alone_qk = OPS.vas_head_stats_qk(q[:, heads].contiguous(), k, V[:, heads].contiguous(),
+                                         lengths, 0.5, True)
+        # the CUDA kernels sum tiles with atomics: equal up to the order of a float sum
+        assert_close(whole[:, heads].cpu(), alone.cpu(), what="vas_head_stats")
+        assert_close(whole_qk[:, heads].cpu(), alone_qk.cpu(), what="vas_head_stats_qk")

@@ -44,6 +44,7 @@ Strides4 strides4(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.str
 
 struct Heads {
   int64_t B, H, T, Dh, T64, Dh16;
+  int64_t bh0;         // the launch's first (batch, head): gridDim.y <= 65535 per launch
   const int64_t* len;
   const int64_t* off;  // nullptr without offsets
   __half* vs;          // [2 (hi, lo), BH, T64, Dh16] split Vn (Dh > kExactDh)

@@ -29,6 +29,7 @@
 #include "vas/cuda/vas_head_stats_qk_rows_cuda.cuh"
 #include "vas/vas_checks.h"
 
+#include <algorithm>
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -123,25 +124,39 @@ void set_smem(K kernel, size_t bytes) {
               " bytes of shared memory per block, more than this GPU allows");
 }
 
+// Every kernel runs one (batch, head) per gridDim.y index, which CUDA caps at 65535: larger
+// batches are launched in slices of (batch, head) pairs, each told its first pair (Heads::bh0).
+template <typename Launch>
+void for_each_launch(const Heads& P, int64_t blocks_x, Launch&& launch) {
+  constexpr int64_t kMaxGridY = 65535;
+  const int64_t BH = P.B * P.H;
+  for (int64_t first = 0; first < BH; first += kMaxGridY) {
+    Heads L = P;
+    L.bh0 = first;
+    launch(L, dim3(static_cast<unsigned>(blocks_x),
+                   static_cast<unsigned>(std::min(kMaxGridY, BH - first))));
+  }
+}
+
 void launch_prep(const Heads& P, const at::Tensor& hw, cudaStream_t stream) {
   TORCH_CHECK(P.Dh <= 2048, "headscope::vas: CUDA kernels support head_writes with Dh <= 2048, got ", P.Dh);
-  const dim3 grid(static_cast<unsigned>(P.T64 / kPrepRows), static_cast<unsigned>(P.B * P.H));
   const size_t smem = sizeof(float) * kPrepRows * P.Dh;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, hw.scalar_type(), "vas_prep", [&] {
     auto run = [&](auto kernel) {
       set_smem(kernel, smem);
-      kernel<<<grid, kThreads, smem, stream>>>(P, hw.const_data_ptr<scalar_t>(), strides4(hw));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      for_each_launch(P, P.T64 / kPrepRows, [&](const Heads& L, dim3 grid) {
+        kernel<<<grid, kThreads, smem, stream>>>(L, hw.const_data_ptr<scalar_t>(), strides4(hw));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     };
     if (P.Dh <= kExactDh) run(prep_kernel<scalar_t, true>);
     else run(prep_kernel<scalar_t, false>);
   });
 }
 
-dim3 pass_grid(const Heads& P) {
+int64_t pass_blocks(const Heads& P) {
   const int64_t nt = P.T64 / kTile;
-  TORCH_CHECK(P.B * P.H <= 65535, "headscope::vas: CUDA kernels support B * H <= 65535, got ", P.B * P.H);
-  return dim3(static_cast<unsigned>(nt * (nt + 1) / 2), static_cast<unsigned>(P.B * P.H));
+  return nt * (nt + 1) / 2;
 }
 
 at::Tensor vas_head_stats_cuda(const at::Tensor& attn, const at::Tensor& head_writes,
@@ -172,9 +187,11 @@ at::Tensor vas_head_stats_cuda(const at::Tensor& attn, const at::Tensor& head_wr
     const size_t smem = kVBytes + Tiles::bytes;
     auto run = [&](auto kernel) {
       set_smem(kernel, smem);
-      kernel<<<pass_grid(P), kThreads, smem, stream>>>(P, attn.const_data_ptr<scalar_t>(),
-                                                       strides4(attn), vec, out.data_ptr<float>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      for_each_launch(P, pass_blocks(P), [&](const Heads& L, dim3 grid) {
+        kernel<<<grid, kThreads, smem, stream>>>(L, attn.const_data_ptr<scalar_t>(), strides4(attn),
+                                                 vec, out.data_ptr<float>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     };
     if (Dh <= kExactDh) run(attn_pass_kernel<scalar_t, true>);
     else run(attn_pass_kernel<scalar_t, false>);
@@ -230,17 +247,19 @@ at::Tensor vas_head_stats_qk_cuda(const at::Tensor& q_in, const at::Tensor& k_in
     const size_t panels = 2 * kTile * kXld * sizeof(float);
     const size_t rows_smem = panels + 2 * kTile * 2 * sizeof(float);
     set_smem(qk_rows_kernel<scalar_t>, rows_smem);
-    qk_rows_kernel<scalar_t><<<dim3(static_cast<unsigned>(P.T64 / kTile), static_cast<unsigned>(B * H)),
-                               kThreads, rows_smem, stream>>>(P, qp, strides4(q), kp, strides4(k),
-                                                              Hkv, D, fscale, pat, kpm_ptr);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    for_each_launch(P, P.T64 / kTile, [&](const Heads& L, dim3 grid) {
+      qk_rows_kernel<scalar_t><<<grid, kThreads, rows_smem, stream>>>(L, qp, strides4(q), kp, strides4(k),
+                                                                      Hkv, D, fscale, pat, kpm_ptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
     const size_t smem = kVBytes + panels;
     auto run = [&](auto kernel) {
       set_smem(kernel, smem);
-      kernel<<<pass_grid(P), kThreads, smem, stream>>>(P, qp, strides4(q), kp, strides4(k), Hkv, D,
-                                                       fscale, pat, kpm_ptr,
-                                                       out.data_ptr<float>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      for_each_launch(P, pass_blocks(P), [&](const Heads& L, dim3 grid) {
+        kernel<<<grid, kThreads, smem, stream>>>(L, qp, strides4(q), kp, strides4(k), Hkv, D, fscale,
+                                                 pat, kpm_ptr, out.data_ptr<float>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     };
     if (Dh <= kExactDh) run(qk_pass_kernel<scalar_t, true>);
     else run(qk_pass_kernel<scalar_t, false>);

@@ -380,7 +380,7 @@ attn_pass_kernel(Heads P, const A_t* __restrict__ A, Strides4 sa, bool vec, floa
   extern __shared__ float4 smem_pass[];
   unsigned char* sm = reinterpret_cast<unsigned char*>(smem_pass);
   using Tiles = ATiles<A_t>;
-  const int64_t bh = blockIdx.y;
+  const int64_t bh = P.bh0 + blockIdx.y;
   PairTask t;
   if (!pair_task(P, bh, t)) return;
   const Lane L;
@@ -416,7 +416,7 @@ qk_pass_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __res
                const bool* __restrict__ kpm, float* out) {
   extern __shared__ float4 smem_pass[];
   unsigned char* sm = reinterpret_cast<unsigned char*>(smem_pass);
-  const int64_t bh = blockIdx.y;
+  const int64_t bh = P.bh0 + blockIdx.y;
   PairTask t;
   if (!pair_task(P, bh, t)) return;
   const Lane L;

@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(Heads P, const V_t* __re
   constexpr int kRows = kPrepRows / 4;
   extern __shared__ float rowbuf_all[];  // [warps, kRows, Dh]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t bh = blockIdx.y, b = bh / P.H, h = bh % P.H, BH = P.B * P.H;
+  const int64_t bh = P.bh0 + blockIdx.y, b = bh / P.H, h = bh % P.H, BH = P.B * P.H;
   int64_t n, s;
   window(P, b, n, s);
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kPrepRows + warp * kRows;

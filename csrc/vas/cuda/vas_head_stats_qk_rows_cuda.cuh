@@ -70,7 +70,7 @@ qk_rows_kernel(Heads P, const Q_t* __restrict__ q, Strides4 sq, const Q_t* __res
   float* sy = sx + kTile * kXld;
   float* mz = sy + kTile * kXld;  // [2 (wn), 64, 2]
   const Lane L;
-  const int64_t bh = blockIdx.y, b = bh / P.H, h = bh % P.H, hk = h / (P.H / Hkv);
+  const int64_t bh = P.bh0 + blockIdx.y, b = bh / P.H, h = bh % P.H, hk = h / (P.H / Hkv);
   int64_t n, s;
   window(P, b, n, s);
   const int64_t i0 = static_cast<int64_t>(blockIdx.x) * kTile;
