@@ -35,7 +35,7 @@ from .phase import Phase
 from .regions import MediaRegions, Regions, grid_regions, media_region_ids
 from .rows import SpanRows
 from .stream import Span, iterate_spans, sentence_end
-from .structure import softmax_attention_layers
+from .structure import output_projection, softmax_attention_layers
 from .value_norm import LayerFactors
 
 # the attention call compares by identity (an enum's hash runs Python code)
@@ -60,9 +60,10 @@ class Tracer(backend.Binding):
     forward, ``tr.images`` and ``tr.videos`` give each row's pictures and videos, and
     ``tr.media_regions`` each one's regions. ``head``:
     an :class:`~headscope.AttributionHead` (or any callable ``(K, L*H) -> (K,)``) giving
-    ``span.scores``. ``writes``: ``"heads"`` (each head's attention output, the head
-    writes of the VAS reference implementation, docs/vas.md) or ``"residual"`` (the
-    head's write into the residual stream, through its block of ``o_proj``).
+    ``span.scores``. ``writes``: ``"heads"`` (each head's block of ``o_proj``'s input:
+    its attention output, times the output gate where the layer has one; the head writes
+    of the VAS reference implementation, docs/vas.md) or ``"residual"`` (the same through
+    the head's block of ``o_proj``: its write into the residual stream).
     ``splitter``: a callable that gets a row's generated ids so far and says whether the
     last one ends a span (default: sentence ends, given a tokenizer; else one span per
     answer). ``features``: what a span's features hold (see docs/hf.md; default: the
@@ -147,7 +148,10 @@ class Tracer(backend.Binding):
         self._masks = MaskLog([types[i] for i in self.layers] if types else None)
         self._noted: Dict[str, Any] = {}  # the last forward's (or generate's) arguments
         self._factors = LayerFactors(self.num_heads)
-        self._vas = ForwardVAS(self.num_layers, writes, self._factors)
+        # what a head writes is read at its layer's output projection (only VAS reads it)
+        projections = [output_projection(m) for m in attention] if self.vas else []
+        self._vas = ForwardVAS(self.num_layers, self.num_heads, writes, self._factors,
+                               projections)
         self._model_hook = None
         self.attach()
 
@@ -204,6 +208,7 @@ class Tracer(backend.Binding):
             self._model_hook.remove()
             self._model_hook = None
         self._decoder_hook.remove()
+        self._vas.stop()
         self.unbind(self.config)
         self._bound = False
 
@@ -231,7 +236,7 @@ class Tracer(backend.Binding):
             elif phase is _PREFILL:
                 self._prefill(running.rows, module, query, key, value, kwargs)
         elif self._phase is _VAS or self._phase is _ANSWER:
-            self._observe(module, query, key, out, weights, kwargs)
+            self._observe(module, query, key, weights, kwargs)
         return out, weights
 
     def mask(self, *args, **kwargs):
@@ -277,7 +282,8 @@ class Tracer(backend.Binding):
                 ids = kwargs.get("input_ids", args[0] if args else None)
                 embeds = module.get_input_embeddings()(ids)
             answer = running is None and self._phase is Phase.ANSWER
-            self._start_forward(embeds, with_regions=not answer)
+            self._start_forward(embeds, with_regions=not answer,
+                                with_vas=running is None and (answer or self.vas))
             if running is not None:
                 running.begin_prompt(self._region_ids if self.regions is not None else None,
                                      self.num_regions)
@@ -288,11 +294,12 @@ class Tracer(backend.Binding):
         elif self._phase is Phase.VAS:
             self._phase = Phase.READY  # a forward on a cache: nothing to compute
 
-    def _start_forward(self, embeds: torch.Tensor, with_regions: bool) -> None:
-        """A forward without a cache: the VAS statistics start over; the prompt's region
-        ids (``with_regions``, given regions), from the pictures the family reads."""
+    def _start_forward(self, embeds: torch.Tensor, with_regions: bool, with_vas: bool) -> None:
+        """A forward without a cache: the VAS statistics start over (computed in this
+        forward: ``with_vas``); the prompt's region ids (``with_regions``, given regions),
+        from the pictures the family reads."""
         B, T = embeds.shape[:2]
-        self._vas.start()
+        self._vas.start(capture=with_vas)
         if not with_regions or self.regions is None:
             return
         ids = self._noted.get("input_ids")
@@ -318,7 +325,7 @@ class Tracer(backend.Binding):
         factors = self._factors.of(layer, module) if rows.weighted else None
         rows.start(layer, q, k, v, _scale(kwargs, q), mask, kwargs.get("softcap"), factors)
 
-    def _observe(self, module, q: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
+    def _observe(self, module, q: torch.Tensor, k: torch.Tensor,
                  weights: Optional[torch.Tensor], kwargs) -> None:
         """A layer's call in a forward that computes VAS."""
         layer = self._layers[id(module)]
@@ -331,7 +338,7 @@ class Tracer(backend.Binding):
                 f"{q.shape[2]} of the sequence's {k.shape[2]} query rows (a model that "
                 f"skips rows with an int logits_to_keep, as Gemma 4's KV-shared layers "
                 f"do); VAS needs every row: call the model without logits_to_keep")
-        self._vas.add(layer, module, q, k, out, weights, mask, _scale(kwargs, q),
+        self._vas.add(layer, module, q, k, weights, mask, _scale(kwargs, q),
                       kwargs.get("softcap"))
 
     def _check_decode_step(self, layer: int, q: torch.Tensor, k: torch.Tensor,

@@ -7,6 +7,10 @@ Head h writes ``W_O^h v`` to the residual stream, ``W_O^h`` the ``(hidden, Dh)``
 with ``W_O^h = Q_h R_h`` (QR, ``R_h`` ``(Dh, Dh)``), ``||W_O^h v|| = ||R_h v||``. So a layer's
 factors come once from its weight (:func:`value_norm_factors`, to be cached by the caller)
 and each key costs one ``Dh x Dh`` product per head (:func:`value_norms`).
+
+A head with an output gate (Qwen3.5's) multiplies its output by the gate, per query and
+channel, before ``W_O^h``; a key's weight is one number for every query, so its norm is the
+ungated ``||W_O^h v||`` (docs/hf.md, "Gated heads").
 """
 from __future__ import annotations
 

@@ -7,7 +7,10 @@ region_pool on eager attentions, a left-padded batch equals its rows alone, regi
 only on placeholders that hold a piece of the picture, and region_effects' "mask"
 ablation equals the model's own forward with the region's keys masked out (refused for a
 hybrid decoder, whose other mixers would carry the region on: there "zero" and "mean"
-equal the model's forward on ablated embeddings)."""
+equal the model's forward on ablated embeddings); and each softmax layer's output
+projection reads its attention output as it is (nothing between them that would change
+what a head writes), VAS equal to its float64 definition within the bound of float32
+arithmetic."""
 from __future__ import annotations
 
 import pytest
@@ -23,6 +26,8 @@ from headscope.hf.structure import softmax_attention_layers  # noqa: E402
 from headscope.hf.testing import eager_reference as shared_eager_reference  # noqa: E402
 from headscope.hf.testing.newest import (RECIPES, batch_rows, newest_rows,  # noqa: E402
                                          tiny_newest)
+from headscope.hf.testing.precision import assert_within, vas_head_stats64  # noqa: E402
+from headscope.hf.testing.reference import recorded_attention  # noqa: E402
 from headscope.hf.testing.tokens import IMAGE_TOKEN  # noqa: E402
 
 TYPES = sorted(RECIPES)
@@ -128,6 +133,35 @@ def test_vas_equals_the_reference_on_eager_attentions(case):
     assert len(attns) == len(_softmax_layers(model))
     want, _ = headscope.vas_features(attns, writes, inputs["attention_mask"], left_padding=True)
     torch.testing.assert_close(feats, want, atol=1e-4, rtol=1e-4)
+
+
+def test_vas_equals_its_float64_definition(case):
+    """Each head's VAS statistics equal their float64 definition on the q, k the model
+    formed and the writes its output projections read, within the bound of the ops'
+    float32 arithmetic (headscope.hf.testing.precision)."""
+    model, _, recipe, rows = case
+    inputs = batch_rows(recipe, rows)
+    with torch.no_grad(), recorded_attention(model) as calls, Tracer(model, vas=True) as tr:
+        model(**inputs)
+        stats = tr.vas_head_stats()
+    assert len(calls) == len(_softmax_layers(model))
+    want, bound = vas_head_stats64(calls, inputs["attention_mask"])
+    assert_within(stats, want, bound, "VAS")
+
+
+def assert_projection_reads_the_attention_output(eager, inputs):
+    """Nothing lies between each softmax layer's attention call and its output projection
+    (no gate, norm or sink: docs/hf.md, "What a head writes")."""
+    with torch.no_grad(), recorded_attention(eager) as calls:
+        eager(**inputs, use_cache=False)
+    assert len(calls) == len(_softmax_layers(eager))
+    for call in calls:
+        assert torch.equal(call.writes.transpose(1, 2), call.output)
+
+
+def test_output_projection_reads_the_attention_output(case):
+    _, eager, recipe, rows = case
+    assert_projection_reads_the_attention_output(eager, batch_rows(recipe, rows[:1]))
 
 
 def test_left_padded_batch_equals_rows_alone(case):
@@ -245,6 +279,7 @@ def test_mistral_4_traces_through_the_mistral_3_family_under_the_contract():
             spans = list(tr.generate(**inputs, max_new_tokens=NEW, do_sample=False,
                                      eos_token_id=None))
     assert tr.sequences.equal(gen) and tr.num_regions == [4, 4]
+    assert_projection_reads_the_attention_output(eager, inputs)
     attns, writes = eager_reference(eager, inputs)
     want, _ = headscope.vas_features(attns, writes, inputs["attention_mask"], left_padding=True)
     torch.testing.assert_close(vas, want, atol=1e-4, rtol=1e-4)

@@ -122,8 +122,8 @@ def test_paligemma2_vas_through_the_qk_op_with_soft_cap(monkeypatch):
     want, _ = headscope.vas_features(attns, writes, inputs["attention_mask"],
                                      left_padding=True)
     add = ForwardVAS.add
-    monkeypatch.setattr(ForwardVAS, "add", lambda self, layer, module, q, k, out, weights, *rest:
-                        add(self, layer, module, q, k, out, None, *rest))
+    monkeypatch.setattr(ForwardVAS, "add", lambda self, layer, module, q, k, weights, *rest:
+                        add(self, layer, module, q, k, None, *rest))
     with torch.no_grad(), Tracer(model, vas=True) as tr:
         model(**inputs)
         got = tr.vas_features()

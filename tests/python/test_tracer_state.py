@@ -119,6 +119,49 @@ def test_a_consumer_that_detaches_and_attaches_again_keeps_the_generation(model)
         torch.testing.assert_close(a.features, b.features)
 
 
+def test_output_projection_hooks_only_while_a_forward_computes_vas(model):
+    """What each head writes is read at its layer's o_proj by a forward pre-hook that lives
+    only as long as a forward computing VAS (the answer's pass included): none in a
+    generation's forwards, none left by an interrupted forward once the next one starts,
+    none after detach."""
+    from headscope.hf.structure import output_projection, softmax_attention_layers
+    projections = [output_projection(m) for m in softmax_attention_layers(model.get_decoder())]
+    hooked = lambda: sum(len(p._forward_pre_hooks) for p in projections)  # noqa: E731
+    inputs = _prompt(model)
+    at_forwards = []
+    with Tracer(model, regions=2, vas=True, splitter=lambda ids: len(ids) == 2) as tr:
+        handle = model.get_decoder().register_forward_pre_hook(
+            lambda *_: at_forwards.append((tr.phase, hooked())))
+        with torch.no_grad():
+            model(**inputs)
+        assert hooked() == 0
+        list(tr.generate(**inputs, max_new_tokens=3, do_sample=False))
+        tr.vas_features()
+        L = len(projections)
+        assert at_forwards == [(Phase.VAS, L), (Phase.PREFILL, 0), (Phase.DECODE, 0),
+                               (Phase.DECODE, 0), (Phase.ANSWER, L)]
+        assert hooked() == 0
+
+        def fail(*_):
+            raise KeyError("stop")
+        stop = softmax_attention_layers(model.get_decoder())[-1].register_forward_pre_hook(fail)
+        with pytest.raises(KeyError), torch.no_grad():
+            model(**inputs)
+        stop.remove()
+        assert hooked() == L  # left by the interrupted forward
+        at_forwards.clear()
+        list(tr.generate(**inputs, max_new_tokens=2, do_sample=False))
+        assert at_forwards == [(Phase.PREFILL, 0), (Phase.DECODE, 0)]
+        with torch.no_grad():
+            model(**inputs)
+        stop = softmax_attention_layers(model.get_decoder())[-1].register_forward_pre_hook(fail)
+        with pytest.raises(KeyError), torch.no_grad():
+            model(**inputs)
+        stop.remove()
+        handle.remove()
+    assert hooked() == 0
+
+
 def test_key_table_reads_generated_keys_as_fill():
     prompt = torch.tensor([[0, 1, -1], [1, 1, 0]])
     table = KeyTable(prompt, -1)

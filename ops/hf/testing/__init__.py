@@ -13,8 +13,9 @@ synthetic images in the DATA format of ``python -m headscope collect``
 (``checkpoint.py``). Each family's tiny models, prompts, processor and test choices are
 its module in ``families/`` (``tiny_of(family)``), the shared token ids ``tokens.py``'s;
 ``newest.py`` holds the tiny models of model types that have no family module. The
-geometry tests' pictures and checks are ``geometry.py``'s, the eager reference
-``reference.py``'s.
+geometry tests' pictures and checks are ``geometry.py``'s, the eager reference and the
+recording of a model's attention calls ``reference.py``'s, the float64 definitions and
+bounds of the low-precision contract ``precision.py``'s.
 """
 from .checkpoint import special_tokens, tiny_dataset, tiny_processor, tiny_tokenizer
 from .families import tiny_of
