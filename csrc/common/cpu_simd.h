@@ -40,6 +40,35 @@ inline void vstore(T* p, Vec<T> v) {
   std::memcpy(p, &v, sizeof v);
 }
 
+// The widest vector of doubles the target has: 8 lanes (one register) where AVX-512 is
+// enabled (-march=native on such a host), else 4 (one AVX register, or two SSE halves on a
+// portable build). For loops whose lanes are independent rows (the mixer's panels); the
+// rest keep the 32-byte Vec, whose 8-float layout their shuffles assume.
+#if defined(__AVX512F__)
+inline constexpr int kWideBytes = 64;
+#else
+inline constexpr int kWideBytes = 32;
+#endif
+typedef double dw __attribute__((vector_size(kWideBytes)));
+typedef int64_t iw __attribute__((vector_size(kWideBytes)));  // dw's comparison results
+typedef double d8 __attribute__((vector_size(64)));  // 8 doubles: one AVX-512 register or two
+inline constexpr int kWideLanes = kWideBytes / static_cast<int>(sizeof(double));
+
+inline dw wload(const double* p) {
+  dw v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void wstore(double* p, dw v) { std::memcpy(p, &v, sizeof v); }
+
+// [0, 1, 2, ...]: with a comparison, the mask of a partial vector's lanes.
+inline dw wiota() {
+  dw v;
+  for (int k = 0; k < kWideLanes; ++k) v[k] = k;
+  return v;
+}
+
 // x in every lane.
 template <typename T>
 inline Vec<T> vsplat(T x) {
@@ -60,12 +89,12 @@ inline Vec<T> vload_part(const T* p, int64_t n) {
   return v;
 }
 
-// The sum of a vector's lanes in lane order, in its element type.
+// The sum of a vector's lanes in lane order, in its element type (any vector width).
 template <typename V>
 inline auto hsum(V v) {
   using T = std::remove_cv_t<std::remove_reference_t<decltype(v[0])>>;
   T r = 0;
-  for (int k = 0; k < kLanes<T>; ++k) r += v[k];
+  for (int k = 0; k < static_cast<int>(sizeof(V) / sizeof(T)); ++k) r += v[k];
   return r;
 }
 
@@ -141,16 +170,18 @@ inline void for_each8(const float* x, int64_t n, F&& f) {
   if (j < n) f(vload_part(x + j, n - j), j);
 }
 
-// Transposes 8 rows of 8 floats in registers: r[k][c] becomes r[c][k].
-inline void transpose8x8(f8 r[8]) {
-  f8 t[8];
+// Transposes 8 rows of 8 lanes in registers (f8, or 8 doubles): r[k][c] becomes r[c][k].
+template <typename V8>
+inline void transpose8x8(V8 r[8]) {
+  static_assert(sizeof(V8) / sizeof(r[0][0]) == 8, "transpose8x8: vectors of 8 lanes");
+  V8 t[8];
   for (int k = 0; k < 4; ++k) {
     t[2 * k] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
     t[2 * k + 1] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
   }
-  f8 u[8];
+  V8 u[8];
   for (int h = 0; h < 2; ++h) {  // rows 0-3 (h = 0) and 4-7 (h = 1)
-    const f8 a = t[4 * h], b = t[4 * h + 1], c = t[4 * h + 2], d = t[4 * h + 3];
+    const V8 a = t[4 * h], b = t[4 * h + 1], c = t[4 * h + 2], d = t[4 * h + 3];
     u[4 * h + 0] = __builtin_shufflevector(a, c, 0, 1, 8, 9, 4, 5, 12, 13);
     u[4 * h + 1] = __builtin_shufflevector(a, c, 2, 3, 10, 11, 6, 7, 14, 15);
     u[4 * h + 2] = __builtin_shufflevector(b, d, 0, 1, 8, 9, 4, 5, 12, 13);
