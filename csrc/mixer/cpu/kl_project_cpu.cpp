@@ -89,27 +89,32 @@ void store8(scalar_t* dst, d8 v) {
 }
 
 // Column j of rows i0 .. i0 + 7 (i0 a multiple of 8) to and from panels: one vector, or
-// two W = 4 halves in consecutive blocks.
+// W = 4 halves in consecutive blocks.
 void put8(double* dst, Panels p, int64_t i0, int j, d8 v) {
-  if constexpr (W == 8) {
-    wstore(dst + p.at(i0 / W, j), v);
-  } else {
-    for (int h = 0; h < 8; h += W)
-      std::memcpy(dst + p.at((i0 + h) / W, j),
-                  reinterpret_cast<const char*>(&v) + h * sizeof(double), W * sizeof(double));
-  }
+  for (int h = 0; h < 8; h += W)
+    std::memcpy(dst + p.at((i0 + h) / W, j), reinterpret_cast<const char*>(&v) + h * sizeof(double),
+                W * sizeof(double));
 }
 
 d8 get8(const double* src, Panels p, int64_t i0, int j) {
-  if constexpr (W == 8) {
-    return wload(src + p.at(i0 / W, j));
-  } else {
-    d8 v;
-    for (int h = 0; h < 8; h += W)
-      std::memcpy(reinterpret_cast<char*>(&v) + h * sizeof(double), src + p.at((i0 + h) / W, j),
-                  W * sizeof(double));
-    return v;
-  }
+  d8 v;
+  for (int h = 0; h < 8; h += W)
+    std::memcpy(reinterpret_cast<char*>(&v) + h * sizeof(double), src + p.at((i0 + h) / W, j),
+                W * sizeof(double));
+  return v;
+}
+
+// Rows i .. i + 7 of an n x r row-major matrix into the cache ahead of their use (for_write:
+// 1 before stores), where they exist. A chunk's input or output streams from memory, and
+// this many rows ahead (8 KiB at r = 16 in float) it arrives in time.
+constexpr int64_t kPrefetchRows = 128;
+
+template <typename scalar_t>
+void prefetch_rows(const scalar_t* x, Panels p, int64_t i, int for_write) {
+  if (i + 8 > p.n) return;
+  const char* begin = reinterpret_cast<const char*>(x + i * p.r);
+  for (int64_t offset = 0; offset < int64_t{8} * p.r * int64_t{sizeof(scalar_t)}; offset += 64)
+    for_write ? __builtin_prefetch(begin + offset, 1) : __builtin_prefetch(begin + offset, 0);
 }
 
 // Rows [i_begin, i_end) of src (n x r, row-major; i_begin a multiple of 8) into panels as
@@ -121,13 +126,15 @@ void to_panels(const scalar_t* src, Panels p, int64_t i_begin, int64_t i_end, do
                double* dst) {
   const int64_t n = p.n, n8 = std::min(i_end, n / 8 * 8);
   const int r = p.r, r8 = r / 8 * 8;
-  for (int64_t i0 = i_begin; i0 < n8; i0 += 8)
+  for (int64_t i0 = i_begin; i0 < n8; i0 += 8) {
+    prefetch_rows(src, p, i0 + kPrefetchRows, 0);
     for (int j0 = 0; j0 < r8; j0 += 8) {
       d8 t[8];
       for (int k = 0; k < 8; ++k) t[k] = load8(src + (i0 + k) * r + j0);
       transpose8x8(t);  // t[c]: column j0 + c of rows i0 .. i0 + 7
       for (int c = 0; c < 8; ++c) put8(dst, p, i0, j0 + c, t[c]);
     }
+  }
   for (int64_t i = i_begin; i < i_end; ++i) {
     for (int j = i < n8 ? r8 : 0; j < r; ++j)
       dst[p.at(i / W, j) + i % W] = i < n ? static_cast<double>(src[i * r + j]) : pad;
@@ -143,6 +150,7 @@ void from_panels(const double* src, const double* column_scale, const double* ro
   const int64_t n = p.n, n8 = n / 8 * 8;
   const int r = p.r, r8 = r / 8 * 8;
   for (int64_t i0 = 0; i0 < n8; i0 += 8) {
+    prefetch_rows(dst, p, i0 + kPrefetchRows, 1);
     const d8 rs = load8(row_scale + i0);
     for (int j0 = 0; j0 < r8; j0 += 8) {
       d8 t[8];
