@@ -5,7 +5,7 @@
 // the compiler emits plain vector moves.
 #pragma once
 
-#if defined(__AVX__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -67,6 +67,60 @@ inline dw wiota() {
   dw v;
   for (int k = 0; k < kWideLanes; ++k) v[k] = k;
   return v;
+}
+
+// Lane-wise max and min of dw, `a > b ? a : b` and `a < b ? a : b` (the second operand where
+// one is NaN). Written with the target's instructions: a portable build's dw is two SSE
+// registers, and GCC lowers a comparison of vectors wider than the target's lane by lane
+// through memory.
+#if defined(__AVX512F__)
+inline dw vmax(dw a, dw b) { return reinterpret_cast<dw>(_mm512_max_pd(reinterpret_cast<__m512d>(a), reinterpret_cast<__m512d>(b))); }
+inline dw vmin(dw a, dw b) { return reinterpret_cast<dw>(_mm512_min_pd(reinterpret_cast<__m512d>(a), reinterpret_cast<__m512d>(b))); }
+#elif defined(__AVX__)
+inline dw vmax(dw a, dw b) { return reinterpret_cast<dw>(_mm256_max_pd(reinterpret_cast<__m256d>(a), reinterpret_cast<__m256d>(b))); }
+inline dw vmin(dw a, dw b) { return reinterpret_cast<dw>(_mm256_min_pd(reinterpret_cast<__m256d>(a), reinterpret_cast<__m256d>(b))); }
+#elif defined(__SSE2__)
+inline dw vmax(dw a, dw b) {
+  __m128d x[2], y[2];
+  std::memcpy(x, &a, sizeof x);
+  std::memcpy(y, &b, sizeof y);
+  x[0] = _mm_max_pd(x[0], y[0]);
+  x[1] = _mm_max_pd(x[1], y[1]);
+  dw r;
+  std::memcpy(&r, x, sizeof r);
+  return r;
+}
+inline dw vmin(dw a, dw b) {
+  __m128d x[2], y[2];
+  std::memcpy(x, &a, sizeof x);
+  std::memcpy(y, &b, sizeof y);
+  x[0] = _mm_min_pd(x[0], y[0]);
+  x[1] = _mm_min_pd(x[1], y[1]);
+  dw r;
+  std::memcpy(&r, x, sizeof r);
+  return r;
+}
+#else
+inline dw vmax(dw a, dw b) { return a > b ? a : b; }
+inline dw vmin(dw a, dw b) { return a < b ? a : b; }
+#endif
+
+// The lanes of x where mask is set (all ones), 0 elsewhere, and |x|: bit operations, which
+// every target does on whole vectors.
+inline dw keep_lanes(iw mask, dw x) {
+  iw bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits &= mask;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+inline dw vabs(dw x) {
+  iw bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits &= INT64_MAX;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
 }
 
 // x in every lane.

@@ -44,10 +44,6 @@ constexpr int kTileJ = W == 8 ? 4 : 2;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-inline dw vmax(dw a, dw b) { return a > b ? a : b; }
-inline dw vmin(dw a, dw b) { return a < b ? a : b; }
-inline dw vabs(dw a) { return a < 0 ? -a : a; }
-
 // An n x r matrix in panels: the rows in blocks of W (one vector per column, a row per
 // lane), block b's column j at (b * cols + j) * W. cols = r rounded up to whole Gram tiles;
 // the last block's lanes past n are padding. Every loop over rows is then a loop of whole
@@ -56,12 +52,17 @@ inline dw vabs(dw a) { return a < 0 ? -a : a; }
 struct Panels {
   int64_t n, blocks;
   int r, cols;
+  iw last_rows;  // the lanes of the last block that hold rows
   Panels(int64_t n_, int r_)
-      : n(n_), blocks((n_ + W - 1) / W), r(r_), cols(static_cast<int>(round_up(r_, kTileK))) {}
+      : n(n_),
+        blocks((n_ + W - 1) / W),
+        r(r_),
+        cols(static_cast<int>(round_up(r_, kTileK))),
+        last_rows(wiota() < static_cast<double>(n_ - (blocks - 1) * W)) {}
   int64_t size() const { return blocks * cols * W; }
   int64_t at(int64_t b, int j) const { return (b * cols + j) * W; }
-  // the lanes of block b that hold rows (all but the last block's padding)
-  iw valid(int64_t b) const { return wiota() < static_cast<double>(n - b * W); }
+  // the lanes of block b that hold rows (all but the last block's padding), all ones
+  iw valid(int64_t b) const { return b + 1 < blocks ? iw{} - 1 : last_rows; }
   // Blocks per chunk: a chunk's panels (16 KiB) stay in L1 from one pass over it to the
   // next; an even count, so that a chunk holds whole groups of 8 rows.
   int64_t chunk() const { return std::max<int64_t>(2, 16 * 1024 / (cols * W * sizeof(double)) / 2 * 2); }
@@ -238,7 +239,7 @@ class SoftmaxRows {
       for (int64_t b = b0; b < b1; ++b) {
         dw m = dw{} - kInf;
         for (int j = 0; j < r; ++j) m = vmax(m, wload(E + p.at(b, j)));
-        wstore(rowmax + b * W, p.valid(b) ? m : dw{});
+        wstore(rowmax + b * W, keep_lanes(p.valid(b), m));
       }
       for (int j = 0; j < r; ++j) {
         dw acc = dw{} - kInf;
@@ -260,10 +261,10 @@ class SoftmaxRows {
       const dw m = wload(rowmax + b * W);
       for (int j = 0; j < r; ++j) {
         dw x = (wload(E + p.at(b, j)) - m) - c[j];
-        if constexpr (decltype(masked)::value) x = valid ? x : dw{};
+        if constexpr (decltype(masked)::value) x = keep_lanes(valid, x);
         lowest = vmin(lowest, x);
         dw e = exp_nonpositive(x);
-        if constexpr (decltype(masked)::value) e = valid ? e : dw{};
+        if constexpr (decltype(masked)::value) e = keep_lanes(valid, e);
         wstore(E + p.at(b, j), e);
       }
     };
@@ -311,9 +312,9 @@ class SoftmaxRows {
         dw total = {};
         for (int j = 0; j < r; ++j) total += wload(tb + j * W) * s[j];
         const iw valid = p.valid(b);
-        total = valid ? total : dw{} + 1.0;  // padding: T = 0, a sum of 1 and log 1, no NaN
+        total += keep_lanes(~valid, dw{} + 1.0);  // padding: T = 0, a sum of 1 and log 1, no NaN
         wstore(inv + b * W, 1.0 / total);
-        const dw lse = valid ? shift + log_positive_normal(total) : dw{};
+        const dw lse = keep_lanes(valid, shift + log_positive_normal(total));
         dual += lse;
         scale += vabs(lse);
       }
