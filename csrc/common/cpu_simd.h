@@ -70,25 +70,18 @@ inline dw wiota() {
 }
 
 // Lane-wise max and min of dw, `a > b ? a : b` and `a < b ? a : b` (the second operand where
-// one is NaN). Written with the target's instructions: a portable build's dw is two SSE
+// one is NaN): vmaxpd / vminpd where dw is one register. A portable build's dw is two SSE
 // registers, and GCC lowers a comparison of vectors wider than the target's lane by lane
-// through memory.
-#if defined(__AVX512F__)
-inline dw vmax(dw a, dw b) { return reinterpret_cast<dw>(_mm512_max_pd(reinterpret_cast<__m512d>(a), reinterpret_cast<__m512d>(b))); }
-inline dw vmin(dw a, dw b) { return reinterpret_cast<dw>(_mm512_min_pd(reinterpret_cast<__m512d>(a), reinterpret_cast<__m512d>(b))); }
-#elif defined(__AVX__)
-inline dw vmax(dw a, dw b) { return reinterpret_cast<dw>(_mm256_max_pd(reinterpret_cast<__m256d>(a), reinterpret_cast<__m256d>(b))); }
-inline dw vmin(dw a, dw b) { return reinterpret_cast<dw>(_mm256_min_pd(reinterpret_cast<__m256d>(a), reinterpret_cast<__m256d>(b))); }
-#elif defined(__SSE2__)
+// through memory: there, the SSE instructions on each half.
+#if defined(__SSE2__) && !defined(__AVX__)
 inline dw vmax(dw a, dw b) {
   __m128d x[2], y[2];
   std::memcpy(x, &a, sizeof x);
   std::memcpy(y, &b, sizeof y);
   x[0] = _mm_max_pd(x[0], y[0]);
   x[1] = _mm_max_pd(x[1], y[1]);
-  dw r;
-  std::memcpy(&r, x, sizeof r);
-  return r;
+  std::memcpy(&a, x, sizeof a);
+  return a;
 }
 inline dw vmin(dw a, dw b) {
   __m128d x[2], y[2];
@@ -96,9 +89,8 @@ inline dw vmin(dw a, dw b) {
   std::memcpy(y, &b, sizeof y);
   x[0] = _mm_min_pd(x[0], y[0]);
   x[1] = _mm_min_pd(x[1], y[1]);
-  dw r;
-  std::memcpy(&r, x, sizeof r);
-  return r;
+  std::memcpy(&a, x, sizeof a);
+  return a;
 }
 #else
 inline dw vmax(dw a, dw b) { return a > b ? a : b; }
