@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -48,9 +48,8 @@ setup(
     version="0.1.0",
     description="Attention introspection ops for PyTorch: VAS features, vStream attribution, "
                 "KL projection and thin mixer",
-    packages=["headscope", "headscope.bench", "headscope.commands", "headscope.explainer",
-              "headscope.hf",
-              "headscope.hf.families", "headscope.shapes"],
+    # every folder of ops/ with an __init__.py, so a new subpackage cannot be left out
+    packages=["headscope"] + ["headscope." + p for p in find_packages("ops")],
     package_data={"headscope.shapes": ["data/*", "data/mixer/*"]},
     package_dir={"headscope": "ops"},
     # The library is a plain shared object loaded with torch.ops.load_library, not a
@@ -66,6 +65,8 @@ setup(
                     # the live page of python -m headscope explain --serve
                     "app": ["transformers>=5.24,<6", "safetensors", "pillow", "torchvision",
                             "tqdm", "greenlet>=3", "matplotlib", "gradio>=6"],
+                    # --quantize int8|int4 of python -m headscope explain|collect|vas
+                    "quantize": ["optimum-quanto>=0.2.7", "accelerate>=1.16"],
                     # the embedded model and its demo (python -m headscope.shapes)
                     "shapes": ["transformers>=5.24,<6", "safetensors", "pillow", "torchvision",
                                "tqdm", "greenlet>=3", "matplotlib"]},

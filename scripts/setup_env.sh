@@ -38,5 +38,11 @@ if [ "${HEADSCOPE_SKIP_PIP:-0}" != 1 ]; then
     "$PYTHON" -m pip install -q --no-deps -r requirements-nodeps.txt
   fi
 fi
+# optimum-quanto compiles its CPU extension (int4 unpacking) at its first use: here, once,
+# rather than inside a test (about a minute on two cores)
+"$PYTHON" -c "import importlib.util as u
+if u.find_spec('optimum') and u.find_spec('optimum.quanto'):
+    from optimum.quanto.library.extensions import get_extension
+    get_extension('quanto_cpp').lib"
 "$PYTHON" -c "import torch; print(f'setup: torch {torch.__version__} (CUDA {torch.version.cuda}), '
               f'GPU available: {torch.cuda.is_available()}')"

@@ -32,7 +32,8 @@ from ..vas import VAS_COLUMNS
 from .errors import UsageError
 from .shards import Layout, checked_shards, read_manifest
 
-LAYOUT = Layout("headscope.vas", 1, ".parquet", "vas")
+# manifest fields added after tables were written, with the value an older one means
+LAYOUT = Layout("headscope.vas", 1, ".parquet", "vas", {"quantize": None})
 # the table's own columns (before VAS_COLUMNS and the records' other keys), with their types
 OWN_COLUMNS = {"line": "int64", "answer": "string", "generated": "bool", "ended": "bool",
                "answer_tokens": "int64", "answer_logprob": "float64", "seconds": "float64",

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .effects import check_region_ids, check_sequence
+from .checks import check_region_ids, check_sequence
 from .gradient import region_sums, span_gradients
 from .keymask import KeyMask
 
@@ -251,7 +251,9 @@ def attnlrp_scores(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
     (the sum of their logits; the relevance over all input positions then adds up to it
     but for what the softmax rule and the biases keep, which a :class:`Ledger` records).
     ``epsilon``: the epsilon rule's stabiliser on linear layers. One forward over the
-    sequence and one backward per span. Returns a ``(num_spans, K)`` float32 tensor."""
+    sequence and one backward per span. Returns a ``(num_spans, K)`` float32 tensor.
+    Raises NotImplementedError, as :func:`~headscope.hf.gradient_scores`, for quantized
+    layers that pass no true gradient."""
     P, _ = check_sequence(inputs, sequences, WHO)
     rid = check_region_ids(region_ids, P, WHO)
     relevance = attnlrp_relevance(model, inputs, sequences, spans, target=target,

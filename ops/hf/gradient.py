@@ -11,9 +11,11 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .effects import check_region_ids, check_sequence, decoder_inputs, span_bounds
+from .checks import check_region_ids, check_sequence, span_bounds
+from .decoder import decoder_inputs
 from .families import family_of
 from .keymask import KeyMask
+from .quantized import check_input_gradients
 
 WHO = "headscope.hf.gradient_scores"
 TARGETS = ("log_prob", "logit")
@@ -63,10 +65,13 @@ def span_gradients(model, inputs: Dict[str, torch.Tensor], sequences: torch.Tens
     embeddings (float64, CPU) gives a ``(T, ...)`` tensor. ``binding``: a
     :class:`~headscope.hf.keymask.KeyMask` (or a subclass changing the backward) of the
     decoder's config; a plain one by default, which keeps the bidirectional blocks of the
-    VLM's masks when the decoder runs alone. Returns ``(num_spans, T, ...)`` float64."""
+    VLM's masks when the decoder runs alone. Returns ``(num_spans, T, ...)`` float64.
+    A model whose quantized layers pass no true gradient is refused first
+    (:func:`~headscope.hf.quantized.check_input_gradients`)."""
     if target not in TARGETS:
         raise ValueError(f"{who}: argument 'target' must be one of {TARGETS}, got {target!r}")
     decoder = family_of(model, who).decoder(model)
+    check_input_gradients(model, who)
     binding = binding if binding is not None else KeyMask(decoder.config)
     with binding, torch.enable_grad(), _frozen(model):
         got = decoder_inputs(model, inputs, sequences, who)
@@ -101,7 +106,9 @@ def gradient_scores(model, inputs: Dict[str, torch.Tensor], sequences: torch.Ten
     / d e_i`` (input x gradient; ``e_i`` the embedding of image token i as the decoder gets
     it) and the L2 norm of the gradient over k's tokens. Arguments as for
     :func:`~headscope.hf.region_effects`; one forward and one backward pass per span.
-    Returns two ``(num_spans, K)`` float32 tensors."""
+    Returns two ``(num_spans, K)`` float32 tensors. Raises NotImplementedError for a model
+    whose quantized layers do not pass their inputs their dense weights' gradient
+    (:func:`headscope.hf.quantized.check_input_gradients`)."""
     P, _ = check_sequence(inputs, sequences, WHO)
     rid = check_region_ids(region_ids, P, WHO)
     both = region_sums(span_gradients(

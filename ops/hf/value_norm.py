@@ -13,13 +13,25 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["value_norm_factors", "value_norms"]
+from .quantized import dense_weight, dequantized, is_quantized
+from .structure import output_projection
+
+__all__ = ["LayerFactors", "value_norm_factors", "value_norms"]
 
 
 def value_norm_factors(o_proj_weight: Tensor, num_heads: int) -> Tensor:
     """``o_proj.weight`` ``(hidden, H*Dh)`` -> ``(H, r, Dh)`` factors ``R_h`` with
     ``R_h^T R_h = W_O^h^T W_O^h`` (``r = min(hidden, Dh)``), float32 (float64 for a float64
-    weight). Compute once per layer and keep: the weight does not change between prompts."""
+    weight). Compute once per layer and keep: the weight does not change between prompts.
+    A quantized weight is read through its own ``dequantize()`` (torchao, optimum-quanto);
+    for one without (bitsandbytes), pass ``headscope.hf.quantized.dense_weight(o_proj)``."""
+    if is_quantized(o_proj_weight):
+        dense = dequantized(o_proj_weight)
+        if dense is None:
+            raise ValueError(f"value_norm_factors: o_proj_weight is a quantized "
+                             f"{type(o_proj_weight).__name__} with no dequantize(); pass "
+                             f"headscope.hf.quantized.dense_weight(o_proj) instead")
+        o_proj_weight = dense
     if o_proj_weight.dim() != 2:
         raise ValueError(f"value_norm_factors: o_proj_weight must be (hidden, num_heads * "
                          f"head_dim), got shape {tuple(o_proj_weight.shape)}")
@@ -59,3 +71,19 @@ def value_norms(values: Tensor, factors: Tensor) -> Tensor:
     v = values.to(factors.dtype).unsqueeze(2)                     # (B, Hkv, 1, Tk, Dh)
     R = factors.reshape(Hkv, G, factors.shape[1], head_dim)       # head h = hk * G + g
     return torch.linalg.vector_norm(v @ R.transpose(-1, -2), dim=-1).reshape(B, H, Tk)
+
+
+class LayerFactors:
+    """Each traced layer's :func:`value_norm_factors` of its attention module's output
+    projection, computed on first use and kept (the weights do not change between
+    prompts): the query rows' value norms and the residual writes of VAS read them."""
+
+    def __init__(self, num_heads: int):
+        self.num_heads = num_heads
+        self._factors: dict = {}  # traced layer -> (H, min(hidden, Dh), Dh)
+
+    def of(self, layer: int, module: torch.nn.Module) -> Tensor:
+        if layer not in self._factors:
+            self._factors[layer] = value_norm_factors(
+                dense_weight(output_projection(module)), self.num_heads)
+        return self._factors[layer]

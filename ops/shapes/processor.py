@@ -37,7 +37,7 @@ def build_processor():
     :func:`words`) and an image processor that keeps images at ``IMAGE_SIZE`` square."""
     import transformers as tf
 
-    from ..hf.checkpoint import word_level_tokenizer
+    from ..hf.tokenizer import word_level_tokenizer
     fast = word_level_tokenizer([*SPECIAL_TOKENS, *words()], SPECIAL_TOKENS, "<|endoftext|>")
     pixels = IMAGE_SIZE * IMAGE_SIZE
     sizes = dict(min_pixels=pixels, max_pixels=pixels, patch_size=PATCH_SIZE,

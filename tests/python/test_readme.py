@@ -58,7 +58,7 @@ def test_explain_docs_example_runs(code, tmp_path, monkeypatch, capsys):
 
 
 # each page's blocks run in order in one namespace, as a reader runs them one after another
-DOC_PAGES = ("docs/effects.md", "docs/mixer.md", "docs/shapes.md")
+DOC_PAGES = ("docs/effects.md", "docs/hf.md", "docs/mixer.md", "docs/shapes.md")
 
 
 def test_every_docs_page_with_python_has_its_examples_run():
@@ -83,6 +83,9 @@ def test_docs_examples_run_in_order(page, tmp_path, monkeypatch, capsys):
         assert spans > 0
         for shape in ((spans, 8), (spans, 16)):
             assert f"torch.Size([{shape[0]}, {shape[1]}])" in out, out
+    if page == "docs/hf.md":  # the quantized model's example: its tiny model's L*H = 8
+        assert "torch.Size([1, 36]) torch.Size([4, 16])" in out, out
+        assert f"torch.Size([{len(namespace['spans'])}, 4])" in out, out
 
 
 def test_readme_states_the_bad_input_count():
