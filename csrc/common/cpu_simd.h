@@ -54,13 +54,17 @@ typedef int64_t iw __attribute__((vector_size(kWideBytes)));  // dw's comparison
 typedef double d8 __attribute__((vector_size(64)));  // 8 doubles: one AVX-512 register or two
 inline constexpr int kWideLanes = kWideBytes / static_cast<int>(sizeof(double));
 
-inline dw wload(const double* p) {
-  dw v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+// Loads and stores of dw and d8 at any address, as one instruction each where the vector is
+// one register: through a type that may alias anything and needs 8-byte alignment (as
+// _mm512_loadu_pd is written). A 64-byte memcpy is emitted as two 32-byte moves, and a
+// wide load of a vector stored in halves stalls on store forwarding.
+typedef double dw_unaligned __attribute__((vector_size(kWideBytes), aligned(8), may_alias));
+typedef double d8_unaligned __attribute__((vector_size(64), aligned(8), may_alias));
 
-inline void wstore(double* p, dw v) { std::memcpy(p, &v, sizeof v); }
+inline dw wload(const double* p) { return *reinterpret_cast<const dw_unaligned*>(p); }
+inline void wstore(double* p, dw v) { *reinterpret_cast<dw_unaligned*>(p) = v; }
+inline d8 load_d8(const double* p) { return *reinterpret_cast<const d8_unaligned*>(p); }
+inline void store_d8(double* p, const d8& v) { *reinterpret_cast<d8_unaligned*>(p) = v; }
 
 // [0, 1, 2, ...]: with a comparison, the mask of a partial vector's lanes.
 inline dw wiota() {

@@ -70,11 +70,11 @@ struct Panels {
 
 // 8 consecutive entries of src as doubles, and back.
 template <typename scalar_t>
-void load8(const scalar_t* src, d8& v) {
+d8 load8(const scalar_t* src) {
   if constexpr (std::is_same_v<scalar_t, float>)
-    v = __builtin_convertvector(vload(src), d8);
+    return __builtin_convertvector(vload(src), d8);
   else
-    std::memcpy(&v, src, sizeof v);
+    return load_d8(src);
 }
 
 template <typename scalar_t>
@@ -82,22 +82,27 @@ void store8(scalar_t* dst, const d8& v) {
   if constexpr (std::is_same_v<scalar_t, float>)
     vstore(dst, __builtin_convertvector(v, f8));
   else
-    std::memcpy(dst, &v, sizeof v);
+    store_d8(dst, v);
 }
 
 // Column j of rows i0 .. i0 + 7 (i0 a multiple of 8) to and from panels: one vector, or
-// W = 4 halves in consecutive blocks. (By reference: a portable build warns that passing
-// 64-byte vectors by value has an AVX-512 ABI.)
+// W = 4 halves in consecutive blocks.
 void put8(double* dst, Panels p, int64_t i0, int j, const d8& v) {
-  for (int h = 0; h < 8; h += W)
-    std::memcpy(dst + p.at((i0 + h) / W, j), reinterpret_cast<const char*>(&v) + h * sizeof(double),
-                W * sizeof(double));
+  double* at = dst + p.at(i0 / W, j);
+  if constexpr (W == 8) {
+    store_d8(at, v);
+  } else {
+    vstore(at, d4(__builtin_shufflevector(v, v, 0, 1, 2, 3)));
+    vstore(at + p.cols * W, d4(__builtin_shufflevector(v, v, 4, 5, 6, 7)));  // the next block
+  }
 }
 
-void get8(const double* src, Panels p, int64_t i0, int j, d8& v) {
-  for (int h = 0; h < 8; h += W)
-    std::memcpy(reinterpret_cast<char*>(&v) + h * sizeof(double), src + p.at((i0 + h) / W, j),
-                W * sizeof(double));
+d8 get8(const double* src, Panels p, int64_t i0, int j) {
+  const double* at = src + p.at(i0 / W, j);
+  if constexpr (W == 8)
+    return load_d8(at);
+  else
+    return __builtin_shufflevector(vload(at), vload(at + p.cols * W), 0, 1, 2, 3, 4, 5, 6, 7);
 }
 
 // Rows i .. i + 7 of an n x r row-major matrix into the cache ahead of their use (for_write:
@@ -126,7 +131,7 @@ void to_panels(const scalar_t* src, Panels p, int64_t i_begin, int64_t i_end, do
     prefetch_rows(src, p, i0 + kPrefetchRows, 0);
     for (int j0 = 0; j0 < r8; j0 += 8) {
       d8 t[8];
-      for (int k = 0; k < 8; ++k) load8(src + (i0 + k) * r + j0, t[k]);
+      for (int k = 0; k < 8; ++k) t[k] = load8(src + (i0 + k) * r + j0);
       transpose8x8(t);  // t[c]: column j0 + c of rows i0 .. i0 + 7
       for (int c = 0; c < 8; ++c) put8(dst, p, i0, j0 + c, t[c]);
     }
@@ -147,13 +152,11 @@ void from_panels(const double* src, const double* column_scale, const double* ro
   const int r = p.r, r8 = r / 8 * 8;
   for (int64_t i0 = 0; i0 < n8; i0 += 8) {
     prefetch_rows(dst, p, i0 + kPrefetchRows, 1);
-    d8 rs;
-    load8(row_scale + i0, rs);
+    const d8 rs = load_d8(row_scale + i0);
     for (int j0 = 0; j0 < r8; j0 += 8) {
       d8 t[8];
       for (int c = 0; c < 8; ++c) {
-        get8(src, p, i0, j0 + c, t[c]);
-        t[c] = t[c] * column_scale[j0 + c] * rs;
+        t[c] = get8(src, p, i0, j0 + c) * column_scale[j0 + c] * rs;
       }
       transpose8x8(t);  // t[k]: row i0 + k, columns j0 .. j0 + 7
       for (int k = 0; k < 8; ++k) store8(dst + (i0 + k) * r + j0, t[k]);
