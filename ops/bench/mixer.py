@@ -73,23 +73,6 @@ def bench_projection(quick: bool):
     return row
 
 
-def host_vector_flags() -> str:
-    """Which of the vector extensions that set the CPU kernels' width (-march=native) and
-    SDPA's (oneDNN's) this CPU has, from /proc/cpuinfo's flags as lscpu lists them:
-    "avx2, avx512f, amx" or "avx2, no avx512f" ("unknown" off Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f
-                          if line.startswith("flags")), None)
-    except OSError:
-        flags = None
-    if flags is None:
-        return "unknown"
-    found = [name for flag, name in [("avx2", "avx2"), ("avx512f", "avx512f"), ("amx_tile", "amx")]
-             if flag in flags]
-    return ", ".join(found if "avx512f" in flags else found + ["no avx512f"])
-
-
 def bench_mixer(device, quick: bool):
     heads, d = (32, 64) if device.type == "cuda" else (8, 64)
     ns = [256, 1024] if quick else ([1024, 4096, 8192, 32768] if device.type == "cuda"
@@ -121,9 +104,8 @@ def bench_mixer(device, quick: bool):
                          "speedup_vs_sdpa": speedup, "speedup range": f"{low:.3g}-{high:.3g}",
                          "mixer_peak_MiB": mib(peak_bytes(fns[r], device)),
                          "sdpa_peak_MiB": mib(m_sdpa)})
-    host = f", host CPU: {host_vector_flags()}" if device.type == "cpu" else ""
     print_table(f"kl_project + thin_mix vs scaled_dot_product_attention ({device.type}, float32, "
-                f"d={d}, projection included{host}; speedup: the median over rounds timing "
+                f"d={d}, projection included; speedup: the median over rounds timing "
                 f"SDPA and the mixers in turn, and its range)", rows,
                 ["n", "r", "heads", "mixer_ms", "kl_project_ms", "sdpa_ms", "speedup_vs_sdpa",
                  "speedup range", "mixer_peak_MiB", "sdpa_peak_MiB"])

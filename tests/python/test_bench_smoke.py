@@ -42,6 +42,8 @@ def check_markdown_tables(family, results, source, tmp_path):
     assert tables, "the run recorded no table"
     assert f"### {family}\n" in page
     assert page.count(results["date"]) == len(tables)  # the caption under every table
+    # every caption names the host and its CPU's vector flags
+    assert page.count(f"{results['machine']} ({results['vector_flags']}), ") == len(tables)
     for table in tables:
         assert f"**{table['title']}**" in page
         assert "| " + " | ".join(table["columns"]) + " |" in page
