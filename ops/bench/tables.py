@@ -103,8 +103,8 @@ def measured_on(results: dict, source: Path) -> str:
     """Machine (and its CPU's vector flags), threads, torch and date of a results file, for
     each table's caption."""
     host = results.get("machine")
-    if host and results.get("vector_flags"):
-        host += f" ({results['vector_flags']})"
+    if host:  # files written before the benchmark recorded the flags say so
+        host += f" ({results.get('vector_flags') or 'vector flags not recorded'})"
     where = results.get("gpu") or host or "unknown machine"
     if results.get("gpu") and host:
         where += f" (host: {host})"
