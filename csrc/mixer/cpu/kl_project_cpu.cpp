@@ -91,18 +91,19 @@ void put8(double* dst, Panels p, int64_t i0, int j, const d8& v) {
   double* at = dst + p.at(i0 / W, j);
   if constexpr (W == 8) {
     store_d8(at, v);
-  } else {
-    vstore(at, d4(__builtin_shufflevector(v, v, 0, 1, 2, 3)));
-    vstore(at + p.cols * W, d4(__builtin_shufflevector(v, v, 4, 5, 6, 7)));  // the next block
+  } else {  // halves by memcpy: GCC lowers the shuffles of a portable build's d8 poorly
+    std::memcpy(at, &v, sizeof(double) * W);
+    std::memcpy(at + p.cols * W, reinterpret_cast<const double*>(&v) + W, sizeof(double) * W);
   }
 }
 
 d8 get8(const double* src, Panels p, int64_t i0, int j) {
   const double* at = src + p.at(i0 / W, j);
-  if constexpr (W == 8)
-    return load_d8(at);
-  else
-    return __builtin_shufflevector(vload(at), vload(at + p.cols * W), 0, 1, 2, 3, 4, 5, 6, 7);
+  if constexpr (W == 8) return load_d8(at);
+  d8 v;
+  std::memcpy(&v, at, sizeof(double) * W);
+  std::memcpy(reinterpret_cast<double*>(&v) + W, at + p.cols * W, sizeof(double) * W);
+  return v;
 }
 
 // Rows i .. i + 7 of an n x r row-major matrix into the cache ahead of their use (for_write:
