@@ -13,20 +13,43 @@
 
 namespace headscope {
 
+// The unsigned integers of a double's bits: uint64_t for double, a vector of them of the
+// same width for a vector of doubles.
+template <typename V>
+struct BitsOf {
+  typedef uint64_t type __attribute__((vector_size(sizeof(V))));
+};
+template <>
+struct BitsOf<double> {
+  using type = uint64_t;
+};
+template <typename V>
+using Bits = typename BitsOf<V>::type;
+
+template <typename To, typename From>
+inline To bit_cast_as(From x) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast_as: sizes differ");
+  To y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
+}
+
 // exp(x) for x in [-700, 0], within about 2 ulp of std::exp: x = k ln2 + f with
 // |f| <= ln2 / 2, e^f by its Taylor series to degree 13 (truncation < 1e-17), and
 // 2^k assembled in the exponent bits. Arguments outside the range give meaningless
 // values (never undefined behaviour): callers check their ranges before using results.
-inline double exp_nonpositive(double x) {
+// V: double, or a vector of doubles (dw) for as many at once.
+template <typename V>
+inline V exp_nonpositive(V x) {
   constexpr double kLog2e = 1.4426950408889634;
   constexpr double kLn2Hi = 6.93147180369123816490e-01;
   constexpr double kLn2Lo = 1.90821492927058770002e-10;
   constexpr double kShifter = 6755399441055744.0;  // 1.5 * 2^52: rounds to an integer
-  const double t = x * kLog2e + kShifter;
-  const double k = t - kShifter;
-  const double f = (x - k * kLn2Hi) - k * kLn2Lo;
-  double p = 1.0 / 6227020800.0;  // 1/13!
-  p = p * f + 1.0 / 479001600.0;
+  constexpr uint64_t kShifterBits = 0x4338000000000000;
+  const V t = x * kLog2e + kShifter;
+  const V k = t - kShifter;
+  const V f = (x - k * kLn2Hi) - k * kLn2Lo;
+  V p = f * (1.0 / 6227020800.0) + 1.0 / 479001600.0;  // 1/13!, 1/12!
   p = p * f + 1.0 / 39916800.0;
   p = p * f + 1.0 / 3628800.0;
   p = p * f + 1.0 / 362880.0;
@@ -39,13 +62,35 @@ inline double exp_nonpositive(double x) {
   p = p * f + 0.5;
   p = p * f + 1.0;
   p = p * f + 1.0;
-  int64_t ti, si;
-  std::memcpy(&ti, &t, sizeof ti);
-  std::memcpy(&si, &kShifter, sizeof si);
-  const uint64_t bits = static_cast<uint64_t>(ti - si + 1023) << 52;  // 2^k
-  double scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  // 2^k in the exponent bits (wrapping, never undefined, outside the range)
+  const Bits<V> scale = (bit_cast_as<Bits<V>>(t) - kShifterBits + 1023) << 52;
+  return p * bit_cast_as<V>(scale);
+}
+
+// log(x) for positive normal doubles (V: double or dw), within 1 ulp (fdlibm's e_log.c
+// without its special cases): x = 2^k m with m in [sqrt(1/2), sqrt(2)) taken from the bits,
+// s = (m - 1) / (m + 1) and log(m) = 2 atanh(s) by fdlibm's polynomial in s^2. Zero,
+// subnormal, negative, infinite or NaN x give meaningless values: callers keep x normal.
+template <typename V>
+inline V log_positive_normal(V x) {
+  constexpr double kLn2Hi = 6.93147180369123816490e-01;
+  constexpr double kLn2Lo = 1.90821492927058770002e-10;
+  constexpr uint64_t kSqrtHalfBits = 0x3fe6a09e667f3bcd;
+  constexpr uint64_t kOneBits = 0x3ff0000000000000;
+  const Bits<V> bits = bit_cast_as<Bits<V>>(x) + (kOneBits - kSqrtHalfBits);
+  const V m = bit_cast_as<V>((bits & 0x000fffffffffffff) + kSqrtHalfBits);
+  // k + 1023 in a double's low mantissa bits, read as an integer-valued double
+  const V k = bit_cast_as<V>((bits >> 52) | 0x4330000000000000) - (4503599627370496.0 + 1023);
+  const V f = m - 1.0;
+  const V s = f / (2.0 + f);
+  const V z = s * s, w = z * z;
+  const V t1 = w * (3.999999999940941908e-01 +
+                    w * (2.222219843214978396e-01 + w * 1.531383769920937332e-01));
+  const V t2 = z * (6.666666666666735130e-01 +
+                    w * (2.857142874366239149e-01 +
+                         w * (1.818357216161805012e-01 + w * 1.479819860511658591e-01)));
+  const V hfsq = 0.5 * f * f;
+  return k * kLn2Hi - ((hfsq - (s * (hfsq + (t1 + t2)) + k * kLn2Lo)) - f);
 }
 
 // exp(x) for x <= ~88, about 1 ulp (Cephes expf), 0 below -87.3 (where the true value is

@@ -5,7 +5,7 @@
 // the compiler emits plain vector moves.
 #pragma once
 
-#if defined(__AVX__)
+#if defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -40,6 +40,85 @@ inline void vstore(T* p, Vec<T> v) {
   std::memcpy(p, &v, sizeof v);
 }
 
+// The widest vector of doubles the target has: 8 lanes (one register) where AVX-512 is
+// enabled (-march=native on such a host), else 4 (one AVX register, or two SSE halves on a
+// portable build). For loops whose lanes are independent rows (the mixer's panels); the
+// rest keep the 32-byte Vec, whose 8-float layout their shuffles assume.
+#if defined(__AVX512F__)
+inline constexpr int kWideBytes = 64;
+#else
+inline constexpr int kWideBytes = 32;
+#endif
+typedef double dw __attribute__((vector_size(kWideBytes)));
+typedef int64_t iw __attribute__((vector_size(kWideBytes)));  // dw's comparison results
+typedef double d8 __attribute__((vector_size(64)));  // 8 doubles: one AVX-512 register or two
+inline constexpr int kWideLanes = kWideBytes / static_cast<int>(sizeof(double));
+
+// Loads and stores of dw and d8 at any address, as one instruction each where the vector is
+// one register: through a type that may alias anything and needs 8-byte alignment (as
+// _mm512_loadu_pd is written). A 64-byte memcpy is emitted as two 32-byte moves, and a
+// wide load of a vector stored in halves stalls on store forwarding.
+typedef double dw_unaligned __attribute__((vector_size(kWideBytes), aligned(8), may_alias));
+typedef double d8_unaligned __attribute__((vector_size(64), aligned(8), may_alias));
+
+inline dw wload(const double* p) { return *reinterpret_cast<const dw_unaligned*>(p); }
+inline void wstore(double* p, dw v) { *reinterpret_cast<dw_unaligned*>(p) = v; }
+inline d8 load_d8(const double* p) { return *reinterpret_cast<const d8_unaligned*>(p); }
+inline void store_d8(double* p, const d8& v) { *reinterpret_cast<d8_unaligned*>(p) = v; }
+
+// [0, 1, 2, ...]: with a comparison, the mask of a partial vector's lanes.
+inline dw wiota() {
+  dw v;
+  for (int k = 0; k < kWideLanes; ++k) v[k] = k;
+  return v;
+}
+
+// Lane-wise max and min of dw, `a > b ? a : b` and `a < b ? a : b` (the second operand where
+// one is NaN): vmaxpd / vminpd where dw is one register. A portable build's dw is two SSE
+// registers, and GCC lowers a comparison of vectors wider than the target's lane by lane
+// through memory: there, the SSE instructions on each half.
+#if defined(__SSE2__) && !defined(__AVX__)
+inline dw vmax(dw a, dw b) {
+  __m128d x[2], y[2];
+  std::memcpy(x, &a, sizeof x);
+  std::memcpy(y, &b, sizeof y);
+  x[0] = _mm_max_pd(x[0], y[0]);
+  x[1] = _mm_max_pd(x[1], y[1]);
+  std::memcpy(&a, x, sizeof a);
+  return a;
+}
+inline dw vmin(dw a, dw b) {
+  __m128d x[2], y[2];
+  std::memcpy(x, &a, sizeof x);
+  std::memcpy(y, &b, sizeof y);
+  x[0] = _mm_min_pd(x[0], y[0]);
+  x[1] = _mm_min_pd(x[1], y[1]);
+  std::memcpy(&a, x, sizeof a);
+  return a;
+}
+#else
+inline dw vmax(dw a, dw b) { return a > b ? a : b; }
+inline dw vmin(dw a, dw b) { return a < b ? a : b; }
+#endif
+
+// The lanes of x where mask is set (all ones), 0 elsewhere, and |x|: bit operations, which
+// every target does on whole vectors.
+inline dw keep_lanes(iw mask, dw x) {
+  iw bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits &= mask;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+inline dw vabs(dw x) {
+  iw bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits &= INT64_MAX;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
 // x in every lane.
 template <typename T>
 inline Vec<T> vsplat(T x) {
@@ -60,12 +139,12 @@ inline Vec<T> vload_part(const T* p, int64_t n) {
   return v;
 }
 
-// The sum of a vector's lanes in lane order, in its element type.
+// The sum of a vector's lanes in lane order, in its element type (any vector width).
 template <typename V>
 inline auto hsum(V v) {
   using T = std::remove_cv_t<std::remove_reference_t<decltype(v[0])>>;
   T r = 0;
-  for (int k = 0; k < kLanes<T>; ++k) r += v[k];
+  for (int k = 0; k < static_cast<int>(sizeof(V) / sizeof(T)); ++k) r += v[k];
   return r;
 }
 
@@ -141,16 +220,18 @@ inline void for_each8(const float* x, int64_t n, F&& f) {
   if (j < n) f(vload_part(x + j, n - j), j);
 }
 
-// Transposes 8 rows of 8 floats in registers: r[k][c] becomes r[c][k].
-inline void transpose8x8(f8 r[8]) {
-  f8 t[8];
+// Transposes 8 rows of 8 lanes in registers (f8, or 8 doubles): r[k][c] becomes r[c][k].
+template <typename V8>
+inline void transpose8x8(V8 r[8]) {
+  static_assert(sizeof(V8) / sizeof(r[0][0]) == 8, "transpose8x8: vectors of 8 lanes");
+  V8 t[8];
   for (int k = 0; k < 4; ++k) {
     t[2 * k] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
     t[2 * k + 1] = __builtin_shufflevector(r[2 * k], r[2 * k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
   }
-  f8 u[8];
+  V8 u[8];
   for (int h = 0; h < 2; ++h) {  // rows 0-3 (h = 0) and 4-7 (h = 1)
-    const f8 a = t[4 * h], b = t[4 * h + 1], c = t[4 * h + 2], d = t[4 * h + 3];
+    const V8 a = t[4 * h], b = t[4 * h + 1], c = t[4 * h + 2], d = t[4 * h + 3];
     u[4 * h + 0] = __builtin_shufflevector(a, c, 0, 1, 8, 9, 4, 5, 12, 13);
     u[4 * h + 1] = __builtin_shufflevector(a, c, 2, 3, 10, 11, 6, 7, 14, 15);
     u[4 * h + 2] = __builtin_shufflevector(b, d, 0, 1, 8, 9, 4, 5, 12, 13);

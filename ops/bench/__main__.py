@@ -40,7 +40,7 @@ def main(argv=None) -> None:
     from ._util import PRINTED_TABLES
 
     results = {"torch": torch.__version__, "device": args.device, "machine": _cpu_name(),
-               "threads": torch.get_num_threads(),
+               "vector_flags": host_vector_flags(), "threads": torch.get_num_threads(),
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                "quick": args.quick, "big": args.big, "families": {}, "tables": {}}
     if args.device == "cuda":
@@ -66,6 +66,23 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def host_vector_flags() -> str:
+    """Which of the vector extensions that set the CPU kernels' width (-march=native) and
+    SDPA's (oneDNN's) the host CPU has, from /proc/cpuinfo's flags as lscpu lists them:
+    "avx2, avx512f, amx" or "avx2, no avx512f" ("unknown" off Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), None)
+    except OSError:
+        flags = None
+    if flags is None:
+        return "unknown"
+    found = [name for flag, name in [("avx2", "avx2"), ("avx512f", "avx512f"), ("amx_tile", "amx")]
+             if flag in flags]
+    return ", ".join(found if "avx512f" in flags else found + ["no avx512f"])
 
 
 if __name__ == "__main__":

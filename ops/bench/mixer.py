@@ -88,24 +88,27 @@ def bench_mixer(device, quick: bool):
                 U, V, *_ = ops.kl_project(q[..., :r] / 3, k[..., :r] / 3, 1e-10, 80)
                 return ops.thin_mix(U, V, v)
             fns[r] = mixer
+            # the projection alone (its inputs as the mixer makes them): its share of the mixer
+            fns[f"project {r}"] = lambda r=r: ops.kl_project(q[..., :r] / 3, k[..., :r] / 3, 1e-10, 80)
         # SDPA and the mixers in alternating rounds: timed minutes apart, their ratio moved
         # by 2x with the machine's speed modes
         times = interleaved(fns, device, rounds=2 if quick else 5,
-                            calls={r: 3 for r in ranks})
+                            calls={name: 3 for name in fns if name != "sdpa"})
         m_sdpa = peak_bytes(fns["sdpa"], device)
         for r in ranks:
             speedup, low, high = round_ratios(times["sdpa"], times[r])
             rows.append({"n": n, "r": r, "heads": heads,
                          "mixer_ms": 1e3 * statistics.median(times[r]),
+                         "kl_project_ms": 1e3 * statistics.median(times[f"project {r}"]),
                          "sdpa_ms": 1e3 * statistics.median(times["sdpa"]),
                          "speedup_vs_sdpa": speedup, "speedup range": f"{low:.3g}-{high:.3g}",
                          "mixer_peak_MiB": mib(peak_bytes(fns[r], device)),
                          "sdpa_peak_MiB": mib(m_sdpa)})
     print_table(f"kl_project + thin_mix vs scaled_dot_product_attention ({device.type}, float32, "
-                f"d={d}, projection included; speedup: the median over rounds timing SDPA and "
-                f"the mixers in turn, and its range)", rows,
-                ["n", "r", "heads", "mixer_ms", "sdpa_ms", "speedup_vs_sdpa", "speedup range",
-                 "mixer_peak_MiB", "sdpa_peak_MiB"])
+                f"d={d}, projection included; speedup: the median over rounds timing "
+                f"SDPA and the mixers in turn, and its range)", rows,
+                ["n", "r", "heads", "mixer_ms", "kl_project_ms", "sdpa_ms", "speedup_vs_sdpa",
+                 "speedup range", "mixer_peak_MiB", "sdpa_peak_MiB"])
     crossover = {}
     for r in ranks:
         faster = [row["n"] for row in rows if row["r"] == r and row["speedup_vs_sdpa"] > 1]

@@ -42,6 +42,8 @@ def check_markdown_tables(family, results, source, tmp_path):
     assert tables, "the run recorded no table"
     assert f"### {family}\n" in page
     assert page.count(results["date"]) == len(tables)  # the caption under every table
+    # every caption names the host and its CPU's vector flags
+    assert page.count(f"{results['machine']} ({results['vector_flags']}), ") == len(tables)
     for table in tables:
         assert f"**{table['title']}**" in page
         assert "| " + " | ".join(table["columns"]) + " |" in page
@@ -73,7 +75,8 @@ def test_tables_from_results_without_printed_tables(tmp_path):
     assert "**mixer_vs_sdpa: growth**" in page and "| 128 | 25.5 |" in page
     assert "| n | what | eager_ms |\n| ---: | --- | --- |\n| 1024 | a\\|b |  |" in page
     assert "skipped" not in page and "crossover" not in page
-    assert page.count("_x86_64, 2 CPU threads, torch 2.11.0, file dated ") == 4
+    assert page.count("_x86_64 (vector flags not recorded), 2 CPU threads, torch 2.11.0, "
+                      "file dated ") == 4
 
 
 def test_tables_refuse_other_json(tmp_path):

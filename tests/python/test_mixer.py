@@ -166,6 +166,44 @@ def test_kl_project_matches_seed_prediction_1():
             np.testing.assert_allclose(out[2].numpy(), z, rtol=0, atol=1e-12)
 
 
+def test_kl_project_matches_the_reference_on_ragged_shapes():
+    # The CPU kernel keeps rows in blocks of 4 or 8 (the vector width) and columns in tiles of
+    # 4, transposed 8 x 8 in registers: row and column counts off those multiples take the
+    # partial blocks and the entry-by-entry edges.
+    seed = load_seed("kl_projection_reference")
+    rng = np.random.default_rng(3)
+    for n in [1, 9, 33, 130]:
+        for r in [3, 5, 12, 17]:
+            A, B = rng.normal(size=(n, r)), rng.normal(size=(n, r))
+            U, V, z, its, res, _ = seed.project(np.exp(A), np.exp(B))
+            out = ops.kl_project(torch.from_numpy(A), torch.from_numpy(B), 1e-11, 80)
+            assert out[4].item() <= 1e-11 and out[3].item() == its, (n, r)
+            np.testing.assert_allclose(out[0].numpy(), U, rtol=0, atol=1e-13)
+            np.testing.assert_allclose(out[1].numpy(), V, rtol=0, atol=1e-13)
+            np.testing.assert_allclose(out[2].numpy(), z, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 9, 17, 65])
+def test_kl_project_ragged_shapes_solve_the_projection(device, n):
+    for r in [2, 3, 5, 8, 9, 12, 16, 17, 33]:
+        a, b = random_problem((2, n, r), seed=100 * n + r, scale=2.0)
+        out = ops.kl_project(a.to(device), b.to(device), 1e-11, 80)
+        assert (out[4] <= 1e-11).all(), (n, r)
+        assert kkt_violation(a, b, [t.cpu() for t in out]) <= 1e-11, (n, r)
+
+
+def test_kl_project_float32_is_solved_as_its_float64_values():
+    # float32 references are solved in double: the same problem in float64 takes the same
+    # steps, and the float32 outputs are its outputs rounded.
+    for n, r in [(9, 5), (64, 16), (300, 12)]:
+        a, b = random_problem((3, n, r), seed=n * r, dtype=torch.float32, scale=2.0)
+        single = ops.kl_project(a, b, 1e-11, 80)
+        double = ops.kl_project(a.double(), b.double(), 1e-11, 80)
+        for got, want in zip(single[:3], double[:3]):
+            assert torch.equal(got, want.float()), (n, r)
+        assert torch.equal(single[3], double[3]) and torch.equal(single[4], double[4])
+
+
 def column_offset_problem(seed, n=64, r=6):
     """Log-references whose columns differ in level (as a trained mixer's do): some columns
     are nearly empty in both factors, where the dual objective is flat."""
@@ -269,9 +307,10 @@ def test_kl_project_rank_one_is_trivial(device):
     assert (iters == 1).all()
 
 
-def test_kl_project_non_finite_input_is_reported(device):
-    a, b = random_problem((2, 8, 3), seed=11)
-    a[1, 3, 0] = float("nan")
+@pytest.mark.parametrize("n,row", [(8, 3), (9, 8)])  # (9, 8): the one row of a partial block
+def test_kl_project_non_finite_input_is_reported(device, n, row):
+    a, b = random_problem((2, n, 3), seed=11)
+    a[1, row, 0] = float("nan")
     U, V, z, iters, res = ops.kl_project(a.to(device), b.to(device), 1e-11, 80)
     assert res[0].item() <= 1e-11 and math.isnan(res[1].item())
     with pytest.raises(ValueError, match="argument 'u_ref' holds NaN or Inf"):
