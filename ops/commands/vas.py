@@ -160,17 +160,17 @@ def answer_ids(tokenizer, answer: str) -> List[int]:
     return tokenizer(answer, add_special_tokens=False)["input_ids"]
 
 
-def check_answers(records: List[Record], tokenizer, image_ids, data: Path) -> None:
-    """A given answer holding an image token is refused: prompt and answer would be no
-    valid model input."""
+def check_answers(records: List[Record], tokenizer, media_ids, data: Path) -> None:
+    """A given answer holding an image or video token is refused: prompt and answer would
+    be no valid model input."""
     for record in records:
         if record.answer is None:
             continue
-        held = sorted(set(image_ids) & set(answer_ids(tokenizer, record.answer)))
+        held = sorted(set(media_ids) & set(answer_ids(tokenizer, record.answer)))
         if held:
             raise UsageError(f"{jsonl_file(data)}:{record.line}: the answer holds the image "
-                             f"token {held[0]} ({tokenizer.decode(held[:1])!r}), which only "
-                             f"a prompt's image may hold")
+                             f"or video token {held[0]} ({tokenizer.decode(held[:1])!r}), "
+                             f"which only a prompt's picture or video may hold")
 
 
 # ---- one record -----------------------------------------------------------------------------
@@ -211,7 +211,7 @@ def score_record(model, processor, record: Record, max_new_tokens: int) -> Dict[
         with torch.no_grad():
             sequences = model.generate(**family.model_inputs(inputs),
                                        max_new_tokens=max_new_tokens, do_sample=False,
-                                       suppress_tokens=list(family.image_token_ids(
+                                       suppress_tokens=list(family.media_token_ids(
                                            model.config)))
         answer = sequences[0, P:].cpu()
         # one row: generation stopped at its first end token, if any
@@ -248,7 +248,7 @@ def prepare(args) -> Tuple[List[Record], Dict[str, str], Dict]:
     except ValueError as e:
         raise UsageError(f"--model {args.model}: {e}") from e
     processor = load_processor(args.model)
-    check_answers(records, processor.tokenizer, family.image_token_ids(config),
+    check_answers(records, processor.tokenizer, family.media_token_ids(config),
                   Path(args.data))
     L, H = text_sizes(config)
     settings = {"model": str(Path(args.model).resolve()), "num_layers": L, "num_heads": H,

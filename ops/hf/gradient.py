@@ -19,7 +19,8 @@ from .quantized import check_input_gradients
 
 WHO = "headscope.hf.gradient_scores"
 TARGETS = ("log_prob", "logit")
-_PASSED = ("attention_mask", "position_ids", "visual_pos_masks", "deepstack_visual_embeds")
+_PASSED = ("attention_mask", "position_ids", "visual_pos_masks", "deepstack_visual_embeds",
+           "per_layer_inputs")
 
 
 @contextlib.contextmanager

@@ -248,3 +248,21 @@ def test_shapes_model_ranks_cells_unlike_input_x_gradient():
     ixg, _ = gradient_scores(model, inputs, tr.sequences, spans, tr.region_ids)
     assert lrp.shape == ixg.shape == (len(spans), 9) and bool(torch.isfinite(lrp).all())
     assert bool((lrp.argsort(1) != ixg.argsort(1)).any(1).any())
+
+
+def test_the_gradient_baselines_forward_is_the_models_where_layers_read_token_embeddings():
+    """Gemma 4 hands each decoder layer an embedding of the token ids beside the hidden
+    state (``per_layer_inputs``): the forward the gradient baselines differentiate (the
+    captured decoder inputs, the input embeddings in their place) gives the answer the
+    log-probabilities the whole model gives it, and the gradient scores are finite."""
+    from headscope.hf.answer import continue_inputs
+    model, inputs, sequences, rid = _case("gemma4", dtype=torch.float32)
+    P = inputs["input_ids"].shape[1]
+    answer = sequences[:, P:]
+    with torch.no_grad():
+        logits = model(**continue_inputs(family_of(model), inputs, answer)).logits[0]
+    want = logits[P - 1:-1].float().log_softmax(-1).gather(1, answer[0, :, None])[:, 0]
+    torch.testing.assert_close(_targets(model, inputs, sequences, "log_prob"), want,
+                               rtol=1e-5, atol=1e-5)
+    scores, _ = gradient_scores(model, inputs, sequences, [(0, 2), (2, N)], rid)
+    assert scores.shape == (2, 3) and bool(scores.isfinite().all())

@@ -459,10 +459,11 @@ def test_ward_page_in_a_browser(browser, tmp_path):
     unit = browser.find_element(By.CSS_SELECTOR, ".note.unit").text
     assert unit.startswith("raw attention per image token")
     header = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "thead th")]
-    assert header == ["region", "picture", "tokens", "total", "per image token"]
-    rows = [[float(c.text) for c in tr.find_elements(By.TAG_NAME, "td")]
-            for tr in browser.find_elements(By.CSS_SELECTOR, "tbody.scores tr")]
-    assert len(rows) == 8
+    assert header == ["region", "where", "tokens", "total", "per image token"]
+    cells = [[c.text for c in tr.find_elements(By.TAG_NAME, "td")]
+             for tr in browser.find_elements(By.CSS_SELECTOR, "tbody.scores tr")]
+    assert len(cells) == 8 and all(c[1] == "picture 0" for c in cells)
+    rows = [[float(c) if j != 1 else None for j, c in enumerate(row)] for row in cells]
     shown = next(s for s in report["spans"] if not s["special"])
     assert [int(r[0]) for r in rows] == shown["top_regions"]
     assert [int(r[2]) for r in rows] == [report["region_tokens"][int(r[0])] for r in rows]

@@ -157,7 +157,7 @@ def test_command_with_a_picture_and_a_video_equals_a_tracer_run(qwen, files, tmp
     out = tmp_path / "out"
     assert main(["explain", "--model", str(qwen), "--image", str(files["picture"]),
                  "--video", str(files["clip"]), "--prompt", PROMPT, "--max-new-tokens", "6",
-                 "--out", str(out)]) == 0
+                 "--scores", "attention", "--out", str(out)]) == 0
     assert "regions: 3x3" in capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
 

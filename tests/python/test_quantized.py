@@ -144,7 +144,7 @@ def case(request, checkpoints):
     inputs = image_prompt(model, grids=((8, 8),), text_before=(3,), text_after=(5,))
     # N tokens, none an image token (which would make prompt plus answer no valid input)
     generate = dict(max_new_tokens=N, do_sample=False, eos_token_id=None,
-                    suppress_tokens=list(family_of(model).image_token_ids(model.config)))
+                    suppress_tokens=list(family_of(model).media_token_ids(model.config)))
     every3 = lambda ids: len(ids) % 3 == 0  # noqa: E731
     with Tracer(model, regions=4, vas=True, splitter=every3) as tr:
         spans = list(tr.generate(**inputs, **generate))
@@ -493,7 +493,7 @@ def test_vas_command(saved, loading, tmp_path):
                  "--max-new-tokens", "3", *options(loading)]) == 0
     _, table = read_table(out)
     model, processor = loaded(folder, loading)
-    image_ids = list(family_of(model).image_token_ids(model.config))
+    image_ids = list(family_of(model).media_token_ids(model.config))
     records = [json.loads(x) for x in (data / "data.jsonl").read_text().splitlines()]
     assert table.num_rows == len(records) == 1
     for row, record in zip(table.to_pylist(), records):

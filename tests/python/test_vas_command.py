@@ -220,7 +220,7 @@ def test_features_equal_the_tracers_on_every_family(family, tmp_path):
     assert [r["generated"] for r in got] == [False, True]
     assert [r["label"] for r in got] == [None, True]
     model, processor = load_model(str(model_dir), "float32", torch.device("cpu"))
-    image_ids = list(family_of(model).image_token_ids(model.config))
+    image_ids = list(family_of(model).media_token_ids(model.config))
     for row, record in zip(got, records):
         inputs = chat_inputs(processor, record["prompt"],
                              [Image.open(data / record["image"]).convert("RGB")], "cpu")
@@ -281,7 +281,7 @@ def test_unsupported_family_and_bad_arguments_fail_before_any_work(shapes_data, 
         (["vas", "--model", DATA_DIR, "--data", write(dict(good, line=3))],
          ["'line' is a column the table computes"]),
         (["vas", "--model", DATA_DIR, "--data", write(dict(good, answer="A <|image_pad|>."))],
-         ["d.jsonl:1", "image token"]),
+         ["d.jsonl:1", "image or video token"]),
         (["vas", "--model", DATA_DIR, "--data", write(good), "--label", "wrong"],
          ["--label wrong", "no record"]),
         (["vas", "--model", DATA_DIR, "--data", fit, "--max-new-tokens", "0"],

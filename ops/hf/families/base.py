@@ -116,14 +116,19 @@ class Family:
         """The soft cap the model's forward puts on its output logits (None: none)."""
         return None
 
+    def media_token_ids(self, config) -> Tuple[int, ...]:
+        """The image and video token ids, each once: what an answer may not hold (pass them
+        to ``generate(..., suppress_tokens=...)``)."""
+        image_ids = tuple(self.image_token_ids(config))
+        return image_ids + tuple(i for i in self.video_token_ids(config) if i not in image_ids)
+
     def check_answer(self, config, answer_ids: torch.Tensor,
                      who: str = "headscope.hf.Tracer") -> None:
         """Raises a ValueError if a generated answer ``(B, N)`` holds an image or video
         token: the model would take prompt plus answer for a prompt with one more picture
         than it has, and fail deep in transformers (features and tokens do not match)."""
         image_ids = list(self.image_token_ids(config))
-        media_ids = [*image_ids, *(i for i in self.video_token_ids(config)
-                                   if i not in image_ids)]
+        media_ids = list(self.media_token_ids(config))
         is_media = torch.isin(answer_ids.cpu(), torch.tensor(media_ids))
         if bool(is_media.any()):
             rows, steps = is_media.nonzero().t().tolist()
