@@ -92,7 +92,7 @@ def explained_video(tokens, video, labels: torch.Tensor, regions: Tuple[int, int
                     ) -> ExplainedVideo:
     """The :class:`ExplainedVideo` of the tracer's ``tokens`` (a ``VideoTokens``) for
     ``video`` (a ``headscope.videos.Video``), its tokens' region ``labels``."""
-    from .page import display_size
+    from .heat_map import display_size
     from PIL import Image
     frames = []
     for picture in video.pictures():
@@ -178,7 +178,7 @@ def frame_size(video: ExplainedVideo) -> Tuple[int, int]:
     """(width, height) of each frame of ``video``'s strip on the page: the strip fits
     :data:`STRIP_WIDTH` where frames of at least :data:`STRIP_FRAME`'s low side allow
     (longer strips scroll)."""
-    from .page import display_size
+    from .heat_map import display_size
     low, high = STRIP_FRAME
     free = STRIP_WIDTH - STRIP_AXIS - STRIP_GROUP * len(video.groups) - \
         STRIP_GAP * video.num_frames
@@ -198,7 +198,7 @@ def _jpeg_uri(picture) -> str:
 def span_data(explanation, span) -> dict:
     """What the page's script needs of ``span`` on the videos: the colour bar's ends (heat
     per token), per video each frame group's heat overlay and score."""
-    from .page import heat_rgba, png_data_uri, region_map, scale
+    from .heat_map import heat_rgba, png_data_uri, region_map, scale
     heat = span.per_token.numpy()
     low, high = scale(heat)
     videos = []
@@ -284,7 +284,7 @@ SCRIPT = """
 def _strip(video: ExplainedVideo, index: int) -> str:
     """One video's strip: per frame group its frames (each under its heat, the region
     numbers on the group's first frame, its time below) and its score's bar."""
-    from .page import region_centres, region_map
+    from .heat_map import region_centres, region_map
     x = html.escape
     width, height = frame_size(video)
     groups = []
@@ -384,7 +384,7 @@ def draw(figure, explanation, video: ExplainedVideo, index: int, heat: np.ndarra
     import matplotlib.pyplot as plt
     from matplotlib.colors import Normalize
 
-    from .page import COLORMAP, heat_rgba, region_map
+    from .heat_map import COLORMAP, heat_rgba, region_map
     frames = png_frames(video)
     top, bottom = figure.subfigures(2, 1, height_ratios=(1.25, 1))
     axes = top.subplots(1, len(frames), squeeze=False)[0]

@@ -100,7 +100,7 @@ def test_command_on_each_family_equals_a_tracer_run(family, picture, tmp_path, c
     # every view painted on the picture plane: each quarter's middle shows its block
     from types import SimpleNamespace
 
-    from headscope.explainer.page import region_map
+    from headscope.explainer.heat_map import region_map
     painted = region_map(SimpleNamespace(boxes=torch.tensor(shown["token_boxes"]),
                                          labels=torch.tensor(shown["token_regions"])), (48, 40))
     assert [int(painted[y, x]) for y in (10, 30) for x in (12, 36)] == [0, 1, 2, 3]
@@ -258,7 +258,8 @@ def test_the_page_paints_each_region_per_image_token(qwen, picture):
     from PIL import Image
 
     import headscope
-    from headscope.explainer.page import COLORMAP, HEAT_ALPHA, _page_data, region_map
+    from headscope.explainer.heat_map import COLORMAP, HEAT_ALPHA, region_map
+    from headscope.explainer.page import _page_data
     processor = tf.AutoProcessor.from_pretrained(qwen)
     model = tf.AutoModelForImageTextToText.from_pretrained(qwen).eval()
     result = headscope.explain(model, processor, [Image.open(picture)], PROMPT, regions=3,

@@ -170,7 +170,7 @@ def test_the_data_loader_reads_upright(photo, upright_png, tmp_path):
 
 def test_explain_shows_and_reads_the_photo_upright(model, photo, upright_png, tmp_path, capsys):
     from headscope.commands import main
-    from headscope.explainer.page import display_size
+    from headscope.explainer.heat_map import display_size
     reports = []
     for picture in (photo, upright_png):
         out = tmp_path / picture.stem
