@@ -51,7 +51,7 @@ setup(
     packages=["headscope", "headscope.bench", "headscope.commands", "headscope.explainer",
               "headscope.hf",
               "headscope.hf.families", "headscope.shapes"],
-    package_data={"headscope.shapes": ["data/*", "data/mixer/*"]},
+    package_data={"headscope.shapes": ["data/*", "data/mixer/*", "data/video/*"]},
     package_dir={"headscope": "ops"},
     # The library is a plain shared object loaded with torch.ops.load_library, not a
     # Python extension module: its file name carries no ABI tag.
