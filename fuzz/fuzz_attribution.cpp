@@ -17,8 +17,11 @@ namespace {
 using headscope::fuzz::Input;
 using headscope::fuzz::expect_close;
 using headscope::fuzz::expect_same;
+using headscope::fuzz::expect_within;
 using headscope::fuzz::fail;
+using headscope::fuzz::gamma_n;
 using headscope::fuzz::runs;
+using headscope::fuzz::smallest_normal;
 
 at::ScalarType float_dtype(Input& in) {
   return in.pick({at::kFloat, at::kFloat, at::kDouble, at::kHalf, at::kBFloat16});
@@ -46,13 +49,11 @@ at::Tensor pool_reference(const at::Tensor& attn, const at::Tensor& w, const at:
 // softmax(scale q k^T) in float64 with grouped heads, soft-capped, the pattern's mask
 // (bottom-right causal, window, chunks, blocks) and key padding; a logit of -inf hides its key as a mask does, a row with no visible key is 0, and a
 // row with a visible logit of NaN or +inf is NaN.
-at::Tensor attention(const Input::QK& a, double* logit_range) {
+at::Tensor attention(const Input::QK& a) {
   const at::Tensor &q = a.q, &k = a.k;
   const auto& kpm = a.key_padding_mask;
   const int64_t Tq = q.size(2), Tk = k.size(2);
   auto logits = a.capped(at::matmul(q.to(at::kDouble), k.to(at::kDouble).repeat_interleave(q.size(1) / k.size(1), 1).mT()) * a.scale);
-  auto finite = logits.abs().masked_select(at::isfinite(logits));
-  *logit_range = finite.numel() ? finite.max().item<double>() * std::sqrt(double(q.size(3))) : 0.0;
   auto hidden = a.hidden(Tq, Tk);
   if (kpm) hidden = hidden | kpm->view({kpm->size(0), 1, 1, Tk});
   hidden = hidden | at::isneginf(logits);
@@ -94,7 +95,7 @@ void fuzz_pool(Input& in) {
   const auto dtype = float_dtype(in);
   at::Tensor out, A;
   std::optional<at::Tensor> key_weights;
-  double logit_range = 0;  // the largest finite |logit| of the qk op
+  at::Tensor probability_error = at::zeros({}, at::kDouble);  // of the qk op's attention
   const bool materialised = in.chance(128);
   if (materialised) {
     auto attn = at::softmax(in.normal({B, H, Tq, Tk}), -1).to(dtype);
@@ -129,17 +130,26 @@ void fuzz_pool(Input& in) {
                                           args->block_ids, args->softcap,
                                           args->window_bounds_blocks, contiguous(key_weights),
                                           args->chunk_origin));
-    A = attention(*args, &logit_range);
+    A = attention(*args);
+    probability_error = args->probability_error(dtype);
   }
-  // float32 logits carry an absolute error of about their size times 2^-24 (times sqrt(D)),
-  // which exp turns into a relative error of the probabilities
-  const double tol = (dtype == at::kDouble ? 1e-10 : 2e-5) +
-                     (dtype == at::kDouble ? 0x1p-52 : 0x1p-22) * logit_range;
   // qk: a weighted row with non-finite logits makes its head's features NaN
   auto nan_heads = materialised ? at::zeros({B, H}, at::kBool)
                                 : (at::isnan(A).any(-1) & (w > 0).unsqueeze(1)).any(-1);
-  auto want = pool_reference(weighted(A, key_weights), w, rid, K, mean, nan_heads);
-  expect_close(materialised ? "region_pool" : "region_pool_qk", out, want, tol, tol);
+  auto terms = weighted(A, key_weights).to(at::kDouble);
+  auto want = pool_reference(terms, w, rid, K, mean, nan_heads);
+  // An output is a sum of terms w_q / sum(w) * attn * key weight: the weights' normaliser,
+  // the products, the region's and the queries' sums and the mean's division take at most
+  // 2 Tq + Tk + 4 roundings, and the qk op's probabilities carry their own relative error;
+  // key weights of either sign let the result cancel, so the bound is on the terms'
+  // magnitudes (the same pooling of |term|), plus each rounding's absolute error below the
+  // normal range (probabilities that underflow).
+  const int64_t roundings = 2 * Tq + Tk + 4;
+  const double largest_factor = key_weights ? 1 + key_weights->abs().max().item<double>() : 1.0;
+  auto bound = pool_reference(terms.abs() * (probability_error + gamma_n(roundings, dtype)), w,
+                              rid, K, mean, nan_heads) +
+               roundings * smallest_normal(dtype) * largest_factor;
+  expect_within(materialised ? "region_pool" : "region_pool_qk", out, want, bound);
 }
 
 // Ranks with ties averaged, along the last dimension.
@@ -196,16 +206,21 @@ void fuzz_linear(Input& in) {
   auto w = in.normal({F}).to(dtype), mean = in.normal({F}).to(dtype);
   auto std = (in.normal({F}).abs() + 0.1).to(dtype);
   if (in.chance(30)) std[in.size(0, F - 1)] = in.pick({0.0, -1.0, double(NAN), double(INFINITY)});
-  const double bias = in.real(-3, 3);
+  const auto bias = at::scalar_tensor(in.real(-3, 3), dtype);
   at::Tensor out;
-  if (!runs("linear_attribution", [&] {
-        out = headscope::linear_attribution(f, w, mean, std, at::scalar_tensor(bias, dtype));
-      }))
+  if (!runs("linear_attribution",
+            [&] { out = headscope::linear_attribution(f, w, mean, std, bias); }))
     fail("linear_attribution rejected valid input");
   auto sd = std.to(at::kDouble);
-  auto want = at::matmul((f.to(at::kDouble) - mean.to(at::kDouble)) / sd, w.to(at::kDouble)) + bias;
+  auto terms = (f.to(at::kDouble) - mean.to(at::kDouble)) / sd * w.to(at::kDouble);  // (rows, F)
+  const double b = bias.item<double>();
+  auto want = terms.sum(-1) + b;
   if (!(at::isfinite(sd) & (sd > 0)).all().item<bool>()) want = at::full_like(want, NAN);
-  expect_close("linear_attribution", out, want, dtype == at::kDouble ? 1e-10 : 1e-4, 1e-4);
+  // each term takes 3 roundings (f - mean, w / std, the product) and the sum F - 1 more plus
+  // the bias: within gamma_{F+4} (sum |term| + |bias|), however far the sum cancels
+  auto bound = (terms.abs().sum(-1) + std::abs(b)) * gamma_n(F + 4, dtype) +
+               (F + 4) * smallest_normal(dtype);
+  expect_within("linear_attribution", out, want, bound);
 }
 
 void fuzz_ward(Input& in) {
@@ -280,6 +295,7 @@ void fuzz_errors(Input& in) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  headscope::fuzz::tally(data, size);
   Input in(data, size);
   in.configure_torch();
   switch (in.size(0, 5)) {

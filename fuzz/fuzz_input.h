@@ -13,6 +13,7 @@
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
@@ -23,6 +24,28 @@ namespace headscope::fuzz {
 [[noreturn]] inline void fail(const std::string& what) {
   std::fprintf(stderr, "headscope fuzz finding: %s\n", what.c_str());
   std::abort();
+}
+
+// The unit roundoff of the arithmetic the ops do on inputs of `dtype`: float64 for float64,
+// float32 otherwise (float16 and bfloat16 are converted to float32 as they are read).
+inline double unit_roundoff(at::ScalarType dtype) {
+  return dtype == at::kDouble ? 0x1p-53 : 0x1p-24;
+}
+
+// gamma_n = n u / (1 - n u): a value reached through at most n roundings of relative size u
+// in a chain of sums and products (a sum of n terms in any order, a dot product of n - 1)
+// is within gamma_n of the sum of its terms' magnitudes (Higham, "Accuracy and Stability of
+// Numerical Algorithms", 3.1 and 4.2). The bound scales with sum |term|, not |result|: a
+// sum that cancels keeps the absolute error of its terms.
+inline double gamma_n(int64_t n, at::ScalarType dtype) {
+  const double nu = static_cast<double>(n) * unit_roundoff(dtype);
+  return nu / (1 - nu);
+}
+
+// The smallest normal number of that arithmetic: below it a rounding (or a flush to zero)
+// errs by up to this much absolutely, whatever the relative bound says.
+inline double smallest_normal(at::ScalarType dtype) {
+  return dtype == at::kDouble ? 0x1p-1022 : 0x1p-126;
 }
 
 class Input {
@@ -120,6 +143,24 @@ class Input {
       return at::where(at::isfinite(logits), (logits / *softcap).tanh() * *softcap,
                        at::full({}, NAN, logits.options()));
     }
+    // (B, H, Tq, 1): a bound on the relative error of each query row's probabilities as an
+    // op computes them in `dtype`'s arithmetic. A logit is a dot product of D terms times
+    // the scale, off by gamma_{D+1} scale sum_d |q_d k_d| (a bound that holds however the
+    // logit cancels), and the soft cap and the shift by the row's largest logit add a few
+    // roundings of that size; a softmax moves a probability by at most twice its row's
+    // largest logit error, relatively, and exp and the normaliser (a sum of Tk terms,
+    // divided) by gamma_{Tk+8}. Non-finite entries are left out: their rows are NaN or
+    // their keys hidden.
+    at::Tensor probability_error(at::ScalarType dtype) const {
+      auto finite_abs = [](const at::Tensor& x) {
+        auto a = x.to(at::kDouble).abs();
+        return at::where(at::isfinite(a), a, at::zeros({}, a.options()));
+      };
+      auto ka = finite_abs(k).repeat_interleave(q.size(1) / k.size(1), 1);
+      auto largest_logit = at::matmul(finite_abs(q), ka.mT()).mul(scale).amax(-1, true);
+      return largest_logit * (2 * gamma_n(q.size(3) + 1, dtype) + 8 * unit_roundoff(dtype)) +
+             gamma_n(k.size(2) + 8, dtype);
+    }
   };
   std::optional<QK> qk(int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t max_D,
                        at::ScalarType dtype) {
@@ -165,6 +206,25 @@ class Input {
   FuzzedDataProvider bytes_;
 };
 
+// Counts the inputs this process runs and digests them, order aside (the sum of each
+// input's FNV-1a hash), and with HEADSCOPE_FUZZ_TALLY set prints both at exit: the proof
+// that two runs of scripts/fuzz.sh's repeatable mode ran the same inputs. Each harness
+// calls it first.
+inline void tally(const uint8_t* data, size_t size) {
+  static struct Tally {
+    uint64_t inputs = 0, digest = 0;
+    ~Tally() {
+      if (std::getenv("HEADSCOPE_FUZZ_TALLY") != nullptr)
+        std::fprintf(stderr, "headscope fuzz tally: %llu inputs, digest %016llx\n",
+                     static_cast<unsigned long long>(inputs), static_cast<unsigned long long>(digest));
+    }
+  } t;
+  uint64_t h = 0xcbf29ce484222325ULL ^ size;
+  for (size_t i = 0; i < size; ++i) h = (h ^ data[i]) * 0x100000001b3ULL;
+  ++t.inputs;
+  t.digest += h;
+}
+
 // Runs the call; a c10::Error is fine when it names the op (headscope::<op>), anything else
 // is a finding. Returns whether the call succeeded.
 template <typename F>
@@ -187,22 +247,29 @@ inline double at_least_rounding(double tol, at::ScalarType dtype) {
   return std::max(tol, 2 * eps);
 }
 
-// |got - want| <= atol + rtol |want| everywhere, NaN where want is NaN.
-inline void expect_close(const char* what, const at::Tensor& got, const at::Tensor& want,
-                         double rtol, double atol) {
+// |got - want| <= bound everywhere (bound broadcast to want's shape), NaN where want is NaN.
+inline void expect_within(const char* what, const at::Tensor& got, const at::Tensor& want,
+                          const at::Tensor& bound) {
   auto g = got.to(at::kDouble), w = want.to(at::kDouble);
   if (!g.sizes().equals(w.sizes()))
     fail(std::string(what) + ": shape " + c10::str(g.sizes()) + ", expected " + c10::str(w.sizes()));
   auto nan_ok = at::isnan(w).eq(at::isnan(g)).all().item<bool>();
-  // excess over the tolerance; 0 where equal (infinities included) or NaN in both
+  // excess over the bound; 0 where equal (infinities included) or NaN in both
   auto excess = at::where(g.eq(w) | at::isnan(w), at::zeros_like(g),
-                          (g - w).abs().sub(w.abs().mul(rtol).add(atol)));
+                          (g - w).abs().sub(bound.to(at::kDouble)));
   auto close = excess.le(0).all().item<bool>();
   if (!nan_ok || !close) {
     fail(std::string(what) + ": result differs from the reference; largest excess " +
-         std::to_string(excess.nan_to_num(INFINITY).max().item<double>()) + "\n got  " + c10::str(g) + "\n want " +
-         c10::str(w));
+         std::to_string(excess.nan_to_num(INFINITY).max().item<double>()) + "\n got   " +
+         c10::str(g) + "\n want  " + c10::str(w) + "\n bound " + c10::str(bound));
   }
+}
+
+// |got - want| <= atol + rtol |want| everywhere, NaN where want is NaN: for results whose
+// error scales with their own size (no sum of terms of either sign).
+inline void expect_close(const char* what, const at::Tensor& got, const at::Tensor& want,
+                         double rtol, double atol) {
+  expect_within(what, got, want, want.to(at::kDouble).abs().mul(rtol).add(atol));
 }
 
 // Bitwise equality of two results (NaN equal to NaN).

@@ -13,9 +13,10 @@ from .vas import (VAS_COLUMNS, VASAccumulator, vas_aggregate, vas_features,  # n
                   vas_head_stats, vas_head_stats_qk)
 from .detector import VASDetector  # noqa: E402
 from .patterns import pattern_mask  # noqa: E402
-from .attribution import (AttributionHead, LDS, lds, linear_attribution, pearson,  # noqa: E402
-                          region_pool, region_pool_qk, region_pool_qk_layers, spearman,
-                          stack_layers, ward_regions)
+from .attribution import (linear_attribution, pearson, region_pool, region_pool_qk,  # noqa: E402
+                          region_pool_qk_layers, spearman, stack_layers, ward_regions)
+from .head import AttributionHead  # noqa: E402
+from .metrics import LDS, lds  # noqa: E402
 
 __all__ = ["FactorMixer", "kl_hvp", "kl_project", "thin_mix", "LIBRARY_PATH",
            "AttributionHead", "LDS", "lds", "linear_attribution", "pearson", "region_pool",

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .attribution import STD_EPS
+from .head import STD_EPS
 from .io import atomic_path
 from .vas import VAS_COLUMNS
 

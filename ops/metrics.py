@@ -1,27 +1,52 @@
-"""Faithfulness metrics of region scores against measured ablation effects: per-span LDS
-averaged per image, pointing at a boxed object (with the exact expectation of pointing at a
+"""Faithfulness metrics of region scores against measured ablation effects: the paper's
+LDS (:func:`lds`), per-span LDS averaged per image, pointing at a boxed object (with the exact expectation of pointing at a
 uniformly random region), and bootstrap intervals of a mean; and the AUROC of a detector's
 scores, overall and within strata (pairs of one stratum only), with bootstrap intervals.
 
 What ``python -m headscope eval`` reports, and what ``headscope.shapes`` and
 ``python -m headscope synthetic`` measure with (``python -m headscope detector eval`` and
-``headscope.shapes`` the AUROC); :func:`headscope.lds` is the paper's metric
-on an ``(n_images, K)`` table (one span per image).
+``headscope.shapes`` the AUROC); :func:`lds` (also :func:`headscope.lds`) is the paper's
+metric on an ``(n_images, K)`` table (one span per image).
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
+from torch import Tensor
 
 from .attribution import spearman
 
-__all__ = ["auroc", "auroc_interval", "auroc_within", "bootstrap_interval", "defined_mean",
-           "in_box", "lds_per_image", "mean_with_interval", "per_image", "random_pointing",
-           "region_centroids"]
+__all__ = ["LDS", "auroc", "auroc_interval", "auroc_within", "bootstrap_interval",
+           "defined_mean", "in_box", "lds", "lds_per_image", "mean_with_interval", "per_image",
+           "random_pointing", "region_centroids"]
 
 WHO = "headscope.metrics"
+
+
+class LDS(NamedTuple):
+    overall: Tensor         # Spearman over every (image, region) pair, flattened
+    per_image: Tensor       # (n_images,) Spearman across each image's K regions
+    per_image_mean: Tensor  # mean of per_image over images with a defined value
+
+
+def lds(pred: Tensor, actual: Tensor) -> LDS:
+    """The paper's linear datamodeling score: Spearman correlation of predicted and
+    actual ablation effects, per image across its regions (``(n_images, K)`` inputs, or
+    ``(K,)`` for one image) and overall. Images whose predictions or effects are constant
+    have an undefined (NaN) score and are left out of the mean."""
+    if pred.shape != actual.shape:
+        raise ValueError(f"headscope.lds: argument 'actual' must have the shape of 'pred' "
+                         f"{tuple(pred.shape)}, got {tuple(actual.shape)}")
+    if pred.dim() == 1:
+        pred, actual = pred.unsqueeze(0), actual.unsqueeze(0)
+    if pred.dim() != 2:
+        raise ValueError(f"headscope.lds: argument 'pred' must be (K,) or (n_images, K), got "
+                         f"shape {tuple(pred.shape)}")
+    per_image = spearman(pred, actual, -1)
+    overall = spearman(pred.flatten(), actual.flatten(), -1)
+    return LDS(overall, per_image, per_image.nanmean())
 
 
 def defined_mean(values: torch.Tensor) -> Optional[float]:

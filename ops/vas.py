@@ -152,9 +152,13 @@ class VASAccumulator:
 
     def update(self, layer_idx: int, attn: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                head_writes: torch.Tensor, *, causal: Optional[bool] = None,
-               scale: Optional[float] = None) -> torch.Tensor:
+               scale: Optional[float] = None,
+               key_padding_mask: Optional[torch.Tensor] = None, **pattern) -> torch.Tensor:
         """Adds layer ``layer_idx`` from its attention (B, H, T, T) or its ``(q, k)``; returns
-        that layer's (B, H, 3) stats."""
+        that layer's (B, H, 3) stats. With ``(q, k)``: ``key_padding_mask`` (B, T), this
+        layer's padding keys (default: the ``attention_mask``'s), and the layer's attention
+        pattern, :func:`vas_head_stats_qk`'s ``window``, ``chunk``, ``block_ids``,
+        ``softcap``, ``window_bounds_blocks`` and ``chunk_origin``."""
         if not 0 <= layer_idx < self.num_layers:
             raise IndexError(f"headscope.VASAccumulator.update: argument 'layer_idx' must be in "
                              f"[0, {self.num_layers}), got {layer_idx}")
@@ -163,10 +167,12 @@ class VASAccumulator:
         offsets = None if self.offsets is None else self.offsets.to(device)
         if isinstance(attn, (tuple, list)):
             q, k = attn
-            kpm = None if self.key_padding_mask is None else self.key_padding_mask.to(device)
+            kpm = self.key_padding_mask if key_padding_mask is None else key_padding_mask
+            kpm = None if kpm is None else kpm.to(device)
             stats = vas_head_stats_qk(q, k, head_writes, lengths,
                                       self.scale if scale is None else scale,
-                                      self.causal if causal is None else causal, offsets, kpm)
+                                      self.causal if causal is None else causal, offsets, kpm,
+                                      **pattern)
         else:
             stats = vas_head_stats(attn, head_writes, lengths, offsets)
         if self._stats is None:
@@ -175,6 +181,11 @@ class VASAccumulator:
         self._stats[:, layer_idx] = stats
         self._seen[layer_idx] = True
         return stats
+
+    @property
+    def complete(self) -> bool:
+        """Whether every layer has been added."""
+        return all(self._seen)
 
     @property
     def head_stats(self) -> torch.Tensor:

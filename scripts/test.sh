@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs every test: GoogleTest through ctest (also
 # under AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer), the libFuzzer
-# harnesses for a bounded time, the TorchScript round trip through the C++ example, pytest,
-# and the shapes demo on one image.
+# harnesses on a fixed set of inputs, the TorchScript round trip through the C++ example,
+# pytest, and the shapes demo on one image.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -17,7 +17,7 @@ ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)"
 echo "== ctest under ASan + LSan + UBSan (CPU kernels)"
 bash scripts/sanitize.sh
 
-echo "== libFuzzer harnesses (a fixed seed and number of inputs per family)"
+echo "== libFuzzer harnesses (the saved corpus and a fixed set of inputs per family)"
 bash scripts/fuzz.sh
 
 echo "== pytest"
@@ -26,7 +26,7 @@ export HEADSCOPE_EXAMPLE_BIN=$PWD/$BUILD/example/headscope_run_torchscript
 # conftest.py), and the slowest are listed at the end
 "$PYTHON" -m pytest tests/python -q -rs -n "${HEADSCOPE_TEST_WORKERS:-$(nproc)}" --durations=15 "$@"
 
-echo "== the README's first command's demo, on one image"
+echo "== the shapes demo, on one image"
 demo_out=$(mktemp -d)
 "$PYTHON" -m headscope.shapes demo --images 1 --out "$demo_out"
 rm -rf "$demo_out"

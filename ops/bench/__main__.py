@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     import headscope  # noqa: F401  (loads the ops)
-    from headscope.io import atomic_path
+    from ..io import atomic_path
 
     from ._util import PRINTED_TABLES
 

@@ -1,5 +1,5 @@
 """Peak-memory, table and reference-loading helpers shared by every benchmark family (the
-timing helpers are the public :mod:`headscope.bench.timing`)."""
+timing helpers are the public :mod:`headscope.timing`)."""
 from __future__ import annotations
 
 import ctypes
@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from .timing import round_ratios
+from ..timing import round_ratios
 
 _libc = ctypes.CDLL("libc.so.6")
 

@@ -62,15 +62,15 @@ import time
 import torch
 
 from ._util import mib, peak_bytes, print_table
-from .timing import round_ratios, sync
+from ..timing import round_ratios, sync
 
 REGIONS = 16
 
 
 #: The tracer's calls that compute what streaming attribution adds, by part of its work
-#: (the owner given by name: "tracer", its "generation", or the SpanRows class).
+#: (the owner given by name: the "tracer", the Generation class, or the SpanRows class).
 WORK_PARTS = {"prompt's regions": [("tracer", "_start_forward")],
-              "prefill's rows": [("tracer", "observe")],
+              "prefill's rows": [("tracer", "_prefill")],
               "decode steps' rows": [("rows", "add"), ("rows", "begin_step")],
               "spans' features, scores": [("generation", "_make_span")]}
 
@@ -79,8 +79,9 @@ WORK_PARTS = {"prompt's regions": [("tracer", "_start_forward")],
 def tracer_work_clock(tracer, device):
     """Yields a dict that the tracer's own work adds its seconds to, by part
     (:data:`WORK_PARTS`), the device synced around each call."""
-    from headscope.hf.rows import SpanRows
-    owners = {"tracer": tracer, "generation": tracer.generation, "rows": SpanRows}
+    from ..hf.generation import Generation
+    from ..hf.rows import SpanRows
+    owners = {"tracer": tracer, "generation": Generation, "rows": SpanRows}
     spent = dict.fromkeys(WORK_PARTS, 0.0)
 
     def timed(fn, part):
@@ -117,7 +118,7 @@ def compare(model, inputs, head, tokenizer, regions: int, new_tokens: int, devic
     first call of each measures its peak memory. Lazy initialisation (the tracer's value
     norm factors, computed once per model) is left out: by an untimed first round, or,
     given ``warm_inputs`` (a short prompt), by one call of each on those, two new tokens."""
-    from headscope.hf import Tracer, attnlrp_scores, gradient_scores
+    from ..hf import Tracer, attnlrp_scores, gradient_scores
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     prompt = {"inputs": inputs, "gen": gen}  # what the calls run on
     tracer = Tracer(model, regions=regions, vas=False, head=head, tokenizer=tokenizer)
@@ -206,9 +207,9 @@ COLUMNS = ["what", "spans", "per_span_ms", "per_token_ms", "vs_head", "range", "
 
 def bench_shapes(device) -> dict:
     """The shapes model, its shipped head, one held-out 4-object scene."""
-    from headscope.shapes.accuracy import held_out_scenes
-    from headscope.shapes.demo import DEFAULT_REGIONS
-    from headscope.shapes.model import load, prompt
+    from ..shapes.accuracy import held_out_scenes
+    from ..shapes.demo import DEFAULT_REGIONS
+    from ..shapes.model import load, prompt
     model, processor, head = load()
     model = model.to(device)
     _, image, _ = held_out_scenes(4)[3]
@@ -225,7 +226,7 @@ def bench_shapes(device) -> dict:
 def _random_head(model):
     """An attribution head with random weights on the model's value-norm-weighted
     features: scoring costs what a fitted head's does."""
-    from headscope import AttributionHead
+    from ..head import AttributionHead
     text = model.config.text_config
     head = AttributionHead(text.num_hidden_layers, text.num_attention_heads,
                            feature_set="attention*value_norm")
@@ -237,7 +238,7 @@ def _random_head(model):
 def bench_decoder(device, dtype: torch.dtype, layers: int) -> dict:
     """The Qwen2-VL-2B-shaped decoder with ``layers`` layers, one 1,024-token picture, 64
     new tokens (``layers`` 0: the tiny test model, a 64-token picture, 8 new tokens)."""
-    from headscope.hf.testing import tiny_model
+    from ..hf.testing import tiny_model
 
     from .hf import _inputs, _model
     if layers:
@@ -262,8 +263,8 @@ def bench_decoder(device, dtype: torch.dtype, layers: int) -> dict:
 def bench_growth(device, quick: bool) -> dict:
     """Peak memory of one call of each against the picture's size, on the tiny test model
     (a span of 8 tokens)."""
-    from headscope.hf import Tracer, attnlrp_scores, gradient_scores
-    from headscope.hf.testing import tiny_model
+    from ..hf import Tracer, attnlrp_scores, gradient_scores
+    from ..hf.testing import tiny_model
 
     from .hf import _inputs
     model = tiny_model("qwen2_vl").to(device)

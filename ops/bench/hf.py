@@ -38,7 +38,7 @@ import time
 import torch
 
 from ._util import mib, peak_bytes, print_table
-from .timing import TokenClock, interleaved, round_ratios
+from ..timing import TokenClock, interleaved, round_ratios
 
 K_REGIONS = 16
 
@@ -47,7 +47,7 @@ def _model(quick: bool, attn: str, spec: str = "qwen2_vl", layers: int = 0,
            dtype: torch.dtype = torch.float32):
     """The Qwen2-VL-2B-shaped model (``layers`` of its decoder, default 4, ``quick`` 2;
     input and output embeddings tied, as in Qwen2-VL-2B) or the cut Gemma-3-4B."""
-    from headscope.hf.testing import tiny_model
+    from ..hf.testing import tiny_model
     if spec == "gemma3":
         return _gemma3(quick, attn)
     return tiny_model("qwen2_vl", hidden=1536, layers=layers or (2 if quick else 4), heads=12,
@@ -61,7 +61,7 @@ def _gemma3(quick: bool, attn: str):
     head counts and sizes (8 query and 4 key/value heads of 256), 256 tokens per image;
     a 32k vocabulary (262k would only add the embedding's memory: logits_to_keep=1).
     ``quick``: one sliding and one global layer of a quarter of the width, window 64."""
-    from headscope.hf.testing import tiny_model
+    from ..hf.testing import tiny_model
     layers = ["sliding_attention"] + (["full_attention"] if quick else
                                       ["sliding_attention"] * 4 + ["full_attention"])
     head_dim = 64 if quick else 256
@@ -79,7 +79,7 @@ def _inputs(model, image_side: int, device, text: int = 64):
     """One image prompt of ``text`` text tokens (20 before the image): Qwen2-VL's image
     is image_side x image_side tokens ((2 image_side)^2 patches), Gemma 3's its fixed
     size."""
-    from headscope.hf.testing import image_prompt
+    from ..hf.testing import image_prompt
     inputs = image_prompt(model, grids=((2 * image_side, 2 * image_side),), text_before=(20,),
                           text_after=(text - 22,))
     return {k: v.to(device) for k, v in inputs.items()}
@@ -89,7 +89,7 @@ def _eager_today(model_eager, inputs):
     """Today's way: eager attention, output_attentions=True, hooks on the o_proj inputs,
     then the VAS features from the stored attentions."""
     import headscope
-    from headscope.hf.testing import eager_reference
+    from ..hf.testing import eager_reference
     _, attentions, writes = eager_reference(model_eager, inputs, logits_to_keep=1)
     return headscope.vas_features(attentions, writes, inputs["attention_mask"])[0]
 
@@ -106,7 +106,7 @@ def _traced_forward(tracer, model, inputs):
 
 @torch.no_grad()
 def bench_prefill(device, quick: bool, spec: str = "qwen2_vl") -> dict:
-    from headscope.hf import Tracer
+    from ..hf import Tracer
     model = _model(quick, "sdpa", spec).to(device)
     eager = _model(quick, "eager", spec).to(device)
     side = 16 if quick else 32
@@ -159,7 +159,7 @@ def bench_prefill(device, quick: bool, spec: str = "qwen2_vl") -> dict:
 
 @torch.no_grad()
 def bench_decode(device, quick: bool, spec: str = "qwen2_vl") -> dict:
-    from headscope.hf import Tracer
+    from ..hf import Tracer
     model = _model(quick, "sdpa", spec).to(device)
     eager = _model(quick, "eager", spec).to(device)
     inputs = _inputs(model, 16 if quick else 32, device)
@@ -285,8 +285,8 @@ def _naive_effects(model, inputs, sequences, rid, K: int) -> torch.Tensor:
 def bench_effects(device, quick: bool) -> dict:
     """region_effects (mask ablation of K regions on one answer span) batched against one
     ablation per forward and against one plain model forward per region."""
-    from headscope.hf import Tracer, region_effects
-    from headscope.hf.testing import tiny_model
+    from ..hf import Tracer, region_effects
+    from ..hf.testing import tiny_model
     # every ablation is a forward over the image and the answer: two layers of the
     # 2B-shaped decoder, or the tiny test model for --quick
     model = (tiny_model("qwen2_vl") if quick else _model(True, "sdpa")).to(device)
@@ -335,10 +335,10 @@ def bench_collect(device, quick: bool) -> dict:
     import tempfile
     from pathlib import Path
 
-    from headscope.commands.collect import (add_arguments, collect_example, load_model,
-                                            prompt_inputs)
-    from headscope.commands.data import load_image, read_examples
-    from headscope.hf.testing import tiny_checkpoint, tiny_dataset
+    from ..commands.collect import add_arguments, collect_example, prompt_inputs
+    from ..commands.data import load_image, read_examples
+    from ..commands.models import load_model
+    from ..hf.testing import tiny_checkpoint, tiny_dataset
     images, new = (2, 8) if quick else (8, 16)
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ._util import load_seed, mib, peak_bytes, print_table
-from .timing import interleaved, round_ratios, timeit
+from ..timing import interleaved, round_ratios, timeit
 
 ops = torch.ops.headscope
 

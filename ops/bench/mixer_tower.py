@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ._util import mib, peak_bytes, print_table
-from .timing import interleaved, round_ratios
+from ..timing import interleaved, round_ratios
 
 WIDTH, HEADS, BLOCKS, RANK = 1280, 16, 2, 16
 MEMORY_BUDGET = 8 * 2**30  # a case whose estimated peak exceeds this is skipped
@@ -122,7 +122,7 @@ def _columns(prefix: str) -> list:
 def bench_tower(device, quick: bool, big: bool) -> dict:
     """The whole tower (patch embedding, blocks, merger) and its first layer's attention
     alone (on the q, k, v that layer computes), at each image size."""
-    from headscope.hf import use_mixer
+    from ..hf import use_mixer
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sides = [16] if quick else ([32, 64, 96, 128] if device.type == "cuda" or big else [32, 64])
     model = tower_model(dtype, device)
@@ -198,8 +198,8 @@ def bench_tolerance(device, quick: bool) -> list:
     each projection setting against the most accurate solution (tol 1e-13, 100 states:
     float64's floor, about 1e-12 at these sizes): relative Frobenius error, time, Newton
     states (mean over heads) and the heads left above tol, at each spread."""
-    from headscope import FactorMixer, kl_project
-    from headscope.hf import use_mixer
+    from ..mixer import FactorMixer, kl_project
+    from ..hf import use_mixer
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     side = 32 if quick else 64
     model = tower_model(dtype, device)

@@ -156,7 +156,7 @@ def main(argv=None) -> None:
     if args.output is None:
         sys.stdout.write(page)
         return
-    from headscope.io import atomic_path
+    from ..io import atomic_path
     with atomic_path(args.output) as tmp:  # an interrupted run leaves the previous page
         Path(tmp).write_text(page)
 

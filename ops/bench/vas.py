@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ..patterns import pattern_mask as headscope_pattern_mask
 from ._util import load_seed, mib, peak_bytes, print_table, window_row
-from .timing import interleaved, round_ratios, timeit
+from ..timing import interleaved, round_ratios, timeit
 
 ops = torch.ops.headscope
 

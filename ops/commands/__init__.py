@@ -22,11 +22,11 @@ nothing was computed or created), 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 
-from .errors import FAILURE, INTERRUPTED, USAGE, Parser, UsageError
+from .errors import FAILURE, Parser, reported
+from .torchrun import leave_process_group
 
 COMMANDS = {
     "collect": "generate, cut spans, record span features and region ablation effects",
@@ -67,23 +67,10 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)  # exits 2 on bad usage
     prog = " ".join(["headscope", args.command] + ([args.action] if "action" in args else []))
     try:
-        return args.run(args)
-    except UsageError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return USAGE
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return INTERRUPTED
+        return reported(prog, lambda: args.run(args))
     except Exception as e:  # noqa: BLE001 - reported with its traceback, exit 1
         traceback.print_exc()
         print(f"{prog}: failed: {type(e).__name__}: {e}", file=sys.stderr)
         return FAILURE
     finally:
-        _leave_process_group()
-
-
-def _leave_process_group() -> None:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()

@@ -6,14 +6,13 @@ For each example: the chat-templated prompt with its image goes through the proc
 ends) with their features over K Ward regions of the image; ``region_effects`` measures
 the effect of ablating each region, and each of M random sets of K/2 regions, on each
 span; with ``--attnlrp``, ``attnlrp_scores`` scores each span's regions too (the post-hoc
-baseline ``eval`` reports beside the head). Results go to shards (``shards.py``); a rerun
+baseline ``eval`` reports beside the head). Results go to shards (``collection.py``); a rerun
 skips the shards already written. Under ``torchrun`` each process takes every
 world-size-th shard.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -21,9 +20,13 @@ from typing import Dict, List, Tuple
 import torch
 
 from ..features import FEATURE_SETS
+from .collection import COLLECTION, read_collection, write_shard
 from .data import Example, image_size, load_image, read_examples
 from .errors import UsageError, check_output, given, grid, integer, refuse_ignored
-from .shards import COLLECTION, fill_shards, write_shard
+from .models import (chat_inputs, device, load_config, load_model, load_processor,
+                     model_folder, text_sizes)
+from .shards import fill_shards
+from .torchrun import rank
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> List[str]:
@@ -117,90 +120,6 @@ def check_regions(args, examples: List[Example], config, processor) -> None:
             raise UsageError(f"--grid {args.grid}: more blocks than the {rows}x{cols} image "
                              f"tokens of {example.image.name} (line {example.line}); allowed: "
                              f"at most {min(g[0] for g in grids)}x{min(g[1] for g in grids)}")
-
-
-def device(args) -> torch.device:
-    """The device of ``--device``, else this process's GPU if any, else the CPU."""
-    if args.device:
-        return torch.device(args.device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
-def model_folder(name: str) -> Path:
-    """The folder of ``--model``: a local folder (as save_pretrained writes), or the
-    snapshot of a hub id in the local Hugging Face cache (``HF_HOME``, ``HF_HUB_CACHE``;
-    nothing is downloaded)."""
-    if Path(name).is_dir():
-        return Path(name)
-    from huggingface_hub import constants, snapshot_download
-    try:
-        return Path(snapshot_download(name, local_files_only=True))
-    except Exception as e:  # noqa: BLE001 - a bad id or one not in the cache: same answer
-        raise UsageError(f"--model {name}: no such folder, nor a model in the local Hugging "
-                         f"Face cache {constants.HF_HUB_CACHE}; allowed: a model folder, or a "
-                         f"hub id fetched first with `hf download {name}`") from e
-
-
-
-def load_config(folder: str):
-    """The config of a local transformers model folder."""
-    import transformers as tf
-    try:
-        return tf.AutoConfig.from_pretrained(model_folder(folder), local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise UsageError(f"--model {folder}: no readable config.json: {e}") from e
-
-
-def load_processor(folder: str):
-    """The processor of a local transformers model folder; it must have a chat template."""
-    import transformers as tf
-    try:
-        processor = tf.AutoProcessor.from_pretrained(model_folder(folder),
-                                                     local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise UsageError(f"--model {folder}: its processor cannot be loaded with "
-                         f"from_pretrained: {e}") from e
-    if getattr(processor, "chat_template", None) is None:
-        raise UsageError(f"--model {folder}: its processor has no chat template")
-    return processor
-
-
-def load_model(folder: str, dtype: str, device: torch.device):
-    """Model and processor of a local transformers folder (no network)."""
-    import transformers as tf
-    processor = load_processor(folder)
-    try:
-        model = tf.AutoModelForImageTextToText.from_pretrained(
-            model_folder(folder), dtype=getattr(torch, dtype), local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise UsageError(f"--model {folder}: cannot be loaded with from_pretrained: {e}") from e
-    return model.to(device).eval(), processor
-
-
-def text_sizes(config) -> tuple:
-    """(traced layers, attention heads) of the model's text decoder: a hybrid decoder's
-    softmax attention layers only (its ``layer_types`` of an attention kind), as the
-    Tracer traces them."""
-    text = config.get_text_config(decoder=True)
-    types = getattr(text, "layer_types", None)
-    layers = sum(t in SOFTMAX_LAYER_TYPES for t in types) if types \
-        else int(text.num_hidden_layers)
-    return layers, int(text.num_attention_heads)
-
-
-# transformers' layer types of softmax attention (a hybrid's others: "linear_attention",
-# "conv", ...)
-SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-
-
-def chat_inputs(processor, prompt: str, images: List, device) -> Dict[str, torch.Tensor]:
-    """The model inputs (batch of 1) of a user turn of ``images`` then the text ``prompt``,
-    through the processor's chat template (:func:`headscope.explainer.prompt_inputs`), on
-    ``device``."""
-    from ..explainer import prompt_inputs as chat
-    return {k: v.to(device) for k, v in chat(processor, images, prompt).items()}
 
 
 def prompt_inputs(processor, example: Example, image, device) -> Dict[str, torch.Tensor]:
@@ -306,9 +225,7 @@ def collect(args) -> Tuple[Path, int]:
 
 def run(args) -> int:
     out, now = collect(args)
-    rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        from .shards import read_collection
+    if rank() == 0:
         data = read_collection(out)
         seconds = data.tensors["seconds"]
         n = seconds.shape[0]

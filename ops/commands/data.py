@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
 
+from ..pictures import PictureError, check_picture, read_picture
 from .errors import UsageError
 
 Box = Tuple[float, float, float, float]
@@ -108,30 +109,29 @@ def _boxes(boxes, where: str) -> Dict[str, Box]:
     return out
 
 
-def open_image(path: Path, line: int, use):
-    """``use(image)`` of the opened image ``path`` (of the DATA file's ``line``); an
-    unreadable image is a UsageError naming it."""
-    from PIL import Image, UnidentifiedImageError
+def read_image(path: Path, line: int):
+    """The picture ``path`` (of the DATA file's ``line``) as it is seen, upright in RGB
+    (``headscope.pictures.read_picture``); an unreadable one is a UsageError naming it."""
     try:
-        with Image.open(path) as image:
-            return use(image)
-    except (OSError, UnidentifiedImageError) as e:
-        raise UsageError(f"{path} (line {line}): not a readable image: {e}") from e
+        return read_picture(path)
+    except PictureError as e:
+        raise UsageError(f"{e.path} (line {line}): {e.reason}") from e
 
 
-def rgb(image):
-    return image.convert("RGB")
-
-
-def size(image) -> tuple:
-    return image.size
+def checked_image_size(path: Path, line: int) -> tuple:
+    """(width, height) of the picture ``path`` (of the DATA file's ``line``) as it is seen,
+    from its header, the file checked (``headscope.pictures.check_picture``)."""
+    try:
+        return check_picture(path)
+    except PictureError as e:
+        raise UsageError(f"{e.path} (line {line}): {e.reason}") from e
 
 
 def load_image(example: Example):
-    """The example's image as RGB (PIL)."""
-    return open_image(example.image, example.line, rgb)
+    """The example's picture, upright in RGB (PIL)."""
+    return read_image(example.image, example.line)
 
 
 def image_size(example: Example) -> tuple:
-    """(width, height) of the example's image, from its header (checks it opens)."""
-    return open_image(example.image, example.line, size)
+    """(width, height) of the example's picture as it is seen (checks that it reads)."""
+    return checked_image_size(example.image, example.line)

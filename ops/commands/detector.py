@@ -24,10 +24,10 @@ from typing import Dict, List, Optional
 import torch
 
 from ..detector import VASDetector
+from ..io import write_json
 from ..metrics import auroc, auroc_interval, auroc_within
 from ..vas import VAS_COLUMNS
 from .errors import UsageError, check_output, integer, number
-from .shards import write_json
 from .vas_table import read_table
 
 FEATURES = {"vas": list(VAS_COLUMNS), "vas+logprob": [*VAS_COLUMNS, "answer_logprob"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -17,6 +18,19 @@ INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), after one line saying so
 
 class UsageError(Exception):
     """A bad argument, or a missing or malformed input file (the message names it)."""
+
+
+def reported(prog: str, work: Callable[[], int]) -> int:
+    """``work()``'s exit code; a UsageError or Ctrl-C in it is one line on stderr, naming
+    ``prog``, and exit 2 or 130."""
+    try:
+        return work()
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return USAGE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 class _Store(argparse._StoreAction):

@@ -17,20 +17,21 @@ scores as a baseline, with its milliseconds per span.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from ..attribution import AttributionHead
 from ..features import FEATURE_BLOCKS, feature_columns, feature_set_holding
-from ..io import atomic_path
+from ..head import AttributionHead
+from ..io import write_json
 from . import collect as _collect
 from .errors import UsageError, check_output, given, option, refuse_ignored
+from .collection import check_feature_columns, feature_set, read_collection, read_manifest
 from .metrics import random_baseline, score
-from .shards import MANIFEST, check_feature_columns, feature_set, read_collection, read_manifest
+from .models import load_config, model_folder, text_sizes
+from .shards import MANIFEST
+from .torchrun import rank
 
 ROWS = (("lds", "LDS (mean over images)"), ("lds_pooled", "LDS (pooled)"),
         ("pearson", "Pearson"), ("subset_lds", "subset LDS"), ("pointing", "pointing accuracy"))
@@ -125,7 +126,7 @@ def table(results: dict) -> str:
 
 def run(args) -> int:
     check_output(args.report, "--report")
-    args.model = str(_collect.model_folder(args.model))
+    args.model = str(model_folder(args.model))
     folder = Path(args.data)
     is_collection = (folder / MANIFEST).is_file()
     if is_collection:
@@ -137,7 +138,7 @@ def run(args) -> int:
     else:
         args.out = args.work or str(Path(args.report).with_suffix("")) + ".collect"
         check_output(args.out, "--work", folder=True)
-        sizes = _collect.text_sizes(_collect.load_config(args.model))
+        sizes = text_sizes(load_config(args.model))
         # collect the head's feature set unless told otherwise (then it must hold it)
         if "features" in given(args):
             head = _head_on(args.head, *sizes, args.features)
@@ -146,7 +147,7 @@ def run(args) -> int:
             args.features = head.feature_set
     if not is_collection:
         folder, _ = _collect.collect(args)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if rank() != 0:
         return 0
     data = read_collection(folder)
     features = data.tensors["features"]
@@ -171,7 +172,6 @@ def run(args) -> int:
                    "spans": data.num_spans, "collection": str(folder),
                    "head_file": str(args.head), "manifest": data.manifest}
     print(table(results))
-    with atomic_path(args.report) as tmp:
-        Path(tmp).write_text(json.dumps(results, indent=2) + "\n")
+    write_json(args.report, results)
     print(f"report written to {args.report}")
     return 0

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import List
 
+from ..pictures import PictureError, check_picture, read_picture
 from .errors import UsageError, check_output, integer, number, refuse_ignored
 
 SAMPLING = ("temperature", "top_p", "top_k", "seed")
@@ -81,15 +82,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_image(path: str) -> None:
-    """UsageError unless ``path`` is a picture PIL reads."""
-    from PIL import Image, UnidentifiedImageError
-    if not Path(path).is_file():
-        raise UsageError(f"--image {path}: no such file")
+    """UsageError unless ``path`` is a picture headscope reads (``headscope.pictures``)."""
     try:
-        with Image.open(path) as image:
-            image.verify()
-    except (OSError, UnidentifiedImageError, SyntaxError) as e:
-        raise UsageError(f"--image {path}: not a readable picture: {e}") from e
+        check_picture(path)
+    except PictureError as e:
+        raise UsageError(f"--image {e.path}: {e.reason}") from e
+
+
+def read_images(paths: List[str]) -> List:
+    """The --image pictures as they are seen, upright in RGB; UsageError for one whose
+    pixels do not decode."""
+    try:
+        return [read_picture(path) for path in paths]
+    except PictureError as e:
+        raise UsageError(f"--image {e.path}: {e.reason}") from e
 
 
 def check_port(host: str, port: int) -> None:
@@ -128,7 +134,7 @@ def check_arguments(args) -> None:
 
 
 def load_head(path: str, num_layers: int, num_heads: int):
-    from ..attribution import AttributionHead
+    from ..head import AttributionHead
     try:
         return AttributionHead.load(path, num_layers=num_layers, num_heads=num_heads)
     except (ValueError, OSError, KeyError) as e:
@@ -212,20 +218,19 @@ def summary(explanation, seconds: float) -> str:
 
 
 def run(args) -> int:
-    from PIL import Image
-
     from ..explainer import HEAD_EFFECT, RAW_ATTENTION, iter_explain
     from ..explainer.page import SCORE_HELP
-    from . import collect as _collect
+    from .models import (device, load_config, load_model, load_processor, model_folder,
+                         text_sizes)
     check_arguments(args)
-    name, args.model = args.model, str(_collect.model_folder(args.model))
-    config = _collect.load_config(args.model)
+    name, args.model = args.model, str(model_folder(args.model))
+    config = load_config(args.model)
     family = supported_family(args, config)
     choose_regions(args, config, family)
-    processor = _collect.load_processor(args.model)
-    pictures = [Image.open(path).convert("RGB") for path in args.image]
+    processor = load_processor(args.model)
+    pictures = read_images(args.image)
     check_pictures(args, pictures, processor, config, family)
-    L, H = _collect.text_sizes(config)
+    L, H = text_sizes(config)
     head = None if args.head is None else load_head(args.head, L, H)
     detector = None if args.detector is None else load_detector(args.detector)
     generate_kwargs = {"do_sample": args.do_sample}
@@ -235,7 +240,7 @@ def run(args) -> int:
         if args.seed is not None:
             import torch
             torch.manual_seed(args.seed)
-    model, processor = _collect.load_model(args.model, args.dtype, _collect.device(args))
+    model, processor = load_model(args.model, args.dtype, device(args))
 
     def explanations():
         return iter_explain(model, processor, pictures, args.prompt, head,

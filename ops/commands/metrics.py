@@ -12,7 +12,7 @@ import torch
 from ..attribution import pearson, spearman
 from ..metrics import (defined_mean, in_box, lds_per_image, per_image, random_pointing,
                        region_centroids)
-from .shards import Collection
+from .collection import Collection
 
 
 def pointing_cases(data: Collection) -> List[tuple]:

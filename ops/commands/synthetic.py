@@ -34,11 +34,11 @@ from typing import Dict, NamedTuple
 
 import torch
 
-from ..attribution import AttributionHead
 from ..features import FEATURE_SETS
+from ..head import AttributionHead
+from ..io import write_json
 from ..metrics import lds_per_image, mean_with_interval
 from .errors import check_output
-from .shards import write_json
 
 SEEDS = {"dev": 1, "reported": 2}
 HEAD_SPREAD = 1.0       # std of the heads' log value-norm scales

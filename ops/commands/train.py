@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from ..attribution import AttributionHead
 from ..features import FEATURE_SETS, feature_columns
+from ..head import AttributionHead
+from .collection import Collection, check_feature_columns, feature_set, read_collection
 from .errors import UsageError, check_output, integer, number, refuse_ignored
 from .metrics import score
-from .shards import Collection, check_feature_columns, feature_set, read_collection
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

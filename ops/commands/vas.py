@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,12 +31,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..vas import VAS_COLUMNS
-from .collect import (chat_inputs, device, load_config, load_model, load_processor,
-                      text_sizes)
-from .data import (image_file, json_records, jsonl_file, non_empty_string, open_image, rgb,
-                   size)
+from .data import (checked_image_size, image_file, json_records, jsonl_file, non_empty_string,
+                   read_image)
 from .errors import UsageError, check_output, given, integer
+from .models import chat_inputs, device, load_config, load_model, load_processor, text_sizes
 from .shards import fill_shards, write_shard_bytes
+from .torchrun import rank
 from .vas_table import LAYOUT, RESERVED, read_table, shard_bytes
 
 DEFAULT_LABEL = "hallucinated"
@@ -174,51 +173,18 @@ def check_answers(records: List[Record], tokenizer, image_ids, data: Path) -> No
                              f"a prompt's image may hold")
 
 
-def end_tokens(model, tokenizer) -> List[int]:
-    """The end-of-sequence ids generation stops at (the model's generation config's, else
-    the tokenizer's)."""
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
 # ---- one record -----------------------------------------------------------------------------
-
-def answer_inputs(family, inputs: Dict[str, torch.Tensor], answer: torch.Tensor
-                  ) -> Dict[str, torch.Tensor]:
-    """The model inputs of the prompt ``inputs`` (batch of 1) followed by ``answer`` (N,):
-    the ids appended, and the per-position inputs continued over the answer (the mask
-    with ones, token types with the family's answer type)."""
-    P, N = inputs["input_ids"].shape[1], answer.shape[0]
-    full = dict(inputs)
-    full["input_ids"] = torch.cat([inputs["input_ids"], answer[None].to(
-        inputs["input_ids"])], 1)
-    for name, value in inputs.items():
-        if name != "input_ids" and isinstance(value, torch.Tensor) and value.dim() == 2 \
-                and tuple(value.shape) == (1, P) and not value.is_floating_point():
-            fill = 1 if name == "attention_mask" else family.answer_type(name)
-            full[name] = torch.nn.functional.pad(value, (0, N), value=fill)
-    return full
-
 
 def answer_vas(model, inputs: Dict[str, torch.Tensor], answer: torch.Tensor
                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(features (36,), log-probabilities (N,))`` of the answer ``answer`` (N,) after
     the prompt ``inputs``: one forward over both inside a ``Tracer(vas=True)``."""
     from ..hf import Tracer
+    from ..hf.answer import continue_inputs
     from ..hf.families import family_of
-    full = answer_inputs(family_of(model, WHO), inputs, answer)
-    N = answer.shape[0]
-    with torch.no_grad(), Tracer(model, regions=None, vas=True) as tracer:
-        # the logits of the last prompt position and of every answer position but the last,
-        # kept by index: an int would let a model skip the other query rows of its
-        # KV-shared layers (Gemma 4), which VAS needs
-        T = full["input_ids"].shape[1]
-        keep = torch.arange(T - N - 1, T, device=full["input_ids"].device)
-        logits = model(**full, use_cache=False, logits_to_keep=keep).logits[0, :-1]
+    full = continue_inputs(family_of(model, WHO), inputs, answer[None])
+    with Tracer(model, regions=None, vas=True) as tracer:
+        logits = tracer.forward_answer(full, answer.shape[0])[0]
         features = tracer.vas_features()[0]
     logprob = torch.log_softmax(logits.float(), -1).gather(
         1, answer.to(logits.device)[:, None])[:, 0]
@@ -227,9 +193,10 @@ def answer_vas(model, inputs: Dict[str, torch.Tensor], answer: torch.Tensor
 
 def score_record(model, processor, record: Record, max_new_tokens: int) -> Dict[str, Any]:
     """The table's row of one record."""
+    from ..hf.answer import end_tokens
     from ..hf.families import family_of
     start = time.perf_counter()
-    images = [open_image(p, record.line, rgb) for p in record.images]
+    images = [read_image(p, record.line) for p in record.images]
     dev = next(model.parameters()).device
     inputs = chat_inputs(processor, record.prompt, images, dev)
     tokenizer = processor.tokenizer
@@ -274,7 +241,7 @@ def prepare(args) -> Tuple[List[Record], Dict[str, str], Dict]:
         raise UsageError(f"--label {args.label}: no record of {args.data} holds that key")
     for record in records:
         for image in record.images:
-            open_image(image, record.line, size)  # its header: it opens
+            checked_image_size(image, record.line)  # it reads, in a mode taken
     config = load_config(args.model)
     try:
         family = family_of(config, WHO)
@@ -303,7 +270,7 @@ def run(args) -> int:
 
     before = fill_shards(out, LAYOUT, settings, len(records), args.shard_size, start, write,
                          "vas", "record")
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank() == 0:
         _, table = read_table(out)
         seconds = table.column("seconds").to_pylist()
         labels = table.column("label").to_pylist()

@@ -19,6 +19,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..pictures import upright_rgb
+
 RAW_ATTENTION = "raw attention"
 HEAD_EFFECT = "head's predicted effect"
 DEFAULT_GRID = (3, 3)
@@ -149,7 +151,7 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
         raise ValueError("headscope.explain: argument 'prompt' must be a non-empty string")
     if not images:
         raise ValueError("headscope.explain: argument 'images' must hold at least one picture")
-    images = [image.convert("RGB") for image in images]
+    images = [upright_rgb(image, f"headscope.explain: images[{i}]") for i, image in enumerate(images)]
     traced, regions_name = tracer_regions(regions)
     if inputs is None:
         inputs = prompt_inputs(processor, images, prompt)
@@ -194,8 +196,9 @@ def iter_explain(model, processor, images: Sequence, prompt: str, head=None, *,
 
 def explain(model, processor, images: Sequence, prompt: str, head=None, **kwargs
             ) -> Explanation:
-    """Generates ``model``'s answer to ``prompt`` about ``images`` (PIL pictures) under
-    :class:`headscope.hf.Tracer` and returns an :class:`Explanation`: the answer's spans
+    """Generates ``model``'s answer to ``prompt`` about ``images`` (PIL pictures, taken as
+    they are seen: ``headscope.pictures.upright_rgb`` turns them by their EXIF orientation
+    and flattens transparency on white) under :class:`headscope.hf.Tracer` and returns an :class:`Explanation`: the answer's spans
     (sentence ends), each with its score per region of the pictures, the answer's VAS
     features, and the pages that show them (``.save(dir)``, ``_repr_html_``).
 

@@ -1,15 +1,10 @@
 """Pictures of the explain page as a browser shows it: headless Chromium driven through
 Selenium and chromium-driver (Debian: ``apt-get install chromium chromium-driver``;
-``pip install selenium``). The tests use it to check the page; run as a script it writes
-the screenshot the docs show, from the embedded shapes model:
-
-    python -m headscope.explainer.screenshot docs/images/explain.png
-"""
+``pip install selenium``). The tests use it to check the page, and ``python -m
+headscope.shapes screenshot`` to write the picture the docs show."""
 from __future__ import annotations
 
 import shutil
-import sys
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -58,34 +53,3 @@ def screenshot(page: Path, out: Path, span: int = 1) -> Path:
         with atomic_path(out) as tmp:
             Path(tmp).write_bytes(browser.get_screenshot_as_png())
     return Path(out)
-
-
-def shapes_page(folder: Path) -> Path:
-    """The explain page of the shapes model describing a held-out two-object scene."""
-    from ..shapes import load, prompt, scene
-    from ..shapes.accuracy import HELD_OUT_SEED
-    from ..shapes.demo import DEMO_OFFSET
-    from . import explain
-    model, processor, head = load()
-    image, _ = scene(HELD_OUT_SEED + DEMO_OFFSET + 1, 2)
-    return explain(model, processor, [image], "Describe the image.", head,
-                   inputs=prompt(processor, image), max_new_tokens=24,
-                   model_name="headscope.shapes (the embedded model)").save(folder)
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m headscope.explainer.screenshot OUT.png", file=sys.stderr)
-        return 2
-    missing = browser_missing()
-    if missing:
-        print(f"headscope.explainer.screenshot: {missing}", file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory() as folder:
-        print(screenshot(shapes_page(Path(folder)), Path(argv[0])))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

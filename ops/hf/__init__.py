@@ -13,8 +13,8 @@ from .effects import region_effects
 from .gradient import gradient_scores
 from .mixer import MixerHandle, saved_mixer_rank, use_mixer
 from .regions import grid_regions
-from .stream import Span, special_only
-from .tracer import Tracer, sentence_end
+from .stream import Span, sentence_end, special_only
+from .tracer import Tracer
 from .value_norm import value_norm_factors, value_norms
 
 __all__ = ["MixerHandle", "Span", "Tracer", "attnlrp_scores", "gradient_scores", "grid_regions",

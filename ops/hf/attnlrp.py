@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .effects import check_region_ids, check_sequence
+from .checks import check_region_ids, check_sequence
 from .gradient import region_sums, span_gradients
 from .keymask import KeyMask
 

@@ -1,35 +1,31 @@
-"""The generation side of :class:`~headscope.hf.Tracer`, a component it holds:
-:class:`Generation` runs ``model.generate`` with a streamer that cuts each row's answer
-into spans and makes each span (pooled features from the tracer's query rows, head
-scores, text) as it ends; then keeps the final sequence's inputs for the answer's VAS.
+"""One ``generate`` under a :class:`~headscope.hf.Tracer` and what it leaves
+(:class:`Generation`): the per-generation state. It runs ``model.generate`` as the
+streamer of its tokens, keeps the query rows of its spans (a
+:class:`~headscope.hf.rows.SpanRows` over its own table of the prompt's region ids), cuts
+each row's answer into spans and makes each span (pooled features, head scores, text) as
+it ends, then keeps the final sequence and its model inputs for the answer's VAS.
+
+The tracer drives it from its hooks, calling down only: :meth:`Generation.begin_prompt`
+as generate's first forward starts, :meth:`Generation.begin_step` before each decode step,
+and the rows' ``start`` and ``add`` from each layer's attention call, as
+:attr:`Generation.phase` says.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .families.base import TYPE_INPUTS
-from .stream import Span, SpanCutter, iterate_spans, special_only
+from ..features import feature_blocks
+from .answer import continue_inputs, end_tokens
+from .phase import Phase
+from .rows import KeyTable, SpanRows
+from .stream import Cut, Span, SpanCutter, special_only
 
 _UNSUPPORTED_GENERATE = {"num_beams": 1, "num_return_sequences": 1, "assistant_model": None,
                          "prompt_lookup_num_tokens": None}
-
-
-def sentence_end(tokenizer) -> Callable[[Sequence[int]], bool]:
-    """The default splitter: a span ends after a token whose text ends with '.', '!' or
-    '?', or holds a newline."""
-    ends_text: Dict[int, bool] = {}  # per token id: decoding costs more than a step here
-
-    def ends(ids: Sequence[int]) -> bool:
-        last = ids[-1]
-        if last not in ends_text:
-            text = tokenizer.decode([last])
-            ends_text[last] = "\n" in text or text.rstrip(" ").endswith((".", "!", "?"))
-        return ends_text[last]
-    return ends
 
 
 @dataclass
@@ -42,120 +38,126 @@ class Answer:
     pending: bool = True  # its forward has not run yet
 
 
-class Generation:
-    """A tracer's ``generate`` and ``generate_with``, and what the last generation left:
-    :attr:`sequences` and its :class:`Answer`. It reads the tracer's public attributes
-    (model, family, splitter, head, tokenizer, vas, feature_width, num_regions, rows);
-    the tracer gives it ``run_model(kwargs, streamer)``, which runs ``model.generate`` in
-    the tracer's generation phases, and ``paused()``, the phase while a span's consumer
-    runs (the model must not be called then)."""
+def check_generate_kwargs(model, kwargs) -> None:
+    """Refuses what makes more than one sequence per prompt."""
+    for name, allowed in _UNSUPPORTED_GENERATE.items():
+        value = kwargs.get(name, getattr(model.generation_config, name, allowed))
+        if value not in (allowed, None):
+            raise NotImplementedError(f"headscope.hf.Tracer.generate: {name}={value!r} is "
+                                      f"not supported (one sequence per prompt)")
 
-    def __init__(self, tracer, run_model: Callable[[dict, SpanCutter], torch.Tensor],
-                 paused: Callable[[], ContextManager]):
-        self.tracer = tracer
-        self._run_model = run_model
-        self._paused = paused
+
+class Generation:
+    """One ``model.generate(**kwargs)`` of a tracer's model, its spans handed to a consumer
+    as they end, and what it leaves: :attr:`sequences` and, with ``keep_answer``, its
+    :class:`Answer`. ``family``: the model's family; ``splitter``, ``head``,
+    ``tokenizer``: the tracer's; ``features``, ``num_layers``, ``num_heads``: what a
+    span's features hold. :attr:`phase` says what the attention calls of the forward
+    running now give it."""
+
+    def __init__(self, model, family, kwargs: dict, *, splitter, head, tokenizer,
+                 features: str, num_layers: int, num_heads: int, keep_answer: bool):
+        self.model, self.family, self.kwargs = model, family, kwargs
+        self.splitter, self.head, self.tokenizer = splitter, head, tokenizer
+        self.features, self.num_layers, self.num_heads = features, num_layers, num_heads
+        self.feature_width = feature_blocks(features) * num_layers * num_heads
+        self.keep_answer = keep_answer
+        self.phase = Phase.GENERATING
         self.thread: Optional[int] = None  # ident of the thread running generate
+        self.rows: Optional[SpanRows] = None  # the query rows of the spans, while it runs
+        self.num_regions: Optional[List[int]] = None  # per row, of its prompt
         self.sequences: Optional[torch.Tensor] = None
         self.answer: Optional[Answer] = None
+        self._cutter: Optional[SpanCutter] = None
+        self._consumer: Optional[Callable[[Span], None]] = None
+        self._special_ids: Sequence[int] = ()
         self._head_device = None
 
-    def spans(self, kwargs) -> Iterator[Span]:
-        """``Tracer.generate``: the spans, on the caller's thread."""
-        self._check(kwargs)
-        return self._spans(kwargs)
-
-    def _spans(self, kwargs) -> Iterator[Span]:
-        def run(emit: Callable[[Span], None]) -> tuple:
-            cutter, P, eos = self._start(kwargs, emit)
-            return self._run(kwargs, cutter), P, eos
-
-        sequences, P, eos = yield from iterate_spans(run)
-        self._end(kwargs, sequences, P, eos)
-
-    def run_with(self, on_span: Callable[[Span], None], kwargs) -> torch.Tensor:
-        """``Tracer.generate_with``: each span to ``on_span``; generate's output."""
-        self._check(kwargs)
-        cutter, P, eos = self._start(kwargs, on_span)
-        sequences = self._run(kwargs, cutter)
-        self._end(kwargs, sequences, P, eos)
-        return sequences
-
-    def _check(self, kwargs) -> None:
-        model = self.tracer.model
-        for name, allowed in _UNSUPPORTED_GENERATE.items():
-            value = kwargs.get(name, getattr(model.generation_config, name, allowed))
-            if value not in (allowed, None):
-                raise NotImplementedError(f"headscope.hf.Tracer.generate: {name}={value!r} is "
-                                          f"not supported (one sequence per prompt)")
-        if not self.tracer.attached:
-            raise RuntimeError("headscope.hf.Tracer.generate: the tracer is detached")
-        if model.device.type == "mps":  # generate streams tokens a step late there
-            raise NotImplementedError("headscope.hf.Tracer.generate: not supported on MPS")
-        if self.thread is not None:
-            raise RuntimeError("headscope.hf.Tracer.generate: a generation is already running")
-
-    def _eos_ids(self, kwargs) -> List[int]:
-        config = kwargs.get("generation_config") or self.tracer.model.generation_config
-        # as generate: an eos_token_id argument, None included, overrides the config's
-        eos = kwargs["eos_token_id"] if "eos_token_id" in kwargs else config.eos_token_id
-        if eos is None:
-            return []
-        return [int(e) for e in (eos.tolist() if isinstance(eos, torch.Tensor) else
-                                 eos if isinstance(eos, (list, tuple)) else [eos])]
-
-    def _start(self, kwargs, emit: Callable[[Span], None]) -> tuple:
-        """The streamer that cuts spans and hands them to ``emit``, during which the model
-        must not be called."""
+    def run(self, consumer: Callable[[Span], None]) -> torch.Tensor:
+        """Runs ``model.generate`` on this thread, handing each span to ``consumer`` as it
+        ends (generation waits meanwhile: :attr:`phase` is PAUSED); returns generate's
+        output, also kept as :attr:`sequences`."""
+        kwargs = self.kwargs
         ids = kwargs.get("input_ids")
         if ids is None:
             raise ValueError("headscope.hf.Tracer.generate: pass the prompt's input_ids")
         B, P = ids.shape
-        eos = self._eos_ids(kwargs)
+        eos = end_tokens(self.model, generate_kwargs=kwargs)
         # the tokenizer's special tokens; a duck tokenizer without them, or none: end-of-text
-        self._special_ids = getattr(self.tracer.tokenizer, "all_special_ids", None) or eos
-
-        def paused_emit(span: Span) -> None:
-            with self._paused():
-                emit(span)
-
-        cutter = SpanCutter(self._make_span, paused_emit, B, self.tracer.splitter, eos,
-                            inner=kwargs.pop("streamer", None))
-        self.sequences, self.answer = None, None
-        self._head_device = head_device(self.tracer.head, self.tracer.model)
-        return cutter, P, eos
-
-    def _run(self, kwargs, cutter: SpanCutter) -> torch.Tensor:
+        self._special_ids = getattr(self.tokenizer, "all_special_ids", None) or eos
+        self._cutter = SpanCutter(B, self.splitter, eos, inner=kwargs.pop("streamer", None))
+        self._consumer = consumer
+        self._head_device = head_device(self.head, self.model)
         self.thread = threading.get_ident()
         try:
-            with cutter.interrupts:
-                return self._run_model(kwargs, cutter)
+            with self._cutter.interrupts:
+                sequences = self.model.generate(**self.family.model_inputs(kwargs),
+                                                streamer=self)
         finally:
-            self.thread = None
-
-    def _end(self, kwargs, sequences: torch.Tensor, P: int, eos: List[int]) -> None:
+            self.rows = None
         self.sequences = sequences
-        if self.tracer.vas:
-            self.answer = Answer(self._final_inputs(kwargs, sequences, P, eos), P)
+        if self.keep_answer:
+            self.answer = Answer(self._final_inputs(sequences, P, eos), P)
+        return sequences
 
-    def _make_span(self, b: int, start: int, token_ids: List[int], finished: bool) -> Span:
-        """Row b's open span, on the generating thread: its pooled features (K_b, F) (F the
-        tracer's feature_width), the head's scores and its text."""
-        tracer = self.tracer
-        if tracer.rows is None:
-            features = torch.zeros(0, tracer.feature_width)
+    # ---- the tracer's hooks, as each forward starts ------------------------------------
+
+    def begin_prompt(self, region_ids: Optional[torch.Tensor],
+                     num_regions: Optional[List[int]]) -> None:
+        """generate's first forward (no key cache) starts; ``region_ids`` ``(B, P)`` the
+        prompt's (None: no regions), ``num_regions`` each row's count: the rows keep their
+        query rows from here on where any row has a region."""
+        self.rows = None
+        if region_ids is not None and max(num_regions) > 0:
+            self.num_regions = num_regions
+            self.rows = SpanRows(self.num_layers, self.num_heads, KeyTable(region_ids, -1),
+                                 max(num_regions), self.features)
+        self.phase = Phase.PREFILL if self.rows is not None else Phase.GENERATING
+
+    def begin_step(self) -> None:
+        """A decode step starts (a forward on the key cache)."""
+        if self.rows is not None:
+            self.rows.begin_step()
+            self.phase = Phase.DECODE
+
+    # ---- the streamer generate calls -----------------------------------------------------
+
+    def put(self, value: torch.Tensor) -> None:
+        for cut in self._cutter.put(value):
+            self._hand_over(cut)
+
+    def end(self) -> None:
+        for cut in self._cutter.end():
+            self._hand_over(cut)
+
+    def _hand_over(self, cut: Cut) -> None:
+        """Makes the span and hands it to the consumer, paused meanwhile (the model must
+        not be called)."""
+        span = self._make_span(cut)
+        phase, self.phase = self.phase, Phase.PAUSED
+        try:
+            self._consumer(span)
+        finally:
+            self.phase = phase
+
+    def _make_span(self, cut: Cut) -> Span:
+        """Row b's span that ends, on the generating thread: its pooled features (K_b, F) (F
+        the :attr:`feature_width`), the head's scores and its text."""
+        b, start, token_ids, finished = cut
+        if self.rows is None:
+            features = torch.zeros(0, self.feature_width)
         else:
-            features = tracer.rows.pool(b, len(token_ids), finished)
-            features = features[:tracer.num_regions[b]]
+            features = self.rows.pool(b, len(token_ids), finished)
+            features = features[:self.num_regions[b]]
         scores = None
-        if tracer.head is not None and features.shape[0] > 0:
-            scores = tracer.head(features.to(self._head_device)).float().cpu()
-        text = tracer.tokenizer.decode(token_ids) if tracer.tokenizer is not None else None
+        if self.head is not None and features.shape[0] > 0:
+            scores = self.head(features.to(self._head_device)).float().cpu()
+        text = self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
         return Span(b, start, start + len(token_ids), torch.tensor(token_ids, dtype=torch.int64),
                     features.float().cpu(), scores, text,
                     special_only(token_ids, self._special_ids))
 
-    def _final_inputs(self, kwargs, sequences: torch.Tensor, P: int, eos: List[int]
+    def _final_inputs(self, sequences: torch.Tensor, P: int, eos: List[int]
                       ) -> Dict[str, torch.Tensor]:
         """The model inputs of the whole final sequence: the prompt's, with the answer's
         tokens up to each row's end-of-sequence token kept in the mask."""
@@ -165,18 +167,8 @@ class Generation:
             is_eos = torch.isin(answer, torch.tensor(eos, device=answer.device))
             after = (is_eos.to(torch.int64).cumsum(1) - is_eos.to(torch.int64)) > 0
             keep = ~after
-        mask = kwargs.get("attention_mask")
-        mask = torch.ones(sequences.shape[0], P, dtype=torch.int64, device=sequences.device) \
-            if mask is None else mask
-        final = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        final["input_ids"] = sequences
-        final["attention_mask"] = torch.cat([mask, keep.to(mask.dtype)], 1)
-        for name in TYPE_INPUTS:
-            types = kwargs.get(name)
-            if types is not None:
-                final[name] = torch.nn.functional.pad(types, (0, answer.shape[1]),
-                                                      value=self.tracer.family.answer_type(name))
-        return final
+        prompt = {k: v for k, v in self.kwargs.items() if isinstance(v, torch.Tensor)}
+        return continue_inputs(self.family, prompt, answer, keep)
 
 
 def check_head(head, features: str, width: int, device) -> None:

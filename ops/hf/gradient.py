@@ -11,7 +11,8 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .effects import check_region_ids, check_sequence, decoder_inputs, span_bounds
+from .checks import check_region_ids, check_sequence, span_bounds
+from .decoder import decoder_inputs
 from .families import family_of
 from .keymask import KeyMask
 

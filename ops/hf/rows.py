@@ -1,13 +1,15 @@
 """The query rows of a generation, kept until each span ends and then pooled into the
 span's region features (``Tracer.generate`` with regions). :class:`SpanRows` owns the
-decode protocol; the tracer calls it, in this order:
+decode protocol; its generation (:class:`~headscope.hf.generation.Generation`) holds it,
+and the tracer's hooks and the generation call it, in this order:
 
 1. the prefill (generate's first forward), per layer: :meth:`SpanRows.start` with the
    layer's last query row, keys, mask and value cache;
-2. each decode step: :meth:`SpanRows.begin_step` before the step's forward (from the text
-   decoder's forward hook), then :meth:`SpanRows.add` per layer with the step's query row
+2. each decode step: :meth:`SpanRows.begin_step` before the step's forward (the
+   generation's, from the text decoder's forward hook), then :meth:`SpanRows.add` per layer with the step's query row
    and keys (from the attention call: the only work of a decode step);
-3. a span ends (in the streamer, between two steps): :meth:`SpanRows.pool`.
+3. a span ends (in the generation, generate's streamer, between two steps):
+   :meth:`SpanRows.pool`.
 
 Layers whose key cache keeps every key (full attention, bidirectional blocks) keep their
 query rows and pool a span's rows in one ``region_pool_qk_layers`` call when it ends: with
@@ -63,9 +65,10 @@ class SpanRows:
     pools them into each open span's running sum, so a span that never ends (code, a list,
     a model that never ends a sentence) costs constant memory besides the key cache.
 
-    ``region_ids``: the prompt's region ids (a :class:`KeyTable`, shared with the tracer,
-    which reads the prompt's from it). The prompt's padding keys and each layer's value
-    norms of its image keys are kept here, as key tables too."""
+    ``region_ids``: the prompt's region ids (a :class:`KeyTable` of the generation's own,
+    over the tracer's prompt ids, which it never writes to: growing makes a new tensor).
+    The prompt's padding keys and each layer's value norms of its image keys are kept
+    here, as key tables too."""
 
     FOLD = 256  # rows held per layer before they are pooled into running sums
 

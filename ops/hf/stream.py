@@ -1,6 +1,6 @@
-"""Spans out of a running ``generate``: the streamer cuts each row's answer into spans and,
-as a span ends, has it made (pooled features, head scores, text) and hands it on, all on
-the thread that runs the model.
+"""Spans out of a running ``generate``: :class:`SpanCutter` cuts each row's answer into
+spans as the tokens come (the generation makes each span, pooled features, head scores and
+text, and hands it on, all on the thread that runs the model).
 
 :func:`iterate_spans` turns such a run into an iterator without a second thread: the run
 goes in a greenlet on the caller's thread and pauses at each span until the loop asks for
@@ -13,7 +13,8 @@ from __future__ import annotations
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Callable, Generator, List, Optional, Sequence, TypeVar
+from typing import (Callable, Dict, Generator, Iterator, List, NamedTuple, Optional, Sequence,
+                    TypeVar)
 
 import torch
 
@@ -88,20 +89,25 @@ class InterruptLatch:
             self.check()
 
 
-class SpanCutter:
-    """The streamer ``generate`` calls once per step with the new tokens (B,): adds them
-    to each row's open span and, at a boundary, makes the span
-    (``make_span(batch_index, start, token_ids, finished)``) and hands it to ``emit``.
-    Each step first checks ``interrupts``, so an interrupt that was swallowed still stops
-    the generation at the next step."""
+class Cut(NamedTuple):
+    """A span that ends: row ``batch_index``'s generated tokens ``[start, start +
+    len(token_ids))``; ``finished``: the row generates no more."""
+    batch_index: int
+    start: int
+    token_ids: List[int]
+    finished: bool
 
-    def __init__(self, make_span: Callable[[int, int, List[int], bool], Span],
-                 emit: Callable[[Span], None], batch_size: int,
-                 ends_span: Optional[Callable[[Sequence[int]], bool]], eos: Sequence[int],
-                 inner=None):
+
+class SpanCutter:
+    """Cuts each row's answer into spans as ``generate`` hands over its tokens:
+    :meth:`put` takes one step's new tokens (B,) and yields each span they end,
+    :meth:`end` the spans still open when generation ends. Each step first checks
+    ``interrupts``, so an interrupt that was swallowed still stops the generation at the
+    next step; ``inner``, a streamer of the caller's, gets every call too."""
+
+    def __init__(self, batch_size: int, ends_span: Optional[Callable[[Sequence[int]], bool]],
+                 eos: Sequence[int], inner=None):
         self.interrupts = InterruptLatch()  # entered around generate by its caller
-        self.make_span = make_span
-        self.emit = emit
         self.ends_span = ends_span
         self.eos = set(int(e) for e in eos)
         self.inner = inner
@@ -110,7 +116,7 @@ class SpanCutter:
         self.span_start = [0] * batch_size
         self.done = [False] * batch_size
 
-    def put(self, value: torch.Tensor) -> None:
+    def put(self, value: torch.Tensor) -> Iterator[Cut]:
         self.interrupts.check()
         if self.inner is not None:
             self.inner.put(value)
@@ -124,22 +130,36 @@ class SpanCutter:
             ids.append(token)
             eos = token in self.eos
             if eos or (self.ends_span is not None and self.ends_span(ids)):
-                self._cut(b, finished=eos)
+                yield self._cut(b, finished=eos)
             self.done[b] = eos
 
-    def end(self) -> None:
+    def end(self) -> Iterator[Cut]:
         if self.inner is not None:
             self.inner.end()
         for b in range(len(self.generated)):
             if not self.done[b] and len(self.generated[b]) > self.span_start[b]:
-                self._cut(b, finished=True)
+                yield self._cut(b, finished=True)
             self.done[b] = True
 
-    def _cut(self, b: int, finished: bool) -> None:
-        """Ends row b's open span; ``finished``: the row generates no more."""
+    def _cut(self, b: int, finished: bool) -> Cut:
+        """Ends row b's open span."""
         start, end = self.span_start[b], len(self.generated[b])
         self.span_start[b] = end
-        self.emit(self.make_span(b, start, self.generated[b][start:end], finished))
+        return Cut(b, start, self.generated[b][start:end], finished)
+
+
+def sentence_end(tokenizer) -> Callable[[Sequence[int]], bool]:
+    """The default splitter: a span ends after a token whose text ends with '.', '!' or
+    '?', or holds a newline."""
+    ends_text: Dict[int, bool] = {}  # per token id: decoding costs more than a step here
+
+    def ends(ids: Sequence[int]) -> bool:
+        last = ids[-1]
+        if last not in ends_text:
+            text = tokenizer.decode([last])
+            ends_text[last] = "\n" in text or text.rstrip(" ").endswith((".", "!", "?"))
+        return ends_text[last]
+    return ends
 
 
 def iterate_spans(run: Callable[[Callable[[Span], None]], T]) -> Generator[Span, None, T]:

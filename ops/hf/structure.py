@@ -42,6 +42,13 @@ def softmax_attention_layers(decoder: torch.nn.Module) -> List[torch.nn.Module]:
     return sorted(found, key=lambda m: m.layer_idx)
 
 
+def other_mixers(decoder: torch.nn.Module) -> List[int]:
+    """The decoder layers that mix tokens otherwise than by softmax attention (a hybrid
+    decoder's gated delta nets, short convolutions, linear attention)."""
+    traced = {m.layer_idx for m in softmax_attention_layers(decoder)}
+    return sorted(set(range(int(decoder.config.num_hidden_layers))) - traced)
+
+
 def output_projection(module: torch.nn.Module) -> torch.nn.Linear:
     """The linear layer that maps an attention module's per-head outputs into the residual
     stream (its ``o_proj``, ``out_proj``, ...)."""

@@ -6,54 +6,38 @@ Attaching sets the text decoder's attention implementation to ``"headscope"`` (s
 layer's q (after rotary), key cache, mask and per-head outputs to this object; detaching
 puts the original back. Only the text decoder is traced.
 
-A tracer's one state is its :class:`Phase`. It holds its generation as a component
-(:class:`~headscope.hf.generation.Generation`: ``generate``, the spans, what a generation
-leaves), and a generation's query rows as a :class:`~headscope.hf.rows.SpanRows`, which
-owns the decode protocol (``rows.py`` reads it top to bottom): the decoder's forward hook
-calls its ``begin_step``, each layer's attention call its ``add``, a span's end its
-``pool``.
+The tracer binds to the model and routes each attention call by its :class:`Phase`: to
+the VAS statistics of a forward (:class:`~headscope.hf.forward_vas.ForwardVAS`),
+or, while a generation runs, to that :class:`~headscope.hf.generation.Generation`, which
+holds everything of one ``generate`` (its query rows, its spans, what it leaves). Each
+call's mask comes from the forward's :class:`~headscope.hf.mask_log.MaskLog`; the pictures'
+layout from the model's family.
 """
 from __future__ import annotations
 
 import contextlib
-import enum
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
 from .. import vas as _vas
-from ..attribution import AttributionHead
+from ..head import AttributionHead
 from ..features import FEATURE_SETS, feature_blocks
 from . import backend
+from .capture import capturing
+from .forward_vas import WRITES, ForwardVAS
 from .families import ImageTokens, family_of
-from .families.generic import picture_slots
-from .generation import Generation, check_head, head_device, sentence_end
+from .generation import Generation, check_generate_kwargs, check_head, head_device
+from .mask_log import MaskLog
 from .masks import MaskCall
+from .phase import Phase
 from .regions import Regions, grid_regions, region_ids as _region_ids
-from .rows import KeyTable, SpanRows
-from .stream import Span, SpanCutter
-from .structure import output_projection, softmax_attention_layers
-from .value_norm import value_norm_factors
+from .rows import SpanRows
+from .stream import Span, iterate_spans, sentence_end
+from .structure import softmax_attention_layers
+from .value_norm import LayerFactors
 
-_WRITES = ("heads", "residual")
-
-
-class Phase(enum.Enum):
-    """What a tracer does with its model's calls. The decoder's forward hook moves it
-    between READY and VAS, or, while a generation runs, between GENERATING, PREFILL and
-    DECODE; the generation pauses it at each span."""
-    DETACHED = "detached"  # not bound: the model runs as it was loaded
-    READY = "ready"  # bound; a forward without a key cache computes VAS and region ids
-    VAS = "vas"  # in such a forward (vas=True): each layer's VAS statistics
-    ANSWER = "answer"  # the forward over generate's final sequence: VAS, no region ids
-    GENERATING = "generating"  # generate runs; its forwards compute nothing (no regions)
-    PREFILL = "prefill"  # generate's first forward: each layer's last query row to the rows
-    DECODE = "decode"  # a decode step: each layer's query row and keys to the rows
-    PAUSED = "paused"  # generate waits at a span for its consumer: the model must not run
-
-
-_IN_GENERATION = frozenset({Phase.GENERATING, Phase.PREFILL, Phase.DECODE, Phase.PAUSED})
 # the attention call compares by identity (an enum's hash runs Python code)
 _DECODE, _PREFILL, _VAS, _ANSWER = Phase.DECODE, Phase.PREFILL, Phase.VAS, Phase.ANSWER
 
@@ -93,9 +77,9 @@ class Tracer(backend.Binding):
                  features: Optional[str] = None):
         if features is None:  # the head's own feature set, or plain attention without one
             features = head.feature_set if isinstance(head, AttributionHead) else "attention"
-        if writes not in _WRITES:
-            raise ValueError(f"headscope.hf.Tracer: argument 'writes' must be one of {_WRITES}, "
-                             f"got {writes!r}")
+        if writes not in WRITES:
+            raise ValueError(f"headscope.hf.Tracer: argument 'writes' must be one of "
+                             f"{tuple(WRITES)}, got {writes!r}")
         if not isinstance(features, str) or features not in FEATURE_SETS:
             raise ValueError(f"headscope.hf.Tracer: argument 'features' must be one of "
                              f"{', '.join(map(repr, FEATURE_SETS))}, got {features!r}")
@@ -121,7 +105,7 @@ class Tracer(backend.Binding):
         # softmax layers only (its other mixers form no attention weights)
         self.layers: List[int] = [m.layer_idx for m in attention]
         self.num_layers = len(attention)
-        self._layers = {id(m): i for i, m in enumerate(attention)}
+        self._layers = {id(m): i for i, m in enumerate(attention)}  # module -> traced layer
         if isinstance(regions, grid_regions) and not self.family.has_layout:
             raise ValueError(f"headscope.hf.Tracer: grid_regions needs each image token's place "
                              f"on the picture, and no layout is known for model_type "
@@ -144,55 +128,62 @@ class Tracer(backend.Binding):
         self.splitter = splitter if splitter is not None else (
             sentence_end(tokenizer) if tokenizer is not None else None)
         check_head(head, features, self.feature_width, head_device(head, model))
-        self.phase = Phase.DETACHED
-        self.generation = Generation(self, run_model=self._run_generate, paused=self._paused)
+        self._bound = False
+        self._phase = Phase.READY  # what a forward outside a generation computes
+        self.generation: Optional[Generation] = None  # the last generate's
+        self._running: Optional[Generation] = None  # the generation running now, if any
         self.images: Optional[List[List[ImageTokens]]] = None
         self.num_regions: Optional[List[int]] = None
-        self.rows: Optional[SpanRows] = None  # the running generation's query rows
-        self._region_ids: Optional[KeyTable] = None  # the last prompt's (shared with rows)
+        self._region_ids: Optional[torch.Tensor] = None  # the last prompt's (B, T)
         # each layer's transformers layer type (None: every layer takes the one mask built)
         types = getattr(self.config, "layer_types", None)
-        self._layer_types: Optional[List[str]] = [types[i] for i in self.layers] if types \
-            else None
-        self._masks: Dict[str, MaskCall] = {}  # this forward's masks by layer type
-        self._unsupported: List[str] = []  # why each mask the ops cannot express is so
-        self._built: set = set()  # ids of the masks those calls returned
-        self._inputs: Dict[str, Any] = {}  # input_ids and the family's input_keys
-        self._model_kwargs: Dict[str, Any] = {}  # all of them (a family with no layout)
-        self._probing = False  # the model runs for picture_slots: the hooks stand aside
-        self._stats: Optional[torch.Tensor] = None
-        self._seen: set = set()
-        self._factors: Dict[int, torch.Tensor] = {}  # layer -> value_norm_factors of o_proj
-        self._R: Dict[int, torch.Tensor] = {}  # layer -> R^T per head (writes="residual")
+        self._masks = MaskLog([types[i] for i in self.layers] if types else None)
+        self._noted: Dict[str, Any] = {}  # the last forward's (or generate's) arguments
+        self._factors = LayerFactors(self.num_heads)
+        self._vas = ForwardVAS(self.num_layers, writes, self._factors)
         self._model_hook = None
         self.attach()
 
     @property
+    def phase(self) -> Phase:
+        """What the model's calls compute now (the running generation's phase while one
+        runs)."""
+        if not self._bound:
+            return Phase.DETACHED
+        running = self._running
+        return running.phase if running is not None else self._phase
+
+    @property
     def attached(self) -> bool:
-        return self.phase is not Phase.DETACHED
+        return self._bound
 
     @property
     def region_ids(self) -> Optional[torch.Tensor]:
         """(B, T) int64 region ids of the last prompt's positions, -1 off the images."""
-        return None if self._region_ids is None else self._region_ids.prompt
+        return self._region_ids
+
+    @property
+    def rows(self) -> Optional[SpanRows]:
+        """The running generation's query rows (None outside a generation)."""
+        return self._running.rows if self._running is not None else None
 
     @property
     def sequences(self) -> Optional[torch.Tensor]:
         """The output of the last ``generate``, once it has finished."""
-        return self.generation.sequences
+        return self.generation.sequences if self.generation is not None else None
 
     # ---- attaching ----------------------------------------------------------------------
 
     def attach(self) -> "Tracer":
-        if self.attached:
+        if self._bound:
             return self
         self.bind(self.config)
-        generating = self.generation.thread is not None  # (a span's consumer attaches)
-        if not generating:  # generate keeps the model hook off while it runs
+        if self._running is None:  # generate keeps the model hook off while it runs
             self._model_hook = self._hook_model()
         self._decoder_hook = self.decoder.register_forward_pre_hook(self._on_decoder_forward,
                                                                     with_kwargs=True)
-        self.phase = Phase.PAUSED if generating else Phase.READY
+        self._bound = True
+        self._phase = Phase.READY
         return self
 
     def _hook_model(self):
@@ -200,14 +191,14 @@ class Tracer(backend.Binding):
 
     def detach(self) -> None:
         """Puts the model back as it was: its attention implementation, no hooks."""
-        if not self.attached:
+        if not self._bound:
             return
         if self._model_hook is not None:
             self._model_hook.remove()
             self._model_hook = None
         self._decoder_hook.remove()
         self.unbind(self.config)
-        self.phase = Phase.DETACHED
+        self._bound = False
 
     def __enter__(self) -> "Tracer":
         return self
@@ -220,67 +211,57 @@ class Tracer(backend.Binding):
     def attention(self, module, query, key, value, attention_mask, **kwargs):
         base = self._base_attention or self.base_attention(module)
         out, weights = base(module, query, key, value, attention_mask, **kwargs)
-        phase = self.phase
-        if phase is _DECODE:  # inline: the only work of a decode step, once per layer
-            layer = self._layers[id(module)]
-            mask = self._masks.get(self._layer_types[layer] if self._layer_types else "")
-            if mask is None or mask.pattern is None or key.shape[2] != mask.kv_length \
-                    or query.shape[2] != 1:
-                mask = self._check_decode_step(layer, module, query, key, kwargs)
-            self.rows.add(layer, query, key, mask)
-        elif phase is _VAS or phase is _PREFILL or phase is _ANSWER:
-            self.observe(module, query, key, value, out, weights, kwargs)
+        running = self._running
+        if running is not None:
+            phase = running.phase
+            if phase is _DECODE:  # inline: the only work of a decode step, once per layer
+                layer = self._layers[id(module)]
+                mask = self._masks.of_layer(layer)
+                if mask is None or mask.pattern is None or key.shape[2] != mask.kv_length \
+                        or query.shape[2] != 1:
+                    mask = self._check_decode_step(layer, query, key, kwargs)
+                running.rows.add(layer, query, key, mask)
+            elif phase is _PREFILL:
+                self._prefill(running.rows, module, query, key, value, kwargs)
+        elif self._phase is _VAS or self._phase is _ANSWER:
+            self._observe(module, query, key, out, weights, kwargs)
         return out, weights
 
     def mask(self, *args, **kwargs):
-        if self._probing:  # the probe's forward stops before the decoder: nothing to note
+        if capturing(self.model):  # the capture's forward stops before the decoder
             return self.base_mask(*args, **kwargs)
-        if not self._built:  # the first mask of a forward
-            self._masks, self._unsupported = {}, []
-        mask = MaskCall(kwargs)
-        if mask.pattern is None:
-            self._unsupported.append(mask.why)
-        else:
-            self._masks[mask.pattern.kind] = mask
-            if not self._layer_types:
-                self._masks[""] = mask
+        self._masks.note(kwargs)
         built = self.base_mask(*args, **kwargs)
-        self._built.add(id(built))
+        self._masks.built(built)
         return built
 
     def _on_model_forward(self, module, args, kwargs):
-        if self._probing:
+        if capturing(self.model):
             return None
-        self._note_inputs(kwargs, args)
+        self._note(kwargs, args)
         if any(key in kwargs for key in self.family.layout_keys):
             return args, self.family.model_inputs(kwargs)
         return None
 
-    def _note_inputs(self, kwargs, args=()) -> None:
-        self._inputs = {key: kwargs.get(key) for key in self.family.input_keys}
-        self._inputs["input_ids"] = kwargs.get("input_ids", args[0] if args else None)
-        if not self.family.has_layout:  # for the probe of picture_slots
-            self._model_kwargs = {k: v for k, v in kwargs.items()
-                                  if k not in ("cache", "past_key_values", "use_cache")}
+    def _note(self, kwargs, args=()) -> None:
+        """A forward's (or generate's) arguments: the family reads the pictures' layout
+        from them when the decoder's forward starts."""
+        if args and "input_ids" not in kwargs:
+            kwargs = dict(kwargs, input_ids=args[0])
+        self._noted = kwargs
 
     def _on_decoder_forward(self, module, args, kwargs):
-        """Starts a forward: its masks, and the phase that says what it computes (a
-        forward without a cache: region ids, and VAS or, in generate, the rows)."""
-        if self._probing:
+        """Starts a forward: its masks, and what it computes (a forward without a cache:
+        region ids, and VAS or, in generate, the rows)."""
+        if capturing(self.model):
             return None
-        phase = self.phase
-        generating = phase in _IN_GENERATION
-        if generating and (phase is Phase.PAUSED
-                           or threading.get_ident() != self.generation.thread):
+        running = self._running
+        if running is not None and (running.phase is Phase.PAUSED
+                                    or threading.get_ident() != running.thread):
             raise RuntimeError("headscope.hf.Tracer: the model was called while a generation "
                                "of this tracer is running on it (from another thread, or while "
                                "it is paused at a span); finish or close that generation first")
-        built = kwargs.get("attention_mask")
-        # a VLM may build the decoder's masks before calling it (one, or a dict by layer type)
-        built = built.values() if isinstance(built, dict) else [built]
-        if not all(id(m) in self._built for m in built):
-            self._masks, self._unsupported = {}, []
-        self._built = set()
+        self._masks.start_forward(kwargs.get("attention_mask"))
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         past = cache.get_seq_length() if cache is not None else 0
         if past == 0:
@@ -288,134 +269,66 @@ class Tracer(backend.Binding):
             if embeds is None:
                 ids = kwargs.get("input_ids", args[0] if args else None)
                 embeds = module.get_input_embeddings()(ids)
-            self._start_forward(embeds, generating, with_regions=phase is not Phase.ANSWER)
-            if generating:
-                self.phase = Phase.PREFILL if self.rows is not None else Phase.GENERATING
-            elif phase is not Phase.ANSWER:
-                self.phase = Phase.VAS if self.vas else Phase.READY
-        elif self.rows is not None and generating:
-            self.rows.begin_step()
-            self.phase = Phase.DECODE
-        elif phase is Phase.VAS:
-            self.phase = Phase.READY  # a forward on a cache: nothing to compute
+            answer = running is None and self._phase is Phase.ANSWER
+            self._start_forward(embeds, with_regions=not answer)
+            if running is not None:
+                running.begin_prompt(self._region_ids if self.regions is not None else None,
+                                     self.num_regions)
+            elif not answer:
+                self._phase = Phase.VAS if self.vas else Phase.READY
+        elif running is not None:
+            running.begin_step()
+        elif self._phase is Phase.VAS:
+            self._phase = Phase.READY  # a forward on a cache: nothing to compute
 
-    def _start_forward(self, embeds: torch.Tensor, generating: bool,
-                       with_regions: bool) -> None:
+    def _start_forward(self, embeds: torch.Tensor, with_regions: bool) -> None:
         """A forward without a cache: the VAS statistics start over; the prompt's region
-        ids (``with_regions``, given regions) and, in generate, the query rows."""
+        ids (``with_regions``, given regions), from the pictures the family reads."""
         B, T = embeds.shape[:2]
-        self._stats, self._seen = None, set()
-        self.rows = None
+        self._vas.start()
         if not with_regions or self.regions is None:
             return
-        ids = self._inputs.get("input_ids")
+        ids = self._noted.get("input_ids")
         if ids is None or tuple(ids.shape) != (B, T):
             raise ValueError("headscope.hf.Tracer: regions need the model's input_ids "
                              f"(B, T) = ({B}, {T}) to find the image tokens")
-        if not self.family.has_layout:
-            self._inputs["picture_slots"] = self._picture_slots()
-        self.images = self.family.images(self.model.config, self._inputs)
-        region_ids, self.num_regions = _region_ids(self.regions, self.images, embeds)
-        self._region_ids = KeyTable(region_ids, -1)
-        kmax = max(self.num_regions)
-        if generating and kmax > 0:
-            self.rows = SpanRows(self.num_layers, self.num_heads, self._region_ids, kmax,
-                                 self.features)
+        self.images = self.family.images(self.model.config,
+                                         self.family.layout_inputs(self.model, self._noted))
+        self._region_ids, self.num_regions = _region_ids(self.regions, self.images, embeds)
 
-    def _picture_slots(self) -> torch.Tensor:
-        """Which image placeholders hold a piece of the picture (generic reading)."""
-        self._probing = True
-        try:
-            with torch.no_grad():
-                return picture_slots(self.model, self._model_kwargs,
-                                     self.family.image_token_ids(self.model.config))
-        finally:
-            self._probing = False
-
-    def observe(self, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                out: torch.Tensor, weights: Optional[torch.Tensor],
-                kwargs: Dict[str, Any]) -> None:
-        """A layer's call in a forward that computes: the prefill's rows, or VAS."""
+    def _prefill(self, rows: SpanRows, module, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, kwargs) -> None:
+        """A layer's call in generate's first forward: its last query row to the rows."""
         layer = self._layers[id(module)]
-        mask = self._checked_mask(layer, module, kwargs, k)
-        scale = kwargs.get("scaling")
-        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        softcap = kwargs.get("softcap")
-        if self.phase is _PREFILL:
-            factors = self._factors_of(layer, module) if self.rows.weighted else None
-            self.rows.start(layer, q, k, v, scale, mask, softcap, factors)
-        elif mask.full:
-            if q.shape[2] != k.shape[2]:
-                raise NotImplementedError(
-                    f"headscope.hf.Tracer: decoder layer {self.layers[layer]} ran "
-                    f"{q.shape[2]} of the sequence's {k.shape[2]} query rows (a model that "
-                    f"skips rows with an int logits_to_keep, as Gemma 4's KV-shared layers "
-                    f"do); VAS needs every row: call the model without logits_to_keep")
-            writes = out.transpose(1, 2)  # (B, H, T, Dh): the o_proj input, per head
-            if self.writes == "residual":
-                writes = torch.matmul(writes.float(), self._residual_factor(layer, module))
-            lengths, offsets = mask.window(q.shape[0], q.device)
-            if weights is not None:
-                stats = _vas.vas_head_stats(weights, writes, lengths, offsets)
-            else:
-                stats = _vas.vas_head_stats_qk(q, k, writes, lengths, scale, True, offsets,
-                                               mask.padding, **mask.op_pattern(softcap))
-            if self._stats is None:
-                self._stats = stats.new_zeros(q.shape[0], self.num_layers, stats.shape[1], 3)
-            self._stats[:, layer] = stats
-            self._seen.add(layer)
+        mask = self._masks.checked(layer, kwargs, k)
+        factors = self._factors.of(layer, module) if rows.weighted else None
+        rows.start(layer, q, k, v, _scale(kwargs, q), mask, kwargs.get("softcap"), factors)
 
-    def _factors_of(self, layer: int, module) -> torch.Tensor:
-        """The layer's value_norm_factors (H, min(hidden, Dh), Dh), computed once from its
-        o_proj."""
-        if layer not in self._factors:
-            self._factors[layer] = value_norm_factors(
-                output_projection(module).weight.detach(), self.num_heads)
-        return self._factors[layer]
+    def _observe(self, module, q: torch.Tensor, k: torch.Tensor, out: torch.Tensor,
+                 weights: Optional[torch.Tensor], kwargs) -> None:
+        """A layer's call in a forward that computes VAS."""
+        layer = self._layers[id(module)]
+        mask = self._masks.checked(layer, kwargs, k)
+        if not mask.full:
+            return
+        if q.shape[2] != k.shape[2]:
+            raise NotImplementedError(
+                f"headscope.hf.Tracer: decoder layer {self.layers[layer]} ran "
+                f"{q.shape[2]} of the sequence's {k.shape[2]} query rows (a model that "
+                f"skips rows with an int logits_to_keep, as Gemma 4's KV-shared layers "
+                f"do); VAS needs every row: call the model without logits_to_keep")
+        self._vas.add(layer, module, q, k, out, weights, mask, _scale(kwargs, q),
+                      kwargs.get("softcap"))
 
-    def _check_decode_step(self, layer: int, module, q: torch.Tensor, k: torch.Tensor,
+    def _check_decode_step(self, layer: int, q: torch.Tensor, k: torch.Tensor,
                            kwargs) -> MaskCall:
         """The layer's mask of a decode step; raises for one that does not fit (the
         prefill checked the rest)."""
-        mask = self._checked_mask(layer, module, kwargs, k)
+        mask = self._masks.checked(layer, kwargs, k)
         if q.shape[2] != 1:
             raise NotImplementedError(f"headscope.hf.Tracer: a decode step ran {q.shape[2]} "
                                       f"query rows; one token per step is supported")
         return mask
-
-    def _checked_mask(self, layer: int, module, kwargs, k: torch.Tensor) -> MaskCall:
-        """The mask of the layer's type in this forward, checked against the call."""
-        if kwargs.get("s_aux") is not None:
-            raise NotImplementedError("headscope.hf.Tracer: attention with sinks ('s_aux') is "
-                                      "not supported")
-        layer_type = self._layer_types[layer] if self._layer_types else ""
-        mask = self._masks.get(layer_type)
-        if mask is None or (not self._layer_types and len(self._masks) > 2):
-            if self._unsupported:
-                why = "its attention pattern has " + "; ".join(self._unsupported)
-            elif self._masks:
-                why = (f"layer {layer} is a {layer_type or 'layer'} but this forward built "
-                       f"masks for {sorted(k for k in self._masks if k)}")
-            else:
-                why = ("the model did not build its mask through transformers' mask interface "
-                       "(was a prepared 4-D attention mask passed in?)")
-            raise NotImplementedError(f"headscope.hf.Tracer: cannot trace this forward: {why}")
-        window = kwargs.get("sliding_window")
-        if window and window != mask.pattern.window:
-            raise NotImplementedError(f"headscope.hf.Tracer: layer {layer} passes "
-                                      f"sliding_window={window} to its attention but its mask "
-                                      f"has window {mask.pattern.window}")
-        if k.shape[2] != mask.kv_length:
-            raise NotImplementedError(f"headscope.hf.Tracer: the key cache holds {k.shape[2]} "
-                                      f"positions but the mask covers {mask.kv_length}")
-        return mask
-
-    def _residual_factor(self, layer: int, module) -> torch.Tensor:
-        """R^T per head, where W_O^h = Q R: (O_h R^T)(O_h R^T)^T = O_h W_O^h^T W_O^h O_h^T."""
-        if layer not in self._R:
-            R = self._factors_of(layer, module).float()  # (H, Dh, Dh)
-            self._R[layer] = R.transpose(-1, -2).unsqueeze(0)
-        return self._R[layer]
 
     # ---- results ------------------------------------------------------------------------
 
@@ -424,14 +337,14 @@ class Tracer(backend.Binding):
         the whole final sequence)."""
         if not self.vas:
             raise RuntimeError("headscope.hf.Tracer: VAS is off (Tracer(..., vas=True))")
-        answer = self.generation.answer
+        answer = self.generation.answer if self.generation is not None else None
         if answer is not None and answer.pending:
             self._answer_pass()
-        if self._stats is None or len(self._seen) != self.num_layers:
+        if not self._vas.complete:
             raise RuntimeError("headscope.hf.Tracer: no complete forward over a whole sequence "
                                "has run under this tracer yet (VAS needs one without a "
                                "key cache from earlier calls)")
-        return self._stats
+        return self._vas.head_stats
 
     def vas_features(self) -> torch.Tensor:
         """(B, 36) float32 VAS features (columns ``headscope.VAS_COLUMNS``)."""
@@ -444,32 +357,48 @@ class Tracer(backend.Binding):
         self._answer_pass()
         return self.vas_features()
 
+    def forward_answer(self, inputs: Dict[str, torch.Tensor], answer_length: int
+                       ) -> torch.Tensor:
+        """One forward over a prompt and its answer under this tracer (attached for it):
+        ``inputs`` the model inputs of both (``headscope.hf.answer.continue_inputs``), the
+        answer their last ``answer_length`` positions. Every query row runs, so
+        :meth:`vas_features` then gives the VAS of the whole sequence (no region ids are
+        made). Returns the logits ``(B, answer_length, V)`` that predict the answer's
+        tokens."""
+        if not self.vas:
+            raise RuntimeError("headscope.hf.Tracer: VAS is off (Tracer(..., vas=True))")
+        was_attached = self.attached
+        self.attach()
+        self._phase = Phase.ANSWER
+        try:
+            with torch.no_grad():
+                # the logits of the last prompt position and of each answer position, kept
+                # by index: an int would let a model skip the other query rows of its
+                # KV-shared layers (Gemma 4), which VAS needs
+                T = inputs["input_ids"].shape[1]
+                keep = torch.arange(T - answer_length - 1, T,
+                                    device=inputs["input_ids"].device)
+                logits = self.model(**inputs, use_cache=False, logits_to_keep=keep).logits
+        finally:
+            self._phase = Phase.READY
+            if not was_attached:
+                self.detach()
+        return logits[:, :-1]
+
     def _answer_pass(self) -> None:
-        """One forward over the final sequence of :meth:`generate` (prompt and answer);
+        """The forward over the final sequence of :meth:`generate` (prompt and answer);
         an answer the model cannot take back as input is refused here, not during
         generation, so that its spans and ``tr.sequences`` are kept."""
         if not self.vas:
             raise RuntimeError("headscope.hf.Tracer: VAS is off (Tracer(..., vas=True))")
-        answer = self.generation.answer
+        answer = self.generation.answer if self.generation is not None else None
         if answer is None:
             raise RuntimeError("headscope.hf.Tracer.answer_vas: no generate has finished "
                                "under this tracer")
         answer.pending = False
         self.family.check_answer(self.model.config,
                                  answer.inputs["input_ids"][:, answer.prompt_length:])
-        was_attached = self.attached
-        self.attach()
-        self.phase = Phase.ANSWER
-        try:
-            with torch.no_grad():
-                # the last position's logits only, as an index: an int would let a model
-                # skip the other query rows of its KV-shared layers (Gemma 4)
-                last = torch.tensor([answer.inputs["input_ids"].shape[1] - 1])
-                self.model(**answer.inputs, use_cache=False, logits_to_keep=last)
-        finally:
-            self.phase = Phase.READY
-            if not was_attached:
-                self.detach()
+        self.forward_answer(answer.inputs, 0)
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -478,40 +407,54 @@ class Tracer(backend.Binding):
         order. The model runs on the caller's thread and pauses at each span while the loop
         body runs (no second thread). ``tr.sequences`` holds generate's output once the
         iterator is exhausted; leaving the loop early stops generation."""
-        return self.generation.spans(kwargs)
+        return self._spans(self._new_generation(kwargs))
+
+    def _spans(self, generation: Generation) -> Iterator[Span]:
+        with self._generating(generation):
+            yield from iterate_spans(generation.run)
 
     def generate_with(self, on_span: Callable[[Span], None], **kwargs) -> torch.Tensor:
         """Runs ``model.generate(**kwargs)`` and calls ``on_span`` with each span, in order,
         as it ends (between two decode steps: generation waits for it); returns generate's
         output (also ``tr.sequences``). An exception in ``on_span`` stops generation and
         propagates."""
-        return self.generation.run_with(on_span, kwargs)
+        generation = self._new_generation(kwargs)
+        with self._generating(generation):
+            return generation.run(on_span)
 
-    def _run_generate(self, kwargs, streamer: SpanCutter) -> torch.Tensor:
-        """``model.generate`` in the generation phases (for :attr:`generation`). What the
-        model hook would note comes from generate's inputs (its forwards may not get them
-        all: Qwen's get the vision output, not the grid); the hook is off meanwhile, so it
-        costs nothing per step."""
-        self._note_inputs(kwargs)
-        self._model_hook.remove()
-        self._model_hook = None
-        self.phase = Phase.GENERATING
-        try:
-            return self.model.generate(**self.family.model_inputs(kwargs), streamer=streamer)
-        finally:
-            self.rows = None
-            if self.attached:  # (a span's consumer may have detached the tracer)
-                self.phase = Phase.READY
-                self._model_hook = self._hook_model()
+    def _new_generation(self, kwargs) -> Generation:
+        check_generate_kwargs(self.model, kwargs)
+        if not self.attached:
+            raise RuntimeError("headscope.hf.Tracer.generate: the tracer is detached")
+        if self.model.device.type == "mps":  # generate streams tokens a step late there
+            raise NotImplementedError("headscope.hf.Tracer.generate: not supported on MPS")
+        if self._running is not None:
+            raise RuntimeError("headscope.hf.Tracer.generate: a generation is already running")
+        return Generation(self.model, self.family, kwargs, splitter=self.splitter,
+                          head=self.head, tokenizer=self.tokenizer, features=self.features,
+                          num_layers=self.num_layers, num_heads=self.num_heads,
+                          keep_answer=self.vas)
 
     @contextlib.contextmanager
-    def _paused(self):
-        """The phase while a span's consumer runs (for :attr:`generation`)."""
-        phase = self.phase
-        if phase is not Phase.DETACHED:
-            self.phase = Phase.PAUSED
+    def _generating(self, generation: Generation):
+        """``generation`` runs: each forward's work goes to it. What the model hook would
+        note comes from generate's arguments (its forwards may not get them all: Qwen's get
+        the vision output, not the grid); the hook is off meanwhile, so it costs nothing
+        per step."""
+        self._note(generation.kwargs)
+        self._model_hook.remove()
+        self._model_hook = None
+        self.generation = self._running = generation
         try:
             yield
         finally:
-            if self.phase is Phase.PAUSED:  # (the consumer may have detached the tracer)
-                self.phase = phase
+            self._running = None
+            if self._bound:  # (a span's consumer may have detached the tracer)
+                self._phase = Phase.READY
+                self._model_hook = self._hook_model()
+
+
+def _scale(kwargs, q: torch.Tensor) -> float:
+    """The attention call's softmax scale (default ``Dh ** -0.5``)."""
+    scale = kwargs.get("scaling")
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)

@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["value_norm_factors", "value_norms"]
+from .structure import output_projection
+
+__all__ = ["LayerFactors", "value_norm_factors", "value_norms"]
 
 
 def value_norm_factors(o_proj_weight: Tensor, num_heads: int) -> Tensor:
@@ -59,3 +61,19 @@ def value_norms(values: Tensor, factors: Tensor) -> Tensor:
     v = values.to(factors.dtype).unsqueeze(2)                     # (B, Hkv, 1, Tk, Dh)
     R = factors.reshape(Hkv, G, factors.shape[1], head_dim)       # head h = hk * G + g
     return torch.linalg.vector_norm(v @ R.transpose(-1, -2), dim=-1).reshape(B, H, Tk)
+
+
+class LayerFactors:
+    """Each traced layer's :func:`value_norm_factors` of its attention module's output
+    projection, computed on first use and kept (the weights do not change between
+    prompts): the query rows' value norms and the residual writes of VAS read them."""
+
+    def __init__(self, num_heads: int):
+        self.num_heads = num_heads
+        self._factors: dict = {}  # traced layer -> (H, min(hidden, Dh), Dh)
+
+    def of(self, layer: int, module: torch.nn.Module) -> Tensor:
+        if layer not in self._factors:
+            self._factors[layer] = value_norm_factors(
+                output_projection(module).weight.detach(), self.num_heads)
+        return self._factors[layer]

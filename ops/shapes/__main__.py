@@ -1,9 +1,11 @@
-"""python -m headscope.shapes {train,demo,accuracy,latency,data,answers,hallucination,
-faithfulness,head-eval,mixer,reproduce}: the embedded shapes model.
+"""python -m headscope.shapes {train,demo,screenshot,accuracy,latency,data,answers,
+hallucination,faithfulness,head-eval,mixer,reproduce}: the embedded shapes model.
 
   train     train the model from scratch into a folder (resumable: rerun the same command);
             --world clips trains the video model
   demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
+  screenshot  the explain page of a held-out scene in headless Chromium, as a PNG (the
+            picture of docs/explain.md)
   accuracy  caption accuracy of a model on held-out scenes (--video: the video model on
             held-out clips)
   latency   per-token time of generation with streaming attribution against plain generate
@@ -76,8 +78,8 @@ def _head_file(text: str) -> Path:
 
 
 def main(argv=None) -> int:
-    from ..commands.errors import (INTERRUPTED, USAGE, Parser, UsageError, check_output, grid,
-                                   integer, number)
+    from ..commands.errors import (Parser, UsageError, check_output, grid, integer, number,
+                                   reported)
     from ..features import FEATURE_SETS
     from .clips import MAX_CLIP_OBJECTS
     from .processor import TOKEN_GRID
@@ -127,6 +129,9 @@ def main(argv=None) -> int:
                        default=None, metavar="K",
                        help="regions: K Ward regions of the image instead of a grid")
     p.add_argument("--model", **model)
+
+    p = sub.add_parser("screenshot", help="the explain page of a held-out scene as a PNG")
+    p.add_argument("--png", type=Path, required=True, help="the PNG file to write")
 
     p = sub.add_parser("accuracy", help="caption accuracy on held-out scenes (or clips)")
     p.add_argument("--model", type=_model_folder, default=None,
@@ -218,30 +223,26 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="CI-sized: about a minute")
 
     args = parser.parse_args(argv)  # exits 2 on a bad argument
-    prog = f"{PROG} {args.command}"
-    try:
+
+    def work() -> int:
         if getattr(args, "video", False) and args.objects and args.objects[1] > MAX_CLIP_OBJECTS:
             raise UsageError(f"argument --objects: must be LO-HI with 1 <= LO <= HI <= "
                              f"{MAX_CLIP_OBJECTS} for clips, got {args.objects[0]}-"
                              f"{args.objects[1]}")
-        for name in ("out", "json"):  # before any work
+        for name in ("out", "json", "png"):  # before any work
             if getattr(args, name, None) is not None:
                 check_output(getattr(args, name), f"--{name}", folder=name == "out")
         if args.threads is not None:
             import torch
             torch.set_num_threads(args.threads)
         _run(args)
-    except UsageError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return USAGE
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return INTERRUPTED
-    return 0
+        return 0
+    return reported(f"{PROG} {args.command}", work)
 
 
 def _run(args) -> None:
     from ..commands.errors import UsageError
+    from ..io import write_json
     if args.command == "train":
         from .train import WORLDS, Settings, train
         if args.max_objects is None:  # the world's own: 9 for pictures, 3 for clips
@@ -262,6 +263,15 @@ def _run(args) -> None:
         from .demo import run_demo
         run_demo(args.out, args.images, model_dir=args.model,
                  regions=args.regions if args.regions is not None else parse_grid(args.grid))
+    elif args.command == "screenshot":
+        import tempfile
+
+        from ..explainer.screenshot import browser_missing, screenshot
+        from .demo import explain_page
+        if browser_missing():
+            raise UsageError(browser_missing())
+        with tempfile.TemporaryDirectory() as folder:
+            print(screenshot(explain_page(Path(folder)), args.png))
     elif args.command == "accuracy":
         from .accuracy import (CLIP_OBJECTS, caption_accuracy, clip_accuracy, held_out_clips,
                                held_out_scenes)
@@ -294,14 +304,14 @@ def _run(args) -> None:
                                features=args.features)
         print(table(result))
         if args.json is not None:
-            _write_json(args.json, result)
+            write_json(args.json, result)
     elif args.command == "mixer":
         from .mixer_eval import compare_models, projection_sweep, table
         result = {"accuracy": compare_models(args.scenes),
                   "sweep": projection_sweep(args.sweep_scenes, rounds=args.rounds)}
         print(table(result["accuracy"], result["sweep"]))
         if args.json is not None:
-            _write_json(args.json, result)
+            write_json(args.json, result)
     elif args.command == "reproduce":
         from .reproduce import reproduce
         reproduce(args.out, quick=args.quick, model_dir=args.model)
@@ -316,13 +326,7 @@ def _run(args) -> None:
         result = measure_latency(args.rounds, args.tokens, args.model)
         format_latency(result)
         if args.json is not None:
-            _write_json(args.json, result)
-
-
-def _write_json(path: Path, result: dict) -> None:
-    from ..io import atomic_path
-    with atomic_path(path) as tmp:
-        Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
+            write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Optional, Tuple
 
-from ..io import atomic_path
+from ..io import write_text
 from .figures import save_png
 from .world import PROMPT, scene
 
@@ -68,6 +68,5 @@ def write_answers(out: Path, count: int, start: int = 0, objects: Tuple[int, int
 
 
 def _write_lines(out: Path, lines) -> Path:
-    with atomic_path(out / FILE) as tmp:
-        Path(tmp).write_text("\n".join(lines) + "\n")
+    write_text(out / FILE, "\n".join(lines) + "\n")
     return out

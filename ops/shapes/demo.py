@@ -20,7 +20,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from ..io import atomic_path
+from ..io import write_text
 from ..metrics import in_box
 from .accuracy import HELD_OUT_SEED
 from .figures import region_centroids, save_png, span_figure
@@ -31,11 +31,6 @@ from .world import IMAGE_SIZE, PROMPT, describe, match_object, parse_sentence, s
 DEMO_OFFSET = 900_000
 DEFAULT_REGIONS = 8  # Ward regions of the measurements
 WORLD_GRID = (3, 3)  # the demo's default regions: one per place of the world
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    with atomic_path(path) as tmp:
-        Path(tmp).write_text(text)
 
 
 def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None,
@@ -108,12 +103,23 @@ def run_demo(out: Path, num_images: int = 3, *, model_dir: Optional[Path] = None
                 "vas_features": result.vas_features, "spans": spans})
     report = {"scores": score_name, "regions": regions_name, "images": images,
               "summary": _summary(images)}
-    _write_atomic(out / "report.json", json.dumps(report, indent=1) + "\n")
-    _write_atomic(out / "index.html", _html(report))
+    write_text(out / "report.json", json.dumps(report, indent=1) + "\n")
+    write_text(out / "index.html", _html(report))
     s = report["summary"]
     echo(f"{s['correct']}/{s['images']} descriptions correct; pointing ({score_name}): "
          f"{s['pointing_hits']}/{s['spans_on_objects']} spans; wrote {out / 'index.html'}")
     return report
+
+
+def explain_page(folder: Path) -> Path:
+    """The explain page of the shapes model describing a held-out two-object scene (the
+    page of the docs' picture, ``python -m headscope.shapes screenshot``)."""
+    from ..explainer import explain
+    model, processor, head = load()
+    image, _ = scene(HELD_OUT_SEED + DEMO_OFFSET + 1, 2)
+    return explain(model, processor, [image], "Describe the image.", head,
+                   inputs=prompt(processor, image), max_new_tokens=24,
+                   model_name="headscope.shapes (the embedded model)").save(folder)
 
 
 def _span_record(span, objects, centroids: np.ndarray) -> dict:

@@ -12,7 +12,7 @@ token: what each method adds to generation (see :func:`measure_faithfulness`).
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 

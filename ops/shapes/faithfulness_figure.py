@@ -3,11 +3,10 @@ against ms per generated token, log time axis, one labelled point per method),
 ``faithfulness.md`` and ``faithfulness.json``, each written atomically."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
-from ..io import atomic_path
+from ..io import atomic_path, write_json, write_text
 from .faithfulness import table
 
 COLOURS = {"head": "tab:green", "attention": "tab:blue", "gradient": "tab:orange",
@@ -69,21 +68,20 @@ def write_faithfulness(out: Path, result: dict) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {ext: out / f"faithfulness.{ext}" for ext in ("json", "md", "png")}
-    with atomic_path(paths["json"]) as tmp:
-        Path(tmp).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(paths["json"], result)
     first, last = result["seeds"]
-    with atomic_path(paths["md"]) as tmp:
-        Path(tmp).write_text(
-            f"Faithfulness against time per token on {result['scenes']} held-out scenes "
-            f"(seeds {first}..{last}), {result['spans']} spans, {result['tokens']} generated "
-            f"tokens, {result['regions']} Ward regions, {result['threads']} threads.\n\n"
-            + table(result) + "\n\nR^2 of attention and gradients: of the best affine fit "
-            "(they are not in effect units). Perturbation: the true effects themselves "
-            "(faithfulness 1 by construction). Head and attention time: the tracer's added "
-            f"time per token ({result['tracer_added_ms_per_token']:.3f} ms, generate_with "
-            "against plain generate, alternating rounds) plus computing the scores from the "
-            "features (\"of which scoring\"); gradients, AttnLRP and perturbation: their whole "
-            "computation after generation, per generated token; ms per span: each method's "
-            "own time divided by the spans scored.\n")
+    write_text(
+        paths["md"],
+        f"Faithfulness against time per token on {result['scenes']} held-out scenes "
+        f"(seeds {first}..{last}), {result['spans']} spans, {result['tokens']} generated "
+        f"tokens, {result['regions']} Ward regions, {result['threads']} threads.\n\n"
+        + table(result) + "\n\nR^2 of attention and gradients: of the best affine fit "
+        "(they are not in effect units). Perturbation: the true effects themselves "
+        "(faithfulness 1 by construction). Head and attention time: the tracer's added "
+        f"time per token ({result['tracer_added_ms_per_token']:.3f} ms, generate_with "
+        "against plain generate, alternating rounds) plus computing the scores from the "
+        "features (\"of which scoring\"); gradients, AttnLRP and perturbation: their whole "
+        "computation after generation, per generated token; ms per span: each method's "
+        "own time divided by the spans scored.\n")
     plot(paths["png"], result)
     return {k: str(v) for k, v in paths.items()}

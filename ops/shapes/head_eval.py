@@ -229,7 +229,7 @@ def evaluate_head(which: str = "reported", scenes: int = 300, *,
     with the settings."""
     from tqdm import tqdm
 
-    from ..attribution import AttributionHead
+    from ..head import AttributionHead
     from ..hf import grid_regions
 
     chosen = range_scenes(which, scenes)

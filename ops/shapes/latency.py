@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from ..bench.timing import TokenClock, round_ratios
+from ..timing import TokenClock, round_ratios
 from .accuracy import held_out_scenes
 from .demo import DEFAULT_REGIONS
 from .model import load, prompt

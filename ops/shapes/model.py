@@ -170,7 +170,7 @@ def load(path: Optional[Path] = None, *, head: bool = True):
     processor = tf.AutoProcessor.from_pretrained(path)
     attribution_head = None
     if head and (path / HEAD_FILE).is_file():
-        from ..attribution import AttributionHead
+        from ..head import AttributionHead
         attribution_head = AttributionHead.load(str(path / HEAD_FILE))
     return model, processor, attribution_head
 

@@ -47,7 +47,7 @@ def build_processor(video: bool = False):
     words (the video model's processor)."""
     import transformers as tf
 
-    from ..hf.checkpoint import word_level_tokenizer
+    from ..hf.tokenizer import word_level_tokenizer
     fast = word_level_tokenizer([*SPECIAL_TOKENS, *words(video)], SPECIAL_TOKENS,
                                 "<|endoftext|>")
     pixels = IMAGE_SIZE * IMAGE_SIZE

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
-from ..io import atomic_path
+from ..io import write_json, write_text
 from .accuracy import HELD_OUT_SEED
 from .faithfulness import EVAL_OFFSET
 
@@ -144,10 +144,8 @@ RUN: Dict[str, Callable] = {"accuracy": _accuracy, "head_vs_attention": _head_vs
 
 def _save(out: Path, results: dict) -> None:
     from .reproduce_report import markdown
-    with atomic_path(out / RESULTS) as tmp:
-        Path(tmp).write_text(json.dumps(results, indent=2) + "\n")
-    with atomic_path(out / "results.md") as tmp:
-        Path(tmp).write_text(markdown(results))
+    write_json(out / RESULTS, results)
+    write_text(out / "results.md", markdown(results))
 
 
 def reproduce(out: Path, quick: bool = False, model_dir: Optional[Path] = None,

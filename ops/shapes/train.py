@@ -1,16 +1,17 @@
 """Training a shapes model from scratch (or from another shapes model): teacher-forced
 next-token loss on the answer, fresh scenes (or clips) every step, AdamW with warm-up and
-cosine decay; resumable from an atomic checkpoint, deterministic in its seed (for a given
-number of threads).
+cosine decay; resumable from an atomic checkpoint (safetensors and JSON,
+``headscope.io.save_state``: loading it runs no code), deterministic in its seed (for a
+given number of threads).
 
 Example ``i`` of the run (``i = step * batch + j``) is ``scene(i, 1 + i % max_objects)``
 (with ``world="clips"``: ``clip(i, 1 + i % max_objects)``): training sees seeds ``0 ..
 steps * batch - 1``, all below ``HELD_OUT_SEED``. The data of a step is a function of its
-index, so a checkpoint needs no random state.
+index; the checkpoint keeps torch's generator state too, so that anything random in a step
+(dropout) draws on resume what it would have drawn.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -20,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..io import atomic_path
+from ..io import load_state, save_state, write_json
 from .accuracy import (CLIP_OBJECTS, CLIP_SEED_RANGES, HELD_OUT_SEED, caption_accuracy,
                        clip_accuracy, held_out_clips, held_out_scenes)
 from .clips import MAX_CLIP_OBJECTS, clip, describe_clip
@@ -28,7 +29,8 @@ from .model import DATA_DIR, build_model, start_from, training_batch
 from .processor import build_processor
 from .world import MAX_OBJECTS, describe, scene
 
-STATE_FILE = "train_state.pt"
+STATE_FILE = "train_state.safetensors"
+PICKLED_STATE_FILE = "train_state.pt"  # the pickle format of earlier versions, not loaded
 REPORT_FILE = "training.json"
 
 
@@ -181,8 +183,13 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
     losses, window = [], []
     # [step, the schedule's length from that step on]: a resumed run may change its length
     lengths = [[0, settings.steps]]
+    if (out / PICKLED_STATE_FILE).is_file():
+        raise ValueError(f"headscope.shapes.train: {out / PICKLED_STATE_FILE} is a checkpoint in "
+                         f"the pickle format of earlier versions, which is not loaded (loading "
+                         f"a pickle can run any code); delete it to train afresh, or use "
+                         f"another --out")
     if state_path.is_file():
-        state = torch.load(state_path, weights_only=False)
+        state = load_state(state_path)
         if {**state["settings"], "steps": settings.steps} != asdict(settings):
             raise ValueError(f"headscope.shapes.train: {state_path} was written with settings "
                              f"{state['settings']}, not {asdict(settings)}; use the same ones "
@@ -190,8 +197,9 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
         step, elapsed, losses = state["step"], state["elapsed"], state["losses"]
-        lengths = state.get("lengths", [[0, state["settings"]["steps"]]])
+        lengths = state["lengths"]
         if settings.steps != lengths[-1][1]:
             if step >= settings.steps:
                 raise ValueError(f"headscope.shapes.train: {state_path} is at step {step}; "
@@ -200,11 +208,11 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
             lengths.append([step, settings.steps])
 
     def checkpoint() -> None:
-        with atomic_path(state_path) as tmp:
-            torch.save({"settings": asdict(settings), "step": step, "elapsed": elapsed,
-                        "losses": losses, "lengths": lengths, "model": model.state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict()}, tmp)
+        save_state(state_path, {"settings": asdict(settings), "step": step, "elapsed": elapsed,
+                                "losses": losses, "lengths": lengths,
+                                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                "scheduler": scheduler.state_dict(),
+                                "rng": torch.get_rng_state()})
 
     if finish_at is not None and not 1 <= finish_at <= settings.steps:
         raise ValueError(f"headscope.shapes.train: argument 'finish_at' must be in "
@@ -250,7 +258,6 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
               "finished_at_step": step, "schedule_lengths": lengths,
               "train_scene_seeds": [0, step * settings.batch - 1],
               **accuracy, "training_loss": losses}
-    with atomic_path(out / REPORT_FILE) as tmp:
-        Path(tmp).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out / REPORT_FILE, report)
     state_path.unlink()
     return report

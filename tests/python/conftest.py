@@ -94,6 +94,33 @@ def usage_error(capsys, *argv) -> str:
     return err
 
 
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """The unit roundoff of headscope's arithmetic on inputs of ``dtype``: float64's for
+    float64, float32's otherwise (float16 and bfloat16 are accumulated in float32)."""
+    return 2.0 ** -53 if dtype == torch.float64 else 2.0 ** -24
+
+
+def gamma(n: int, dtype: torch.dtype) -> float:
+    """``n u / (1 - n u)``: a value reached through at most ``n`` roundings (a sum of ``n``
+    terms in any order, a dot product of ``n - 1``) is within this times the sum of its
+    terms' magnitudes (Higham, Accuracy and Stability of Numerical Algorithms, 3.1): the
+    tolerance of a sum that can cancel scales with its terms, not with its result."""
+    nu = n * unit_roundoff(dtype)
+    return nu / (1 - nu)
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound) -> None:
+    """``|got - want| <= bound`` everywhere (``bound`` broadcast), NaN exactly where ``want``
+    is NaN."""
+    got, want = got.double().cpu(), want.double().cpu()
+    bound = torch.as_tensor(bound, dtype=torch.float64).cpu().expand_as(want)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert torch.equal(got.isnan(), want.isnan()), (got, want)
+    excess = ((got - want).abs() - bound).nan_to_num(0.0)
+    assert bool((excess <= 0).all()), (f"largest excess {excess.max().item():.3g} over the bound; "
+                                       f"got {got}, want {want}, bound {bound}")
+
+
 def load_seed(module_name: str):
     """Imports ../shared/seeds/<module_name>.py, or skips when the folder is absent."""
     path = SEEDS / f"{module_name}.py"

@@ -18,7 +18,7 @@ pytest.importorskip("torchvision")
 from headscope.hf import attnlrp_scores, gradient_scores  # noqa: E402
 from headscope.hf.attnlrp import (AttnLRP, Ledger, attnlrp_relevance,  # noqa: E402
                                   _layer_norm_rule, identity_rule)
-from headscope.hf.effects import decoder_inputs  # noqa: E402
+from headscope.hf.decoder import decoder_inputs  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.gradient import _frozen, answer_targets  # noqa: E402
 from headscope.hf.keymask import KeyMask  # noqa: E402

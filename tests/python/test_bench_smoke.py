@@ -85,8 +85,8 @@ def test_tables_refuse_other_json(tmp_path):
 
 
 def test_token_clock_and_round_ratios():
-    """headscope.bench.timing on known times: the prompt's token, then four decode steps."""
-    from headscope.bench.timing import TokenClock, round_ratios
+    """headscope.timing on known times: the prompt's token, then four decode steps."""
+    from headscope.timing import TokenClock, round_ratios
     clock = TokenClock()
     for _ in range(3):
         clock.put(None)

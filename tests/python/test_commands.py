@@ -16,10 +16,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 from headscope.commands import main  # noqa: E402
-from headscope.commands.shards import read_collection, shard_path  # noqa: E402
+from headscope.commands.collection import read_collection, shard_path  # noqa: E402
 from conftest import kill_once_written, usage_error  # noqa: E402
 from headscope.hf.families import FAMILIES  # noqa: E402
-from headscope.hf.testing import tiny_checkpoint, tiny_dataset  # noqa: E402
+from headscope.hf.testing import tiny_checkpoint, tiny_dataset, tiny_of  # noqa: E402
 
 IMAGES = 4
 COLLECT = ["--regions", "4", "--max-new-tokens", "6", "--subsets", "3", "--shard-size", "1"]
@@ -56,7 +56,8 @@ def _same(a, b) -> None:
 
 
 def test_collection_holds_tracer_features_and_region_effects(files):
-    from headscope.commands.collect import load_model, random_subsets
+    from headscope.commands.collect import random_subsets
+    from headscope.commands.models import load_model
     from headscope.commands.data import load_image, read_examples
     from headscope.commands.collect import prompt_inputs
     from headscope.hf import Tracer, region_effects
@@ -427,7 +428,7 @@ def _written_collection(folder, feature_set, special=None):
     """A collection of 2 examples, 6 spans, 3 regions, 2 layers x 2 heads, written with the
     shards' own writer; ``special``: each span's special_only flag (None: not recorded,
     as an older collect wrote it)."""
-    from headscope.commands.shards import write_manifest, write_shard
+    from headscope.commands.collection import write_manifest, write_shard
     g = torch.Generator().manual_seed(5)
     S, K, F = 6, 3, 4 * (2 if feature_set == "both" else 1)
     features = torch.rand(S, K, F, generator=g)
@@ -454,7 +455,7 @@ def test_train_leaves_special_spans_out_and_fits_a_block_of_both(tmp_path, capsy
     """train fits on the spans that are not only special tokens (as head-eval scores), or
     on all with --keep-special-spans; --features takes one block out of a 'both'
     collection; a collection that does not record special spans is refused by default."""
-    from headscope.attribution import AttributionHead
+    from headscope.head import AttributionHead
     special = [False, False, True, False, False, True]
     features, effects = _written_collection(tmp_path / "both", "both", special)
     ordinary = ~torch.tensor(special)
@@ -518,7 +519,7 @@ def test_ranked_targets():
 def test_train_fits_ranked_targets(tmp_path, capsys):
     """--target ranks fits the head to ranked_targets of the same spans (the closed form on
     them), --effect-weight sets their mix; the LDS printed is against the effects."""
-    from headscope.attribution import AttributionHead
+    from headscope.head import AttributionHead
     from headscope.commands.train import ranked_targets
     special = [False, False, True, False, False, True]
     features, effects = _written_collection(tmp_path / "both", "both", special)
@@ -552,8 +553,9 @@ def test_manifest_feature_sets(tmp_path):
     """One feature set per collection; a manifest from before feature sets holds
     "attention" (resumable as such); feature columns must match it."""
     from headscope.commands.errors import UsageError
-    from headscope.commands.shards import (MANIFEST, check_feature_columns, feature_set,
-                                           read_manifest, write_manifest)
+    from headscope.commands.collection import (check_feature_columns, feature_set,
+                                               read_manifest, write_manifest)
+    from headscope.commands.shards import MANIFEST
     settings = {"model": "m", "num_layers": 2, "num_heads": 3}
     write_manifest(tmp_path, settings)  # an older collect's settings: no feature_set
     assert feature_set(read_manifest(tmp_path)) == "attention"
@@ -611,7 +613,7 @@ def test_grid_collection_has_the_grid_regions(files, tmp_path):
     assert got.tensors["effects"].shape[1] == 6
 
 
-@pytest.mark.parametrize("family", [t for f in FAMILIES for t in f.tiny.commands])
+@pytest.mark.parametrize("family", [t for f in FAMILIES for t in tiny_of(f).spec.commands])
 def test_collect_train_eval_on_a_saved_model_of_another_layout(tmp_path, family):
     """The commands on a saved tiny model of a family other than the Qwen-VL of the
     other tests, with its real processor, on non-square pictures: the model types each

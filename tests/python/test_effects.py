@@ -13,7 +13,7 @@ from headscope.hf import Tracer, region_effects  # noqa: E402
 from headscope.hf.families import FAMILIES, family_of  # noqa: E402
 from headscope.hf.families.base import TYPE_INPUTS  # noqa: E402
 from headscope.hf.keymask import removed_score  # noqa: E402
-from headscope.hf.testing import image_prompt, tiny_model  # noqa: E402
+from headscope.hf.testing import image_prompt, tiny_model, tiny_of  # noqa: E402
 
 K = 4
 SPANS = [(0, 2), (2, 6), (0, 6), (5, 6)]
@@ -129,9 +129,10 @@ def _reference_effects(model, inputs, sequences, rid, sets, ablation, hole=None)
 # "mean" differ between families only in Qwen3-VL's deepstack features), and LLaVA on Llama
 # 4's chunked decoder (test_families_patterns.VARIANTS)
 EFFECTS = [(model_type, ablation) for family in FAMILIES
-           for model_type, ablations in family.tiny.effects.items() for ablation in ablations]
+           for model_type, ablations in tiny_of(family).spec.effects.items()
+           for ablation in ablations]
 EFFECTS.append(("llava_llama4_chunked", "mask"))
-UNSEEN = [t for family in FAMILIES for t in family.tiny.unseen_region_effects]
+UNSEEN = [t for family in FAMILIES for t in tiny_of(family).spec.unseen_region_effects]
 
 
 @pytest.mark.parametrize("family, ablation", EFFECTS)

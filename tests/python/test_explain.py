@@ -255,8 +255,8 @@ def test_hub_id_from_the_local_cache(qwen, picture, tmp_path):
 @pytest.fixture(scope="module")
 def shapes_page(tmp_path_factory):
     """The shapes model's page of a two-object held-out scene (several spans)."""
-    from headscope.explainer.screenshot import shapes_page
-    return shapes_page(tmp_path_factory.mktemp("shapes"))
+    from headscope.shapes.demo import explain_page
+    return explain_page(tmp_path_factory.mktemp("shapes"))
 
 
 @pytest.fixture

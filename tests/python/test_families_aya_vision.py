@@ -19,7 +19,7 @@ from conftest import (assert_canvas_views, assert_every_image_token_placed,  # n
                       assert_tile_quarters_are_regions, assert_tiles_need_pixel_values,
                       patch_pixels, quarter_prompts, tile_colours)
 from headscope.hf.families import family_of  # noqa: E402
-from headscope.hf.families.aya_vision import TILE, TILE_GLOBAL  # noqa: E402
+from headscope.hf.testing.families.aya_vision import TILE, TILE_GLOBAL  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
                                   assert_quarter_colours, tiny_model, tiny_processor)
 

@@ -11,8 +11,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("torchvision")
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
-from headscope.hf.families.idefics3 import (FAKE_TOKEN, GLOBAL_TOKEN, NEWLINE,  # noqa: E402
-                                            ROW_COL_BASE, TINY_TILE as TILE, tile_side)
+from headscope.hf.families.idefics3 import tile_side  # noqa: E402
+from headscope.hf.testing.families.idefics3 import (FAKE_TOKEN, GLOBAL_TOKEN,  # noqa: E402
+                                                    NEWLINE, ROW_COL_BASE, TINY_TILE as TILE)
 from headscope.hf.testing import (IMAGE_TOKEN, quarters, tiny_model, tiny_processor,  # noqa: E402
                                   tiny_tokenizer)
 
@@ -26,7 +27,7 @@ COLOURS = ((255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255))
 
 
 def processor(model_type: str, monkeypatch):
-    """The real processor with the tiny vocabulary's tokens (headscope.hf.checkpoint), left
+    """The real processor with the tiny vocabulary's tokens (headscope.hf.testing.checkpoint), left
     padding."""
     import transformers as tf
     if model_type == "idefics3":

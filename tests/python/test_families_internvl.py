@@ -19,7 +19,7 @@ from conftest import (assert_canvas_views, assert_every_image_token_placed,  # n
                       patch_pixels, tile_colours)
 from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
-from headscope.hf.families.internvl import IMAGE_END, IMAGE_START  # noqa: E402
+from headscope.hf.testing.families.internvl import IMAGE_END, IMAGE_START  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours, quarters,  # noqa: E402
                                   tiny_model, tiny_processor)
 

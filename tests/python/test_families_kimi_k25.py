@@ -18,7 +18,7 @@ from conftest import (QUARTER_COLOURS, assert_every_image_token_placed,  # noqa:
                       assert_generation_keeps_regions, assert_grids_are_checked,
                       nearest_colour, quarter_prompts)
 from headscope.hf.families import family_of  # noqa: E402
-from headscope.hf.families.kimi_k25 import MEDIA_CONTENT  # noqa: E402
+from headscope.hf.testing.families.kimi_k25 import MEDIA_CONTENT  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END,  # noqa: E402
                                   assert_quarter_colours, assert_quarters_are_regions,
                                   tiny_model, tiny_processor)

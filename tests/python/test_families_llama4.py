@@ -20,8 +20,10 @@ pytest.importorskip("PIL.Image")
 
 from headscope.hf import grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
-from headscope.hf.families.llama4 import (GLOBAL_MARKER, TILE_X_SEPARATOR,  # noqa: E402
-                                          TILE_Y_SEPARATOR, TINY_TILE as TILE, tile_side)
+from headscope.hf.families.llama4 import tile_side  # noqa: E402
+from headscope.hf.testing.families.llama4 import (GLOBAL_MARKER,  # noqa: E402
+                                                  TILE_X_SEPARATOR, TILE_Y_SEPARATOR,
+                                                  TINY_TILE as TILE)
 from headscope.hf.regions import region_ids  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
                                   assert_quarter_colours, quarters, tiny_model,

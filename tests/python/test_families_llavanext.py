@@ -303,7 +303,7 @@ def test_token_counts_match_the_processors_at_real_checkpoint_sizes(family):
 
     import transformers as tf
 
-    from headscope.hf.checkpoint import tiny_tokenizer
+    from headscope.hf.testing import tiny_tokenizer
     from headscope.hf.families.llava_next import token_count
     tokenizer = tiny_tokenizer(family)
     if family == "llava_next":

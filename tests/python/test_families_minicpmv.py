@@ -19,7 +19,7 @@ from conftest import (assert_every_image_token_placed,  # noqa: E402
                       assert_generation_keeps_regions, nearest_colour, quarter_prompts)
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
-from headscope.hf.families.minicpmv import SLICE_END, SLICE_START  # noqa: E402
+from headscope.hf.testing.families.minicpmv import SLICE_END, SLICE_START  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
                                   assert_quarter_colours, assert_quarters_are_regions,
                                   quarters, tiny_model, tiny_processor)

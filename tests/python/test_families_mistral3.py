@@ -16,7 +16,7 @@ from conftest import nearest_colour, quarter_prompts  # noqa: E402
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.regions import region_ids  # noqa: E402
-from headscope.hf.families.mistral3 import IMAGE_BREAK, IMAGE_END  # noqa: E402
+from headscope.hf.testing.families.mistral3 import IMAGE_BREAK, IMAGE_END  # noqa: E402
 from headscope.hf.testing import (IMAGE_TOKEN, assert_quarter_colours,  # noqa: E402
                                   assert_quarters_are_regions, tiny_model,
                                   tiny_processor)

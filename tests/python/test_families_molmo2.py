@@ -19,8 +19,9 @@ from conftest import (assert_every_image_token_placed, nearest_colour,  # noqa: 
                       quarter_prompts)
 from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
-from headscope.hf.families.molmo2 import (COLUMN, LOW_RES_START, TINY_CROP,  # noqa: E402
-                                          TINY_MARGINS, TINY_PATCH, TINY_POOL)
+from headscope.hf.testing.families.molmo2 import (COLUMN, LOW_RES_START,  # noqa: E402
+                                                  TINY_CROP, TINY_MARGINS, TINY_PATCH,
+                                                  TINY_POOL)
 from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
                                   assert_quarter_colours, assert_quarters_are_regions,
                                   image_prompt, tiny_model, tiny_processor)

@@ -1,6 +1,6 @@
 """The newest VLM families (and two older ones: VipLLaVA, GOT-OCR 2), traced through the generic reading by structure
 (headscope.hf.families.generic) on tiny random models built as their own transformers
-tests build them (headscope.hf.tiny_newest): the logits are bitwise unchanged, VAS equals
+tests build them (headscope.hf.testing.newest): the logits are bitwise unchanged, VAS equals
 the reference on the eager attentions of the softmax layers (a hybrid decoder's other
 mixers are not traced), greedy tokens are plain generate's and span features equal
 region_pool on eager attentions, a left-padded batch equals its rows alone, regions lie
@@ -16,14 +16,14 @@ import torch
 import headscope
 
 pytest.importorskip("transformers")
-from headscope.commands.collect import text_sizes  # noqa: E402
+from headscope.commands.models import text_sizes  # noqa: E402
 from headscope.hf import Tracer, grid_regions, region_effects  # noqa: E402
 from headscope.hf.families import GENERIC, family_of  # noqa: E402
 from headscope.hf.structure import softmax_attention_layers  # noqa: E402
 from headscope.hf.testing import eager_reference as shared_eager_reference  # noqa: E402
-from headscope.hf.tiny import IMAGE_TOKEN  # noqa: E402
-from headscope.hf.tiny_newest import (RECIPES, batch_rows, newest_rows,  # noqa: E402
-                                      tiny_newest)
+from headscope.hf.testing.newest import (RECIPES, batch_rows, newest_rows,  # noqa: E402
+                                         tiny_newest)
+from headscope.hf.testing.tokens import IMAGE_TOKEN  # noqa: E402
 
 TYPES = sorted(RECIPES)
 HYBRID = {"lfm2_vl"}

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("transformers")
 import test_family_contract as contract  # noqa: E402
 from headscope.hf import Tracer  # noqa: E402
+from headscope.hf.forward_vas import ForwardVAS  # noqa: E402
 from headscope.hf.masks import Pattern, mask_function, read_pattern  # noqa: E402
 from headscope.hf.testing import tiny_model  # noqa: E402
 from transformers import masking_utils as mu  # noqa: E402
@@ -120,9 +121,9 @@ def test_paligemma2_vas_through_the_qk_op_with_soft_cap(monkeypatch):
     import headscope
     want, _ = headscope.vas_features(attns, writes, inputs["attention_mask"],
                                      left_padding=True)
-    observe = Tracer.observe
-    monkeypatch.setattr(Tracer, "observe", lambda self, module, q, k, v, out, weights, kwargs:
-                        observe(self, module, q, k, v, out, None, kwargs))
+    add = ForwardVAS.add
+    monkeypatch.setattr(ForwardVAS, "add", lambda self, layer, module, q, k, out, weights, *rest:
+                        add(self, layer, module, q, k, out, None, *rest))
     with torch.no_grad(), Tracer(model, vas=True) as tr:
         model(**inputs)
         got = tr.vas_features()

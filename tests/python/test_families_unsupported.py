@@ -64,7 +64,7 @@ def test_hybrid_decoders_are_not_refused_by_model_type(name):
 def test_a_decoder_with_no_softmax_layer_is_refused_naming_why():
     """An LFM2-VL whose decoder layers are all short convolutions forms no attention
     weights at all."""
-    from headscope.hf.tiny_newest import RECIPES
+    from headscope.hf.testing.newest import RECIPES
     recipe = RECIPES["lfm2_vl"][1]()
     recipe.config.text_config.layer_types = ["conv"] * recipe.config.text_config.num_hidden_layers
     model = recipe.cls(recipe.config).eval()

@@ -19,7 +19,7 @@ from headscope.hf import Tracer  # noqa: E402
 from headscope.hf.families import FAMILIES, family_of  # noqa: E402
 from headscope.hf.families.base import TYPE_INPUTS  # noqa: E402
 from headscope.hf.structure import output_projection, softmax_attention_layers  # noqa: E402
-from headscope.hf.testing import eager_reference, image_prompt, tiny_model  # noqa: E402
+from headscope.hf.testing import eager_reference, image_prompt, tiny_model, tiny_of  # noqa: E402
 
 TYPES = TYPE_INPUTS  # per-position type inputs
 
@@ -30,8 +30,8 @@ def _cases():
     cases = []
     for family in FAMILIES:
         marks = ()
-        if family.tiny.contract_xfail is not None:
-            error, reason = family.tiny.contract_xfail
+        if tiny_of(family).spec.contract_xfail is not None:
+            error, reason = tiny_of(family).spec.contract_xfail
             marks = pytest.mark.xfail(raises=error, strict=True, reason=reason)
         cases += [pytest.param(t, marks=marks, id=t) for t in family.model_types]
     return cases
@@ -47,7 +47,7 @@ def continued(model, inputs, n):
 def prompt(model, batch=1, seed=0):
     """A left-padded batch of ``batch`` prompts of one picture each (the family's
     TinySpec.grids), on the model's device."""
-    grids = family_of(model).tiny.grids[:batch]
+    grids = tiny_of(model).spec.grids[:batch]
     inputs = image_prompt(model, grids=grids, text_before=(3, 2)[:batch],
                           text_after=(5, 3)[:batch], seed=seed)
     return {k: v.to(model.device) for k, v in inputs.items()}
@@ -154,7 +154,7 @@ def rows_like_alone(model, inputs):
     the first only where the model numbers a batch's pictures in order
     (TinySpec.batch_numbers_pictures); that the later rows do differ in the untraced model
     is checked, so the exception cannot outlive its cause."""
-    if not family_of(model).tiny.batch_numbers_pictures:
+    if not tiny_of(model).spec.batch_numbers_pictures:
         return range(2)
     keep = inputs["attention_mask"][1].bool()
     with torch.no_grad():

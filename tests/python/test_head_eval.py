@@ -153,7 +153,7 @@ def test_summary_pairs_every_head_with_every_baseline():
 
 
 def test_head_labels_and_traced_features():
-    from headscope.attribution import AttributionHead
+    from headscope.head import AttributionHead
     assert head_labels(["x/h.safetensors"]) == ["head"]
     assert head_labels(["x/attention.safetensors", "y/both.safetensors"]) == \
         ["head:attention", "head:both"]  # never a raw baseline's name

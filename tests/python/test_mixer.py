@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import load_seed
+from conftest import assert_within, gamma, load_seed
 
 import headscope
 
@@ -19,6 +19,27 @@ def dense_mix(U, V, X):
     """The reference implementation's dense_apply: W = (U / g) V^T, then W @ X (float64)."""
     g = U.sum(-2, keepdim=True)
     return (U / g) @ V.mT @ X
+
+
+def hvp_bound(U, V, s) -> torch.Tensor:
+    """How far two float64 evaluations of H s = (colsum U + colsum V) s - U^T U s - V^T V s
+    may differ: U and V are positive, so the same products with |s| are the terms'
+    magnitudes, each through at most n + r + 4 roundings (column sums, dot products, the
+    differences); H s cancels (to 0 along the gauge), so the bound is not a share of it."""
+    U, V, s = (torch.as_tensor(x, dtype=torch.float64) for x in (U, V, s))
+    a = s.abs().unsqueeze(-1)
+    magnitude = ((U.sum(-2) + V.sum(-2)) * s.abs() + (U.mT @ (U @ a)).squeeze(-1)
+                 + (V.mT @ (V @ a)).squeeze(-1))
+    return 2 * gamma(U.shape[-2] + U.shape[-1] + 4, torch.float64) * magnitude
+
+
+def mix_bound(U, V, X) -> torch.Tensor:
+    """How far two float64 evaluations of (U / g) V^T X may differ: the mixing matrix is
+    positive, so (U / g) V^T |X| is the terms' magnitude, each through at most n + m + r + 4
+    roundings; X of either sign lets the result cancel."""
+    U, V, X = (torch.as_tensor(x, dtype=torch.float64) for x in (U, V, X))
+    return (2 * gamma(U.shape[-2] + V.shape[-2] + U.shape[-1] + 4, torch.float64)
+            * dense_mix(U, V, X.abs()))
 
 
 def kkt_violation(a, b, out):
@@ -54,7 +75,7 @@ def test_thin_mix_non_contiguous(device):
     X = torch.randn(3, 8, 20, generator=g, dtype=torch.float64).mT
     assert not (U.is_contiguous() or V.is_contiguous() or X.is_contiguous())
     got = headscope.thin_mix(U.to(device), V.to(device), X.to(device)).cpu()
-    torch.testing.assert_close(got, dense_mix(U, V, X), rtol=1e-12, atol=1e-12)
+    assert_within(got, dense_mix(U, V, X), mix_bound(U, V, X))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -321,7 +342,7 @@ def test_kl_hvp_equals_hessian(device):
     s = torch.randn(3, 5, dtype=torch.float64)
     H = (torch.diag_embed(U.sum(-2) + V.sum(-2)) - U.mT @ U - V.mT @ V)
     got = headscope.kl_hvp(U.to(device), V.to(device), s.to(device)).cpu()
-    torch.testing.assert_close(got, (H @ s.unsqueeze(-1)).squeeze(-1), rtol=1e-13, atol=1e-13)
+    assert_within(got, (H @ s.unsqueeze(-1)).squeeze(-1), hvp_bound(U, V, s))
 
 
 def test_kl_hvp_matches_seed_prediction_2():
@@ -332,7 +353,8 @@ def test_kl_hvp_matches_seed_prediction_2():
                                         np.exp(rng.normal(size=(40, r))))
         s = rng.normal(size=r)
         got = ops.kl_hvp(torch.from_numpy(U), torch.from_numpy(V), torch.from_numpy(s)).numpy()
-        np.testing.assert_allclose(got, seed.hvp(U, V, s), rtol=1e-12, atol=1e-13)
+        assert_within(torch.from_numpy(got), torch.from_numpy(seed.hvp(U, V, s)),
+                      hvp_bound(U, V, s))
         assert np.linalg.norm(got - H @ s) / np.linalg.norm(H @ s) < 1e-12
 
 
@@ -360,7 +382,8 @@ def test_thin_apply_matches_seed_prediction_3():
         Yd, _ = seed.dense_apply(U, V, X)
         got = ops.thin_mix(torch.from_numpy(U), torch.from_numpy(V), torch.from_numpy(X)).numpy()
         assert np.linalg.norm(got - Yd) / np.linalg.norm(Yd) < 1e-12
-        np.testing.assert_allclose(got, seed.thin_apply(U, V, X), rtol=1e-12, atol=1e-13)
+        assert_within(torch.from_numpy(got), torch.from_numpy(seed.thin_apply(U, V, X)),
+                      mix_bound(U, V, X))
 
 
 # ---------------------------------------------------------------- FactorMixer

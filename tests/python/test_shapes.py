@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 import headscope.shapes as shapes  # noqa: E402
 from conftest import sigint_as_at_a_terminal  # noqa: E402
+from headscope.io import load_state, save_state  # noqa: E402
 from headscope.shapes.model import DATA_DIR, training_batch  # noqa: E402
 from headscope.shapes.processor import build_processor  # noqa: E402
 from headscope.shapes.world import MAX_OBJECTS  # noqa: E402
@@ -407,7 +408,7 @@ def test_training_finished_early_keeps_the_schedule(tmp_path):
     assert not (tmp_path / "cut" / STATE_FILE).exists()
     # the same weights as the first 3 steps of the full run: the schedule is the full run's
     train(tmp_path / "full", settings, stop_after=3, progress=False)
-    full = torch.load(tmp_path / "full" / STATE_FILE, weights_only=False)["model"]
+    full = load_state(tmp_path / "full" / STATE_FILE)["model"]
     cut = shapes.load(tmp_path / "cut")[0].state_dict()
     assert cut.keys() == full.keys() and all(torch.equal(full[k], cut[k]) for k in cut)
     with pytest.raises(ValueError, match="finish_at"):
@@ -417,7 +418,7 @@ def test_training_finished_early_keeps_the_schedule(tmp_path):
 
 
 def test_training_resumed_with_another_length_continues_its_schedule(tmp_path):
-    from headscope.shapes.train import Settings, _schedule, train
+    from headscope.shapes.train import STATE_FILE, Settings, _schedule, train
     torch.set_num_threads(1)
     settings = Settings(**TINY)
     train(tmp_path, settings, stop_after=2, progress=False)
@@ -425,7 +426,7 @@ def test_training_resumed_with_another_length_continues_its_schedule(tmp_path):
         train(tmp_path, replace(settings, steps=2), progress=False)
     longer = replace(settings, steps=6)
     assert train(tmp_path, longer, stop_after=1, progress=False) is None
-    state = torch.load(tmp_path / "train_state.pt", weights_only=False)
+    state = load_state(tmp_path / STATE_FILE)
     assert state["lengths"] == [[0, 4], [2, 6]] and state["settings"]["steps"] == 6
     # the learning rate after step 3 is the 6-step schedule's
     lr = state["optimizer"]["param_groups"][0]["lr"]
@@ -450,11 +451,80 @@ def test_training_checkpoints_on_interrupt(tmp_path, monkeypatch):
     monkeypatch.setattr(train_module, "_batch", interrupting)
     with pytest.raises(KeyboardInterrupt):
         train_module.train(tmp_path, settings, checkpoint_every=100, progress=False)
-    state = torch.load(tmp_path / train_module.STATE_FILE, weights_only=False)
+    state = load_state(tmp_path / train_module.STATE_FILE)
     assert state["step"] == 2
     monkeypatch.setattr(train_module, "_batch", real)
     assert train_module.train(tmp_path, settings, stop_after=1, progress=False) is None
-    assert torch.load(tmp_path / train_module.STATE_FILE, weights_only=False)["step"] == 3
+    assert load_state(tmp_path / train_module.STATE_FILE)["step"] == 3
+
+
+def test_training_resumes_without_unpickling(tmp_path, monkeypatch):
+    """The checkpoint is safetensors with its JSON: resuming loads no pickle (torch.load and
+    pickle are unavailable here), restores torch's generator, and a pickle checkpoint of an
+    earlier version is refused, not loaded."""
+    import pickle
+
+    from safetensors import safe_open
+
+    from headscope.shapes.train import PICKLED_STATE_FILE, STATE_FILE, Settings, train
+    torch.set_num_threads(1)
+    settings = Settings(**TINY)
+    train(tmp_path / "run", settings, stop_after=1, progress=False)
+    with safe_open(str(tmp_path / "run" / STATE_FILE), framework="pt") as f:
+        assert "headscope_state" in f.metadata()
+    saved = load_state(tmp_path / "run" / STATE_FILE)["rng"]
+    assert saved.dtype == torch.uint8
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a pickle was loaded")
+    for module, name in ((torch, "load"), (pickle, "load"), (pickle, "loads"),
+                         (pickle, "Unpickler")):
+        monkeypatch.setattr(module, name, refuse)
+    torch.manual_seed(12345)
+    assert train(tmp_path / "run", settings, stop_after=0, progress=False) is None
+    assert torch.equal(torch.get_rng_state(), saved)
+    assert train(tmp_path / "run", settings, stop_after=1, progress=False) is None
+    assert load_state(tmp_path / "run" / STATE_FILE)["step"] == 2
+    monkeypatch.undo()
+    (tmp_path / "old").mkdir()
+    torch.save({"step": 1}, tmp_path / "old" / PICKLED_STATE_FILE)
+    with pytest.raises(ValueError, match="pickle format of earlier versions, which is not "
+                                         "loaded"):
+        train(tmp_path / "old", settings, progress=False)
+
+
+def test_state_files_keep_what_a_training_state_holds(tmp_path):
+    """save_state / load_state: tensors (tied ones included), an optimiser's integer keys,
+    tuples, None and non-finite floats come back as they were; other objects are refused
+    and a damaged file is a one-line error naming it."""
+    weight = torch.arange(6.0).view(2, 3)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(weight.clone())], betas=(0.8, 0.9))
+    optimizer.param_groups[0]["params"][0].grad = torch.ones(2, 3)
+    optimizer.step()
+    state = {"model": {"embed": weight, "lm_head": weight}, "optimizer": optimizer.state_dict(),
+             "losses": [[1, 0.5], [2, float("nan")]], "limit": float("inf"), "none": None,
+             "rng": torch.get_rng_state(), "flag": True}
+    save_state(tmp_path / "state.safetensors", state)
+    back = load_state(tmp_path / "state.safetensors")
+    assert back.keys() == state.keys()
+    assert torch.equal(back["model"]["embed"], weight) and torch.equal(back["model"]["lm_head"],
+                                                                       weight)
+    assert back["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.9)
+    assert list(back["optimizer"]["state"]) == [0]  # an int key, as load_state_dict needs
+    for k, v in state["optimizer"]["state"][0].items():
+        assert torch.equal(back["optimizer"]["state"][0][k], v), k
+    assert back["losses"][0] == [1, 0.5] and back["losses"][1][1] != back["losses"][1][1]
+    assert back["limit"] == float("inf") and back["none"] is None and back["flag"] is True
+    assert torch.equal(back["rng"], state["rng"])
+    with pytest.raises(TypeError, match="a set cannot be stored without pickling"):
+        save_state(tmp_path / "other.safetensors", {"ids": {1, 2}})
+    assert not (tmp_path / "other.safetensors").exists()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes((tmp_path / "state.safetensors").read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"^{cut}: not a readable state file") as e:
+        load_state(cut)
+    assert "\n" not in str(e.value)
 
 
 def test_dataset_folder_for_collect(tmp_path):

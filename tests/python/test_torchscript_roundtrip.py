@@ -30,10 +30,10 @@ def test_fresh_python_process_runs_the_saved_module(saved):
     tmp, eager = saved
     code = ("import sys, torch, headscope\n"
             "m = torch.jit.load(sys.argv[1])\n"
-            "torch.save(m(*torch.load(sys.argv[2])), sys.argv[3])\n")
+            "torch.save(m(*torch.load(sys.argv[2], weights_only=True)), sys.argv[3])\n")
     subprocess.run([sys.executable, "-c", code, str(tmp / "module.pt"), str(tmp / "inputs.pt"),
                     str(tmp / "py_out.pt")], check=True)
-    assert torch.equal(torch.load(tmp / "py_out.pt"), eager)
+    assert torch.equal(torch.load(tmp / "py_out.pt", weights_only=True), eager)
 
 
 def test_cpp_example_runs_the_saved_module(saved):
@@ -45,4 +45,4 @@ def test_cpp_example_runs_the_saved_module(saved):
     result = subprocess.run([binary, str(tmp / "module.pt"), str(tmp / "inputs.pt"),
                              str(tmp / "cpp_out.pt")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert torch.equal(torch.load(tmp / "cpp_out.pt"), eager)
+    assert torch.equal(torch.load(tmp / "cpp_out.pt", weights_only=True), eager)

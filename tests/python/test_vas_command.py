@@ -24,6 +24,7 @@ from headscope.commands.shards import shard_path  # noqa: E402
 from conftest import kill_once_written, usage_error  # noqa: E402
 from headscope.commands.vas_table import LAYOUT, read_table  # noqa: E402
 from headscope.hf.families import FAMILIES  # noqa: E402
+from headscope.hf.testing import tiny_of  # noqa: E402
 from headscope.shapes.model import DATA_DIR  # noqa: E402
 
 # Hard scenes (5 to 9 objects) of the hallucination measurement whose answers hold both
@@ -33,8 +34,10 @@ OBJECTS = (5, 9)
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error")
 # every registered model type; where the family contract cannot hold yet (its TinySpec's
 # contract_xfail), the command fails too (exit 1)
-MODEL_TYPES = [pytest.param(t, marks=() if f.tiny.contract_xfail is None else pytest.mark.xfail(
-    strict=True, reason=f.tiny.contract_xfail[1])) for f in FAMILIES for t in f.model_types]
+MODEL_TYPES = [pytest.param(t, marks=() if tiny_of(f).spec.contract_xfail is None
+                            else pytest.mark.xfail(strict=True,
+                                                   reason=tiny_of(f).spec.contract_xfail[1]))
+               for f in FAMILIES for t in f.model_types]
 
 
 def headscope_cli(*args, check=True) -> subprocess.CompletedProcess:
@@ -195,8 +198,8 @@ def test_features_equal_the_tracers_on_every_family(family, tmp_path):
     Tracer.generate over the same prompt (forced to the given answer's tokens, or free),
     whose vas_features trace the final sequence."""
     from PIL import Image
-    from headscope.commands.collect import chat_inputs, load_model
-    from headscope.commands.vas import end_tokens
+    from headscope.commands.models import chat_inputs, load_model
+    from headscope.hf.answer import end_tokens
     from headscope.hf import Tracer
     from headscope.hf.families import family_of
     from headscope.hf.testing import tiny_checkpoint, tiny_dataset

@@ -1,17 +1,17 @@
 """One module per family of VLMs behind one interface (:class:`Family`): the Tracer,
 ``region_effects`` and the commands ask :func:`family_of` and know no family by name.
 Each module registers its family with ``@register``; importing this package imports every
-module in it, so :data:`FAMILIES`, :func:`supported_model_types`, the tiny test models,
-their processors and the tests' parametrisations all come from those modules; a model of
-no family module is read by its structure (:mod:`.generic`). Adding a family:
-docs/DEVELOPING.md."""
+module in it, so :data:`FAMILIES`, :func:`supported_model_types` and every list of families
+come from those modules (the tests' side of each family is its module in
+``headscope.hf.testing.families``); a model of no family module is read by its structure
+(:mod:`.generic`). Adding a family: docs/DEVELOPING.md."""
 from __future__ import annotations
 
 import importlib
 import pkgutil
 from typing import Tuple
 
-from .base import REGISTRY, Family, TinySpec, register
+from .base import REGISTRY, Family, register
 from .generic import Generic, no_image_tokens
 from .layout import WHOLE, ImageTokens, View
 from .unsupported import unsupported_reason
@@ -49,5 +49,5 @@ def family_of(model_or_config, who: str = "headscope.hf") -> Family:
     return GENERIC
 
 
-__all__ = ["FAMILIES", "Family", "GENERIC", "ImageTokens", "TinySpec", "View", "WHOLE",
-           "family_of", "register", "supported_model_types"]
+__all__ = ["FAMILIES", "Family", "GENERIC", "ImageTokens", "View", "WHOLE", "family_of",
+           "register", "supported_model_types"]

@@ -7,15 +7,17 @@ the picture, is refused."""
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 
+from ..capture import decoder_kwargs
 from ..structure import placeholder_token_ids
 from .base import Family
 from .layout import ImageTokens, View, image_positions, runs
 
-WHO = "headscope.hf.Tracer"
+# a forward's arguments the probe leaves out: it runs without a cache
+_CACHE_KEYS = ("cache", "past_key_values", "use_cache")
 
 
 class Generic(Family):
@@ -28,6 +30,15 @@ class Generic(Family):
         if ids is None:
             raise ValueError(no_image_tokens(config))
         return ids
+
+    def layout_inputs(self, model, kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+        """``input_ids`` and which placeholders hold a piece of the picture
+        (``picture_slots``, by :func:`picture_slots`' probe of the model on ``kwargs``)."""
+        inputs = super().layout_inputs(model, kwargs)
+        with torch.no_grad():
+            inputs["picture_slots"] = picture_slots(model, self.decoder(model), kwargs,
+                                                    self.image_token_ids(model.config))
+        return inputs
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         """Each run of consecutive placeholders is one picture; of its slots, those that
@@ -50,18 +61,19 @@ class Generic(Family):
         return pictures
 
 
-def picture_slots(model, kwargs: Dict[str, Any], token_ids: Tuple[int, ...]
-                  ) -> torch.Tensor:
+def picture_slots(model, decoder: torch.nn.Module, kwargs: Dict[str, Any],
+                  token_ids: Tuple[int, ...]) -> torch.Tensor:
     """``(B, T)`` bool: the placeholders whose input to the text decoder changes with the
     picture's pixels. The model runs once more, to its text decoder, on the same inputs
     with and without noise added to every ``pixel_values*`` input; a slot whose embedding, and whatever
     the decoder gets per placeholder besides (features it adds at later layers, in
     placeholder order), stays bitwise the same holds a learned marker (begin/end of image,
-    row break, indicator), not the picture. ``token_ids``: the placeholders' ids."""
-    from ..effects import decoder_kwargs
+    row break, indicator), not the picture. ``decoder``: the model's text decoder;
+    ``token_ids``: the placeholders' ids."""
     named = inspect.signature(model.forward).parameters
     kwargs = {k: v for k, v in kwargs.items()  # (generate's own arguments left out)
-              if k in named and named[k].kind is not inspect.Parameter.VAR_KEYWORD}
+              if k in named and named[k].kind is not inspect.Parameter.VAR_KEYWORD
+              and k not in _CACHE_KEYS}
     g = torch.Generator().manual_seed(0)
     noisy = dict(kwargs)
     for key, value in kwargs.items():
@@ -69,8 +81,8 @@ def picture_slots(model, kwargs: Dict[str, Any], token_ids: Tuple[int, ...]
                 and value.is_floating_point():
             noise = torch.randn(value.shape, generator=g).to(value.device, value.dtype)
             noisy[key] = value + noise
-    plain = decoder_kwargs(model, kwargs)
-    probed = decoder_kwargs(model, noisy)
+    plain = decoder_kwargs(model, decoder, kwargs)
+    probed = decoder_kwargs(model, decoder, noisy)
     is_image = torch.isin(kwargs["input_ids"].cpu(), torch.tensor(list(token_ids)))
     changed = (probed["inputs_embeds"] != plain["inputs_embeds"]).any(-1).cpu() & is_image
     count = int(is_image.sum())

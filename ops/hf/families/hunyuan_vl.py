@@ -9,12 +9,11 @@ a batch's pictures in order on its last axis (so a row's picture in a batch is n
 otherwise than alone)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import torch
 
-from ..tiny import EOS, IMAGE_TOKEN, VISION_END, VISION_START
-from .base import Family, TinySpec, llava_template, register
+from .base import Family, register
 from .layout import ImageTokens, View, image_positions, split_images
 from .qwen_vl import WHO, merged_grids
 
@@ -27,13 +26,6 @@ class HunYuanVL(Family):
     layout = ("one grid per picture (patches merged 2x2), a newline slot after each row and "
               "begin and end slots, all placeholders")
     input_keys = ("image_grid_thw",)
-    tiny = TinySpec(
-        tokens={"<image>": IMAGE_TOKEN, "<image_start>": VISION_START,
-                "<image_end>": VISION_END, "<|endoftext|>": EOS},
-        tokenizer_extras={"image_token": "<image>", "image_start_token": "<image_start>",
-                          "image_end_token": "<image_end>"},
-        chat_template=llava_template("<image_start><image><image_end> "),
-        effects={"hunyuan_vl": ("mask",)}, batch_numbers_pictures=True)
 
     def images(self, config, inputs: Dict[str, Any]) -> List[List[ImageTokens]]:
         grids = merged_grids(config, inputs)
@@ -51,47 +43,3 @@ class HunYuanVL(Family):
                                           markers=markers))
             out.append(images)
         return out
-
-    # ---- tiny models ----------------------------------------------------------------------
-
-    def tiny_config(self, model_type: str, text: Dict[str, Any], vision_hidden: int,
-                    ids: Dict[str, int]):
-        """Patches of 4 pixels merged 2 x 2 (as the checkpoints), four rotary axes of a
-        16-wide head."""
-        import transformers as tf
-        rope = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 2, 2, 2])
-        text = {"rope_parameters": rope, **text}  # entries the caller set win
-        config = tf.HunYuanVLConfig(
-            text_config=text,
-            vision_config=dict(hidden_size=vision_hidden, intermediate_size=64,
-                               num_attention_heads=2, num_hidden_layers=2,
-                               out_hidden_size=text["hidden_size"],
-                               text_hidden_size=text["hidden_size"], patch_size=4,
-                               temporal_patch_size=1, spatial_merge_size=2, max_image_size=16,
-                               min_image_size=16, anyres_vit_max_image_size=16,
-                               max_vit_seq_len=16),
-            image_token_id=ids["image_token_id"], tie_word_embeddings=False)
-        return config, tf.HunYuanVLForConditionalGeneration
-
-    def tiny_image(self, model, grid: Tuple[int, int], generator: torch.Generator
-                   ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-        vc = model.config.vision_config
-        m = vc.spatial_merge_size
-        rows, cols = grid[0] // m, grid[1] // m
-        ids = torch.cat([torch.tensor([VISION_START]),
-                         torch.full((rows * (cols + 1) + 2,), IMAGE_TOKEN),
-                         torch.tensor([VISION_END])])
-        pixels = torch.randn(grid[0] * grid[1], vc.num_channels * vc.patch_size ** 2,
-                             generator=generator)
-        return ids, {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, *grid]])}
-
-    def tiny_processor(self, model_type: str, tokenizer, *, min_pixels: int, max_pixels: int,
-                       **_):
-        """Patches of 4 pixels merged 2 x 2, pictures resized to between ``min_pixels``
-        and ``max_pixels``."""
-        import transformers as tf
-        images = tf.HunYuanVLImageProcessor(
-            size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, patch_size=4,
-            merge_size=2)
-        return tf.HunYuanVLProcessor(image_processor=images, tokenizer=tokenizer,
-                                     chat_template=self.tiny.chat_template)

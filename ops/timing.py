@@ -1,6 +1,6 @@
-"""Timing helpers of the benchmarks, public for anyone timing headscope against a
-baseline in one process (``headscope.shapes`` does): medians of repeated calls,
-interleaved rounds with their ratios, and a streamer that times ``generate`` per token."""
+"""Timing helpers, public for anyone timing headscope against a baseline in one process
+(``headscope.bench`` and ``headscope.shapes`` do): medians of repeated calls, interleaved
+rounds with their ratios, and a streamer that times ``generate`` per token."""
 from __future__ import annotations
 
 import statistics

@@ -1,6 +1,6 @@
 """The ids of the tiny vocabulary's special tokens, which the tiny test models
-(:mod:`headscope.hf.testing`), their saved checkpoints (:mod:`headscope.hf.checkpoint`) and
-the family modules' ``TinySpec`` share. It imports nothing of theirs.
+(:mod:`headscope.hf.testing`), their saved checkpoints (``checkpoint.py``) and each family's
+``TinySpec`` (``families/``) share. It imports nothing of theirs.
 """
 
 # Token ids of the tiny vocabulary (random weights: only their roles matter). Ids 2.. are

@@ -1,17 +1,20 @@
 """What makes a tiny model folder load like a real checkpoint, offline: a real processor
 for each family (image processor, a small word-level tokenizer, a chat template, the
-image special tokens at the tiny vocabulary's ids, all from the family module's
-``TinySpec`` and ``tiny_processor``), so that :func:`~headscope.hf.testing.tiny_checkpoint`
-saves a folder that ``AutoProcessor.from_pretrained(folder)`` and
+image special tokens at the tiny vocabulary's ids, all from the family's ``TinyFamily``:
+its ``spec`` and ``processor``), so that :func:`~headscope.hf.testing.tiny_checkpoint` saves
+a folder that ``AutoProcessor.from_pretrained(folder)`` and
 ``AutoModelForImageTextToText.from_pretrained(folder)`` load without a hub; and a DATA
 folder of synthetic images (``tiny_dataset``).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Sequence, Union
+from typing import Dict, Union
 
-from .tiny import EOS, VOCAB
+from ..families import supported_model_types
+from ..tokenizer import word_level_tokenizer
+from .families import tiny_of
+from .tokens import EOS, VOCAB
 
 # Words of the tiny vocabulary, ids 2.. in this order (0 = padding, 1 = unknown); the
 # remaining ids up to the special tokens are filler words w<id>.
@@ -22,40 +25,19 @@ WORDS = ("user assistant system . , ! ? : a an the this that is are was of and o
          "color shape near next above below behind front").split()
 
 
-def _family(family: str, who: str):
-    """The family (``headscope.hf.families``) of model type ``family``; a clear error for
-    any name no family module registers."""
-    from types import SimpleNamespace
-
-    from .families import family_of, supported_model_types
+def _tiny(family: str, who: str):
+    """The tests' side (``headscope.hf.testing.families``) of the family of model type
+    ``family``; a clear error for any name no family module registers."""
     if family not in supported_model_types():
         raise ValueError(f"headscope.hf.testing.{who}: family must be one of "
                          f"{supported_model_types()}, got {family!r}")
-    return family_of(SimpleNamespace(model_type=family))
+    return tiny_of(family)
 
 
 def special_tokens(family: str) -> Dict[int, str]:
     """The special tokens of ``family``'s tiny vocabulary, by id (the ids
-    :mod:`headscope.hf.testing`'s models use): its family module's ``TinySpec.tokens``."""
-    return _family(family, "special_tokens").tiny.by_id()
-
-
-def word_level_tokenizer(tokens: Sequence[str], special: Sequence[str], eos: str,
-                         **kwargs):
-    """A ``PreTrainedTokenizerFast`` whose ids are the positions in ``tokens`` (which hold
-    ``"<pad>"``, ``"<unk>"``, ``eos`` and every ``special`` token, never split): text
-    splits on whitespace and punctuation; decoding joins words with spaces and none before
-    punctuation ("top left."). ``kwargs`` go to the transformers tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tokens)},
-                                         unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-    backend.add_special_tokens(list(special))
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
-                                   pad_token="<pad>", eos_token=eos, **kwargs)
+    :mod:`headscope.hf.testing`'s models use): its family's ``TinySpec.tokens``."""
+    return _tiny(family, "special_tokens").spec.by_id()
 
 
 def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = VOCAB):
@@ -63,7 +45,7 @@ def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = VOCAB):
     ``family``: padding 0, unknown 1, :data:`WORDS`, filler words, and the family's
     special tokens at the ids of :func:`special_tokens`, its processor's named special
     tokens (``TinySpec.tokenizer_extras``) among them."""
-    spec = _family(family, "tiny_tokenizer").tiny
+    spec = _tiny(family, "tiny_tokenizer").spec
     special = spec.by_id()
     words = ["<pad>", "<unk>", *WORDS]
     names = [special.get(i, words[i] if i < len(words) else f"w{i}") for i in range(vocab)]
@@ -77,17 +59,16 @@ def tiny_tokenizer(family: str = "qwen2_vl", vocab: int = VOCAB):
 def tiny_processor(family: str = "qwen2_vl", *, min_pixels: int = 16 * 16,
                    max_pixels: int = 48 * 48, longest_edge: int = 64, max_tiles: int = 6):
     """The processor of a tiny ``family`` model (:func:`~headscope.hf.testing.tiny_model`'s
-    vision sizes), offline: the family module's ``tiny_processor`` (its transformers image
+    vision sizes), offline: the family's ``TinyFamily.processor`` (its transformers image
     processor, sized to the tiny vision tower), :func:`tiny_tokenizer` and the family's
     chat template. The size options reach the families whose image processors have them:
     Qwen-VL and GLM-4.1V resize pictures to between ``min_pixels`` and ``max_pixels``,
     Mistral 3 to a longest edge of ``longest_edge`` pixels, InternVL and Llama 4 cut them
     into up to ``max_tiles`` tiles. All but LLaVA need torchvision (their processors do in
     transformers 5)."""
-    family_module = _family(family, "tiny_processor")
-    return family_module.tiny_processor(family, tiny_tokenizer(family), min_pixels=min_pixels,
-                                        max_pixels=max_pixels, longest_edge=longest_edge,
-                                        max_tiles=max_tiles)
+    return _tiny(family, "tiny_processor").processor(
+        family, tiny_tokenizer(family), min_pixels=min_pixels, max_pixels=max_pixels,
+        longest_edge=longest_edge, max_tiles=max_tiles)
 
 
 def tiny_dataset(path: Union[str, Path], count: int = 4, *, size: tuple = (48, 40),

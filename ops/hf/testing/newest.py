@@ -16,7 +16,8 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 
-from .tiny import EOS, IMAGE_TOKEN, PAD, VOCAB
+from .families.llava import clip_vision
+from .tokens import EOS, IMAGE_TOKEN, PAD, VOCAB
 
 Picture = Callable[[torch.Generator], Dict[str, torch.Tensor]]
 
@@ -105,7 +106,6 @@ def _granite4_vision():
 
 def _vipllava():
     import transformers as tf
-    from .families.llava import clip_vision
     config = tf.VipLlavaConfig(
         text_config=_text(model_type="llama"), vision_config=clip_vision(32),
         image_token_index=IMAGE_TOKEN, vision_feature_layers=[-2, -1], image_seq_length=16,
@@ -139,7 +139,7 @@ def tiny_newest(model_type: str, seed: int = 0, attn_implementation: str = "sdpa
                 ) -> Tuple[torch.nn.Module, Recipe]:
     """A tiny random ``model_type`` model (one of :data:`RECIPES`) and its recipe."""
     if model_type not in RECIPES:
-        raise ValueError(f"headscope.hf.tiny_newest: model_type must be one of "
+        raise ValueError(f"headscope.hf.testing.newest: model_type must be one of "
                          f"{sorted(RECIPES)}, got {model_type!r}")
     recipe = RECIPES[model_type][1]()
     recipe.config.get_text_config(decoder=True)._attn_implementation_internal = \
