@@ -50,7 +50,7 @@ setup(
                 "KL projection and thin mixer",
     # every folder of ops/ with an __init__.py, so a new subpackage cannot be left out
     packages=["headscope"] + ["headscope." + p for p in find_packages("ops")],
-    package_data={"headscope.shapes": ["data/*", "data/mixer/*"]},
+    package_data={"headscope.shapes": ["data/*", "data/mixer/*", "data/video/*"]},
     package_dir={"headscope": "ops"},
     # The library is a plain shared object loaded with torch.ops.load_library, not a
     # Python extension module: its file name carries no ABI tag.

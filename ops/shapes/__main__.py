@@ -2,11 +2,13 @@
 hallucination,faithfulness,head-eval,scorer-cost,heat-check,heat-default,mixer,reproduce}:
 the embedded shapes model.
 
-  train     train the model from scratch into a folder (resumable: rerun the same command)
+  train     train the model from scratch into a folder (resumable: rerun the same command);
+            --world clips trains the video model
   demo      describe held-out scenes while streaming span attributions; PNGs, JSON, HTML
   screenshot  the explain page of a held-out scene in headless Chromium, as a PNG (the
             picture of docs/explain.md)
-  accuracy  caption accuracy of a model on held-out scenes
+  accuracy  caption accuracy of a model on held-out scenes (--video: the video model on
+            held-out clips)
   latency   per-token time of generation with streaming attribution against plain generate
   data      write scenes as a DATA folder for python -m headscope collect|eval
   answers   the model's answers to held-out scenes, labelled hallucinated or not, as a
@@ -67,6 +69,13 @@ def _object_range(text: str) -> tuple:
     return lo, hi
 
 
+def _init_folder(text: str) -> str:
+    """An argparse type: a model folder to start training from, or ``shapes`` (the shipped
+    picture model)."""
+    from .train import SHIPPED_INIT
+    return text if text == SHIPPED_INIT else str(_model_folder(text))
+
+
 def _head_file(text: str) -> Path:
     """An argparse type: an attribution head file (as `python -m headscope train` writes)."""
     if not Path(text).is_file():
@@ -76,10 +85,12 @@ def _head_file(text: str) -> Path:
 
 
 def main(argv=None) -> int:
-    from ..commands.errors import Parser, check_output, grid, integer, number, reported
+    from ..commands.errors import (Parser, UsageError, check_output, grid, integer, number,
+                                   reported)
     from ..features import FEATURE_SETS
     from ..explainer.scorers import SCORERS
     from .head_eval import SEED_RANGES
+    from .clips import MAX_CLIP_OBJECTS
     from .processor import TOKEN_GRID
     parser = Parser(prog=PROG, description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,15 +102,21 @@ def main(argv=None) -> int:
                  help="model folder, or 'mixer' (default: the one shipped with headscope)")
     image_tokens = f" (the images' {TOKEN_GRID}x{TOKEN_GRID} tokens)"
 
-    from .train import Settings
+    from .train import SHIPPED_INIT, WORLDS, Settings
     defaults = Settings()
     p = sub.add_parser("train", help="train the shapes model from scratch")
     p.add_argument("--out", type=Path, required=True,
                    help="folder for the checkpoint and the trained model (from_pretrained)")
     for name in SIZES:
         kind = int if name == "seed" else integer(0 if name in ("warmup", "mixer_rank") else 1)
-        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=getattr(defaults, name))
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind,
+                       default=None if name == "max_objects" else getattr(defaults, name))
     p.add_argument("--lr", type=number(0, above=True), default=defaults.lr)
+    p.add_argument("--world", choices=sorted(WORLDS), default=defaults.world,
+                   help="train on pictures (the shapes model) or clips (the video model)")
+    p.add_argument("--init", type=_init_folder, default=None, metavar="FOLDER",
+                   help=f"start from the weights of this model folder ('{SHIPPED_INIT}': the "
+                        f"shipped picture model) instead of random ones")
     p.add_argument("--eval-scenes", type=count, default=200,
                    help="held-out scenes for the caption accuracy at the end")
     p.add_argument("--finish-at", type=count, default=None, metavar="STEP",
@@ -129,11 +146,16 @@ def main(argv=None) -> int:
     p.add_argument("--scores", choices=tuple(SCORERS), default=None,
                    help="the scorer (default: the shipped head)")
 
-    p = sub.add_parser("accuracy", help="caption accuracy on held-out scenes")
-    p.add_argument("--model", **model)
-    p.add_argument("--scenes", type=count, default=200)
-    p.add_argument("--objects", type=_object_range, default=(1, 4), metavar="LO-HI",
-                   help="objects per scene, cycling from LO to HI (default 1-4)")
+    p = sub.add_parser("accuracy", help="caption accuracy on held-out scenes (or clips)")
+    p.add_argument("--model", type=_model_folder, default=None,
+                   help="model folder, or 'mixer' (default: the one shipped with headscope; "
+                        "with --video, the shipped video model)")
+    p.add_argument("--video", action="store_true",
+                   help="the video model on held-out clips (seeds from 1010000000)")
+    p.add_argument("--scenes", type=count, default=None,
+                   help="held-out scenes (default 200), or clips (default 300)")
+    p.add_argument("--objects", type=_object_range, default=None, metavar="LO-HI",
+                   help="objects per scene, cycling from LO to HI (default 1-4; clips: 1-3)")
 
     p = sub.add_parser("latency", help="per-token latency with streaming attribution")
     p.add_argument("--model", **model)
@@ -246,6 +268,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)  # exits 2 on a bad argument
 
     def work() -> int:
+        if getattr(args, "video", False) and args.objects and args.objects[1] > MAX_CLIP_OBJECTS:
+            raise UsageError(f"argument --objects: must be LO-HI with 1 <= LO <= HI <= "
+                             f"{MAX_CLIP_OBJECTS} for clips, got {args.objects[0]}-"
+                             f"{args.objects[1]}")
         for name in ("out", "json", "png"):  # before any work
             if getattr(args, name, None) is not None:
                 check_output(getattr(args, name), f"--{name}", folder=name == "out")
@@ -258,10 +284,18 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> None:
+    from ..commands.errors import UsageError
     from ..io import write_json
     if args.command == "train":
-        from .train import Settings, train
-        settings = Settings(lr=args.lr, **{k: getattr(args, k) for k in SIZES})
+        from .train import WORLDS, Settings, train
+        if args.max_objects is None:  # the world's own: 9 for pictures, 3 for clips
+            args.max_objects = WORLDS[args.world].objects
+        settings = Settings(lr=args.lr, world=args.world, init=args.init or "",
+                            **{k: getattr(args, k) for k in SIZES})
+        try:
+            settings.check()
+        except ValueError as e:
+            raise UsageError(str(e).split(": ", 1)[1]) from None
         report = train(args.out, settings, eval_scenes=args.eval_scenes,
                        checkpoint_every=args.checkpoint_every, finish_at=args.finish_at,
                        stop_after=args.stop_after)
@@ -275,7 +309,6 @@ def _run(args) -> None:
     elif args.command == "screenshot":
         import tempfile
 
-        from ..commands.errors import UsageError
         from ..explainer.screenshot import browser_missing, screenshot
         from .demo import WORLD_GRID, explain_page
         if browser_missing():
@@ -284,11 +317,17 @@ def _run(args) -> None:
             page = explain_page(Path(folder), args.regions or WORLD_GRID, args.scores)
             print(screenshot(page, args.png))
     elif args.command == "accuracy":
-        from .accuracy import caption_accuracy, held_out_scenes
-        from .model import load
-        model, processor, _ = load(args.model, head=False)
-        scenes = held_out_scenes(args.scenes, objects=args.objects)
-        print(json.dumps(caption_accuracy(model, processor, scenes)))
+        from .accuracy import (CLIP_OBJECTS, caption_accuracy, clip_accuracy, held_out_clips,
+                               held_out_scenes)
+        from .model import VIDEO_DIR, load
+        if args.video:
+            model, processor, _ = load(args.model or VIDEO_DIR, head=False)
+            clips = held_out_clips(args.scenes or 300, objects=args.objects or CLIP_OBJECTS)
+            print(json.dumps(clip_accuracy(model, processor, clips)))
+        else:
+            model, processor, _ = load(args.model, head=False)
+            scenes = held_out_scenes(args.scenes or 200, objects=args.objects or (1, 4))
+            print(json.dumps(caption_accuracy(model, processor, scenes)))
     elif args.command == "hallucination":
         from .hallucination import measure_hallucination
         print(json.dumps(measure_hallucination(args.fit, args.test, args.model,

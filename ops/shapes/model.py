@@ -1,20 +1,25 @@
-"""The shapes model: a tiny Qwen2-VL (vision tower and text decoder) sized to train on two
-CPU cores, its inputs, and loading it from the package's data folder."""
+"""The shapes models: a tiny Qwen2-VL (vision tower and text decoder) sized to train on two
+CPU cores, its inputs (a picture, or a clip of the shapes world in time) and loading it
+from the package's data folder."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..hf.families.qwen_vl import mrope_section
-from .processor import IMAGE_TEXT, MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE
+from .clips import CLIP_PROMPT, FPS
+from .processor import IMAGE_TEXT, MERGE_SIZE, PATCH_SIZE, TEMPORAL_PATCH_SIZE, VIDEO_TEXT
 from .world import PROMPT
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 HEAD_FILE = "head.safetensors"
 # The same model trained with the mixer (headscope.hf.use_mixer) in its vision tower.
 MIXER_DIR = DATA_DIR / "mixer"
+# The video model: trained on clips (headscope.shapes.clip), its vocabulary the clips'.
+VIDEO_DIR = DATA_DIR / "video"
 
 
 def build_model(processor, seed: int, *, hidden: int = 96, layers: int = 3, heads: int = 4,
@@ -72,14 +77,36 @@ def prompt(processor, image) -> Dict[str, torch.Tensor]:
     return processor(text=[IMAGE_TEXT + PROMPT], images=[image], return_tensors="pt")
 
 
-def training_batch(processor, images: Sequence, answers: Sequence[str]) -> Dict[str, torch.Tensor]:
-    """Teacher-forcing inputs for ``images`` and their ``answers`` (right-padded): the
-    labels are the answer tokens and the end-of-sequence token, -100 elsewhere."""
+def clip_prompt(processor, frames) -> Dict[str, torch.Tensor]:
+    """The model inputs (batch of 1) asking ``processor``'s video model to describe the clip
+    of ``frames`` (PIL images, as :func:`~headscope.shapes.clip` draws them): ``input_ids``
+    with the video's ``<|video_pad|>`` tokens, ``pixel_values_videos`` and
+    ``video_grid_thw``, as ``Qwen2VLProcessor`` lays them out."""
+    return processor(text=[VIDEO_TEXT + CLIP_PROMPT], **_videos([frames]), return_tensors="pt")
+
+
+def _videos(clips: Sequence) -> dict:
+    """The processor's video arguments for ``clips`` (each a list of frames): each clip as
+    one ``(frames, height, width, 3)`` array and its timeline (``FPS`` frames per second),
+    from which the video processor samples its frames."""
+    videos = [np.stack([np.asarray(frame) for frame in frames]) for frames in clips]
+    return {"videos": videos,
+            "video_metadata": [{"total_num_frames": len(v), "fps": FPS} for v in videos]}
+
+
+def training_batch(processor, visuals: Sequence, answers: Sequence[str], *,
+                   video: bool = False) -> Dict[str, torch.Tensor]:
+    """Teacher-forcing inputs for ``visuals`` (images; with ``video``, clips as lists of
+    frames) and their ``answers`` (right-padded): the labels are the answer tokens and the
+    end-of-sequence token, -100 elsewhere."""
     tok = processor.tokenizer
-    texts = [IMAGE_TEXT + PROMPT + " " + a + tok.eos_token for a in answers]
-    batch = processor(text=texts, images=list(images), return_tensors="pt", padding=True,
+    request = VIDEO_TEXT + CLIP_PROMPT if video else IMAGE_TEXT + PROMPT
+    texts = [request + " " + a + tok.eos_token for a in answers]
+    media = _videos(visuals) if video else {"images": list(visuals)}
+    batch = processor(text=texts, **media, return_tensors="pt", padding=True,
                       padding_side="right")
-    prompt_length = len(prompt_ids(processor, batch["image_grid_thw"][0]))
+    grid = batch["video_grid_thw" if video else "image_grid_thw"][0]
+    prompt_length = len(prompt_ids(processor, grid, video=video))
     labels = batch["input_ids"].clone()
     labels[:, :prompt_length] = -100
     labels[batch["attention_mask"] == 0] = -100
@@ -87,10 +114,14 @@ def training_batch(processor, images: Sequence, answers: Sequence[str]) -> Dict[
     return batch
 
 
-def prompt_ids(processor, grid_thw: torch.Tensor) -> list:
-    """The token ids of the prompt for an image of ``grid_thw`` patches."""
-    image_tokens = int(grid_thw.prod()) // MERGE_SIZE ** 2
-    text = IMAGE_TEXT.replace("<|image_pad|>", "<|image_pad|>" * image_tokens) + PROMPT
+def prompt_ids(processor, grid_thw: torch.Tensor, *, video: bool = False) -> list:
+    """The token ids of the prompt for an image (``video``: a video) of ``grid_thw``
+    patches."""
+    tokens = int(grid_thw.prod()) // MERGE_SIZE ** 2
+    if video:
+        text = VIDEO_TEXT.replace("<|video_pad|>", "<|video_pad|>" * tokens) + CLIP_PROMPT
+    else:
+        text = IMAGE_TEXT.replace("<|image_pad|>", "<|image_pad|>" * tokens) + PROMPT
     return processor.tokenizer(text)["input_ids"]
 
 
@@ -142,3 +173,32 @@ def load(path: Optional[Path] = None, *, head: bool = True):
         from ..head import AttributionHead
         attribution_head = AttributionHead.load(str(path / HEAD_FILE))
     return model, processor, attribution_head
+
+
+def start_from(model, processor, folder: Path) -> None:
+    """Copies the weights of the shapes model in ``folder`` into ``model`` (built with the
+    same sizes for ``processor``): every weight as it is, and the token embeddings (tied
+    to the output layer) of the folder's vocabulary, which ``processor``'s must extend with
+    the same ids (as the video model's extends the picture model's); the rows of the words
+    it adds keep ``model``'s own initialisation."""
+    source, source_processor, _ = load(folder, head=False)
+    theirs, ours = source_processor.tokenizer.get_vocab(), processor.tokenizer.get_vocab()
+    if any(ours.get(word) != i for word, i in theirs.items()):
+        raise ValueError(f"headscope.shapes.start_from: the vocabulary of {folder} is not the "
+                         f"first {len(theirs)} words of the new model's")
+    weights, start = model.state_dict(), source.state_dict()
+    if weights.keys() != start.keys():
+        raise ValueError(f"headscope.shapes.start_from: {folder} holds other weights than the "
+                         f"new model: {sorted(weights.keys() ^ start.keys())[:3]}")
+    with torch.no_grad():
+        for name, weight in weights.items():
+            value = start[name]
+            rows = (len(ours), len(theirs))
+            if value.shape == weight.shape:
+                weight.copy_(value)
+            elif (weight.shape[0], value.shape[0]) == rows and weight.shape[1:] == value.shape[1:]:
+                weight[:len(theirs)].copy_(value)
+            else:
+                raise ValueError(f"headscope.shapes.start_from: {name} is {tuple(value.shape)} "
+                                 f"in {folder}, {tuple(weight.shape)} in the new model; train "
+                                 f"with the sizes of {folder / 'config.json'}")

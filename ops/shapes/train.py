@@ -1,12 +1,14 @@
-"""Training the shapes model from scratch: teacher-forced next-token loss on the answer,
-fresh scenes every step, AdamW with warm-up and cosine decay; resumable from an atomic
-checkpoint (safetensors and JSON, ``headscope.io.save_state``: loading it runs no code),
-deterministic in its seed (for a given number of threads).
+"""Training a shapes model from scratch (or from another shapes model): teacher-forced
+next-token loss on the answer, fresh scenes (or clips) every step, AdamW with warm-up and
+cosine decay; resumable from an atomic checkpoint (safetensors and JSON,
+``headscope.io.save_state``: loading it runs no code), deterministic in its seed (for a
+given number of threads).
 
-Example ``i`` of the run (``i = step * batch + j``) is ``scene(i, 1 + i % max_objects)``:
-training sees scene seeds ``0 .. steps * batch - 1``, all below ``HELD_OUT_SEED``. The data
-of a step is a function of its index; the checkpoint keeps torch's generator state too, so
-that anything random in a step (dropout) draws on resume what it would have drawn.
+Example ``i`` of the run (``i = step * batch + j``) is ``scene(i, 1 + i % max_objects)``
+(with ``world="clips"``: ``clip(i, 1 + i % max_objects)``): training sees seeds ``0 ..
+steps * batch - 1``, all below ``HELD_OUT_SEED``. The data of a step is a function of its
+index; the checkpoint keeps torch's generator state too, so that anything random in a step
+(dropout) draws on resume what it would have drawn.
 """
 from __future__ import annotations
 
@@ -15,19 +17,58 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from ..io import load_state, save_state, write_json
-from .accuracy import HELD_OUT_SEED, caption_accuracy, held_out_scenes
-from .model import build_model, training_batch
+from .accuracy import (CLIP_OBJECTS, CLIP_SEED_RANGES, HELD_OUT_SEED, caption_accuracy,
+                       clip_accuracy, held_out_clips, held_out_scenes)
+from .clips import MAX_CLIP_OBJECTS, clip, describe_clip
+from .model import DATA_DIR, build_model, start_from, training_batch
 from .processor import build_processor
 from .world import MAX_OBJECTS, describe, scene
 
 STATE_FILE = "train_state.safetensors"
 PICKLED_STATE_FILE = "train_state.pt"  # the pickle format of earlier versions, not loaded
 REPORT_FILE = "training.json"
+
+
+@dataclass(frozen=True)
+class World:
+    """What a run trains on: ``draw(seed, num_objects) -> (visual, objects)``, the true
+    description of the objects, the most objects ``draw`` takes and the most a run draws
+    by default (``Settings.max_objects``), whether the visual is a clip, and the held-out
+    accuracy that ends the run (``evaluate(model, processor, count)``: the report's
+    entries)."""
+    draw: Callable
+    describe: Callable
+    max_objects: int
+    objects: int
+    video: bool
+    evaluate: Callable
+
+
+def _evaluate_pictures(model, processor, count: int) -> dict:
+    return {"held_out_scene_seeds": [HELD_OUT_SEED, HELD_OUT_SEED + count - 1],
+            "held_out_accuracy": caption_accuracy(model, processor, held_out_scenes(count)),
+            "held_out_accuracy_5_to_9_objects": caption_accuracy(
+                model, processor, held_out_scenes(count, objects=(5, 9)))}
+
+
+def _evaluate_clips(model, processor, count: int) -> dict:
+    first = CLIP_SEED_RANGES["accuracy"]
+    return {"held_out_clip_seeds": [first, first + count - 1],
+            "held_out_clip_objects": list(CLIP_OBJECTS),
+            "held_out_accuracy": clip_accuracy(model, processor, held_out_clips(count))}
+
+
+WORLDS = {"pictures": World(scene, describe, MAX_OBJECTS, MAX_OBJECTS, False,
+                             _evaluate_pictures),
+          "clips": World(clip, describe_clip, MAX_CLIP_OBJECTS, CLIP_OBJECTS[1], True,
+                         _evaluate_clips)}
+# --init's name for the shipped picture model
+SHIPPED_INIT = "shapes"
 
 
 @dataclass(frozen=True)
@@ -47,6 +88,8 @@ class Settings:
     vision_mlp_ratio: int = 4
     max_objects: int = 9
     mixer_rank: int = 0  # 0: softmax vision attention; r: the mixer of rank r in every layer
+    world: str = "pictures"  # or "clips": the shapes world in time, for the video model
+    init: str = ""  # "": random weights; a model folder (or "shapes") to start from
 
     def check(self) -> None:
         for name in ("steps", "batch"):
@@ -56,22 +99,30 @@ class Settings:
         if self.mixer_rank < 0:
             raise ValueError(f"headscope.shapes.train: argument 'mixer_rank' must be >= 0 "
                              f"(0: softmax), got {self.mixer_rank}")
-        if not 1 <= self.max_objects <= MAX_OBJECTS:
+        if self.world not in WORLDS:
+            raise ValueError(f"headscope.shapes.train: argument 'world' must be one of "
+                             f"{sorted(WORLDS)}, got {self.world!r}")
+        most = WORLDS[self.world].max_objects
+        if not 1 <= self.max_objects <= most:
             raise ValueError(f"headscope.shapes.train: argument 'max_objects' must be in "
-                             f"[1, {MAX_OBJECTS}], got {self.max_objects}")
+                             f"[1, {most}] for {self.world}, got {self.max_objects}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"headscope.shapes.train: argument 'lr' must be > 0, got {self.lr}")
         if self.steps * self.batch > HELD_OUT_SEED:
             raise ValueError("headscope.shapes.train: steps * batch would reach the held-out "
                              "scene seeds")
+        if self.init and self.init != SHIPPED_INIT and \
+                not (Path(self.init) / "config.json").is_file():
+            raise ValueError(f"headscope.shapes.train: argument 'init' must be a model folder "
+                             f"(with config.json) or {SHIPPED_INIT!r}, got {self.init!r}")
 
 
 def _batch(processor, step: int, settings: Settings):
-    size = settings.batch
-    scenes = [scene(i, 1 + i % settings.max_objects)
-              for i in range(step * size, (step + 1) * size)]
-    return training_batch(processor, [image for image, _ in scenes],
-                          [describe(objects) for _, objects in scenes])
+    world = WORLDS[settings.world]
+    drawn = [world.draw(i, 1 + i % settings.max_objects)
+             for i in range(step * settings.batch, (step + 1) * settings.batch)]
+    return training_batch(processor, [visual for visual, _ in drawn],
+                          [world.describe(objects) for _, objects in drawn], video=world.video)
 
 
 def _schedule(settings: Settings):
@@ -100,7 +151,8 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
           eval_scenes: int = 200, progress: bool = True) -> dict:
     """Trains (or resumes training) into ``out``; when done, saves the model and processor
     there (``from_pretrained`` format), measures caption accuracy on ``eval_scenes``
-    held-out scenes of 1 to 4 objects and as many of 5 to 9 and writes ``training.json``.
+    held-out scenes of 1 to 4 objects and as many of 5 to 9 (clips: on ``eval_scenes``
+    held-out clips of 1 to 3 objects) and writes ``training.json``.
     ``finish_at``: end the run at that step of the schedule, which keeps its length
     ``settings.steps`` (the learning rate is where the full run would have it), and save
     it as done (for a run that cannot take its full time). ``stop_after``: leave after
@@ -111,13 +163,17 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
     settings.check()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    processor = build_processor()
+    world = WORLDS[settings.world]
+    processor = build_processor(video=world.video)
     model = build_model(processor, settings.seed, hidden=settings.hidden,
                         layers=settings.layers, heads=settings.heads,
                         kv_heads=settings.kv_heads, intermediate=settings.intermediate,
                         vision_width=settings.vision_width, vision_depth=settings.vision_depth,
                         vision_mlp_ratio=settings.vision_mlp_ratio,
                         mixer_rank=settings.mixer_rank)
+    if settings.init:
+        start_from(model, processor, DATA_DIR if settings.init == SHIPPED_INIT else
+                   Path(settings.init))
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.01,
                                   betas=(0.9, 0.98))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(settings))
@@ -195,16 +251,13 @@ def train(out: Path, settings: Settings = Settings(), *, checkpoint_every: int =
     if step < end:
         return None
     model.eval()
-    accuracy = caption_accuracy(model, processor, held_out_scenes(eval_scenes))
-    crowded = caption_accuracy(model, processor, held_out_scenes(eval_scenes, objects=(5, 9)))
+    accuracy = world.evaluate(model, processor, eval_scenes)
     _save_complete(out, model, processor)
     report = {"settings": asdict(settings), "train_seconds": round(elapsed, 1),
               "threads": torch.get_num_threads(),
               "finished_at_step": step, "schedule_lengths": lengths,
               "train_scene_seeds": [0, step * settings.batch - 1],
-              "held_out_scene_seeds": [HELD_OUT_SEED, HELD_OUT_SEED + eval_scenes - 1],
-              "held_out_accuracy": accuracy, "held_out_accuracy_5_to_9_objects": crowded,
-              "training_loss": losses}
+              **accuracy, "training_loss": losses}
     write_json(out / REPORT_FILE, report)
     state_path.unlink()
     return report

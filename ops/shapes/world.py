@@ -60,7 +60,10 @@ def _star(cx: float, cy: float, radius: float) -> List[Tuple[float, float]]:
     return points
 
 
-def _draw(draw, shape: str, cx: float, cy: float, size: int, fill) -> Tuple[int, int, int, int]:
+def draw_shape(draw, shape: str, cx: float, cy: float, size: int,
+               fill) -> Tuple[int, int, int, int]:
+    """Draws ``shape`` of ``size`` pixels centred at ``(cx, cy)`` with ``draw`` (a PIL
+    ``ImageDraw``) and returns its box ``(x0, y0, x1, y1)``, clipped to the image."""
     # A dark outline makes the silhouette the same pixels whatever the colour, which the
     # vision tower's linear patch embedding can pick up directly.
     h = size / 2
@@ -80,13 +83,31 @@ def _draw(draw, shape: str, cx: float, cy: float, size: int, fill) -> Tuple[int,
     return x0, y0, x1, y1
 
 
+def background_style(rng) -> Tuple[int, float]:
+    """A background's grey level and noise (standard deviation, 0-255 scale) drawn from
+    ``rng``: half the backgrounds plain, half with noise up to 12."""
+    grey = int(rng.integers(200, 246))
+    return grey, float(rng.uniform(0, 12)) if rng.random() < 0.5 else 0.0
+
+
+def background(rng, grey: int, noise: float):
+    """A PIL image (``IMAGE_SIZE`` square, RGB) of plain ``grey`` with Gaussian noise of
+    standard deviation ``noise`` drawn from ``rng``."""
+    from PIL import Image
+
+    pixels = np.full((IMAGE_SIZE, IMAGE_SIZE, 3), grey, dtype=np.float32)
+    if noise > 0:
+        pixels += rng.normal(0, noise, pixels.shape).astype(np.float32)
+    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
 def scene(seed: int, num_objects: int, noise: Optional[float] = None):
     """A PIL image (``IMAGE_SIZE`` square, RGB) of ``num_objects`` shapes and the list of
     its :class:`SceneObject` in description order, deterministic in ``seed``.
 
     ``noise``: standard deviation (0-255 scale) of Gaussian noise on the background;
     None draws it from the seed (half the images plain, half with noise up to 12)."""
-    from PIL import Image, ImageDraw
+    from PIL import ImageDraw
 
     if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"headscope.shapes.scene: argument 'seed' must be an int >= 0, "
@@ -95,13 +116,8 @@ def scene(seed: int, num_objects: int, noise: Optional[float] = None):
         raise ValueError(f"headscope.shapes.scene: argument 'num_objects' must be an int in "
                          f"[1, {MAX_OBJECTS}], got {num_objects!r}")
     rng = np.random.default_rng([int(seed), int(num_objects)])
-    grey = int(rng.integers(200, 246))
-    drawn_noise = float(rng.uniform(0, 12)) if rng.random() < 0.5 else 0.0
-    noise = drawn_noise if noise is None else float(noise)
-    background = np.full((IMAGE_SIZE, IMAGE_SIZE, 3), grey, dtype=np.float32)
-    if noise > 0:
-        background += rng.normal(0, noise, background.shape).astype(np.float32)
-    image = Image.fromarray(np.clip(background, 0, 255).astype(np.uint8))
+    grey, drawn_noise = background_style(rng)
+    image = background(rng, grey, drawn_noise if noise is None else float(noise))
     draw = ImageDraw.Draw(image)
     cells = sorted(PLACES)
     chosen = sorted(cells[i] for i in rng.choice(len(cells), num_objects, replace=False))
@@ -112,7 +128,7 @@ def scene(seed: int, num_objects: int, noise: Optional[float] = None):
         size = int(rng.integers(*_SIZE_RANGE))
         cx = (col + 0.5) * _CELL + rng.uniform(-_JITTER, _JITTER)
         cy = (row + 0.5) * _CELL + rng.uniform(-_JITTER, _JITTER)
-        box = _draw(draw, shape, cx, cy, size, COLOURS[colour])
+        box = draw_shape(draw, shape, cx, cy, size, COLOURS[colour])
         objects.append(SceneObject(shape, colour, PLACES[(row, col)][0], box))
     return image, objects
 
