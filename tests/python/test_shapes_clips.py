@@ -333,6 +333,11 @@ def test_training_starts_from_a_picture_model(tmp_path):
 
 # ---- the shipped video model -----------------------------------------------------------------
 
+# strict: the day the model ships, these pass and the mark must go
+NOT_TRAINED = pytest.mark.xfail(not (VIDEO_DIR / "config.json").is_file(), strict=True,
+                                reason="the video shapes model is not trained yet (issue 47)")
+
+
 @pytest.fixture(scope="module")
 def shipped_video():
     if not (VIDEO_DIR / "config.json").is_file():
@@ -340,6 +345,7 @@ def shipped_video():
     return shapes.load(VIDEO_DIR)
 
 
+@NOT_TRAINED
 def test_shipped_video_model_describes_a_held_out_clip_exactly(shipped_video):
     from headscope.shapes.accuracy import held_out_clips
     model, processor, head = shipped_video
@@ -358,6 +364,7 @@ def test_shipped_video_model_describes_a_held_out_clip_exactly(shipped_video):
     assert text == shapes.describe_clip(objects), (seed, text)
 
 
+@NOT_TRAINED
 def test_accuracy_command_on_clips(shipped_video):
     run = subprocess.run([sys.executable, "-m", "headscope.shapes", "--threads", "1",
                           "accuracy", "--video", "--scenes", "2"],
