@@ -79,6 +79,18 @@ def kill_once_written(argv, path: Path, env, who: str, timeout: float = 300) -> 
         proc.wait()
 
 
+def with_options(argv, override) -> list:
+    """``argv`` with each ``OPTION VALUE`` pair of ``override`` in place of its own value, or
+    appended where ``argv`` has no such option."""
+    argv = list(argv)
+    for i in range(0, len(override), 2):
+        if override[i] in argv:
+            argv[argv.index(override[i]) + 1] = override[i + 1]
+        else:
+            argv += override[i:i + 2]
+    return argv
+
+
 def usage_error(capsys, *argv) -> str:
     """Runs ``python -m headscope ARGV`` in this process where it must refuse its arguments:
     exit 2, one line on stderr, nothing on stdout. Returns that line."""

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from headscope.commands import main  # noqa: E402
 from headscope.hf.testing import FAMILIES, quarters, tiny_checkpoint  # noqa: E402
-from conftest import usage_error  # noqa: E402
+from conftest import usage_error, with_options  # noqa: E402
 
 PROMPT = "describe the image ."
 COLOURS = ((200, 30, 30), (30, 200, 30), (30, 30, 200), (220, 220, 40))
@@ -368,13 +368,7 @@ def test_bad_arguments_fail_before_any_work(qwen, picture, tmp_path, capsys):
         "nor a model in the local Hugging Face cache": ["--model", "nobody/no-such-model"],
     }
     for expected, override in cases.items():
-        argv = list(base)
-        for i in range(0, len(override), 2):
-            if override[i] in argv:
-                argv[argv.index(override[i]) + 1] = override[i + 1]
-            else:
-                argv += override[i:i + 2]
-        err = usage_error(capsys, *argv)
+        err = usage_error(capsys, *with_options(base, override))
         assert expected in err, (expected, err)
         assert _files(tmp_path) == before, expected
     busy.close()

@@ -18,7 +18,7 @@ av = pytest.importorskip("av", reason="writing the test videos needs PyAV: pip i
 from headscope.commands import main  # noqa: E402
 from headscope.hf.testing import quarters, tiny_checkpoint  # noqa: E402
 from headscope.videos import decoder_missing  # noqa: E402
-from conftest import usage_error  # noqa: E402
+from conftest import usage_error, with_options  # noqa: E402
 
 if decoder_missing():
     pytest.skip(decoder_missing(), allow_module_level=True)
@@ -363,13 +363,7 @@ def test_bad_video_arguments_fail_before_any_work(qwen, files, tmp_path, capsys)
         "--frames 4: windows of frames need ROWSxCOLS regions": ["--frames", "4", "--regions", "5"],
     }
     for expected, override in cases.items():
-        argv = list(base)
-        for i in range(0, len(override), 2):
-            if override[i] in argv:
-                argv[argv.index(override[i]) + 1] = override[i + 1]
-            else:
-                argv += override[i:i + 2]
-        err = usage_error(capsys, *argv)
+        err = usage_error(capsys, *with_options(base, override))
         assert expected in err, (expected, err)
         assert _files(tmp_path) == before, expected
     no_media = [a for a in base if a not in ("--video", str(files["clip"]))]
