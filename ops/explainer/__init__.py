@@ -129,7 +129,11 @@ class Explanation:
     def region_tokens(self) -> torch.Tensor:
         """``(K,)`` int64: the image tokens of each region, over every view of every
         picture and every frame group of every video."""
-        return region_token_counts([*self.pictures, *self.videos], self.num_regions)
+        from ..hf.curves import region_tokens
+        media = [*self.pictures, *self.videos]
+        labels = torch.cat([m.labels for m in media]) if media else \
+            torch.zeros(0, dtype=torch.int64)
+        return region_tokens(labels, self.num_regions)
 
     def report(self) -> dict:
         """Every number of the explanation, as report.json holds them."""
@@ -150,15 +154,6 @@ class Explanation:
         (one per span), each atomically; creates the folder. Returns the page's path."""
         from .page import save
         return save(self, Path(folder))
-
-
-def region_token_counts(media: Sequence, regions: int) -> torch.Tensor:
-    """``(regions,)`` int64: how many image tokens each region holds, over every view of
-    every picture and every frame group of every video in ``media`` (each with the
-    ``labels`` of its tokens)."""
-    labels = torch.cat([m.labels for m in media]) if media else \
-        torch.zeros(0, dtype=torch.int64)
-    return torch.bincount(labels[labels >= 0], minlength=regions)
 
 
 def video_processor_of(processor):

@@ -20,10 +20,13 @@ TRUE_ORDER = "effects"  # the references: the true single-region effects' heat o
 RANDOM_ORDER = "random"  # and uniformly random orders
 
 
-def region_tokens(region_ids: torch.Tensor) -> torch.Tensor:
-    """``(K,)`` int64: the image tokens of each region of the prompt's ``region_ids``."""
+def region_tokens(region_ids: torch.Tensor, regions: Optional[int] = None) -> torch.Tensor:
+    """``(K,)`` int64: the image tokens of each region of the prompt's ``region_ids`` (-1:
+    no region); K is ``regions`` where given (regions without tokens count 0), else one
+    past the largest id."""
     rid = region_ids.reshape(-1).cpu()
-    return torch.bincount(rid[rid >= 0], minlength=int(rid.max()) + 1)
+    K = regions if regions is not None else int(rid.max()) + 1
+    return torch.bincount(rid[rid >= 0], minlength=K)
 
 
 def random_orders(spans: int, regions: int, count: int, seed: int) -> torch.Tensor:
