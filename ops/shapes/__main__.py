@@ -1,5 +1,6 @@
 """python -m headscope.shapes {train,demo,screenshot,accuracy,latency,data,answers,
-hallucination,faithfulness,head-eval,scorer-cost,heat-check,heat-default,mixer,reproduce}:
+hallucination,faithfulness,head-eval,clip-head,clip-eval,scorer-cost,heat-check,heat-default,mixer,
+reproduce}:
 the embedded shapes model.
 
   train     train the model from scratch into a folder (resumable: rerun the same command);
@@ -18,6 +19,10 @@ the embedded shapes model.
   head-eval      the head against raw attention (and value-norm-weighted attention) on a
                  fixed seed range: per-image LDS with the paired difference's interval,
                  pointing
+  clip-head      fit the video model's attribution head on training-stream clips
+  clip-eval      the video head against raw attention, AttnLRP and the gradient norm on
+                 held-out clips over space-time regions: LDS, deletion and insertion,
+                 pointing in space and in time
   scorer-cost    what each scorer of headscope.explain costs per answer and per span
   heat-check     does the page paint the named object hotter than the rest of the picture,
                  without a head and with the shipped head
@@ -41,6 +46,7 @@ HEAD_FREE = ("attention", "attention*value_norm", "attnlrp", "gradient")  # expl
 SIZES = ("steps", "batch", "seed", "hidden", "layers", "heads", "kv_heads", "intermediate",
          "vision_width", "vision_depth", "vision_mlp_ratio", "warmup", "max_objects", "mixer_rank")
 PROG = "python -m headscope.shapes"
+VIDEO_TOKENS = 144  # a clip's: 4 frame groups of 6 x 6 tokens
 
 
 def _model_folder(text: str) -> Path:
@@ -126,18 +132,27 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint-every", type=count, default=100,
                    help="steps between checkpoints (and entries of the loss log)")
 
-    p = sub.add_parser("demo", help="describe held-out scenes with span attributions")
+    p = sub.add_parser("demo", help="describe held-out scenes (or clips) with span "
+                                    "attributions")
     p.add_argument("--out", type=Path, default=Path("shapes-demo"), help="output folder")
-    p.add_argument("--images", type=count, default=3)
+    p.add_argument("--images", type=count, default=3, help="held-out scenes (default 3)")
+    p.add_argument("--video", action="store_true",
+                   help="the video model on held-out clips, each written as an MP4 file and "
+                        "explained as `python -m headscope explain --video` explains one")
+    p.add_argument("--clips", type=count, default=None,
+                   help="with --video: held-out clips (default 3)")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--grid", type=grid(TOKEN_GRID, TOKEN_GRID, image_tokens), default="3x3",
+    which.add_argument("--grid", type=grid(TOKEN_GRID, TOKEN_GRID, image_tokens), default=None,
                        metavar="ROWSxCOLS",
                        help="regions: a grid of blocks of the image (default 3x3, the world's "
-                            "cells)")
-    which.add_argument("--regions", type=integer(1, TOKEN_GRID ** 2, image_tokens),
-                       default=None, metavar="K",
-                       help="regions: K Ward regions of the image instead of a grid")
-    p.add_argument("--model", **model)
+                            "cells; with --video in each quarter of the clip, at most 6x6)")
+    which.add_argument("--regions", type=integer(1), default=None, metavar="K",
+                       help=f"regions: K Ward regions of the image instead of a grid (at most "
+                            f"{TOKEN_GRID ** 2}; with --video over space and time, at most "
+                            f"{VIDEO_TOKENS})")
+    p.add_argument("--model", type=_model_folder, default=None,
+                   help="model folder, or 'mixer' (default: the one shipped with headscope; "
+                        "with --video, the shipped video model)")
 
     p = sub.add_parser("screenshot", help="the explain page of a held-out scene as a PNG")
     p.add_argument("--png", type=Path, required=True, help="the PNG file to write")
@@ -228,6 +243,42 @@ def main(argv=None) -> int:
                         "baseline, and it must hold every head's blocks")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
 
+    from .accuracy import CLIP_SEED_RANGES
+    from .clip_eval import HEAD_CLIPS
+    quarter_tokens = " (a quarter's 6x6 video tokens)"
+    p = sub.add_parser("clip-head", help="fit the video model's head on training clips")
+    p.add_argument("--out", type=Path, required=True, help="the head's file (.safetensors)")
+    p.add_argument("--clips", type=count, default=HEAD_CLIPS,
+                   help=f"training-stream clips per layout (default {HEAD_CLIPS})")
+    p.add_argument("--cache", type=Path, default=None, metavar="DIR",
+                   help="keep each clip's spans in DIR (one folder per layout); a rerun "
+                        "resumes there")
+    p.add_argument("--model", type=_model_folder, default=None,
+                   help="video model folder (default: the shipped video model)")
+
+    p = sub.add_parser("clip-eval", help="the video head against the baselines on clips")
+    p.add_argument("--seeds", choices=sorted(CLIP_SEED_RANGES), default="dev",
+                   help="clip seed range: dev (for choosing settings) or reported (for the "
+                        "reported numbers only)")
+    p.add_argument("--clips", type=count, default=150)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--grid", type=grid(6, 6, quarter_tokens), default=None,
+                       metavar="ROWSxCOLS",
+                       help="regions: a grid in each quarter (default: the world's 3 x 3 "
+                            "cells in each quarter, 36 regions)")
+    which.add_argument("--regions", type=integer(1, VIDEO_TOKENS, " (a clip's video tokens)"),
+                       default=None,
+                       metavar="K", help="regions: K Ward regions over space and time")
+    p.add_argument("--cache", type=Path, default=None, metavar="DIR",
+                   help="keep each clip's record in DIR as it is measured; a rerun with the "
+                        "same settings resumes there")
+    p.add_argument("--model", type=_model_folder, default=None,
+                   help="video model folder (default: the shipped video model)")
+    p.add_argument("--head", type=_head_file, action="append", default=None,
+                   help="head file (default: the model folder's head.safetensors); several "
+                        "are compared on the same spans")
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+
     p = sub.add_parser("scorer-cost", help="what each scorer of headscope.explain costs")
     p.add_argument("--model", **model)
     p.add_argument("--rounds", type=count, default=9)
@@ -268,7 +319,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)  # exits 2 on a bad argument
 
     def work() -> int:
-        if getattr(args, "video", False) and args.objects and args.objects[1] > MAX_CLIP_OBJECTS:
+        objects = getattr(args, "objects", None)
+        if getattr(args, "video", False) and objects and objects[1] > MAX_CLIP_OBJECTS:
             raise UsageError(f"argument --objects: must be LO-HI with 1 <= LO <= HI <= "
                              f"{MAX_CLIP_OBJECTS} for clips, got {args.objects[0]}-"
                              f"{args.objects[1]}")
@@ -284,7 +336,7 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> None:
-    from ..commands.errors import UsageError
+    from ..commands.errors import UsageError, refuse_ignored
     from ..io import write_json
     if args.command == "train":
         from .train import WORLDS, Settings, train
@@ -303,9 +355,21 @@ def _run(args) -> None:
               f"stopped with the checkpoint in {args.out}; rerun to resume")
     elif args.command == "demo":
         from ..hf.regions import parse_grid
-        from .demo import run_demo
-        run_demo(args.out, args.images, model_dir=args.model,
-                 regions=args.regions if args.regions is not None else parse_grid(args.grid))
+        from .processor import TOKEN_GRID
+        regions = args.regions if args.regions is not None else parse_grid(args.grid or "3x3")
+        most, tokens = (VIDEO_TOKENS, "a clip's video tokens") if args.video else \
+            (TOKEN_GRID ** 2, "the image's tokens")
+        if args.regions is not None and args.regions > most:
+            raise UsageError(f"argument --regions: must be at most {most} ({tokens}), got "
+                             f"{args.regions}")
+        if args.video:
+            from .video_demo import run_video_demo
+            refuse_ignored(args, ["images"], "with --video (--clips counts the clips)")
+            run_video_demo(args.out, args.clips or 3, model_dir=args.model, regions=regions)
+        else:
+            from .demo import run_demo
+            refuse_ignored(args, ["clips"], "without --video")
+            run_demo(args.out, args.images, model_dir=args.model, regions=regions)
     elif args.command == "screenshot":
         import tempfile
 
@@ -349,6 +413,19 @@ def _run(args) -> None:
                                model_dir=args.model, head_path=args.head,
                                features=args.features, cache=args.cache)
         print(table(result))
+        if args.json is not None:
+            write_json(args.json, result)
+    elif args.command == "clip-head":
+        from .clip_eval import fit_clip_head
+        head = fit_clip_head(args.model, args.clips, cache=args.cache)
+        head.save(args.out)
+        print(args.out)
+    elif args.command == "clip-eval":
+        from .clip_eval import CELLS, clip_table, evaluate_clips
+        layout = args.regions if args.regions is not None else args.grid or CELLS
+        result = evaluate_clips(args.seeds, args.clips, layout=layout, model_dir=args.model,
+                                head_path=args.head, cache=args.cache)
+        print(clip_table(result))
         if args.json is not None:
             write_json(args.json, result)
     elif args.command == "scorer-cost":

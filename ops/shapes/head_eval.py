@@ -31,18 +31,21 @@ leaves them out of the fit by default too), and all spans, the end-of-text span 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..features import FEATURE_BLOCKS, feature_columns, feature_set_holding
-from ..metrics import in_box, lds_per_image, mean_with_interval, random_pointing
+from ..metrics import in_box, lds_per_image, mean_with_interval
 from .accuracy import HELD_OUT_SEED
 from .demo import WORLD_GRID
 from .figures import region_centroids
-from .heat_eval import heat_measures, heat_table, summarise_heat
+from .heat_eval import heat_measures, heat_table, object_tokens, summarise_heat
 from .model import load, prompt
 from .world import IMAGE_SIZE, match_object, parse_sentence, scene
+
+if TYPE_CHECKING:
+    from ..head import AttributionHead
 
 SEED_RANGES = {"dev": HELD_OUT_SEED + 3_000_000, "reported": HELD_OUT_SEED + 4_000_000,
                "heat-reported": HELD_OUT_SEED + 7_000_000,
@@ -91,27 +94,51 @@ def scene_record(model, processor, heads: Mapping[str, "AttributionHead"], regio
     block's name, and AttnLRP's as ``"attnlrp"``), true effects, whether it is made only of
     special tokens (``special``), pointing and the seconds AttnLRP took. ``regions``: as
     ``Tracer`` takes them; ``features``: the set traced, holding every head's blocks."""
+    image, objects = scene(seed, num_objects)
+    inputs = prompt(processor, image)
+    tracer, spans, record = scored_spans(model, processor, inputs, heads, regions,
+                                         max_new_tokens, features)
+    record.update(seed=seed, objects=num_objects)
+    if not spans:
+        return record
+    (picture,) = tracer.images[0]
+    labels = tracer.region_ids[0, picture.grid.positions].cpu().numpy()
+    centroids = region_centroids(labels, (picture.rows, picture.cols), IMAGE_SIZE,
+                                 tracer.num_regions[0])
+    cell = torch.as_tensor(centroids, dtype=torch.float64)
+    named = []  # (span, regions pointing at the object, its tokens) per span naming one
+    for i, s in enumerate(spans):
+        text = processor.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+        obj = match_object(parse_sentence(text), objects)
+        if obj is not None:
+            named.append((i, in_box(*cell.unbind(1), obj.box),
+                          object_tokens(picture.boxes, obj.box, IMAGE_SIZE)))
+    finish_record(record, model, inputs, tracer, spans, named,
+                  tracer.region_ids[0, picture.positions].cpu(), seed)
+    return record
+
+
+def scored_spans(model, processor, inputs, heads: Mapping[str, "AttributionHead"], regions,
+                 max_new_tokens: int, features: str):
+    """``(tracer, spans, record)``: the greedy answer to ``inputs`` generated inside a
+    ``Tracer`` with ``regions`` and ``features``, its spans, and a record of each span's
+    scores (each head's, each raw block's, AttnLRP's and the gradient norm's), true
+    single-region effects and ``special`` flags (only ``spans`` and ``special`` without a
+    span)."""
     import time
 
     from ..hf import Tracer, attnlrp_scores, gradient_norm_scores, region_effects
-    from ..hf.curves import region_tokens
 
-    image, objects = scene(seed, num_objects)
-    inputs = prompt(processor, image)
     spans = []
     # region_effects attaches to the model itself, so the tracer is closed before it runs
     with Tracer(model, regions=regions, vas=False, tokenizer=processor.tokenizer,
                 features=features) as tracer:
         tracer.generate_with(spans.append, **inputs, max_new_tokens=max_new_tokens,
                              do_sample=False)
-    (picture,) = tracer.images[0]
-    labels = tracer.region_ids[0, picture.grid.positions].cpu().numpy()
-    K = tracer.num_regions[0]
-    centroids = region_centroids(labels, (picture.rows, picture.cols), IMAGE_SIZE, K)
-    record = {"seed": seed, "objects": num_objects, "spans": len(spans),
+    record = {"spans": len(spans),
               "special": torch.tensor([s.special for s in spans], dtype=torch.bool)}
     if not spans:
-        return record
+        return tracer, spans, record
     traced = torch.stack([s.features for s in spans]).float()  # (S, K, F)
     record["effects"] = region_effects(model, inputs, tracer.sequences, spans,
                                        tracer.region_ids, ablation="mask", progress=False)
@@ -126,26 +153,26 @@ def scene_record(model, processor, heads: Mapping[str, "AttributionHead"], regio
         **{block: feature_columns(traced, features, block).mean(-1)
            for block in FEATURE_BLOCKS[features]},
         "attnlrp": attnlrp, "gradient": gradient}
-    pointing = []  # (hit per scorer, chance of a random region) per span naming an object
-    named = []  # (span, box) of each span naming an object
-    for i, s in enumerate(spans):
-        text = processor.tokenizer.decode(s.token_ids, skip_special_tokens=True)
-        obj = match_object(parse_sentence(text), objects)
-        if obj is None:
-            continue
-        hits = {name: bool(in_box(*centroids[int(scores[i].argmax())], obj.box))
-                for name, scores in record["scores"].items()}
-        cell = torch.as_tensor(centroids, dtype=torch.float64)
-        pointing.append((hits, random_pointing([(None, cell, obj.box)])))
-        named.append((i, obj.box))
-    record["pointing"] = pointing
-    record["features"] = traced  # (S, K, F): heads fitted later score the same spans
-    record["tokens"] = region_tokens(tracer.region_ids)  # (K,): image tokens per region
+    record["features"] = traced  # heads fitted later score the same spans
+    return tracer, spans, record
+
+
+def finish_record(record: dict, model, inputs, tracer, spans: Sequence, named: List[tuple],
+                  token_labels: torch.Tensor, seed: int) -> None:
+    """Adds to ``record`` (as :func:`scored_spans` made it) pointing by each scorer's
+    region totals (``(hits per scorer, chance of a random region)`` per span of ``named``,
+    as :func:`~headscope.shapes.heat_eval.heat_measures` takes it), the image tokens per
+    region and the heat map's yardsticks."""
+    from ..hf.curves import region_tokens
+    tokens = region_tokens(tracer.region_ids, tracer.num_regions[0])
+    record["pointing"] = [
+        ({name: bool(hits[int(scores[i].argmax())]) for name, scores in record["scores"].items()},
+         float(hits[tokens > 0].double().mean()))
+        for i, hits, _ in named]
+    record["tokens"] = tokens
     record["heat"] = heat_measures(
         model, inputs, tracer.sequences, spans, tracer.region_ids, record["scores"],
-        record["effects"], named, torch.as_tensor(centroids, dtype=torch.float64),
-        tracer.region_ids[0, picture.positions].cpu(), picture.boxes, IMAGE_SIZE, seed)
-    return record
+        record["effects"], named, token_labels, seed)
 
 
 def compared_pairs(heads: Sequence[str], baselines: Sequence[str]) -> List[Tuple[str, str]]:
@@ -343,21 +370,29 @@ class SceneCache:
         return [load_state(p) for p in paths]
 
 
-def table(result: dict) -> str:
+def scorer_names(result: dict):
+    """A function naming each scorer of ``result`` for a table: the raw baselines' names,
+    each head's label with its feature set."""
+    sets = result.get("head_feature_sets", {})
+
+    def name(scorer):
+        if scorer in RAW_NAMES:
+            return RAW_NAMES[scorer]
+        return f"{scorer} ({sets[scorer]})" if scorer in sets else scorer
+    return name
+
+
+def table(result: dict, visuals: str = "scenes") -> str:
     """The result as markdown: per-image LDS with intervals of each head and raw baseline,
     and each head's paired difference to each baseline, on the sentence spans and on all
-    spans; pointing."""
+    spans; pointing. ``visuals``: what the result's items are called (scenes, clips)."""
     def cell(m):
         if m["interval95"] is None:
             return "n/a" if m["mean"] is None else f"{m['mean']:.3f} (one scene)"
         return f"{m['mean']:.3f} ± {m['se']:.3f} [{m['interval95'][0]:.3f}, " \
                f"{m['interval95'][1]:.3f}]"
 
-    def name(scorer):
-        if scorer in RAW_NAMES:
-            return RAW_NAMES[scorer]
-        sets = result.get("head_feature_sets", {})
-        return f"{scorer} ({sets[scorer]})" if scorer in sets else scorer
+    name = scorer_names(result)
 
     every = result["all_spans"]
     p = result["pointing"]
@@ -374,11 +409,11 @@ def table(result: dict) -> str:
     timed = "; ".join(f"{name(k)}: {v:.1f} ms per span"
                       for k, v in result.get("ms_per_span", {}).items())
     return "\n".join([
-        f"{result['scenes']} scenes ({result['seed_range']} seeds {result['seeds'][0]}.."
+        f"{result['scenes']} {visuals} ({result['seed_range']} seeds {result['seeds'][0]}.."
         f"{result['seeds'][1]}, {regions}{features}). Sentence spans: "
         f"{result['spans']} ({result['special_spans_left_out']} special-token-only spans "
-        f"left out), {result['scenes_scored']} scenes with every LDS defined; all spans: "
-        f"{every['spans']}, {every['scenes_scored']} scenes; {result['pointing_spans']} "
+        f"left out), {result['scenes_scored']} {visuals} with every LDS defined; all spans: "
+        f"{every['spans']}, {every['scenes_scored']} {visuals}; {result['pointing_spans']} "
         f"spans name an object of the image (pointing).", "",
         "| scores | per-image LDS, sentence spans (mean ± s.e. [bootstrap 95%]) | "
         "per-image LDS, all spans | pointing |",
@@ -386,4 +421,4 @@ def table(result: dict) -> str:
         f"| a uniformly random region (expected) | | | {pct['random']} |",
         *([f"Post-hoc cost: {timed} (after generation, this process's threads)."]
           if timed else []),
-        *(["", heat_table(result["heat"], name)] if result.get("heat") else [])])
+        *(["", heat_table(result["heat"], name, visuals)] if result.get("heat") else [])])

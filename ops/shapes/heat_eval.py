@@ -38,15 +38,14 @@ def object_tokens(token_boxes: torch.Tensor, box: Sequence[float], image_size: i
 
 def heat_measures(model, inputs, sequences, spans: Sequence, region_ids: torch.Tensor,
                   scores: Mapping[str, torch.Tensor], effects: torch.Tensor,
-                  named: List[Tuple[int, Sequence[float]]], centroids: torch.Tensor,
-                  token_labels: torch.Tensor, token_boxes: torch.Tensor, image_size: int,
-                  seed: int) -> dict:
-    """One scene's yardsticks. ``scores``: each scorer's ``(S, K)`` region scores;
-    ``effects``: the spans' single-region effects; ``named``: ``(span, box)`` of each span
-    that names an object of the picture; ``centroids`` ``(K, 2)`` each region's centre in
-    pixels; ``token_labels`` / ``token_boxes``: each image token's region and box
-    (normalised). Curves are measured on the sentence spans (``spans`` whose ``special``
-    is false)."""
+                  named: List[Tuple[int, torch.Tensor, torch.Tensor]],
+                  token_labels: torch.Tensor, seed: int) -> dict:
+    """One scene's (or clip's) yardsticks. ``scores``: each scorer's ``(S, K)`` region
+    scores; ``effects``: the spans' single-region effects; ``named``: ``(span, hits,
+    on_object)`` of each span that names an object, ``hits`` ``(K,)`` bool the regions
+    that point at it (their centre on the object) and ``on_object`` ``(T,)`` bool its image
+    tokens; ``token_labels`` ``(T,)``: each image token's region. Curves are measured on
+    the sentence spans (``spans`` whose ``special`` is false)."""
     from ..hf import heat_curves
     from ..hf.curves import region_tokens
 
@@ -58,18 +57,22 @@ def heat_measures(model, inputs, sequences, spans: Sequence, region_ids: torch.T
                                     region_ids, {k: v[kept] for k, v in scores.items()},
                                     effects=effects[kept], random=RANDOM_ORDERS, seed=seed)
         out.update(curves=curves, total=total)
-    tokens = region_tokens(region_ids)
+    tokens = region_tokens(region_ids, len(effects[0]) if len(effects) else None)
     pointing, hotter = [], []
-    for i, box in named:
+    for i, hits, on_object in named:
         heats = {name: per_token(value[i], tokens) for name, value in scores.items()}
         heats["effects"] = per_token(effects[i], tokens)
-        on_object = object_tokens(token_boxes, box, image_size)
-        pointing.append({name: bool(in_box(*centroids[int(torch.nan_to_num(
-            heat, nan=-torch.inf).argmax())].tolist(), box)) for name, heat in heats.items()})
+        pointing.append({name: bool(hits[int(hottest(heat))]) for name, heat in heats.items()})
         hotter.append({name: hotter_than_rest(heat[token_labels], on_object)
                        for name, heat in heats.items()})
     out.update(pointing=pointing, hotter=hotter)
     return out
+
+
+def hottest(heat: torch.Tensor) -> torch.Tensor:
+    """The index of the largest entry of ``heat`` along its last dimension, NaN
+    (a region without tokens) never chosen."""
+    return torch.nan_to_num(heat, nan=-torch.inf).argmax(-1)
 
 
 def summarise_heat(records: List[dict], heads: Sequence[str], baselines: Sequence[str]
@@ -123,10 +126,10 @@ def _share(values: List[bool]) -> Optional[float]:
     return sum(values) / len(values) if values else None
 
 
-def heat_table(heat: dict, name) -> str:
+def heat_table(heat: dict, name, visuals: str = "scenes") -> str:
     """Markdown: deletion and insertion AUC per scorer and reference with intervals, each
     head's paired differences, pointing by heat, hotter than the rest, R^2. ``name``: a
-    scorer's display name."""
+    scorer's display name; ``visuals``: what the items are called (scenes, clips)."""
     def cell(m):
         if m["mean"] is None:
             return "n/a"
@@ -152,7 +155,7 @@ def heat_table(heat: dict, name) -> str:
                       if v is not None)
     return "\n".join([
         f"Heat map yardsticks on {heat['spans']} sentence spans of {heat['scenes_scored']} "
-        f"scenes (deletion and insertion AUC: mean over images [bootstrap 95%]; regions in "
+        f"{visuals} (deletion and insertion AUC: mean over images [bootstrap 95%]; regions in "
         f"order of score per image token); {heat['pointing_spans']} spans name an object.",
         "", "| scores | deletion AUC | insertion AUC | pointing by heat | object hotter than "
         "the rest | R^2 (nats) |", "| --- | --- | --- | --- | --- | --- |", *rows,

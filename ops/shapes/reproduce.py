@@ -11,7 +11,9 @@ regions and with the world's 3 x 3 cells; the head is the shipped one, not refit
 latency, the
 faithfulness figure, hallucination detection (on ordinary scenes of 1 to 4 objects and
 on hard ones of 5 to 9), and the model with mixer vision attention against the softmax one
-(caption accuracy, projection settings).
+(caption accuracy, projection settings); then the video model: its exact descriptions of
+held-out clips, and the video head against the same baselines over space-time regions (the
+world's cells in each quarter, and 16 Ward regions; pointing in space and in time).
 
 Each step's result goes into ``OUT/results.json`` (and ``OUT/results.md``) as soon as it
 finishes, written atomically; a rerun skips the steps already there with the same
@@ -33,7 +35,8 @@ from .faithfulness import EVAL_OFFSET
 RESULTS = "results.json"
 STEPS = ("accuracy", "head_vs_attention", "head_vs_attention_ward", "heat_check",
          "scorer_cost", "head_eval", "head_eval_grid", "latency", "faithfulness",
-         "hallucination", "hallucination_hard", "mixer")
+         "hallucination", "hallucination_hard", "mixer", "video_accuracy", "video_head_cells",
+         "video_head_ward")
 FULL = {"accuracy": {"scenes": 200},
         "head_vs_attention": {"seeds": "heat-reported", "scenes": 300, "grid": [3, 3],
                               "features": "both"},
@@ -49,7 +52,10 @@ FULL = {"accuracy": {"scenes": 200},
         "faithfulness": {"scenes": 40, "regions": 8},
         "hallucination": {"fit": 1000, "test": 1000, "objects": [1, 4]},
         "hallucination_hard": {"fit": 500, "test": 500, "objects": [5, 9]},
-        "mixer": {"scenes": 300, "sweep_scenes": 100, "rounds": 5}}
+        "mixer": {"scenes": 300, "sweep_scenes": 100, "rounds": 5},
+        "video_accuracy": {"clips": 300},
+        "video_head_cells": {"seeds": "reported", "clips": 150, "layout": "cells"},
+        "video_head_ward": {"seeds": "reported", "clips": 150, "layout": 16}}
 QUICK = {"accuracy": {"scenes": 4},
          "head_vs_attention": {"seeds": "heat-reported", "scenes": 2, "grid": [3, 3],
                                "features": "both"},
@@ -65,7 +71,10 @@ QUICK = {"accuracy": {"scenes": 4},
          "faithfulness": {"scenes": 1, "regions": 8},
          "hallucination": {"fit": 2, "test": 2, "objects": [1, 4]},
          "hallucination_hard": {"fit": 2, "test": 2, "objects": [5, 9]},
-         "mixer": {"scenes": 2, "sweep_scenes": 2, "rounds": 1}}
+         "mixer": {"scenes": 2, "sweep_scenes": 2, "rounds": 1},
+         "video_accuracy": {"clips": 2},
+         "video_head_cells": {"seeds": "reported", "clips": 1, "layout": "cells"},
+         "video_head_ward": {"seeds": "reported", "clips": 1, "layout": 16}}
 # A step's format: raised when what it measures changes (latency 2: time per token is the
 # decode's time over its steps, span ends included; the head evaluations 2: a raw baseline
 # per feature block, the head reading its own block of features="both"; 3: AttnLRP beside
@@ -76,7 +85,7 @@ QUICK = {"accuracy": {"scenes": 4},
 FORMATS = {"accuracy": 1, "head_vs_attention": 5, "head_vs_attention_ward": 1,
            "heat_check": 1, "scorer_cost": 1, "head_eval": 4, "head_eval_grid": 4,
            "latency": 2, "faithfulness": 3, "hallucination": 2, "hallucination_hard": 2,
-           "mixer": 1}
+           "mixer": 1, "video_accuracy": 1, "video_head_cells": 1, "video_head_ward": 1}
 USES = {"faithfulness": ("latency",)}  # steps whose result this one takes in
 EVAL_KEYS = ("lds", "lds_pooled", "pearson", "subset_lds", "pointing", "pointing_heat",
              "pointing_spans")
@@ -162,6 +171,20 @@ def _mixer(out: Path, s: dict, done: dict, model_dir) -> dict:
                                       softmax_dir=model_dir)}
 
 
+def _video_accuracy(out: Path, s: dict, done: dict, model_dir) -> dict:
+    from .accuracy import CLIP_SEED_RANGES, clip_accuracy, held_out_clips
+    from .model import VIDEO_DIR, load
+    model, processor, _ = load(VIDEO_DIR, head=False)
+    first = CLIP_SEED_RANGES["accuracy"]
+    return {"seeds": [first, first + s["clips"] - 1],
+            **clip_accuracy(model, processor, held_out_clips(s["clips"]))}
+
+
+def _video_head(out: Path, s: dict, done: dict, model_dir) -> dict:
+    from .clip_eval import evaluate_clips
+    return evaluate_clips(s["seeds"], s["clips"], layout=s["layout"])
+
+
 RUN: Dict[str, Callable] = {"accuracy": _accuracy, "head_vs_attention": _head_vs_attention,
                             "head_vs_attention_ward": _head_vs_attention,
                             "heat_check": _heat_check, "scorer_cost": _scorer_cost,
@@ -169,7 +192,9 @@ RUN: Dict[str, Callable] = {"accuracy": _accuracy, "head_vs_attention": _head_vs
                             "head_eval_grid": _head_eval,
                             "latency": _latency, "faithfulness": _faithfulness,
                             "hallucination": _hallucination,
-                            "hallucination_hard": _hallucination, "mixer": _mixer}
+                            "hallucination_hard": _hallucination, "mixer": _mixer,
+                            "video_accuracy": _video_accuracy, "video_head_cells": _video_head,
+                            "video_head_ward": _video_head}
 
 
 def _save(out: Path, results: dict) -> None:

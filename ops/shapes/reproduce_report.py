@@ -2,6 +2,7 @@
 step, its numbers as tables."""
 from __future__ import annotations
 
+from .clip_eval import clip_table
 from .faithfulness import table as faithfulness_table
 from .head_eval import RAW_NAMES, table as head_vs_attention_table
 from .heat_check import table as heat_check_table
@@ -22,6 +23,17 @@ def _accuracy(r: dict) -> list:
             "| " + " | ".join(f"{100 * r[k]:.1f}%" for k in
                              ("exact", "precision", "recall", "colour", "shape", "position"))
             + " |"]
+
+
+def _video_accuracy(r: dict) -> list:
+    low, high = r["exact_interval95"]
+    fields = ("exact", "precision", "recall", "colour", "shape", "event", "position",
+              "to_position", "quarter")
+    return [f"Exact descriptions of {r['count']} held-out clips (seeds {r['seeds'][0]}.."
+            f"{r['seeds'][1]}): {100 * r['exact']:.1f}% [Wilson 95%: {100 * low:.1f}, "
+            f"{100 * high:.1f}].", "",
+            "| " + " | ".join(fields) + " |", "| " + " | ".join("---" for _ in fields) + " |",
+            "| " + " | ".join(f"{100 * r[k]:.1f}%" for k in fields) + " |"]
 
 
 def _head_eval(r: dict, regions: str = "8 Ward regions") -> list:
@@ -130,7 +142,13 @@ SECTIONS = {"accuracy": ("Caption accuracy", _accuracy),
                       lambda r: ["Caption accuracy of the two models on the same held-out "
                                  "scenes (exact: Wilson 95% interval; difference in points: "
                                  "paired bootstrap 95% interval):", "",
-                                 mixer_table(r["accuracy"], r["sweep"])])}
+                                 mixer_table(r["accuracy"], r["sweep"])]),
+            "video_accuracy": ("The video model's descriptions of held-out clips",
+                               _video_accuracy),
+            "video_head_cells": ("The video head on the world's cells in each quarter",
+                                 lambda r: [clip_table(r)]),
+            "video_head_ward": ("The video head on 16 Ward regions over space and time",
+                                lambda r: [clip_table(r)])}
 
 
 def markdown(results: dict) -> str:
