@@ -1,7 +1,6 @@
 """python -m headscope.shapes {train,demo,screenshot,accuracy,latency,data,answers,
-hallucination,faithfulness,head-eval,clip-head,clip-eval,scorer-cost,heat-check,heat-default,mixer,
-reproduce}:
-the embedded shapes model.
+hallucination,faithfulness,head-eval,clip-head,clip-eval,scorer-cost,heat-check,
+heat-default,mixer,reproduce}: the embedded shapes models.
 
   train     train the model from scratch into a folder (resumable: rerun the same command);
             --world clips trains the video model
@@ -156,8 +155,11 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("screenshot", help="the explain page of a held-out scene as a PNG")
     p.add_argument("--png", type=Path, required=True, help="the PNG file to write")
-    p.add_argument("--regions", type=integer(1, TOKEN_GRID ** 2, image_tokens), default=None,
-                   metavar="K", help="K Ward regions (default: the world's 3 x 3 cells)")
+    p.add_argument("--video", action="store_true",
+                   help="the page of a held-out clip explained by the video model")
+    p.add_argument("--regions", type=integer(1), default=None, metavar="K",
+                   help=f"K Ward regions (default: the world's 3 x 3 cells; at most "
+                        f"{TOKEN_GRID ** 2}, with --video {VIDEO_TOKENS} over space and time)")
     p.add_argument("--scores", choices=tuple(SCORERS), default=None,
                    help="the scorer (default: the shipped head)")
 
@@ -243,7 +245,6 @@ def main(argv=None) -> int:
                         "baseline, and it must hold every head's blocks")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
 
-    from .accuracy import CLIP_SEED_RANGES
     from .clip_eval import HEAD_CLIPS
     quarter_tokens = " (a quarter's 6x6 video tokens)"
     p = sub.add_parser("clip-head", help="fit the video model's head on training clips")
@@ -257,10 +258,11 @@ def main(argv=None) -> int:
                    help="video model folder (default: the shipped video model)")
 
     p = sub.add_parser("clip-eval", help="the video head against the baselines on clips")
-    p.add_argument("--seeds", choices=sorted(CLIP_SEED_RANGES), default="dev",
+    p.add_argument("--seeds", choices=("dev", "reported"), default="dev",
                    help="clip seed range: dev (for choosing settings) or reported (for the "
                         "reported numbers only)")
-    p.add_argument("--clips", type=count, default=150)
+    p.add_argument("--clips", type=count, default=150,
+                   help="the first clips of the range (default 150)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--grid", type=grid(6, 6, quarter_tokens), default=None,
                        metavar="ROWSxCOLS",
@@ -335,6 +337,17 @@ def main(argv=None) -> int:
     return reported(f"{PROG} {args.command}", work)
 
 
+def _check_regions(args) -> None:
+    """``--regions`` K within the tokens of a picture, or with ``--video`` of a clip."""
+    from ..commands.errors import UsageError
+    from .processor import TOKEN_GRID
+    most, tokens = (VIDEO_TOKENS, "a clip's video tokens") if args.video else \
+        (TOKEN_GRID ** 2, "the image's tokens")
+    if args.regions is not None and args.regions > most:
+        raise UsageError(f"argument --regions: must be at most {most} ({tokens}), got "
+                         f"{args.regions}")
+
+
 def _run(args) -> None:
     from ..commands.errors import UsageError, refuse_ignored
     from ..io import write_json
@@ -355,13 +368,8 @@ def _run(args) -> None:
               f"stopped with the checkpoint in {args.out}; rerun to resume")
     elif args.command == "demo":
         from ..hf.regions import parse_grid
-        from .processor import TOKEN_GRID
+        _check_regions(args)
         regions = args.regions if args.regions is not None else parse_grid(args.grid or "3x3")
-        most, tokens = (VIDEO_TOKENS, "a clip's video tokens") if args.video else \
-            (TOKEN_GRID ** 2, "the image's tokens")
-        if args.regions is not None and args.regions > most:
-            raise UsageError(f"argument --regions: must be at most {most} ({tokens}), got "
-                             f"{args.regions}")
         if args.video:
             from .video_demo import run_video_demo
             refuse_ignored(args, ["images"], "with --video (--clips counts the clips)")
@@ -375,10 +383,13 @@ def _run(args) -> None:
 
         from ..explainer.screenshot import browser_missing, screenshot
         from .demo import WORLD_GRID, explain_page
+        from .video_demo import video_page
+        _check_regions(args)
         if browser_missing():
             raise UsageError(browser_missing())
         with tempfile.TemporaryDirectory() as folder:
-            page = explain_page(Path(folder), args.regions or WORLD_GRID, args.scores)
+            page = (video_page if args.video else explain_page)(
+                Path(folder), args.regions or WORLD_GRID, args.scores)
             print(screenshot(page, args.png))
     elif args.command == "accuracy":
         from .accuracy import (CLIP_OBJECTS, caption_accuracy, clip_accuracy, held_out_clips,

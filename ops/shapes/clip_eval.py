@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..features import FEATURE_BLOCKS, feature_set_holding
+from ..features import FEATURE_BLOCKS
 from ..metrics import in_box, per_token
 from .accuracy import CLIP_OBJECTS, CLIP_RANGE_SIZE, CLIP_SEED_RANGES
 from .clips import clip, match_clip_object, parse_clip_sentence
-from .head_eval import (HEAD, POSTHOC, SceneCache, check_traced, finish_record, head_digest,
-                        head_labels, scored_spans, scorer_names, summarise_span_sets, table)
+from .head_eval import (POSTHOC, SceneCache, finish_record, head_digest, measured_records,
+                        model_and_heads, scored_spans, scorer_names, summarise_span_sets,
+                        table, weights_digest)
 from .heat_eval import hottest
 from .model import VIDEO_DIR, clip_prompt, load
 from .world import IMAGE_SIZE
@@ -94,6 +95,13 @@ def object_on_tokens(centres: torch.Tensor, token_frames: torch.Tensor, obj) -> 
     return on
 
 
+def token_centres(boxes: torch.Tensor) -> torch.Tensor:
+    """``(T, 2)``: the centre (x, y) in pixels of the clip of each token's box (``boxes``
+    ``(T, 4)``, normalised to the frame)."""
+    return torch.stack([(boxes[:, 0] + boxes[:, 2]) / 2,
+                        (boxes[:, 1] + boxes[:, 3]) / 2], 1) * IMAGE_SIZE
+
+
 def region_hits(labels: torch.Tensor, centres: torch.Tensor, token_frames: torch.Tensor,
                 K: int, obj) -> torch.Tensor:
     """``(K,)`` bool: the regions that point at ``obj`` in space (see the module's
@@ -127,6 +135,7 @@ def clip_record(model, processor, heads: Mapping[str, "AttributionHead"], region
     """One clip, as ``head_eval.scene_record`` measures a scene, with pointing in space
     over space-time regions and ``time_pointing``: per sentence of an event, whether each
     scorer's (and the true effects') hottest frame group holds the event's frames."""
+    from ..hf.curves import region_tokens
     frames, objects = clip(seed, num_objects)
     inputs = clip_prompt(processor, frames)
     tracer, spans, record = scored_spans(model, processor, inputs, heads, regions,
@@ -137,13 +146,9 @@ def clip_record(model, processor, heads: Mapping[str, "AttributionHead"], region
     (video,) = tracer.videos[0]
     labels = tracer.region_ids[0, video.positions].cpu()
     K = tracer.num_regions[0]
-    boxes = video.boxes
-    centres = torch.stack([(boxes[:, 0] + boxes[:, 2]) / 2,
-                           (boxes[:, 1] + boxes[:, 3]) / 2], 1) * IMAGE_SIZE
-    token_frames = video.token_frames
+    centres, token_frames = token_centres(video.boxes), video.token_frames
     groups = torch.cat([torch.full((len(g.image.positions),), i, dtype=torch.int64)
                         for i, g in enumerate(video.groups)])
-    from ..hf.curves import region_tokens
     tokens = region_tokens(tracer.region_ids, K)
     named, in_time = [], []
     for i, s in enumerate(spans):
@@ -184,40 +189,18 @@ def evaluate_clips(which: str = "reported", clips: int = 150, *, layout: Layout 
     first ``clips`` clips of the ``which`` range, as ``head_eval.evaluate_head`` on
     scenes (same arguments; ``layout``: ``"cells"``, ``"RxC"`` or K Ward regions), with
     pointing in time (``"time"``)."""
-    from tqdm import tqdm
-
-    from ..head import AttributionHead
-
     chosen = clip_seeds(which, clips)
-    paths = [head_path] if isinstance(head_path, (str, Path)) else list(head_path or [])
     model_dir = VIDEO_DIR if model_dir is None else Path(model_dir)
-    model, processor, head = load(model_dir, head=not paths)
-    if paths:
-        heads = {label: AttributionHead.load(str(path))
-                 for label, path in zip(head_labels(paths), paths)}
-    elif head is None:
-        raise FileNotFoundError(f"{WHO}: the model folder {model_dir} has no attribution head "
-                                f"(head.safetensors); pass a head file")
-    else:
-        heads = {HEAD: head}
-    features = features or feature_set_holding(h.feature_set for h in heads.values())
-    check_traced(heads, features)
+    model, processor, heads, features = model_and_heads(model_dir, head_path, features)
     store = None if cache is None else SceneCache(cache, {
         "format": CACHE_FORMAT, "layout": layout, "features": features,
         "max_new_tokens": max_new_tokens, "model": str(model_dir.resolve()),
         "heads": {label: head_digest(h) for label, h in heads.items()}})
     regions = traced_regions(layout)
-    records = []
-    with torch.no_grad():
-        for seed, num_objects in tqdm(chosen, desc=f"clips: head vs baselines ({which} seeds)",
-                                      disable=not progress):
-            record = None if store is None else store.get(seed)
-            if record is None:
-                record = clip_record(model, processor, heads, regions, seed, num_objects,
-                                     max_new_tokens, features)
-                if store is not None:
-                    store.put(seed, record)
-            records.append(record)
+    records = measured_records(
+        chosen, store, lambda seed, objects: clip_record(
+            model, processor, heads, regions, seed, objects, max_new_tokens, features),
+        f"clips: head vs baselines ({which} seeds)", progress)
     baselines = [*FEATURE_BLOCKS[features], *POSTHOC]
     return {"seed_range": which, "seeds": [chosen[0][0], chosen[-1][0]],
             "regions": layout_name(layout), "max_new_tokens": max_new_tokens,
@@ -233,37 +216,30 @@ def collect_clips(model, processor, layout: Layout, clips: int = HEAD_CLIPS,
     """The training-stream clips' sentence spans as a head is fitted on them:
     ``features`` ``(S, K, F)`` and single-region ``effects`` ``(S, K)`` under ``layout``;
     ``cache``: a folder keeping each clip's spans (a rerun resumes)."""
-    from tqdm import tqdm
-
     from ..hf import Tracer, region_effects
     store = None if cache is None else SceneCache(cache, {
         "format": CACHE_FORMAT, "layout": layout, "features": features,
-        "max_new_tokens": max_new_tokens, "collection": True})
+        "max_new_tokens": max_new_tokens, "model": weights_digest(model)})
     regions = traced_regions(layout)
-    parts = []
-    with torch.no_grad():
-        for seed, num_objects in tqdm(clip_seeds("train", clips), disable=not progress,
-                                      desc=f"collect clips ({layout_name(layout)})"):
-            part = None if store is None else store.get(seed)
-            if part is None:
-                frames, _ = clip(seed, num_objects)
-                inputs = clip_prompt(processor, frames)
-                spans = []
-                with Tracer(model, regions=regions, vas=False, tokenizer=processor.tokenizer,
-                            features=features) as tracer:
-                    tracer.generate_with(spans.append, **inputs,
-                                         max_new_tokens=max_new_tokens, do_sample=False)
-                spans = [s for s in spans if not s.special]
-                part = {"sentences": len(spans)}
-                if spans:
-                    part["features"] = torch.stack([s.features for s in spans]).float()
-                    part["effects"] = region_effects(model, inputs, tracer.sequences, spans,
-                                                     tracer.region_ids, ablation="mask",
-                                                     progress=False)
-                if store is not None:
-                    store.put(seed, part)
-            if part["sentences"]:
-                parts.append(part)
+
+    def measure(seed: int, num_objects: int) -> dict:
+        frames, _ = clip(seed, num_objects)
+        inputs = clip_prompt(processor, frames)
+        spans = []
+        with Tracer(model, regions=regions, vas=False, tokenizer=processor.tokenizer,
+                    features=features) as tracer:
+            tracer.generate_with(spans.append, **inputs, max_new_tokens=max_new_tokens,
+                                 do_sample=False)
+        spans = [s for s in spans if not s.special]
+        part = {"sentences": len(spans)}
+        if spans:
+            part["features"] = torch.stack([s.features for s in spans]).float()
+            part["effects"] = region_effects(model, inputs, tracer.sequences, spans,
+                                             tracer.region_ids, ablation="mask", progress=False)
+        return part
+    parts = [p for p in measured_records(clip_seeds("train", clips), store, measure,
+                                         f"collect clips ({layout_name(layout)})", progress)
+             if p["sentences"]]
     if not parts:
         raise ValueError(f"{WHO}: no clip of the training stream gave a sentence span")
     return {k: torch.cat([p[k] for p in parts]) for k in ("features", "effects")}

@@ -279,12 +279,34 @@ def evaluate_head(which: str = "reported", scenes: int = 300, *,
     blocks; its blocks are the raw baselines; ``cache``: a folder that keeps each scene's
     record as it is measured, so that a rerun with the same settings resumes (another
     setting is refused). Returns :func:`summarise_span_sets`' result with the settings."""
-    from tqdm import tqdm
-
-    from ..head import AttributionHead
     from ..hf import grid_regions
 
     chosen = range_scenes(which, scenes)
+    model, processor, heads, features = model_and_heads(model_dir, head_path, features)
+    traced = regions if isinstance(regions, int) else grid_regions(*regions)
+    regions_name = regions if isinstance(regions, int) else "{}x{} grid".format(*regions)
+    store = None if cache is None else SceneCache(cache, {
+        "format": CACHE_FORMAT, "regions": regions_name, "features": features, "max_new_tokens": max_new_tokens,
+        "model": "shipped" if model_dir is None else str(Path(model_dir).resolve()),
+        "heads": {label: head_digest(h) for label, h in heads.items()}})
+    records = measured_records(
+        chosen, store, lambda seed, objects: scene_record(
+            model, processor, heads, traced, seed, objects, max_new_tokens, features),
+        f"head vs raw baselines ({which} seeds)", progress)
+    return {"seed_range": which, "seeds": [chosen[0][0], chosen[-1][0]],
+            "regions": regions_name,
+            "max_new_tokens": max_new_tokens, "features": features,
+            "head_feature_sets": {label: h.feature_set for label, h in heads.items()},
+            **summarise_span_sets(records, list(heads), [*FEATURE_BLOCKS[features], *POSTHOC])}
+
+
+def model_and_heads(model_dir, head_path: Union[None, Path, Sequence[Path]],
+                    features: Optional[str]):
+    """``(model, processor, heads, features)``: the shapes model in ``model_dir`` (None: the
+    shipped one), its heads by label (the folder's own, or the files of ``head_path``,
+    labelled by :func:`head_labels`) and the feature set to trace (``features``, or the
+    heads' own), checked to hold every head's blocks."""
+    from ..head import AttributionHead
     paths = [head_path] if isinstance(head_path, (str, Path)) else list(head_path or [])
     model, processor, head = load(model_dir, head=not paths)
     if paths:
@@ -297,35 +319,37 @@ def evaluate_head(which: str = "reported", scenes: int = 300, *,
         heads = {HEAD: head}
     features = features or feature_set_holding(h.feature_set for h in heads.values())
     check_traced(heads, features)
-    traced = regions if isinstance(regions, int) else grid_regions(*regions)
-    regions_name = regions if isinstance(regions, int) else "{}x{} grid".format(*regions)
-    store = None if cache is None else SceneCache(cache, {
-        "format": CACHE_FORMAT, "regions": regions_name, "features": features, "max_new_tokens": max_new_tokens,
-        "model": "shipped" if model_dir is None else str(Path(model_dir).resolve()),
-        "heads": {label: head_digest(h) for label, h in heads.items()}})
+    return model, processor, heads, features
+
+
+def measured_records(chosen: Sequence[Tuple[int, int]], store: Optional["SceneCache"],
+                     measure, desc: str, progress: bool) -> List[dict]:
+    """The record of each ``(seed, objects)`` of ``chosen``: from ``store`` where it holds
+    one, else ``measure(seed, objects)`` (kept in ``store``), with a progress bar."""
+    from tqdm import tqdm
     records = []
     with torch.no_grad():
-        for seed, num_objects in tqdm(chosen, desc=f"head vs raw baselines ({which} seeds)",
-                                      disable=not progress):
+        for seed, objects in tqdm(chosen, desc=desc, disable=not progress):
             record = None if store is None else store.get(seed)
             if record is None:
-                record = scene_record(model, processor, heads, traced, seed, num_objects,
-                                      max_new_tokens, features)
+                record = measure(seed, objects)
                 if store is not None:
                     store.put(seed, record)
             records.append(record)
-    return {"seed_range": which, "seeds": [chosen[0][0], chosen[-1][0]],
-            "regions": regions_name,
-            "max_new_tokens": max_new_tokens, "features": features,
-            "head_feature_sets": {label: h.feature_set for label, h in heads.items()},
-            **summarise_span_sets(records, list(heads), [*FEATURE_BLOCKS[features], *POSTHOC])}
+    return records
 
 
 def head_digest(head) -> str:
     """SHA-256 of a head's tensors: which head a cached record was scored with."""
+    return weights_digest(head, head.feature_set)
+
+
+def weights_digest(module, salt: str = "") -> str:
+    """SHA-256 of ``salt`` and a module's tensors (which weights a cached record was
+    measured with)."""
     import hashlib
-    digest = hashlib.sha256(head.feature_set.encode())
-    for value in head.state_dict().values():
+    digest = hashlib.sha256(salt.encode())
+    for value in module.state_dict().values():
         digest.update(value.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 

@@ -17,11 +17,10 @@ import torch
 
 from ..io import atomic_path, write_text
 from .accuracy import CLIP_OBJECTS, CLIP_SEED_RANGES
-from .clip_eval import hottest_group, region_hits
+from .clip_eval import hottest_group, region_hits, token_centres
 from .clips import CLIP_PROMPT, FPS, clip, describe_clip, match_clip_object, \
     parse_clip_sentence
 from .model import VIDEO_DIR, load
-from .world import IMAGE_SIZE
 
 WORLD_GRID = (3, 3)  # the world's cells in each frame group (a quarter of the clip)
 
@@ -45,14 +44,11 @@ def write_clip(path: Path, frames, fps: int = FPS) -> Path:
     return Path(path)
 
 
-def token_geometry(video) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(centres, token_frames)`` of an ``ExplainedVideo``'s tokens: each token's cell
-    centre in pixels of the clip ``(T, 2)``, and the first and last sampled frame it covers
-    ``(T, 2)``."""
-    b = video.boxes
-    centres = torch.stack([(b[:, 0] + b[:, 2]) / 2, (b[:, 1] + b[:, 3]) / 2], 1) * IMAGE_SIZE
+def token_frames(video) -> torch.Tensor:
+    """``(T, 2)``: the first and last sampled frame each token of an ``ExplainedVideo``
+    covers."""
     ends = torch.tensor([[g[0], g[-1]] for g in video.groups], dtype=torch.int64)
-    return centres, ends[video.token_groups]
+    return ends[video.token_groups]
 
 
 def span_record(span, objects, video) -> dict:
@@ -73,8 +69,8 @@ def span_record(span, objects, video) -> dict:
               "object": None if obj is None else obj.record(),
               "space_hit": None, "time_hit": None}
     if obj is not None:
-        centres, token_frames = token_geometry(video)
-        hits = region_hits(labels, centres, token_frames, end - first, obj)
+        hits = region_hits(labels, token_centres(video.boxes), token_frames(video),
+                           end - first, obj)
         record["space_hit"] = bool(hits[top - first]) if first <= top < end else False
         if obj.quarter is not None:
             record["time_hit"] = set(video.groups[group]) <= set(obj.event_frames)
@@ -137,6 +133,23 @@ def run_video_demo(out: Path, num_clips: int = 3, *, model_dir: Optional[Path] =
          f"space {s['space_hits']}/{s['spans_on_objects']}, in time {s['time_hits']}/"
          f"{s['event_spans']}; wrote {out / 'index.html'}")
     return report
+
+
+def video_page(folder: Path, regions=WORLD_GRID, scores: Optional[str] = None) -> Path:
+    """The explain page of the video model describing a held-out three-object clip of the
+    demo range, written as ``folder/clip.mp4`` and explained as ``python -m headscope
+    explain --video`` explains a file (the page of the docs' picture, ``python -m
+    headscope.shapes screenshot --video``), with the shipped video head (or the scorer
+    ``scores``) on ``regions`` (``(rows, cols)`` in each quarter, or K Ward regions)."""
+    from ..explainer import explain
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model, processor, head = load(VIDEO_DIR, head=scores in (None, "head"))
+    frames, _ = clip(CLIP_SEED_RANGES["demo"] + 2, 3)
+    path = write_clip(folder / "clip.mp4", frames)
+    return explain(model, processor, [], CLIP_PROMPT, head, videos=[str(path)],
+                   scores=scores, regions=regions, max_new_tokens=72,
+                   model_name="headscope.shapes (the video model)").save(folder / "page")
 
 
 def _verdict(s: dict) -> str:

@@ -207,3 +207,28 @@ def test_video_demo_explains_written_clips(video_model, tmp_path):
     assert s["clips"] == 2 and s["space_hits"] <= s["spans_on_objects"]
     assert any("descriptions correct" in line for line in said)
     assert (tmp_path / "index.html").read_text().count("<h2>seed") == 2
+
+
+def test_screenshot_of_the_video_page(video_model, tmp_path):
+    from headscope.explainer.screenshot import browser_missing
+    from headscope.shapes.video_demo import video_page
+    page = video_page(tmp_path / "page")
+    report = json.loads(page.with_name("report.json").read_text())
+    assert len(report["videos"]) == 1 and report["num_regions"] == 36
+    if browser_missing():
+        pytest.skip(browser_missing())
+    png = tmp_path / "video.png"
+    run = subprocess.run([sys.executable, "-m", "headscope.shapes", "--threads", "1",
+                          "screenshot", "--video", "--png", str(png)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    from PIL import Image
+    with Image.open(png) as image:
+        assert image.size[0] >= 800 and image.size[1] >= 600
+        # the heat's colours are on the page: some pixels far from grey
+        pixels = np.asarray(image.convert("RGB")).astype(int).reshape(-1, 3)
+        assert ((pixels.max(1) - pixels.min(1)) > 120).sum() > 1000
+    bad = subprocess.run([sys.executable, "-m", "headscope.shapes", "screenshot", "--video",
+                          "--regions", "145", "--png", str(png)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "at most 144" in bad.stderr

@@ -23,7 +23,7 @@ from conftest import QUARTER_COLOURS, nearest_colour  # noqa: E402
 from headscope.hf import Tracer, grid_regions  # noqa: E402
 from headscope.hf.families import family_of  # noqa: E402
 from headscope.hf.families.base import Family  # noqa: E402
-from headscope.hf.testing import (IMAGE_TOKEN, VISION_END, VISION_START,  # noqa: E402
+from headscope.hf.testing import (VISION_END, VISION_START,  # noqa: E402
                                   assert_quarter_colours, quarters, tiny_model, tiny_of,
                                   tiny_processor)
 from headscope.hf.testing.tokens import MARKER_IDS  # noqa: E402

@@ -5,8 +5,6 @@ checked against transformers' masking_utils; bad pattern arguments; opcheck and
 torch.compile with pattern arguments."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 

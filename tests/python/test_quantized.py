@@ -513,8 +513,6 @@ def test_explain_on_weights_that_pass_no_gradient(checkpoints, tmp_path):
     scale only: explain's default without a head (the gradient norm) falls back to raw
     attention with a warning that says why, the page names it; asking for the gradient
     norm or AttnLRP is refused before anything is generated."""
-    from PIL import Image
-
     from headscope import explain
     folder = checkpoints["qwen2_vl"]
     model = load(folder, "torchao-int8-dynamic")

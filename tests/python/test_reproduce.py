@@ -65,6 +65,16 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
     mixer = steps["mixer"]["result"]
     assert mixer["accuracy"]["1-4"]["mixer"]["count"] == 2
     assert [row["max_iter"] for row in mixer["sweep"]["settings"]][-1] == 50
+    video = steps["video_accuracy"]["result"]
+    assert video["count"] == 2 and video["seeds"] == [1_010_000_000, 1_010_000_001]
+    for name, regions in (("video_head_cells", "the world's cells per quarter"),
+                          ("video_head_ward", "16 Ward regions")):
+        result = steps[name]["result"]
+        assert result["seeds"] == [1_012_000_000] * 2 and result["regions"] == regions
+        assert set(result["heat"]["deletion"]) == {"head", *result["baselines"], "effects",
+                                                   "random"}
+        assert set(result["time"]["share"]) == {"head", *result["baselines"], "effects",
+                                                "random"}
     text = (tmp_path / "results.md").read_text()
     assert "| raw value-norm-weighted attention |" in text
     assert "| AttnLRP (log p) |" in text and "AttnLRP (log p): " in text
@@ -76,7 +86,10 @@ def test_quick_reproduce_runs_every_step_and_resumes(tmp_path):
                   "Attribution head on the world's cells", "Latency",
                   "Faithfulness against time", "Hallucination detection",
                   "Hallucination detection on hard scenes",
-                  "Mixer against softmax vision attention"):
+                  "Mixer against softmax vision attention",
+                  "The video model's descriptions of held-out clips",
+                  "The video head on the world's cells in each quarter",
+                  "The video head on 16 Ward regions over space and time"):
         assert f"## {title}" in text
     assert "random region (expected)" in text
     assert "Deletion and insertion AUC" in text and "object hotter than the rest" in text

@@ -333,11 +333,6 @@ def test_training_starts_from_a_picture_model(tmp_path):
 
 # ---- the shipped video model -----------------------------------------------------------------
 
-# strict: the day the model ships, these pass and the mark must go
-NOT_TRAINED = pytest.mark.xfail(not (VIDEO_DIR / "config.json").is_file(), strict=True,
-                                reason="the video shapes model is not trained yet (issue 47)")
-
-
 @pytest.fixture(scope="module")
 def shipped_video():
     if not (VIDEO_DIR / "config.json").is_file():
@@ -345,26 +340,29 @@ def shipped_video():
     return shapes.load(VIDEO_DIR)
 
 
-@NOT_TRAINED
-def test_shipped_video_model_describes_a_held_out_clip_exactly(shipped_video):
+def test_shipped_video_model_describes_held_out_clips(shipped_video):
     from headscope.shapes.accuracy import held_out_clips
     model, processor, head = shipped_video
-    assert head is None and not model.training
+    assert head is not None and head.feature_set == "both" and not model.training
     assert sum(f.stat().st_size for f in VIDEO_DIR.iterdir()) <= 8 * 2 ** 20
     report = json.loads((VIDEO_DIR / "training.json").read_text())
     assert report["settings"]["world"] == "clips"
     assert report["held_out_accuracy"]["count"] == 300
     assert report["held_out_accuracy"]["exact_interval95"][0] >= 0.85
-    (seed, frames, objects), = held_out_clips(1, start=2)  # three objects
-    inputs = shapes.clip_prompt(processor, frames)
-    with torch.no_grad():
-        ids = model.generate(**inputs, max_new_tokens=72)
-    text = processor.tokenizer.decode(ids[0, inputs["input_ids"].shape[1]:],
-                                      skip_special_tokens=True)
-    assert text == shapes.describe_clip(objects), (seed, text)
+    # one prompt at a time, as a user runs it: a broken prompt, processor or model gets
+    # few of these right (the batched measurement above got 95.3% of 300)
+    wrong = []
+    for seed, frames, objects in held_out_clips(9):  # 1, 2, 3 objects in turn
+        inputs = shapes.clip_prompt(processor, frames)
+        with torch.no_grad():
+            ids = model.generate(**inputs, max_new_tokens=72)
+        text = processor.tokenizer.decode(ids[0, inputs["input_ids"].shape[1]:],
+                                          skip_special_tokens=True)
+        if text != shapes.describe_clip(objects):
+            wrong.append((seed, text))
+    assert len(wrong) <= 1, wrong
 
 
-@NOT_TRAINED
 def test_accuracy_command_on_clips(shipped_video):
     run = subprocess.run([sys.executable, "-m", "headscope.shapes", "--threads", "1",
                           "accuracy", "--video", "--scenes", "2"],
