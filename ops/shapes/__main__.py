@@ -131,8 +131,9 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint-every", type=count, default=100,
                    help="steps between checkpoints (and entries of the loss log)")
 
-    p = sub.add_parser("demo", help="describe held-out scenes (or clips) with span "
-                                    "attributions")
+    region_parsers = {}  # the commands whose --regions is bounded by --video
+    p = region_parsers["demo"] = sub.add_parser(
+        "demo", help="describe held-out scenes (or clips) with span attributions")
     p.add_argument("--out", type=Path, default=Path("shapes-demo"), help="output folder")
     p.add_argument("--images", type=count, default=3, help="held-out scenes (default 3)")
     p.add_argument("--video", action="store_true",
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
                        metavar="ROWSxCOLS",
                        help="regions: a grid of blocks of the image (default 3x3, the world's "
                             "cells; with --video in each quarter of the clip, at most 6x6)")
-    which.add_argument("--regions", type=integer(1), default=None, metavar="K",
+    which.add_argument("--regions", default=None, metavar="K",
                        help=f"regions: K Ward regions of the image instead of a grid (at most "
                             f"{TOKEN_GRID ** 2}; with --video over space and time, at most "
                             f"{VIDEO_TOKENS})")
@@ -153,11 +154,12 @@ def main(argv=None) -> int:
                    help="model folder, or 'mixer' (default: the one shipped with headscope; "
                         "with --video, the shipped video model)")
 
-    p = sub.add_parser("screenshot", help="the explain page of a held-out scene as a PNG")
+    p = region_parsers["screenshot"] = sub.add_parser(
+        "screenshot", help="the explain page of a held-out scene as a PNG")
     p.add_argument("--png", type=Path, required=True, help="the PNG file to write")
     p.add_argument("--video", action="store_true",
                    help="the page of a held-out clip explained by the video model")
-    p.add_argument("--regions", type=integer(1), default=None, metavar="K",
+    p.add_argument("--regions", default=None, metavar="K",
                    help=f"K Ward regions (default: the world's 3 x 3 cells; at most "
                         f"{TOKEN_GRID ** 2}, with --video {VIDEO_TOKENS} over space and time)")
     p.add_argument("--scores", choices=tuple(SCORERS), default=None,
@@ -319,6 +321,14 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="CI-sized: about a minute")
 
     args = parser.parse_args(argv)  # exits 2 on a bad argument
+    if args.command in ("demo", "screenshot") and args.regions is not None:
+        # the bound on --regions depends on --video: checked once both are known
+        most, why = (VIDEO_TOKENS, " (a clip's video tokens)") if args.video else \
+            (TOKEN_GRID ** 2, image_tokens)
+        try:
+            args.regions = integer(1, most, why)(args.regions)
+        except argparse.ArgumentTypeError as e:
+            region_parsers[args.command].error(f"argument --regions: {e}")
 
     def work() -> int:
         objects = getattr(args, "objects", None)
@@ -335,17 +345,6 @@ def main(argv=None) -> int:
         _run(args)
         return 0
     return reported(f"{PROG} {args.command}", work)
-
-
-def _check_regions(args) -> None:
-    """``--regions`` K within the tokens of a picture, or with ``--video`` of a clip."""
-    from ..commands.errors import UsageError
-    from .processor import TOKEN_GRID
-    most, tokens = (VIDEO_TOKENS, "a clip's video tokens") if args.video else \
-        (TOKEN_GRID ** 2, "the image's tokens")
-    if args.regions is not None and args.regions > most:
-        raise UsageError(f"argument --regions: must be at most {most} ({tokens}), got "
-                         f"{args.regions}")
 
 
 def _run(args) -> None:
@@ -368,7 +367,6 @@ def _run(args) -> None:
               f"stopped with the checkpoint in {args.out}; rerun to resume")
     elif args.command == "demo":
         from ..hf.regions import parse_grid
-        _check_regions(args)
         regions = args.regions if args.regions is not None else parse_grid(args.grid or "3x3")
         if args.video:
             from .video_demo import run_video_demo
@@ -384,7 +382,6 @@ def _run(args) -> None:
         from ..explainer.screenshot import browser_missing, screenshot
         from .demo import WORLD_GRID, explain_page
         from .video_demo import video_page
-        _check_regions(args)
         if browser_missing():
             raise UsageError(browser_missing())
         with tempfile.TemporaryDirectory() as folder:

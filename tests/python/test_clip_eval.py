@@ -190,6 +190,18 @@ def test_clip_head_and_clip_eval_commands(video_model, tmp_path):
     assert bad.returncode == 2 and "145" in bad.stderr
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--video", "--images", "2"], ["--images 2", "with --video", "--clips"]),
+    (["--clips", "2"], ["--clips 2", "without --video"]),
+])
+def test_video_demo_refuses_the_other_demos_count(tmp_path, capsys, argv, words):
+    from headscope.shapes.__main__ import main
+    assert main(["demo", "--out", str(tmp_path / "demo"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and all(w in err for w in words), err
+    assert not (tmp_path / "demo" / "report.json").exists()
+
+
 def test_video_demo_explains_written_clips(video_model, tmp_path):
     from headscope.shapes.video_demo import run_video_demo
     said = []
@@ -231,4 +243,4 @@ def test_screenshot_of_the_video_page(video_model, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "headscope.shapes", "screenshot", "--video",
                           "--regions", "145", "--png", str(png)],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "at most 144" in bad.stderr
+    assert bad.returncode == 2 and "from 1 to 144" in bad.stderr

@@ -206,6 +206,7 @@ def test_demo_writes_its_files(shipped, tmp_path, capsys, regions):
     (["--regions", "37"], ["--regions", "'37'", "6x6 tokens"]),
     (["--grid", "7x2"], ["--grid", "'7x2'", "at most 6x6"]),
     (["--grid", "3x3", "--regions", "4"], ["--regions", "--grid"]),
+    (["--video", "--regions", "145"], ["--regions", "'145'", "from 1 to 144", "video tokens"]),
     (["--model", "no-such-model"], ["--model", "'no-such-model'", "config.json"]),
 ])
 def test_demo_refuses_bad_arguments_before_any_work(tmp_path, capsys, argv, words):
