@@ -102,15 +102,13 @@ def explained_video(tokens, video, labels: torch.Tensor, regions: Tuple[int, int
     if len(frames) != tokens.num_frames:
         raise ValueError(f"headscope.explain: video {video.name} has {len(frames)} sampled "
                          f"frames, but the prompt's video tokens cover {tokens.num_frames}")
-    token_groups = torch.cat([torch.full((len(g.image.positions),), i, dtype=torch.int64)
-                              for i, g in enumerate(tokens.groups)])
     return ExplainedVideo(
         name=video.name, frames=frames, width=int(video.frames.shape[-1]),
         height=int(video.frames.shape[-2]), fps=float(video.metadata.fps),
         source_num_frames=int(video.metadata.total_num_frames),
         seconds=tokens.seconds, source_frames=tokens.source_frames,
         groups=[g.frames for g in tokens.groups], boxes=tokens.boxes.float(),
-        labels=labels, token_groups=token_groups, regions=regions)
+        labels=labels, token_groups=tokens.token_groups, regions=regions)
 
 
 # ---- a span's numbers on a video -------------------------------------------------------------

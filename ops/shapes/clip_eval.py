@@ -33,7 +33,7 @@ from .accuracy import CLIP_OBJECTS, CLIP_RANGE_SIZE, CLIP_SEED_RANGES
 from .clips import clip, match_clip_object, parse_clip_sentence
 from .head_eval import (POSTHOC, SceneCache, finish_record, head_digest, measured_records,
                         model_and_heads, scored_spans, scorer_names, summarise_span_sets,
-                        table, weights_digest)
+                        table, traced_answer, weights_digest)
 from .heat_eval import hottest
 from .model import VIDEO_DIR, clip_prompt, load
 from .world import IMAGE_SIZE
@@ -147,8 +147,7 @@ def clip_record(model, processor, heads: Mapping[str, "AttributionHead"], region
     labels = tracer.region_ids[0, video.positions].cpu()
     K = tracer.num_regions[0]
     centres, token_frames = token_centres(video.boxes), video.token_frames
-    groups = torch.cat([torch.full((len(g.image.positions),), i, dtype=torch.int64)
-                        for i, g in enumerate(video.groups)])
+    groups = video.token_groups
     tokens = region_tokens(tracer.region_ids, K)
     named, in_time = [], []
     for i, s in enumerate(spans):
@@ -216,7 +215,7 @@ def collect_clips(model, processor, layout: Layout, clips: int = HEAD_CLIPS,
     """The training-stream clips' sentence spans as a head is fitted on them:
     ``features`` ``(S, K, F)`` and single-region ``effects`` ``(S, K)`` under ``layout``;
     ``cache``: a folder keeping each clip's spans (a rerun resumes)."""
-    from ..hf import Tracer, region_effects
+    from ..hf import region_effects
     store = None if cache is None else SceneCache(cache, {
         "format": CACHE_FORMAT, "layout": layout, "features": features,
         "max_new_tokens": max_new_tokens, "model": weights_digest(model)})
@@ -225,11 +224,8 @@ def collect_clips(model, processor, layout: Layout, clips: int = HEAD_CLIPS,
     def measure(seed: int, num_objects: int) -> dict:
         frames, _ = clip(seed, num_objects)
         inputs = clip_prompt(processor, frames)
-        spans = []
-        with Tracer(model, regions=regions, vas=False, tokenizer=processor.tokenizer,
-                    features=features) as tracer:
-            tracer.generate_with(spans.append, **inputs, max_new_tokens=max_new_tokens,
-                                 do_sample=False)
+        tracer, spans = traced_answer(model, processor, inputs, regions, max_new_tokens,
+                                      features)
         spans = [s for s in spans if not s.special]
         part = {"sentences": len(spans)}
         if spans:

@@ -118,6 +118,19 @@ def scene_record(model, processor, heads: Mapping[str, "AttributionHead"], regio
     return record
 
 
+def traced_answer(model, processor, inputs, regions, max_new_tokens: int, features: str):
+    """``(tracer, spans)``: the greedy answer to ``inputs`` generated inside a ``Tracer``
+    with ``regions`` and ``features``, the tracer closed (``region_effects`` and the post-hoc
+    scorers attach to the model themselves)."""
+    from ..hf import Tracer
+    spans = []
+    with Tracer(model, regions=regions, vas=False, tokenizer=processor.tokenizer,
+                features=features) as tracer:
+        tracer.generate_with(spans.append, **inputs, max_new_tokens=max_new_tokens,
+                             do_sample=False)
+    return tracer, spans
+
+
 def scored_spans(model, processor, inputs, heads: Mapping[str, "AttributionHead"], regions,
                  max_new_tokens: int, features: str):
     """``(tracer, spans, record)``: the greedy answer to ``inputs`` generated inside a
@@ -127,14 +140,9 @@ def scored_spans(model, processor, inputs, heads: Mapping[str, "AttributionHead"
     span)."""
     import time
 
-    from ..hf import Tracer, attnlrp_scores, gradient_norm_scores, region_effects
+    from ..hf import attnlrp_scores, gradient_norm_scores, region_effects
 
-    spans = []
-    # region_effects attaches to the model itself, so the tracer is closed before it runs
-    with Tracer(model, regions=regions, vas=False, tokenizer=processor.tokenizer,
-                features=features) as tracer:
-        tracer.generate_with(spans.append, **inputs, max_new_tokens=max_new_tokens,
-                             do_sample=False)
+    tracer, spans = traced_answer(model, processor, inputs, regions, max_new_tokens, features)
     record = {"spans": len(spans),
               "special": torch.tensor([s.special for s in spans], dtype=torch.bool)}
     if not spans:

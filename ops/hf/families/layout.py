@@ -185,6 +185,13 @@ class VideoTokens:
                           .expand(len(g.image.positions), 2) for g in self.groups])
 
     @property
+    def token_groups(self) -> torch.Tensor:
+        """(tokens,) int64: the frame group of each token, in the order of
+        :attr:`positions`."""
+        return torch.cat([torch.full((len(g.image.positions),), i, dtype=torch.int64)
+                          for i, g in enumerate(self.groups)])
+
+    @property
     def token_seconds(self) -> Optional[torch.Tensor]:
         """(tokens, 2) float64: the times of the first and last frame each token covers
         (None where :attr:`seconds` is unknown)."""
